@@ -1,0 +1,477 @@
+//! The host arena: page-locked host memory at exact sizes, recycled through a pool.
+//!
+//! Each [`Region`] is one anonymous mapping rounded up to whole pages (so 4 KiB at most is lost per
+//! region, unlike a power-of-two caching allocator). Big regions are faulted in from several
+//! threads before they are pinned, which is where most of the cost of pinning goes. When a region
+//! is dropped its mapping goes back to a pool keyed by size, still pinned, so a gradient buffer
+//! freed by `zero_grad()` is handed out again on the next backward without pinning anew.
+//! [`Arena::empty_cache`] returns pooled memory to the OS.
+//!
+//! Pinning is delegated to a [`Pinner`] (CUDA's `cuMemHostRegister` on a GPU machine, none on a
+//! CPU-only one). If the pinner refuses (memlock limit, driver error), the arena keeps going with
+//! pageable memory and remembers why, once, for the caller to warn about.
+
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// Regions at least this large are faulted in by several threads before pinning.
+const PARALLEL_TOUCH_BYTES: usize = 64 << 20;
+
+/// Page-locks host memory for fast, asynchronous device copies.
+pub trait Pinner: Send + Sync {
+    /// Pins `len` bytes at the page-aligned `ptr`.
+    ///
+    /// # Safety
+    /// The range must be a live mapping that stays mapped until [`Pinner::unpin`].
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<()>;
+    /// Unpins a range pinned by [`Pinner::pin`].
+    ///
+    /// # Safety
+    /// `ptr` must have been pinned by this pinner and not unpinned since.
+    unsafe fn unpin(&self, ptr: *mut u8, len: usize);
+}
+
+/// Pins through the CUDA driver (`cuMemHostRegister`, portable to every context).
+pub struct CudaPinner(pub crate::cuda::Context);
+
+impl Pinner for CudaPinner {
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.0.register_host(ptr, len) }
+    }
+    unsafe fn unpin(&self, ptr: *mut u8, _len: usize) {
+        // SAFETY: forwarded from the caller's contract. A failure here (driver already torn down
+        // at exit) leaves nothing to clean up.
+        let _ = unsafe { self.0.unregister_host(ptr) };
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+}
+
+/// One mapping: what the pool keeps.
+struct Block {
+    ptr: NonNull<u8>,
+    cap: usize,
+    pinned: bool,
+}
+
+// SAFETY: a Block is plain memory owned by exactly one Region or the pool at a time.
+unsafe impl Send for Block {}
+
+/// Byte counts of an arena, as `ramtorch.stats()` reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ArenaStats {
+    /// Bytes mapped, in use or pooled.
+    pub reserved_bytes: usize,
+    /// Bytes the live regions asked for (exact sizes).
+    pub in_use_bytes: usize,
+    /// Of `reserved_bytes`, how many are page-locked.
+    pub pinned_bytes: usize,
+    /// Of `reserved_bytes`, how many are pageable.
+    pub pageable_bytes: usize,
+    /// Bytes sitting in the pool, ready for reuse.
+    pub pooled_bytes: usize,
+    /// Live regions.
+    pub regions: usize,
+}
+
+struct Inner {
+    pinner: Option<Box<dyn Pinner>>,
+    pin_enabled: AtomicBool,
+    pin_warning: Mutex<Option<String>>,
+    pool: Mutex<HashMap<usize, Vec<Block>>>,
+    page: usize,
+    reserved: AtomicUsize,
+    in_use: AtomicUsize,
+    pinned: AtomicUsize,
+    pooled: AtomicUsize,
+    regions: AtomicUsize,
+}
+
+impl Inner {
+    fn map(&self, cap: usize) -> Result<Block> {
+        // SAFETY: an anonymous private mapping with no address hint has no preconditions.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::HostAlloc {
+                bytes: cap,
+                reason: std::io::Error::last_os_error().to_string(),
+            });
+        }
+        let ptr = NonNull::new(p as *mut u8).ok_or(Error::HostAlloc {
+            bytes: cap,
+            reason: "mmap returned null".into(),
+        })?;
+        if cap >= PARALLEL_TOUCH_BYTES {
+            touch_pages(ptr, cap, self.page);
+        }
+        let mut block = Block {
+            ptr,
+            cap,
+            pinned: false,
+        };
+        if let Some(pinner) = &self.pinner {
+            if self.pin_enabled.load(Ordering::Relaxed) {
+                // SAFETY: the mapping was just created and lives until `unmap`.
+                match unsafe { pinner.pin(ptr.as_ptr(), cap) } {
+                    Ok(()) => block.pinned = true,
+                    Err(e) => {
+                        self.pin_enabled.store(false, Ordering::Relaxed);
+                        if let Ok(mut w) = self.pin_warning.lock() {
+                            *w = Some(format!(
+                                "page-locking host memory was refused ({e}); ramtorch falls back to \
+                                 pageable memory: copies to and from the GPU are staged by the driver, \
+                                 synchronous and typically 2-3x slower (raise `ulimit -l` to fix)"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        self.reserved.fetch_add(cap, Ordering::Relaxed);
+        if block.pinned {
+            self.pinned.fetch_add(cap, Ordering::Relaxed);
+        }
+        Ok(block)
+    }
+
+    fn unmap(&self, block: Block) {
+        if block.pinned {
+            if let Some(pinner) = &self.pinner {
+                // SAFETY: the block was pinned by this pinner in `map` and is unpinned once here.
+                unsafe { pinner.unpin(block.ptr.as_ptr(), block.cap) };
+            }
+            self.pinned.fetch_sub(block.cap, Ordering::Relaxed);
+        }
+        self.reserved.fetch_sub(block.cap, Ordering::Relaxed);
+        // SAFETY: the block is a mapping of `cap` bytes made by `map`, unmapped once.
+        unsafe {
+            libc::munmap(block.ptr.as_ptr() as *mut libc::c_void, block.cap);
+        }
+    }
+}
+
+/// Faults every page of a fresh mapping in, from all cores.
+fn touch_pages(ptr: NonNull<u8>, cap: usize, page: usize) {
+    let base = ptr.as_ptr() as usize;
+    let chunk = 16 << 20;
+    (0..cap.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let start = c * chunk;
+        let end = (start + chunk).min(cap);
+        let mut off = start;
+        while off < end {
+            // SAFETY: `base + off` lies inside the live, writable mapping of `cap` bytes; writing
+            // zero to fresh anonymous memory does not change its contents.
+            unsafe { std::ptr::write_volatile((base + off) as *mut u8, 0) };
+            off += page;
+        }
+    });
+}
+
+/// A pool of host memory. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Arena {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Arena {
+    /// An arena that pins with `pinner`, or hands out pageable memory when `None`.
+    pub fn new(pinner: Option<Box<dyn Pinner>>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                pinner,
+                pin_enabled: AtomicBool::new(true),
+                pin_warning: Mutex::new(None),
+                pool: Mutex::new(HashMap::new()),
+                page: page_size(),
+                reserved: AtomicUsize::new(0),
+                in_use: AtomicUsize::new(0),
+                pinned: AtomicUsize::new(0),
+                pooled: AtomicUsize::new(0),
+                regions: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Whether this arena tries to pin.
+    pub fn pins(&self) -> bool {
+        self.inner.pinner.is_some() && self.inner.pin_enabled.load(Ordering::Relaxed)
+    }
+
+    /// A region of exactly `len` bytes (the mapping is rounded up to whole pages). With `zeroed`,
+    /// its contents are zero; otherwise they are unspecified (a recycled region keeps old bytes).
+    pub fn alloc(&self, len: usize, zeroed: bool) -> Result<Region> {
+        let inner = &self.inner;
+        let cap = len.max(1).div_ceil(inner.page) * inner.page;
+        let recycled = {
+            let mut pool = inner
+                .pool
+                .lock()
+                .map_err(|_| Error::Worker("arena pool lock poisoned".into()))?;
+            pool.get_mut(&cap).and_then(Vec::pop)
+        };
+        let block = match recycled {
+            Some(b) => {
+                inner.pooled.fetch_sub(cap, Ordering::Relaxed);
+                if zeroed {
+                    // SAFETY: the block is `cap` writable bytes that nobody else references.
+                    unsafe { std::ptr::write_bytes(b.ptr.as_ptr(), 0, cap) };
+                }
+                b
+            }
+            None => inner.map(cap)?,
+        };
+        inner.in_use.fetch_add(len, Ordering::Relaxed);
+        inner.regions.fetch_add(1, Ordering::Relaxed);
+        Ok(Region {
+            block: Some(block),
+            len,
+            arena: self.inner.clone(),
+        })
+    }
+
+    /// Returns every pooled mapping to the OS (unpinning it first).
+    pub fn empty_cache(&self) {
+        let blocks: Vec<Block> = match self.inner.pool.lock() {
+            Ok(mut pool) => pool.drain().flat_map(|(_, v)| v).collect(),
+            Err(_) => return,
+        };
+        for b in blocks {
+            self.inner.pooled.fetch_sub(b.cap, Ordering::Relaxed);
+            self.inner.unmap(b);
+        }
+    }
+
+    /// Current byte counts.
+    pub fn stats(&self) -> ArenaStats {
+        let i = &self.inner;
+        let reserved = i.reserved.load(Ordering::Relaxed);
+        let pinned = i.pinned.load(Ordering::Relaxed);
+        ArenaStats {
+            reserved_bytes: reserved,
+            in_use_bytes: i.in_use.load(Ordering::Relaxed),
+            pinned_bytes: pinned,
+            pageable_bytes: reserved.saturating_sub(pinned),
+            pooled_bytes: i.pooled.load(Ordering::Relaxed),
+            regions: i.regions.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The reason pinning was refused, the first time it is asked after a refusal.
+    pub fn take_pin_warning(&self) -> Option<String> {
+        self.inner
+            .pin_warning
+            .lock()
+            .ok()
+            .and_then(|mut w| w.take())
+    }
+}
+
+/// Host memory of an exact size. Dropping it returns the mapping to its arena's pool.
+pub struct Region {
+    block: Option<Block>,
+    len: usize,
+    arena: Arc<Inner>,
+}
+
+// SAFETY: a Region is a uniquely owned block of plain memory; concurrent access to its bytes is the
+// user's business (as for any tensor storage), the bookkeeping is atomic or behind a mutex.
+unsafe impl Send for Region {}
+// SAFETY: as above; `&Region` only hands out the pointer.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Start of the region.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.block
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |b| b.ptr.as_ptr())
+    }
+    /// Bytes asked for.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the region holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Whether the region is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.block.as_ref().is_some_and(|b| b.pinned)
+    }
+    /// The bytes, for tests and host-side kernels.
+    ///
+    /// # Safety
+    /// No other code may write the region while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the block is `cap >= len` readable bytes, live while `self` is.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+    }
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Region({} bytes, pinned: {})",
+            self.len,
+            self.is_pinned()
+        )
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        let Some(block) = self.block.take() else {
+            return;
+        };
+        self.arena.in_use.fetch_sub(self.len, Ordering::Relaxed);
+        self.arena.regions.fetch_sub(1, Ordering::Relaxed);
+        let cap = block.cap;
+        match self.arena.pool.lock() {
+            Ok(mut pool) => {
+                pool.entry(cap).or_default().push(block);
+                self.arena.pooled.fetch_add(cap, Ordering::Relaxed);
+            }
+            Err(_) => self.arena.unmap(block),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Refuse;
+    impl Pinner for Refuse {
+        unsafe fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
+            Err(Error::Cuda {
+                op: "cuMemHostRegister",
+                detail: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+            })
+        }
+        unsafe fn unpin(&self, _: *mut u8, _: usize) {
+            unreachable!("nothing was pinned")
+        }
+    }
+
+    /// Counts pins and unpins, to check the pool keeps memory pinned between uses.
+    #[derive(Default)]
+    struct Counting {
+        pins: AtomicUsize,
+        unpins: AtomicUsize,
+    }
+    impl Pinner for Arc<Counting> {
+        unsafe fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
+            self.pins.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        unsafe fn unpin(&self, _: *mut u8, _: usize) {
+            self.unpins.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn exact_sizes_and_page_rounding() {
+        let a = Arena::new(None);
+        let r = a.alloc(10_000, true).expect("alloc");
+        assert_eq!(r.len(), 10_000);
+        let s = a.stats();
+        assert_eq!(s.in_use_bytes, 10_000);
+        assert_eq!(
+            s.reserved_bytes,
+            10_000usize.div_ceil(page_size()) * page_size()
+        );
+        assert_eq!(s.pinned_bytes, 0);
+        assert!(unsafe { r.as_slice() }.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn pool_recycles_and_zeroes_on_request() {
+        let a = Arena::new(None);
+        let r = a.alloc(5000, false).expect("alloc");
+        let p = r.as_ptr();
+        // SAFETY: the region is 5000 writable bytes owned here.
+        unsafe { std::ptr::write_bytes(p, 7, 5000) };
+        drop(r);
+        assert_eq!(a.stats().in_use_bytes, 0);
+        assert!(a.stats().pooled_bytes > 0);
+        let r2 = a.alloc(5000, true).expect("alloc");
+        assert_eq!(
+            r2.as_ptr(),
+            p,
+            "same-size allocation reuses the pooled mapping"
+        );
+        assert!(unsafe { r2.as_slice() }.iter().all(|&b| b == 0));
+        drop(r2);
+        a.empty_cache();
+        let s = a.stats();
+        assert_eq!((s.reserved_bytes, s.pooled_bytes), (0, 0));
+    }
+
+    #[test]
+    fn pinned_memory_stays_pinned_in_the_pool() {
+        let c = Arc::new(Counting::default());
+        let a = Arena::new(Some(Box::new(c.clone())));
+        for _ in 0..5 {
+            let r = a.alloc(1 << 20, false).expect("alloc");
+            assert!(r.is_pinned());
+        }
+        assert_eq!(c.pins.load(Ordering::Relaxed), 1);
+        assert_eq!(a.stats().pinned_bytes, 1 << 20);
+        a.empty_cache();
+        assert_eq!(c.unpins.load(Ordering::Relaxed), 1);
+        assert_eq!(a.stats().pinned_bytes, 0);
+    }
+
+    #[test]
+    fn refused_pinning_falls_back_once_with_a_reason() {
+        let a = Arena::new(Some(Box::new(Refuse)));
+        let r = a.alloc(1 << 16, true).expect("pageable fallback");
+        assert!(!r.is_pinned());
+        assert!(!a.pins());
+        let w = a.take_pin_warning().expect("a warning");
+        assert!(
+            w.contains("pageable") && w.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+            "{w}"
+        );
+        assert!(a.take_pin_warning().is_none(), "warned once");
+        let s = a.stats();
+        assert_eq!(s.pageable_bytes, s.reserved_bytes);
+    }
+
+    #[test]
+    fn big_regions_are_touched_in_parallel_and_zero() {
+        let a = Arena::new(None);
+        let r = a.alloc(PARALLEL_TOUCH_BYTES + 123, true).expect("alloc");
+        let s = unsafe { r.as_slice() };
+        assert!(s.iter().step_by(4096).all(|&b| b == 0));
+    }
+}

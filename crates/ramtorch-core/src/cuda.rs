@@ -1,0 +1,291 @@
+//! Safe wrappers over the few CUDA driver calls the engine makes.
+//!
+//! The driver library is loaded at run time (cudarc's `dynamic-loading`), so this crate builds and
+//! runs on machines without CUDA. [`driver_present`] must be checked before any other call: cudarc
+//! panics when it cannot find `libcuda`. Every handle type releases itself on drop, and every call
+//! first makes the device's primary context (the one torch uses) current on the calling thread.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::result::DriverError;
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+
+use crate::error::{Error, Result};
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library; touches no CUDA state.
+    unsafe { sys::is_culib_present() }
+}
+
+fn cuda_err(op: &'static str, e: DriverError) -> Error {
+    let name = e.error_name().map(|s| s.to_string_lossy().into_owned());
+    let text = e.error_string().map(|s| s.to_string_lossy().into_owned());
+    let detail = match (name, text) {
+        (Ok(n), Ok(t)) => format!("{n}: {t}"),
+        _ => format!("CUresult {:?}", e.0),
+    };
+    Error::Cuda { op, detail }
+}
+
+fn check(op: &'static str, r: sys::CUresult) -> Result<()> {
+    r.result().map_err(|e| cuda_err(op, e))
+}
+
+/// Number of CUDA devices, or 0 when there is no driver.
+pub fn device_count() -> Result<usize> {
+    if !driver_present() {
+        return Ok(0);
+    }
+    match CudaContext::device_count() {
+        Ok(n) => Ok(usize::try_from(n).unwrap_or(0)),
+        // No device, or the driver refuses to initialise: no CUDA here.
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => Ok(0),
+        Err(e) => Err(cuda_err("cuInit", e)),
+    }
+}
+
+/// The primary context of one device: shared with torch, made current before each call.
+#[derive(Clone)]
+pub struct Context {
+    ctx: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Context(cuda:{})", self.ctx.ordinal())
+    }
+}
+
+impl Context {
+    /// Retains the primary context of device `ordinal`.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !driver_present() {
+            return Err(Error::CudaUnavailable(
+                "the CUDA driver library (libcuda.so) was not found".into(),
+            ));
+        }
+        let n = device_count()?;
+        if ordinal >= n {
+            return Err(Error::CudaUnavailable(format!(
+                "device cuda:{ordinal} does not exist ({n} CUDA device(s) visible)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
+        Ok(Self { ctx })
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Makes this context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))
+    }
+
+    /// Page-locks `len` bytes at `ptr` for every context (`CU_MEMHOSTREGISTER_PORTABLE`).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be a live, page-aligned host allocation that stays mapped until
+    /// [`Context::unregister_host`] is called on it.
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the range is a live mapping.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        };
+        check("cuMemHostRegister", r)
+    }
+
+    /// Undoes [`Context::register_host`].
+    ///
+    /// # Safety
+    /// `ptr` must have been registered with [`Context::register_host`] and not unregistered since.
+    pub unsafe fn unregister_host(&self, ptr: *mut u8) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `ptr` is a registered range.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(ptr as *mut c_void)
+        })
+    }
+}
+
+/// A stream the engine owns (non-blocking with respect to the legacy default stream).
+pub struct Stream {
+    ctx: Context,
+    raw: sys::CUstream,
+}
+
+// SAFETY: a CUstream handle may be used from any thread once its context is current, which every
+// method here ensures.
+unsafe impl Send for Stream {}
+// SAFETY: as above; the driver serialises calls on one stream internally.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Creates a non-blocking stream on `ctx`.
+    pub fn new(ctx: &Context) -> Result<Self> {
+        ctx.bind()?;
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the context is current.
+        let r = unsafe {
+            sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        };
+        check("cuStreamCreate", r)?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            raw,
+        })
+    }
+
+    /// The raw handle, as torch's `ExternalStream` takes it.
+    pub fn raw(&self) -> u64 {
+        self.raw as u64
+    }
+
+    /// Blocks the host until all work on the stream is done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: `raw` is a live stream of this context.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.raw)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: the stream was created by us and is destroyed once; pending work completes first.
+            unsafe {
+                let _ = sys::cuStreamSynchronize(self.raw);
+                let _ = sys::cuStreamDestroy_v2(self.raw);
+            }
+        }
+    }
+}
+
+/// An event without timing (the cheapest kind), used to order streams.
+pub struct Event {
+    ctx: Context,
+    raw: sys::CUevent,
+}
+
+// SAFETY: event handles are usable from any thread with the context current (ensured per call).
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Creates an event with timing disabled.
+    pub fn new(ctx: &Context) -> Result<Self> {
+        ctx.bind()?;
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the context is current.
+        let r = unsafe {
+            sys::cuEventCreate(&mut raw, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        };
+        check("cuEventCreate", r)?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            raw,
+        })
+    }
+
+    /// Records the event on `stream` (a raw handle: ours or torch's).
+    pub fn record(&self, stream: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: `raw` is live; `stream` is a stream handle of this context supplied by the caller.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, stream as sys::CUstream)
+        })
+    }
+
+    /// Makes `stream` wait (on the device) for the work captured by the last `record`.
+    pub fn wait_on(&self, stream: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: as in `record`.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(stream as sys::CUstream, self.raw, 0)
+        })
+    }
+
+    /// Blocks the host until the recorded work is done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: `raw` is a live event.
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(self.raw)
+        })
+    }
+
+    /// Whether the recorded work is done, without blocking.
+    pub fn is_complete(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: `raw` is a live event.
+        let r = unsafe { sys::cuEventQuery(self.raw) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check("cuEventQuery", r).map(|()| true)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: created by us, destroyed once; the driver defers the release until it completes.
+            unsafe {
+                let _ = sys::cuEventDestroy_v2(self.raw);
+            }
+        }
+    }
+}
+
+/// Copies `n` bytes host→device on `stream`.
+///
+/// # Safety
+/// `src` must stay readable and `dst` writable until the copy completes on `stream`.
+pub unsafe fn copy_h2d(
+    ctx: &Context,
+    dst: u64,
+    src: *const u8,
+    n: usize,
+    stream: u64,
+) -> Result<()> {
+    ctx.bind()?;
+    // SAFETY: the caller guarantees both ranges are valid until the stream reaches the copy.
+    let r = unsafe {
+        sys::cuMemcpyHtoDAsync_v2(
+            dst as sys::CUdeviceptr,
+            src as *const c_void,
+            n,
+            stream as sys::CUstream,
+        )
+    };
+    check("cuMemcpyHtoDAsync", r)
+}
+
+/// Copies `n` bytes device→host on `stream`.
+///
+/// # Safety
+/// As for [`copy_h2d`], in the other direction.
+pub unsafe fn copy_d2h(ctx: &Context, dst: *mut u8, src: u64, n: usize, stream: u64) -> Result<()> {
+    ctx.bind()?;
+    // SAFETY: the caller guarantees both ranges are valid until the stream reaches the copy.
+    let r = unsafe {
+        sys::cuMemcpyDtoHAsync_v2(
+            dst as *mut c_void,
+            src as sys::CUdeviceptr,
+            n,
+            stream as sys::CUstream,
+        )
+    };
+    check("cuMemcpyDtoHAsync", r)
+}

@@ -1,0 +1,42 @@
+//! The engine's one error type.
+
+use thiserror::Error;
+
+/// Everything the engine can report. The bindings map each variant to a Python exception.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A CUDA driver call failed; `op` names the call, `detail` is the driver's message.
+    #[error("CUDA error in {op}: {detail}")]
+    Cuda {
+        /// The operation that failed, e.g. `cuMemcpyHtoDAsync`.
+        op: &'static str,
+        /// The driver's error name and text.
+        detail: String,
+    },
+    /// CUDA was asked for but cannot be used (no driver library, no device, bad ordinal).
+    #[error("CUDA is not available: {0}")]
+    CudaUnavailable(String),
+    /// The host could not provide memory.
+    #[error("host allocation of {bytes} bytes failed: {reason}")]
+    HostAlloc {
+        /// Bytes asked for.
+        bytes: usize,
+        /// What the OS said.
+        reason: String,
+    },
+    /// A caller passed a value the engine cannot work with.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Every device slot is held by an acquire without a release.
+    #[error("all {slots} device slots are held; release a unit before acquiring another (or raise MAX_INFLIGHT)")]
+    SlotsExhausted {
+        /// Number of slots on the device.
+        slots: usize,
+    },
+    /// A worker thread of the host device stopped.
+    #[error("host device worker stopped: {0}")]
+    Worker(String),
+}
+
+/// Result with the engine's error.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,30 @@
+//! ramtorch's engine: parameters in page-locked host memory, streamed to a device just in time.
+//!
+//! - [`arena`]: the host arena (exact sizes, pinned, pooled);
+//! - [`device`]: what a device must offer, for CUDA and for the host stand-in used without a GPU;
+//! - [`engine`]: device slots, the copy throttle and the gradient write-back;
+//! - [`cuda`]: thin safe wrappers over the CUDA driver API, loaded at run time.
+//!
+//! ```
+//! use ramtorch_core::{arena::Arena, device::HostDevice, engine::Engine};
+//!
+//! let arena = Arena::new(None);
+//! let weights = arena.alloc(16, true).unwrap();
+//! let engine = Engine::new(HostDevice::new().unwrap());
+//! let mut slots = vec![vec![0u8; 16]; 3];
+//! let ptrs: Vec<u64> = slots.iter_mut().map(|s| s.as_mut_ptr() as u64).collect();
+//! engine.set_slots(&ptrs, 16).unwrap();
+//! // SAFETY: `weights` outlives the copy (synchronize below).
+//! let (slot, _) = unsafe { engine.acquire(weights.as_ptr(), 16, 2, 0) }.unwrap();
+//! engine.release(slot, 0).unwrap();
+//! engine.synchronize().unwrap();
+//! ```
+#![warn(missing_docs)]
+
+pub mod arena;
+pub mod cuda;
+pub mod device;
+pub mod engine;
+pub mod error;
+
+pub use error::{Error, Result};

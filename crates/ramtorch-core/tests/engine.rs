@@ -1,0 +1,243 @@
+//! The engine's scheduling, on the host device and on a scripted device whose copies complete
+//! only when the test says so.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ramtorch_core::arena::Arena;
+use ramtorch_core::device::{Device, HostDevice, Lane};
+use ramtorch_core::engine::Engine;
+use ramtorch_core::Error;
+
+fn host_engine(slots: usize, bytes: usize) -> (Engine<HostDevice>, Vec<Vec<u8>>) {
+    let e = Engine::new(HostDevice::new().expect("host device"));
+    let mut mem = vec![vec![0u8; bytes]; slots];
+    let ptrs: Vec<u64> = mem.iter_mut().map(|s| s.as_mut_ptr() as u64).collect();
+    e.set_slots(&ptrs, bytes).expect("slots");
+    (e, mem)
+}
+
+#[test]
+fn acquire_puts_each_units_bytes_in_its_slot() {
+    let arena = Arena::new(None);
+    let (e, mem) = host_engine(3, 4096);
+    let units: Vec<_> = (0..7u8)
+        .map(|k| {
+            let r = arena.alloc(1000 + k as usize, false).expect("alloc");
+            // SAFETY: the region is writable and owned here.
+            unsafe { std::ptr::write_bytes(r.as_ptr(), k + 1, r.len()) };
+            r
+        })
+        .collect();
+    for (k, u) in units.iter().enumerate() {
+        // SAFETY: `u` lives until the end of the test.
+        let (slot, ptr) = unsafe { e.acquire(u.as_ptr(), u.len(), 2, 0) }.expect("acquire");
+        assert_eq!(ptr, mem[slot].as_ptr() as u64);
+        // The compute lane (this thread) has waited for the copy: the bytes are there.
+        assert!(
+            mem[slot][..u.len()].iter().all(|&b| b == k as u8 + 1),
+            "unit {k}"
+        );
+        e.release(slot, 0).expect("release");
+    }
+    let st = e.stats().expect("stats");
+    assert_eq!(st.h2d_copies, 7);
+    assert_eq!(st.h2d_bytes, (0..7).map(|k| 1000 + k).sum::<u64>());
+}
+
+#[test]
+fn gradients_come_back_and_are_retired_in_order() {
+    let (e, _mem) = host_engine(3, 64);
+    let src: Vec<Vec<u8>> = (0..5u8).map(|k| vec![k; 64]).collect();
+    let mut dst = vec![vec![0u8; 64]; 5];
+    let mut retired = 0;
+    for k in 0..5 {
+        // SAFETY: both buffers live until synchronize below.
+        retired += unsafe { e.copy_to_host(dst[k].as_mut_ptr(), src[k].as_ptr() as u64, 64, 2, 0) }
+            .expect("d2h");
+        assert!(e.in_flight().expect("in flight").1 <= 2);
+    }
+    retired += e.synchronize().expect("sync");
+    assert_eq!(retired, 5, "every copy is reported complete exactly once");
+    assert_eq!(dst, src);
+}
+
+#[test]
+fn holding_every_slot_is_an_error_not_a_hang() {
+    let arena = Arena::new(None);
+    let r = arena.alloc(8, true).expect("alloc");
+    let (e, _mem) = host_engine(2, 8);
+    for _ in 0..2 {
+        // SAFETY: `r` outlives the engine's use.
+        unsafe { e.acquire(r.as_ptr(), 8, 1, 0) }.expect("acquire");
+    }
+    // SAFETY: as above.
+    let err = unsafe { e.acquire(r.as_ptr(), 8, 1, 0) }.expect_err("no free slot");
+    assert!(matches!(err, Error::SlotsExhausted { slots: 2 }), "{err}");
+    assert!(
+        e.set_slots(&[], 0).is_err(),
+        "slots cannot be swapped while held"
+    );
+    e.release(0, 0).expect("release");
+    assert!(e.release(0, 0).is_err(), "double release is reported");
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let arena = Arena::new(None);
+    let r = arena.alloc(100, true).expect("alloc");
+    let (e, _mem) = host_engine(3, 64);
+    // SAFETY: nothing is copied: the calls fail validation.
+    let too_big = unsafe { e.acquire(r.as_ptr(), 100, 2, 0) }.expect_err("too big");
+    assert!(too_big.to_string().contains("does not fit"), "{too_big}");
+    // SAFETY: as above.
+    let zero = unsafe { e.acquire(r.as_ptr(), 10, 0, 0) }.expect_err("max_inflight 0");
+    assert!(zero.to_string().contains("max_inflight"), "{zero}");
+}
+
+// ---- a scripted device: copies complete only when the test completes them ----
+
+#[derive(Default)]
+struct Ev {
+    done: AtomicBool,
+}
+
+#[derive(Default)]
+struct Script {
+    pending: Mutex<Vec<Arc<Ev>>>,
+    host_blocks: AtomicUsize,
+    max_pending_copies: AtomicUsize,
+    copies_pending: AtomicUsize,
+}
+
+struct Scripted(Arc<Script>);
+
+impl Device for Scripted {
+    type Event = Arc<Ev>;
+    fn new_event(&self) -> ramtorch_core::Result<Arc<Ev>> {
+        Ok(Arc::new(Ev {
+            done: AtomicBool::new(true),
+        }))
+    }
+    fn record(&self, ev: &Arc<Ev>, lane: Lane) -> ramtorch_core::Result<()> {
+        if lane == Lane::Transfer {
+            ev.done.store(false, Ordering::SeqCst);
+            self.0.pending.lock().expect("lock").push(ev.clone());
+        }
+        Ok(())
+    }
+    fn wait(&self, _: Lane, _: &Arc<Ev>) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    fn synchronize(&self, ev: &Arc<Ev>) -> ramtorch_core::Result<()> {
+        if !ev.done.swap(true, Ordering::SeqCst) {
+            self.0.host_blocks.fetch_add(1, Ordering::SeqCst);
+            self.0.copies_pending.fetch_sub(1, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+    fn is_complete(&self, ev: &Arc<Ev>) -> ramtorch_core::Result<bool> {
+        Ok(ev.done.load(Ordering::SeqCst))
+    }
+    fn synchronize_lane(&self, _: Lane) -> ramtorch_core::Result<()> {
+        for ev in self.0.pending.lock().expect("lock").drain(..) {
+            if !ev.done.swap(true, Ordering::SeqCst) {
+                self.0.copies_pending.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        Ok(())
+    }
+    unsafe fn copy_to_device(
+        &self,
+        _: Lane,
+        _: u64,
+        _: *const u8,
+        _: usize,
+    ) -> ramtorch_core::Result<()> {
+        let now = self.0.copies_pending.fetch_add(1, Ordering::SeqCst) + 1;
+        self.0.max_pending_copies.fetch_max(now, Ordering::SeqCst);
+        Ok(())
+    }
+    unsafe fn copy_to_host(
+        &self,
+        _: Lane,
+        _: *mut u8,
+        _: u64,
+        _: usize,
+    ) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    fn lane_handle(&self, _: Lane) -> u64 {
+        0
+    }
+    fn name(&self) -> String {
+        "scripted".into()
+    }
+}
+
+#[test]
+fn throttle_bounds_copies_in_flight_and_blocks_only_when_needed() {
+    for max_inflight in [1usize, 2, 4] {
+        let script = Arc::new(Script::default());
+        let e = Engine::new(Scripted(script.clone()));
+        let ptrs: Vec<u64> = (0..=max_inflight as u64)
+            .map(|i| 0x1000 * (i + 1))
+            .collect();
+        e.set_slots(&ptrs, 64).expect("slots");
+        let src = [0u8; 64];
+        for _ in 0..20 {
+            // SAFETY: the scripted device never touches memory.
+            let (slot, _) =
+                unsafe { e.acquire(src.as_ptr(), 64, max_inflight, 0) }.expect("acquire");
+            e.release(slot, 0).expect("release");
+            assert!(e.in_flight().expect("in flight").0 <= max_inflight);
+        }
+        assert_eq!(
+            script.max_pending_copies.load(Ordering::SeqCst),
+            max_inflight,
+            "never more than MAX_INFLIGHT copies"
+        );
+        // The first `max_inflight` copies go out without blocking; each later one waits for one.
+        assert_eq!(script.host_blocks.load(Ordering::SeqCst), 20 - max_inflight);
+        assert_eq!(
+            e.stats().expect("stats").throttle_waits,
+            (20 - max_inflight) as u64
+        );
+    }
+}
+
+#[test]
+fn finished_copies_do_not_block() {
+    let script = Arc::new(Script::default());
+    let e = Engine::new(Scripted(script.clone()));
+    e.set_slots(&[0x1000, 0x2000, 0x3000], 64).expect("slots");
+    let src = [0u8; 64];
+    for _ in 0..10 {
+        // SAFETY: the scripted device never touches memory.
+        let (slot, _) = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("acquire");
+        e.release(slot, 0).expect("release");
+        e.device()
+            .synchronize_lane(Lane::Transfer)
+            .expect("device catches up");
+    }
+    assert_eq!(script.host_blocks.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn slots_round_robin_skipping_held_ones() {
+    let script = Arc::new(Script::default());
+    let e = Engine::new(Scripted(script));
+    e.set_slots(&[0x1000, 0x2000, 0x3000], 64).expect("slots");
+    let src = [0u8; 64];
+    // SAFETY: the scripted device never touches memory.
+    let a = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("a").0;
+    // SAFETY: as above.
+    let b = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("b").0;
+    e.release(b, 0).expect("release b");
+    // SAFETY: as above.
+    let c = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("c").0;
+    // SAFETY: as above.
+    let d = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("d").0;
+    assert_eq!((a, b, c), (0, 1, 2));
+    assert_eq!(d, 1, "slot 0 is still held, slot 1 was released");
+}

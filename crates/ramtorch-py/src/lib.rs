@@ -1,0 +1,5 @@
+use pyo3::prelude::*;
+#[pymodule]
+fn _core(_m: &Bound<PyModule>) -> PyResult<()> {
+    Ok(())
+}
