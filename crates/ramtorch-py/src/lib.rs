@@ -1,5 +1,404 @@
+//! `ramtorch._core`: the PyO3 layer over `ramtorch-core`. Argument conversion, GIL release, error
+//! mapping and panic containment; no logic of its own.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, OnceLock};
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use ramtorch_core::arena::{Arena, CudaPinner, Region};
+use ramtorch_core::device::{CudaDevice, Device, HostDevice, Lane};
+use ramtorch_core::engine::{Engine as CoreEngine, EngineStats};
+use ramtorch_core::{cuda, Error};
+
+create_exception!(
+    _core,
+    CudaError,
+    PyRuntimeError,
+    "A CUDA driver call made by ramtorch failed."
+);
+
+fn to_py(op: &str, e: Error) -> PyErr {
+    match e {
+        Error::InvalidArgument(m) => PyValueError::new_err(format!("{op}: {m}")),
+        Error::HostAlloc { .. } => PyMemoryError::new_err(format!("{op}: {e}")),
+        Error::Cuda { .. } | Error::CudaUnavailable(_) => CudaError::new_err(format!("{op}: {e}")),
+        _ => PyRuntimeError::new_err(format!("{op}: {e}")),
+    }
+}
+
+/// Runs `f`, turning an engine error or a Rust panic into a Python exception naming `op`.
+fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(to_py(op, e)),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(PyRuntimeError::new_err(format!(
+                "{op}: internal error in the ramtorch engine: {msg}"
+            )))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The host arena, exported to torch as DLPack capsules.
+
+static ARENA: OnceLock<Arena> = OnceLock::new();
+static ARENA_INIT: Mutex<()> = Mutex::new(());
+
+fn pinning_wanted() -> bool {
+    !matches!(
+        std::env::var("RAMTORCH_PIN").as_deref(),
+        Ok("0") | Ok("false") | Ok("no") | Ok("off")
+    )
+}
+
+fn arena() -> Result<&'static Arena, Error> {
+    if let Some(a) = ARENA.get() {
+        return Ok(a);
+    }
+    let _init = ARENA_INIT
+        .lock()
+        .map_err(|_| Error::Worker("arena init lock poisoned".into()))?;
+    if let Some(a) = ARENA.get() {
+        return Ok(a);
+    }
+    let pinner: Option<Box<dyn ramtorch_core::arena::Pinner>> =
+        if pinning_wanted() && cuda::device_count()? > 0 {
+            Some(Box::new(CudaPinner(cuda::Context::new(0)?)))
+        } else {
+            None
+        };
+    Ok(ARENA.get_or_init(|| Arena::new(pinner)))
+}
+
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// What a capsule owns: the region and the shape array the DLTensor points into.
+struct Export {
+    _region: Region,
+    shape: [i64; 1],
+}
+
+const DLTENSOR: &CStr = c"dltensor";
+const K_DL_CPU: i32 = 1;
+const K_DL_UINT: u8 = 1;
+
+unsafe extern "C" fn dl_deleter(m: *mut DLManagedTensor) {
+    if m.is_null() {
+        return;
+    }
+    // SAFETY: `m` and its context were made by `Box::into_raw` in `export` and are released once,
+    // by whoever owns the tensor last (torch, or the capsule destructor if never consumed). Dropping
+    // the Region is plain Rust and needs no GIL.
+    unsafe {
+        let m = Box::from_raw(m);
+        drop(Box::from_raw(m.manager_ctx as *mut Export));
+    }
+}
+
+unsafe extern "C" fn capsule_destructor(cap: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with a live capsule. A consumed capsule was renamed by its consumer
+    // ("used_dltensor") and must not be freed here.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) == 1 {
+            let m = pyo3::ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) as *mut DLManagedTensor;
+            dl_deleter(m);
+        }
+    }
+}
+
+fn export(py: Python<'_>, region: Region) -> PyResult<Py<PyAny>> {
+    let ptr = region.as_ptr();
+    let mut ctx = Box::new(Export {
+        shape: [region.len() as i64],
+        _region: region,
+    });
+    let shape = ctx.shape.as_mut_ptr();
+    let managed = Box::new(DLManagedTensor {
+        dl_tensor: DLTensor {
+            data: ptr as *mut c_void,
+            device: DLDevice {
+                device_type: K_DL_CPU,
+                device_id: 0,
+            },
+            ndim: 1,
+            dtype: DLDataType {
+                code: K_DL_UINT,
+                bits: 8,
+                lanes: 1,
+            },
+            shape,
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+        manager_ctx: Box::into_raw(ctx) as *mut c_void,
+        deleter: Some(dl_deleter),
+    });
+    let raw = Box::into_raw(managed);
+    // SAFETY: `raw` is a valid DLManagedTensor; the capsule owns it until a consumer renames it.
+    let cap = unsafe {
+        pyo3::ffi::PyCapsule_New(
+            raw as *mut c_void,
+            DLTENSOR.as_ptr() as *const c_char,
+            Some(capsule_destructor),
+        )
+    };
+    if cap.is_null() {
+        // SAFETY: the capsule was not created, so we still own `raw`.
+        unsafe { dl_deleter(raw) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: `cap` is a new, owned reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+}
+
+/// Allocates `nbytes` of host arena memory (page-locked when a GPU is present) and returns it as a
+/// DLPack capsule of a 1-D uint8 CPU tensor. The memory returns to the arena's pool when the last
+/// torch view of it dies.
+#[pyfunction]
+#[pyo3(signature = (nbytes, zeroed = false))]
+fn arena_alloc(py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Py<PyAny>> {
+    let region = py.detach(|| guard("arena_alloc", || arena()?.alloc(nbytes, zeroed)))?;
+    export(py, region)
+}
+
+/// Byte counts of the host arena.
+#[pyfunction]
+fn arena_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let (s, pins) = guard("arena_stats", || arena().map(|a| (a.stats(), a.pins())))?;
+    let d = PyDict::new(py);
+    d.set_item("reserved_bytes", s.reserved_bytes)?;
+    d.set_item("in_use_bytes", s.in_use_bytes)?;
+    d.set_item("pinned_bytes", s.pinned_bytes)?;
+    d.set_item("pageable_bytes", s.pageable_bytes)?;
+    d.set_item("pooled_bytes", s.pooled_bytes)?;
+    d.set_item("regions", s.regions)?;
+    d.set_item("pinning", pins)?;
+    Ok(d)
+}
+
+/// Returns the arena's pooled (free) memory to the OS.
+#[pyfunction]
+fn arena_empty_cache(py: Python<'_>) -> PyResult<()> {
+    py.detach(|| guard("arena_empty_cache", || arena().map(Arena::empty_cache)))
+}
+
+/// Why pinning was refused, once, or None.
+#[pyfunction]
+fn take_pin_warning() -> PyResult<Option<String>> {
+    guard("take_pin_warning", || Ok(arena()?.take_pin_warning()))
+}
+
+/// Number of CUDA devices the driver sees (0 without a driver).
+#[pyfunction]
+fn cuda_device_count() -> PyResult<usize> {
+    guard("cuda_device_count", cuda::device_count)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine of one device.
+
+enum AnyEngine {
+    Cuda(CoreEngine<CudaDevice>),
+    Host(CoreEngine<HostDevice>),
+}
+
+macro_rules! with_engine {
+    ($self:expr, $e:ident => $body:expr) => {
+        match &$self.inner {
+            AnyEngine::Cuda($e) => $body,
+            AnyEngine::Host($e) => $body,
+        }
+    };
+}
+
+/// The streamer of one device: slots, transfer and gradient streams, throttle.
+#[pyclass(module = "ramtorch._core", frozen)]
+struct Engine {
+    inner: AnyEngine,
+    name: String,
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: EngineStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("h2d_bytes", s.h2d_bytes)?;
+    d.set_item("h2d_copies", s.h2d_copies)?;
+    d.set_item("d2h_bytes", s.d2h_bytes)?;
+    d.set_item("d2h_copies", s.d2h_copies)?;
+    d.set_item("throttle_waits", s.throttle_waits)?;
+    d.set_item("throttle_wait_seconds", s.throttle_wait_seconds)?;
+    d.set_item("sync_wait_seconds", s.sync_wait_seconds)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl Engine {
+    /// `device` is `"cpu"` (the host device: worker-thread copies) or a CUDA ordinal.
+    #[new]
+    #[pyo3(signature = (kind, index = 0))]
+    fn new(py: Python<'_>, kind: &str, index: usize) -> PyResult<Self> {
+        let op = "Engine()";
+        let inner = match kind {
+            "cpu" => AnyEngine::Host(CoreEngine::new(py.detach(|| guard(op, HostDevice::new))?)),
+            "cuda" => AnyEngine::Cuda(CoreEngine::new(
+                py.detach(|| guard(op, || CudaDevice::new(index)))?,
+            )),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "{op}: unsupported device type {other:?}"
+                )))
+            }
+        };
+        let name = match &inner {
+            AnyEngine::Cuda(e) => e.device().name(),
+            AnyEngine::Host(e) => e.device().name(),
+        };
+        Ok(Self { inner, name })
+    }
+
+    /// Device name, e.g. `cuda:0`.
+    #[getter]
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    /// `(count, bytes)` of the device slots.
+    fn slots(&self) -> PyResult<(usize, usize)> {
+        guard("slots", || with_engine!(self, e => e.slots()))
+    }
+
+    /// Uses the device buffers at `ptrs` (each `nbytes` long) as slots.
+    fn set_slots(&self, py: Python<'_>, ptrs: Vec<u64>, nbytes: usize) -> PyResult<()> {
+        py.detach(|| {
+            guard(
+                "set_slots",
+                || with_engine!(self, e => e.set_slots(&ptrs, nbytes)),
+            )
+        })
+    }
+
+    /// Copies `nbytes` at host address `src` into a free slot; the compute stream `stream` waits for
+    /// the copy. Returns `(slot index, slot device address)`.
+    fn acquire(
+        &self,
+        py: Python<'_>,
+        src: usize,
+        nbytes: usize,
+        max_inflight: usize,
+        stream: u64,
+    ) -> PyResult<(usize, u64)> {
+        // SAFETY: the front-end passes the address of a live arena region that it keeps alive (the
+        // parameter) and never frees while copies may be pending (it synchronises first).
+        py.detach(|| guard("acquire", || with_engine!(self, e => unsafe { e.acquire(src as *const u8, nbytes, max_inflight, stream) })))
+    }
+
+    /// Releases a slot after the work queued on `stream` so far.
+    fn release(&self, py: Python<'_>, slot: usize, stream: u64) -> PyResult<()> {
+        py.detach(|| {
+            guard(
+                "release",
+                || with_engine!(self, e => e.release(slot, stream)),
+            )
+        })
+    }
+
+    /// Queues a device→host copy on the gradient stream after the work queued on `stream`; returns
+    /// how many earlier gradient copies have completed since the last report.
+    fn copy_to_host(
+        &self,
+        py: Python<'_>,
+        dst: usize,
+        src: u64,
+        nbytes: usize,
+        max_inflight: usize,
+        stream: u64,
+    ) -> PyResult<usize> {
+        // SAFETY: the front-end passes a live arena region as `dst` and keeps the device source
+        // alive until this engine reports the copy complete.
+        py.detach(|| guard("copy_to_host", || with_engine!(self, e => unsafe { e.copy_to_host(dst as *mut u8, src, nbytes, max_inflight, stream) })))
+    }
+
+    /// Waits for both engine streams; returns the number of gradient copies newly completed.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<usize> {
+        py.detach(|| guard("synchronize", || with_engine!(self, e => e.synchronize())))
+    }
+
+    /// Copies in flight `(host→device, device→host)`.
+    fn in_flight(&self) -> PyResult<(usize, usize)> {
+        guard("in_flight", || with_engine!(self, e => e.in_flight()))
+    }
+
+    /// Raw handle of the transfer stream (0 on the host device).
+    fn transfer_stream(&self) -> u64 {
+        with_engine!(self, e => e.device().lane_handle(Lane::Transfer))
+    }
+
+    /// Raw handle of the gradient stream (0 on the host device).
+    fn gradient_stream(&self) -> u64 {
+        with_engine!(self, e => e.device().lane_handle(Lane::Gradient))
+    }
+
+    /// Counters of this engine.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = guard("stats", || with_engine!(self, e => e.stats()))?;
+        stats_dict(py, s)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Engine({})", self.name)
+    }
+}
+
+/// ramtorch's engine, compiled.
 #[pymodule]
-fn _core(_m: &Bound<PyModule>) -> PyResult<()> {
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("CudaError", m.py().get_type::<CudaError>())?;
+    m.add(
+        "DEFAULT_MAX_INFLIGHT",
+        ramtorch_core::engine::DEFAULT_MAX_INFLIGHT,
+    )?;
+    m.add("MAX_MAX_INFLIGHT", ramtorch_core::engine::MAX_MAX_INFLIGHT)?;
+    m.add_function(wrap_pyfunction!(arena_alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(arena_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(arena_empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(take_pin_warning, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
+    m.add_class::<Engine>()?;
     Ok(())
 }

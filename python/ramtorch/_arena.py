@@ -1,0 +1,60 @@
+"""Host arena memory seen by torch as ordinary CPU tensors (zero-copy, through DLPack)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from . import _core
+
+_ALIGN = 64
+
+
+def _warn_if_unpinned() -> None:
+    msg = _core.take_pin_warning()
+    if msg is not None:
+        warnings.warn(msg, ResourceWarning, stacklevel=3)
+
+
+def host_bytes(nbytes: int, zeroed: bool = False) -> torch.Tensor:
+    """A 1-D ``uint8`` CPU tensor of exactly ``nbytes`` bytes of arena memory (page-locked when a
+    GPU is present). The memory goes back to the arena when the last view of it dies."""
+    flat = torch.from_dlpack(_core.arena_alloc(int(nbytes), zeroed))
+    _warn_if_unpinned()
+    return flat
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+
+def host_empty(shape: Sequence[int], dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
+    """An arena tensor of ``shape`` and ``dtype``."""
+    return host_bytes(_nbytes(shape, dtype), zeroed).view(dtype).view(tuple(shape))
+
+
+def pack(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One arena region holding several tensors back to back (64-byte aligned), so that a unit's
+    parameters cross the link in one copy. Returns the flat region and the tensor views."""
+    offsets, total = [], 0
+    for shape in shapes:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += _nbytes(shape, dtype)
+    flat = host_bytes(total)
+    views = [
+        flat[off : off + _nbytes(shape, dtype)].view(dtype).view(tuple(shape))
+        for off, shape in zip(offsets, shapes)
+    ]
+    return flat, views
+
+
+def in_region(t: torch.Tensor, flat: torch.Tensor | None) -> bool:
+    """Whether ``t``'s data lies inside the arena region ``flat``."""
+    if flat is None or t.device.type != "cpu":
+        return False
+    start, p = flat.data_ptr(), t.data_ptr()
+    return start <= p and p + t.numel() * t.element_size() <= start + flat.numel()

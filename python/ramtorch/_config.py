@@ -1,0 +1,35 @@
+"""Configuration: constructor arguments first, environment variables as defaults."""
+
+from __future__ import annotations
+
+import os
+
+from . import _core
+
+#: Environment variables read for the number of copies in flight, strongest first.
+MAX_INFLIGHT_VARS = ("RAMTORCH_MAX_INFLIGHT", "MAX_INFLIGHT")
+
+
+def _check(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if not 1 <= value <= _core.MAX_MAX_INFLIGHT:
+        raise ValueError(f"{what} must be between 1 and {_core.MAX_MAX_INFLIGHT}, got {value}")
+    return value
+
+
+def max_inflight(value: int | None = None) -> int:
+    """Copies allowed in flight per device: ``value`` if given, else ``RAMTORCH_MAX_INFLIGHT``,
+    else ``MAX_INFLIGHT``, else 2. An invalid value raises an error naming where it came from."""
+    if value is not None:
+        return _check(value, "max_inflight")
+    for name in MAX_INFLIGHT_VARS:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            parsed = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+        return _check(parsed, f"environment variable {name}")
+    return _core.DEFAULT_MAX_INFLIGHT

@@ -1,0 +1,219 @@
+"""The torch side of the engine: one :class:`DeviceEngine` per compute device.
+
+It owns the device slots (allocated through torch's caching allocator, so ``torch.cuda.memory_*``
+counts them), turns a slot into weight views, sends gradients to the host arena and, once per
+backward, waits for them and writes ``.grad``. Streams and events live in the Rust engine; this
+module only passes torch's current stream to it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from . import _arena, _core
+
+
+def normalize_device(device: torch.device | str | int | None) -> torch.device:
+    """``None`` → cpu; ``"cuda"`` → ``cuda:<current>``. Raises if the CUDA device does not exist."""
+    if device is None:
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"ramtorch computes on 'cpu' or 'cuda' devices, not {dev.type!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {dev} was asked for but CUDA is not available on this machine")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(f"device cuda:{index} does not exist ({count} CUDA device(s) visible)")
+    return torch.device("cuda", index)
+
+
+class Layout:
+    """Where a unit's tensors sit in its host region: ``(offset, shape)`` per tensor, one dtype."""
+
+    __slots__ = ("dtype", "entries", "nbytes")
+
+    def __init__(self, flat: torch.Tensor, views: Sequence[torch.Tensor | None]) -> None:
+        base = flat.data_ptr()
+        present = [v for v in views if v is not None]
+        self.dtype = present[0].dtype if present else torch.uint8
+        self.entries = [None if v is None else (v.data_ptr() - base, tuple(v.shape)) for v in views]
+        self.nbytes = flat.numel()
+
+
+class DeviceEngine:
+    """Slots, weight acquisition and gradient write-back for one compute device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self._core = _core.Engine("cuda", device.index)
+        else:
+            self._core = _core.Engine("cpu")
+        self._slots: list[torch.Tensor] = []
+        self._slot_bytes = 0
+        self._want_bytes = 0
+        self._want_count = 0
+        self._lock = threading.Lock()
+        # Gradient copies in flight: their device sources, oldest first, freed as they complete.
+        self._grad_sources: deque[torch.Tensor] = deque()
+        # Host buffers receiving gradients this backward: id(param) -> (param, [buffers]).
+        self._pending: dict[int, tuple[torch.nn.Parameter, list[torch.Tensor]]] = {}
+
+    # -- slots --------------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int, max_inflight: int) -> None:
+        """Records that a unit of ``nbytes`` streaming with ``max_inflight`` will use this device;
+        slots are (re)allocated lazily at the next acquire."""
+        self._want_bytes = max(self._want_bytes, nbytes)
+        self._want_count = max(self._want_count, max_inflight + 1)
+
+    def _ensure_slots(self) -> None:
+        if self._slot_bytes >= self._want_bytes and len(self._slots) >= self._want_count:
+            return
+        if self._slots:
+            # Kernels may still read the old slots: let them finish before torch reuses the memory.
+            self.synchronize_compute()
+        nbytes = max(self._want_bytes, self._slot_bytes)
+        count = max(self._want_count, len(self._slots))
+        self._core.set_slots([], 0)
+        self._slots = []
+        slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        self._core.set_slots([s.data_ptr() for s in slots], nbytes)
+        self._slots, self._slot_bytes = slots, nbytes
+
+    def _stream(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.current_stream(self.device).cuda_stream
+        return 0
+
+    @contextmanager
+    def borrow(
+        self, flat: torch.Tensor, layout: Layout, max_inflight: int
+    ) -> Iterator[list[torch.Tensor | None]]:
+        """Device views of a unit's tensors, valid inside the ``with`` block on the current stream.
+
+        The copy was queued on the transfer stream; the current stream waits for it on the device.
+        On exit the slot is released after the kernels queued inside the block.
+        """
+        with self._lock:
+            self.reserve(layout.nbytes, max_inflight)
+            self._ensure_slots()
+            stream = self._stream()
+            index, _ = self._core.acquire(flat.data_ptr(), layout.nbytes, max_inflight, stream)
+        try:
+            slot = self._slots[index]
+            views = [
+                None
+                if e is None
+                else slot[e[0] : e[0] + _nbytes(e[1], layout.dtype)].view(layout.dtype).view(e[1])
+                for e in layout.entries
+            ]
+            yield views
+        finally:
+            self._core.release(index, stream)
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def push_grad(self, param: torch.nn.Parameter, grad: torch.Tensor, max_inflight: int) -> None:
+        """Runs ``param``'s gradient hooks on the device gradient, then queues its copy into a host
+        arena buffer; :meth:`finish` adds it to ``param.grad``."""
+        hooks = getattr(param, "_backward_hooks", None)
+        if hooks:
+            for hook in list(hooks.values()):
+                out = hook(grad)
+                if out is not None:
+                    grad = out
+        grad = grad.to(dtype=param.dtype).contiguous()
+        dst = _arena.host_empty(param.shape, param.dtype)
+        nbytes = grad.numel() * grad.element_size()
+        retired = self._core.copy_to_host(
+            dst.data_ptr(), grad.data_ptr(), nbytes, max_inflight, self._stream()
+        )
+        for _ in range(min(retired, len(self._grad_sources))):
+            self._grad_sources.popleft()
+        self._grad_sources.append(grad)
+        entry = self._pending.get(id(param))
+        if entry is None:
+            self._pending[id(param)] = (param, [dst])
+        else:
+            entry[1].append(dst)
+
+    def queue_finish(self) -> None:
+        """Asks autograd to call :meth:`finish` when the running backward pass ends."""
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self) -> None:
+        """Waits for every gradient copy (one synchronisation per backward) and accumulates the
+        host buffers into ``.grad``, then runs post-accumulate-grad hooks."""
+        if not self._pending and not self._grad_sources:
+            return
+        self._core.synchronize()
+        self._grad_sources.clear()
+        pending, self._pending = self._pending, {}
+        with torch.no_grad():
+            for param, bufs in pending.values():
+                total = bufs[0]
+                for b in bufs[1:]:
+                    total.add_(b)
+                if param.grad is None:
+                    param.grad = total
+                else:
+                    param.grad.add_(total)
+                post = getattr(param, "_post_accumulate_grad_hooks", None)
+                if post:
+                    for hook in list(post.values()):
+                        hook(param)
+
+    # -- synchronisation ------------------------------------------------------------------------
+
+    def synchronize_compute(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def synchronize(self) -> None:
+        """Waits for all copies of this device; pending gradients are written to ``.grad``."""
+        if self._pending or self._grad_sources:
+            self.finish()
+        else:
+            self._core.synchronize()
+
+    def stats(self) -> dict[str, float | int]:
+        s = dict(self._core.stats())
+        s["slots"] = len(self._slots)
+        s["slot_bytes"] = self._slot_bytes
+        s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
+        return s
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return _arena._nbytes(shape, dtype)
+
+
+_ENGINES: dict[torch.device, DeviceEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def engine_for(device: torch.device) -> DeviceEngine:
+    """The engine of ``device`` (normalised), created on first use."""
+    eng = _ENGINES.get(device)
+    if eng is None:
+        with _ENGINES_LOCK:
+            eng = _ENGINES.get(device)
+            if eng is None:
+                eng = DeviceEngine(device)
+                _ENGINES[device] = eng
+    return eng
+
+
+def engines() -> list[DeviceEngine]:
+    """Engines created so far."""
+    return list(_ENGINES.values())
