@@ -173,6 +173,15 @@ class DeviceEngine:
                     for hook in list(post.values()):
                         hook(param)
 
+    def drop_interrupted(self) -> None:
+        """Called outside backward: gradients still pending belong to a backward pass that raised
+        (Ctrl-C, an error in a hook) before its end. They are dropped, so an interrupted backward
+        writes no ``.grad`` at all, and the engine is ready for the next step."""
+        if (self._pending or self._grad_sources) and torch._C._current_graph_task_id() == -1:
+            self._core.synchronize()
+            self._grad_sources.clear()
+            self._pending.clear()
+
     # -- synchronisation ------------------------------------------------------------------------
 
     def synchronize_compute(self) -> None:

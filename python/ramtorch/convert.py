@@ -31,7 +31,8 @@ def replace_linear(
         device: compute device of the new layers (default: where each layer's weight is).
         max_inflight: copies in flight (default from the environment, else 2).
 
-    A Linear whose weight is shared with another module (tied embeddings) is left alone, with a
+    Projections inside ``nn.MultiheadAttention`` are left alone (it reads their weights directly
+    instead of calling them). A Linear whose weight is shared with another module (tied embeddings) is left alone, with a
     warning: moving it would untie the weights.
     """
     patterns = tuple(skip)
@@ -46,6 +47,8 @@ def replace_linear(
             qual = f"{name}.{child_name}" if name else child_name
             if not isinstance(child, nn.Linear) or isinstance(child, Linear):
                 continue
+            if isinstance(module, nn.MultiheadAttention):
+                continue  # reads out_proj.weight directly instead of calling the layer
             if any(fnmatch.fnmatchcase(qual, pat) for pat in patterns):
                 continue
             if child.weight.numel() < min_params:

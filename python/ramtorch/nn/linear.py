@@ -24,16 +24,19 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 class _LinearFn(torch.autograd.Function):
     """Forward and backward of a streamed Linear.
 
-    The CPU parameters are inputs (so autograd reaches this node and checks their versions) but
-    receive ``None`` from backward: their gradients travel device→host on the engine's gradient
-    stream and are written to ``.grad`` once, at the end of the backward pass.
+    The CPU parameters are not inputs of the node: their gradients travel device→host on the
+    engine's gradient stream and are written to ``.grad`` once, at the end of the backward pass
+    (with the parameters' hooks run by us, not by autograd). ``anchor`` is an empty leaf that
+    requires grad whenever a parameter does, so autograd reaches this node even when the input
+    does not require grad. The parameters are saved so that autograd still detects an in-place
+    change between forward and backward.
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Linear
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, layer: Linear) -> torch.Tensor:  # type: ignore[override]
+        weight, bias = layer.weight, layer.bias
         eng = _engine.engine_for(layer.compute_device)
+        eng.drop_interrupted()
         cdtype = _compute_dtype(x, weight)
         with eng.borrow(layer._flat, layer._layout, layer.max_inflight) as (w, b):
             with torch.autocast(x.device.type, enabled=False):
@@ -41,31 +44,33 @@ class _LinearFn(torch.autograd.Function):
                     x.to(cdtype), w.to(cdtype), None if b is None else b.to(cdtype)
                 )
         ctx.save_for_backward(x, weight, bias)
+        ctx.need_w = weight.requires_grad
+        ctx.need_b = bias is not None and bias.requires_grad
         ctx.layer = layer
         ctx.cdtype = cdtype
         return y
 
     @staticmethod
-    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         x, weight, bias = ctx.saved_tensors
         layer: Linear = ctx.layer
         cdtype: torch.dtype = ctx.cdtype
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.need_w, ctx.need_b
         eng = _engine.engine_for(layer.compute_device)
         g = gy.to(cdtype)
         gx = None
         if need_x:
             with eng.borrow(layer._flat, layer._layout, layer.max_inflight) as (w, _):
                 gx = g.matmul(w.to(cdtype)).to(x.dtype)
-        if need_w or (need_b and bias is not None):
+        if need_w or need_b:
             g2 = g.reshape(-1, layer.out_features)
             if need_w:
                 x2 = x.to(cdtype).reshape(-1, layer.in_features)
                 eng.push_grad(weight, g2.t().matmul(x2), layer.max_inflight)
-            if need_b and bias is not None:
+            if need_b:
                 eng.push_grad(bias, g2.sum(0), layer.max_inflight)
             eng.queue_finish()
-        return gx, None, None, None
+        return gx, None, None
 
 
 class Linear(nn.Linear):
@@ -122,6 +127,8 @@ class Linear(nn.Linear):
 
     def _set_home(self, flat: torch.Tensor) -> None:
         self._flat = flat
+        if getattr(self, "_anchor", None) is None:
+            self._anchor = torch.empty(0, requires_grad=True)
         self._layout = _engine.Layout(flat, [self.weight, self.bias])
         self._home_ptrs = (self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr())
         _engine.engine_for(self.compute_device).reserve(self._layout.nbytes, self.max_inflight)
@@ -221,7 +228,9 @@ class Linear(nn.Linear):
         self._check_input(input)
         if not self._is_home():
             self._rehome()
-        return _LinearFn.apply(input, self.weight, self.bias, self)
+        b = self.bias
+        wants_grad = self.weight.requires_grad or (b is not None and b.requires_grad)
+        return _LinearFn.apply(input, self._anchor if wants_grad else None, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, compute_device={self.compute_device}, weights=host"

@@ -1,0 +1,98 @@
+"""GPU-only behaviour: pinned memory, device memory bound, autocast with GradScaler, devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ramtorch
+import ramtorch.nn as rnn
+
+pytestmark = pytest.mark.gpu
+
+
+def test_parameters_and_grads_are_pinned_arena_memory():
+    layer = rnn.Linear(1024, 1024, device="cuda")
+    assert layer.weight.device.type == "cpu" and layer.weight.is_pinned()
+    layer(torch.randn(4, 1024, device="cuda")).sum().backward()
+    assert layer.weight.grad.is_pinned() and layer.bias.grad.is_pinned()
+    layer.zero_grad()
+    layer(torch.randn(4, 1024, device="cuda")).sum().backward()
+    assert layer.weight.grad.is_pinned()
+    host = ramtorch.stats()["host"]
+    assert host["pinned_bytes"] > 0 and host["pinning"]
+
+
+def test_gpu_memory_for_weights_is_max_inflight_plus_one_layers():
+    n, d = 12, 2048
+    model = nn.Sequential(*[rnn.Linear(d, d, bias=False, device="cuda", max_inflight=2) for _ in range(n)])
+    torch.cuda.synchronize()
+    x = torch.randn(8, d, device="cuda")
+    with torch.no_grad():
+        model(x)
+    s = ramtorch.stats()["devices"]["cuda:0"]
+    layer_bytes = d * d * 4
+    assert s["slots"] == 3 and s["slot_bytes"] == layer_bytes
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        model(x)
+    assert torch.cuda.max_memory_allocated() - base < layer_bytes, "no weight memory beyond the slots"
+    assert base < 4 * layer_bytes + 64 * 2**20
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_and_grad_scaler_match_nn_linear(dtype):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 8)).cuda()
+    ours = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 8)).cuda()
+    ours.load_state_dict(ref.state_dict())
+    ramtorch.replace_linear(ours)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, ours)]
+    scalers = [torch.amp.GradScaler("cuda", enabled=dtype == torch.float16) for _ in range(2)]
+    for step in range(5):
+        x = torch.randn(16, 64, device="cuda")
+        losses = []
+        for m, opt, sc in zip((ref, ours), opts, scalers):
+            with torch.autocast("cuda", dtype=dtype):
+                loss = m(x).float().pow(2).mean()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=2e-2), step
+    assert ours[0].weight.dtype == torch.float32 and ours[0].weight.device.type == "cpu"
+
+
+def test_input_on_the_wrong_device_names_the_layer():
+    layer = rnn.Linear(4, 4, device="cuda")
+    with pytest.raises(RuntimeError, match=r"Linear\(4, 4\).*input is on cpu.*cuda:0"):
+        layer(torch.randn(2, 4))
+    cpu_layer = rnn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="input is on cuda:0"):
+        cpu_layer(torch.randn(2, 4, device="cuda"))
+
+
+def test_model_cuda_moves_compute_not_weights():
+    model = nn.Sequential(rnn.Linear(8, 8)).cuda()
+    assert model[0].compute_device == torch.device("cuda", 0)
+    assert model[0].weight.device.type == "cpu" and model[0].weight.is_pinned()
+    out = model(torch.randn(2, 8, device="cuda"))
+    assert out.device.type == "cuda"
+    model.cpu()
+    assert model(torch.randn(2, 8)).device.type == "cpu"
+
+
+def test_non_default_stream():
+    ref = nn.Linear(32, 32).cuda()
+    ours = rnn.Linear.from_linear(ref)
+    s = torch.cuda.Stream()
+    x = torch.randn(4, 32, device="cuda")
+    torch.cuda.current_stream().synchronize()
+    with torch.cuda.stream(s):
+        y = ours(x)
+        y.sum().backward()
+    s.synchronize()
+    torch.testing.assert_close(y, ref(x))
