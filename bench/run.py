@@ -47,7 +47,6 @@ def bandwidth() -> dict[str, float]:
             h2.copy_(d2, non_blocking=True)
 
     duplex = 2 * n / run(both) / 1e9
-    del h, h2, d, d2
     return {"h2d_gbps": h2d, "d2h_gbps": d2h, "duplex_gbps": duplex}
 
 
@@ -55,7 +54,15 @@ def run_system(system: str, tokens: list[int], env_path: str | None, extra: list
     env = dict(os.environ)
     if env_path is not None:
         env["PYTHONPATH"] = env_path
-    cmd = [sys.executable, os.path.join(HERE, "w1.py"), "--system", system, "--tokens", *map(str, tokens), *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "w1.py"),
+        "--system",
+        system,
+        "--tokens",
+        *map(str, tokens),
+        *extra,
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         print(f"{system} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
@@ -90,9 +97,15 @@ def main() -> None:
             link = max(2 * w / (bw["h2d_gbps"] * 1e9), 3 * w / (bw["duplex_gbps"] * 1e9))
         r["limit_seconds"] = max(comp, link) if r["system"] != "resident" else comp
         r["limit_over_measured"] = r["limit_seconds"] / r["seconds"]
-        r.update(h2d_gbps=bw["h2d_gbps"], d2h_gbps=bw["d2h_gbps"], duplex_gbps=bw["duplex_gbps"],
-                 device=torch.cuda.get_device_name(), commit=a.commit, gpus=1,
-                 command="python3 bench/run.py " + " ".join(sys.argv[1:]))
+        r.update(
+            h2d_gbps=bw["h2d_gbps"],
+            d2h_gbps=bw["d2h_gbps"],
+            duplex_gbps=bw["duplex_gbps"],
+            device=torch.cuda.get_device_name(),
+            commit=a.commit,
+            gpus=1,
+            command="python3 bench/run.py " + " ".join(sys.argv[1:]),
+        )
     with open(a.out, "w") as fh:
         json.dump(records, fh, indent=1)
 

@@ -77,11 +77,11 @@ def main() -> None:
         x = torch.randn(t, a.d, device="cuda", dtype=torch.bfloat16)
         for phase in a.phases:
 
-            def fwd() -> None:
+            def fwd(x: torch.Tensor = x) -> None:
                 with torch.no_grad():
                     model(x)
 
-            def fwd_bwd() -> None:
+            def fwd_bwd(x: torch.Tensor = x) -> None:
                 loss = model(x).float().pow(2).mean()
                 loss.backward()
                 for p in params:
@@ -91,10 +91,16 @@ def main() -> None:
             base = torch.cuda.memory_allocated()
             s = timeit(fwd if phase == "forward" else fwd_bwd, warmup=2, reps=a.reps)
             rec = {
-                "workload": "W1", "tokens": t, "phase": phase, "system": a.system, "seconds": s,
+                "workload": "W1",
+                "tokens": t,
+                "phase": phase,
+                "system": a.system,
+                "seconds": s,
                 "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
                 "gpu_peak_above_base_bytes": torch.cuda.max_memory_allocated() - base,
-                "host_rss_bytes": rss(), "weight_bytes": wbytes, "params": sum(p.numel() for p in params),
+                "host_rss_bytes": rss(),
+                "weight_bytes": wbytes,
+                "params": sum(p.numel() for p in params),
             }
             if a.system == "ramtorch-linear":
                 import ramtorch

@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     for dev, s in stats["devices"].items():
         print(
             f"ramtorch {dev}: host->device {fmt_bytes(s['h2d_bytes'])} in {s['h2d_copies']} copies, "
-            f"device->host {fmt_bytes(s['d2h_bytes'])} in {s['d2h_copies']} copies"
+            f"device->host {fmt_bytes(s['d2h_bytes'])} in {s['d2h_copies']} copies, "
+            f"host waited {s['throttle_wait_seconds'] + s['sync_wait_seconds']:.2f} s"
         )
 
     prompt = b"import torch\n"

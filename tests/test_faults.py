@@ -7,11 +7,10 @@ import sys
 import textwrap
 
 import pytest
-import torch
-from torch import nn
-
 import ramtorch
 import ramtorch.nn as rnn
+import torch
+from torch import nn
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -141,7 +140,8 @@ def test_dataloader_with_forked_workers_next_to_the_engine():
         import torch, ramtorch
         from torch.utils.data import DataLoader, TensorDataset
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        model = torch.nn.Sequential(ramtorch.nn.Linear(8, 8), torch.nn.ReLU(), ramtorch.nn.Linear(8, 1)).to(dev)
+        rl = ramtorch.nn.Linear
+        model = torch.nn.Sequential(rl(8, 8), torch.nn.ReLU(), rl(8, 1)).to(dev)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ds = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
         dl = DataLoader(ds, batch_size=32, num_workers=2, multiprocessing_context="fork")

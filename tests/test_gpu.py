@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
-
 import ramtorch
 import ramtorch.nn as rnn
+import torch
+from torch import nn
 
 pytestmark = pytest.mark.gpu
 

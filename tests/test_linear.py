@@ -7,13 +7,12 @@ import io
 import pickle
 
 import pytest
+import ramtorch
+import ramtorch.nn as rnn
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-
-import ramtorch
-import ramtorch.nn as rnn
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -66,7 +65,7 @@ def test_forward_and_gradients_match_nn_linear(device, i, o, lead, bias, dtype, 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradients_accumulate_over_backwards_and_zero_grad(device):
     ref, ours = twins(16, 8, True, torch.float32, device)
-    for k in range(3):
+    for _ in range(3):
         x = torch.randn(5, 16, device=device)
         ref(x).pow(2).sum().backward()
         ours(x).pow(2).sum().backward()
@@ -186,8 +185,12 @@ def test_replace_linear_and_twenty_adamw_steps_match(device):
             opt.zero_grad()
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    # Losses agree to 1e-5 (above). Parameters: on CPU the kernels are the same as nn.Linear's; on
+    # CUDA a gradient reduction may sum in another order, and Adam turns the last-bit differences of
+    # near-zero gradients into updates of up to lr, so the parameter check is looser there.
+    atol = 1e-6 if device == "cpu" else 5e-5
     for (n, pr), po in zip(ref.named_parameters(), ours.parameters()):
-        torch.testing.assert_close(pr.detach().cpu(), po.detach().cpu(), rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(pr.detach().cpu(), po.detach().cpu(), rtol=1e-5, atol=atol, msg=n)
 
 
 def test_replace_linear_keeps_tied_and_attention_layers():
@@ -255,8 +258,12 @@ def test_state_dict_save_load_deepcopy_pickle():
 def test_dtype_conversions_stay_in_the_arena():
     ref, ours = twins(16, 16, True, torch.float32, "cpu")
     ours(torch.randn(2, 16)).sum().backward()
-    for conv, dt in ((lambda m: m.half(), torch.float16), (lambda m: m.bfloat16(), torch.bfloat16),
-                     (lambda m: m.to(torch.float64), torch.float64), (lambda m: m.float(), torch.float32)):
+    for conv, dt in (
+        (lambda m: m.half(), torch.float16),
+        (lambda m: m.bfloat16(), torch.bfloat16),
+        (lambda m: m.to(torch.float64), torch.float64),
+        (lambda m: m.float(), torch.float32),
+    ):
         before = ramtorch.stats()["host"]["regions"]
         conv(ours)
         assert ours.weight.dtype == ours.bias.dtype == dt and ours._is_home()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import _arena, _core, _engine, nn
+from . import _core, _engine, nn
 from ._core import CudaError
 from .convert import replace_linear
 

@@ -32,8 +32,8 @@ def replace_linear(
         max_inflight: copies in flight (default from the environment, else 2).
 
     Projections inside ``nn.MultiheadAttention`` are left alone (it reads their weights directly
-    instead of calling them). A Linear whose weight is shared with another module (tied embeddings) is left alone, with a
-    warning: moving it would untie the weights.
+    instead of calling them). A Linear whose weight is shared with another module (tied
+    embeddings) is left alone, with a warning: moving it would untie the weights.
     """
     patterns = tuple(skip)
     if isinstance(model, nn.Linear) and not isinstance(model, Linear):

@@ -40,9 +40,7 @@ class _LinearFn(torch.autograd.Function):
         cdtype = _compute_dtype(x, weight)
         with eng.borrow(layer._flat, layer._layout, layer.max_inflight) as (w, b):
             with torch.autocast(x.device.type, enabled=False):
-                y = F.linear(
-                    x.to(cdtype), w.to(cdtype), None if b is None else b.to(cdtype)
-                )
+                y = F.linear(x.to(cdtype), w.to(cdtype), None if b is None else b.to(cdtype))
         ctx.save_for_backward(x, weight, bias)
         ctx.need_w = weight.requires_grad
         ctx.need_b = bias is not None and bias.requires_grad
@@ -68,7 +66,8 @@ class _LinearFn(torch.autograd.Function):
                 x2 = x.to(cdtype).reshape(-1, layer.in_features)
                 eng.push_grad(weight, g2.t().matmul(x2), layer.max_inflight)
             if need_b:
-                eng.push_grad(bias, g2.sum(0), layer.max_inflight)
+                # Reduce over the leading dims as nn.Linear's backward does (same summation order).
+                eng.push_grad(bias, g.sum(dim=tuple(range(g.dim() - 1))), layer.max_inflight)
             eng.queue_finish()
         return gx, None, None
 

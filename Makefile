@@ -1,0 +1,39 @@
+# One-command setup, test and demo. The virtualenv lives outside the clone (a cache) so repeated
+# runs do not download torch again; override with RAMTORCH_VENV=/path.
+RAMTORCH_VENV ?= $(HOME)/.cache/ramtorch/venv
+PY := $(RAMTORCH_VENV)/bin/python
+ACT := VIRTUAL_ENV=$(RAMTORCH_VENV) PATH=$(RAMTORCH_VENV)/bin:$$PATH
+
+.PHONY: setup build test test-rust test-python lint demo bench-stage clean
+
+setup: $(RAMTORCH_VENV)/.ramtorch-deps
+
+$(RAMTORCH_VENV)/.ramtorch-deps: Makefile
+	@command -v cargo >/dev/null || { echo "a Rust toolchain (cargo) is required: https://rustup.rs"; exit 1; }
+	test -x $(PY) || python3 -m venv $(RAMTORCH_VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch>=2.4" numpy "hypothesis>=6" "pytest>=8" tqdm "ruff>=0.6" "maturin>=1.7,<2"
+	touch $@
+
+build: setup
+	$(ACT) maturin develop --release -q
+
+test: build lint test-rust test-python
+
+test-rust:
+	cargo test --workspace --release
+
+test-python: build
+	$(ACT) python -m pytest tests -q
+
+lint: setup
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --release -q -- -D warnings
+	$(ACT) ruff check python tests bench examples
+	$(ACT) ruff format --check python tests bench examples
+
+demo: build
+	$(ACT) python examples/demo.py
+
+clean:
+	cargo clean
