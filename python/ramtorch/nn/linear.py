@@ -67,7 +67,8 @@ class _LinearFn(torch.autograd.Function):
                 eng.push_grad(weight, g2.t().matmul(x2), layer.max_inflight)
             if need_b:
                 # Reduce over the leading dims as nn.Linear's backward does (same summation order).
-                eng.push_grad(bias, g.sum(dim=tuple(range(g.dim() - 1))), layer.max_inflight)
+                gb = g if g.dim() == 1 else g.sum(dim=tuple(range(g.dim() - 1)))
+                eng.push_grad(bias, gb, layer.max_inflight)
             eng.queue_finish()
         return gx, None, None
 
