@@ -72,6 +72,15 @@ def run_system(system: str, tokens: list[int], env_path: str | None, extra: list
     return out
 
 
+def command_line() -> str:
+    """This run's command, with the output file and baseline folder reduced to placeholders."""
+    args, out = sys.argv[1:], []
+    for i, a in enumerate(args):
+        prev = args[i - 1] if i else ""
+        out.append({"--out": "w1.json", "--baseline": "BASELINE", "--ours": "OURS"}.get(prev, a))
+    return "python3 bench/run.py " + " ".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
