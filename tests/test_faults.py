@@ -167,3 +167,17 @@ def test_stats_count_the_bytes_that_moved():
     assert eng["d2h_bytes"] - eng_before["d2h_bytes"] == (32 * 16 + 16) * 4, "weight and bias grads"
     host = ramtorch.stats()["host"]
     assert host["in_use_bytes"] <= host["reserved_bytes"]
+
+
+def test_cuda_failures_are_python_exceptions_naming_the_operation():
+    from ramtorch import _core
+
+    with pytest.raises(ramtorch.CudaError, match=r"Engine\(\): CUDA is not available: .*(cuda:63|libcuda)"):
+        _core.Engine("cuda", 63)
+    with pytest.raises(ValueError, match="unsupported device type"):
+        _core.Engine("tpu")
+    eng = _core.Engine("cpu")
+    with pytest.raises(ValueError, match=r"acquire: a unit of 64 bytes does not fit"):
+        eng.acquire(0, 64, 2, 0)
+    with pytest.raises(ValueError, match="release: no device slot 5"):
+        eng.release(5, 0)
