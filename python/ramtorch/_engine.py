@@ -105,7 +105,6 @@ class DeviceEngine:
         On exit the slot is released after the kernels queued inside the block.
         """
         with self._lock:
-            self.reserve(layout.nbytes, max_inflight)
             self._ensure_slots()
             stream = self._stream()
             index, _ = self._core.acquire(flat.data_ptr(), layout.nbytes, max_inflight, stream)
@@ -114,7 +113,7 @@ class DeviceEngine:
             views = [
                 None
                 if e is None
-                else slot[e[0] : e[0] + _nbytes(e[1], layout.dtype)].view(layout.dtype).view(e[1])
+                else slot[e[0] : e[0] + _arena._nbytes(e[1], layout.dtype)].view(layout.dtype).view(e[1])
                 for e in layout.entries
             ]
             yield views
@@ -201,10 +200,6 @@ class DeviceEngine:
         s["slot_bytes"] = self._slot_bytes
         s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
         return s
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return _arena._nbytes(shape, dtype)
 
 
 _ENGINES: dict[torch.device, DeviceEngine] = {}
