@@ -171,7 +171,7 @@ impl Drop for Stream {
     }
 }
 
-/// An event without timing (the cheapest kind), used to order streams.
+/// A CUDA event: without timing (the cheapest kind) to order streams, or timed for telemetry.
 pub struct Event {
     ctx: Context,
     raw: sys::CUevent,
@@ -185,17 +185,35 @@ unsafe impl Sync for Event {}
 impl Event {
     /// Creates an event with timing disabled.
     pub fn new(ctx: &Context) -> Result<Self> {
+        Self::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+    }
+
+    /// Creates an event that records a timestamp (see [`Event::elapsed_ms`]).
+    pub fn new_timed(ctx: &Context) -> Result<Self> {
+        Self::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+    }
+
+    fn with_flags(ctx: &Context, flags: u32) -> Result<Self> {
         ctx.bind()?;
         let mut raw: sys::CUevent = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the context is current.
-        let r = unsafe {
-            sys::cuEventCreate(&mut raw, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-        };
+        let r = unsafe { sys::cuEventCreate(&mut raw, flags) };
         check("cuEventCreate", r)?;
         Ok(Self {
             ctx: ctx.clone(),
             raw,
         })
+    }
+
+    /// Milliseconds between two completed timed events.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        self.ctx.bind()?;
+        let mut ms = 0f32;
+        // SAFETY: both events are live; `ms` is a valid out-pointer.
+        check("cuEventElapsedTime", unsafe {
+            sys::cuEventElapsedTime_v2(&mut ms, self.raw, end.raw)
+        })?;
+        Ok(ms)
     }
 
     /// Records the event on `stream` (a raw handle: ours or torch's).

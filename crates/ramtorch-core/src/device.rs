@@ -6,6 +6,7 @@
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crate::cuda;
 use crate::error::{Error, Result};
@@ -28,6 +29,15 @@ pub trait Device: Send + Sync + 'static {
     type Event: Send + Sync;
     /// A fresh event.
     fn new_event(&self) -> Result<Self::Event>;
+    /// A fresh event that also records when it completes (see [`Device::elapsed_ms`]). Devices
+    /// without timing return a plain event.
+    fn new_timed_event(&self) -> Result<Self::Event> {
+        self.new_event()
+    }
+    /// Milliseconds between two completed timed events, `None` where the device cannot tell.
+    fn elapsed_ms(&self, _start: &Self::Event, _end: &Self::Event) -> Result<Option<f64>> {
+        Ok(None)
+    }
     /// Captures the work queued on `lane` so far.
     fn record(&self, ev: &Self::Event, lane: Lane) -> Result<()>;
     /// Makes `lane` wait for the work captured by the last `record` of `ev`.
@@ -96,6 +106,12 @@ impl Device for CudaDevice {
     fn new_event(&self) -> Result<cuda::Event> {
         cuda::Event::new(&self.ctx)
     }
+    fn new_timed_event(&self) -> Result<cuda::Event> {
+        cuda::Event::new_timed(&self.ctx)
+    }
+    fn elapsed_ms(&self, start: &cuda::Event, end: &cuda::Event) -> Result<Option<f64>> {
+        start.elapsed_ms(end).map(|ms| Some(f64::from(ms)))
+    }
     fn record(&self, ev: &cuda::Event, lane: Lane) -> Result<()> {
         ev.record(self.raw(lane))
     }
@@ -136,12 +152,13 @@ impl Device for CudaDevice {
 // ---------------------------------------------------------------------------------------------
 // Host
 
-/// An event of the host device: how many times it was recorded, and how many of those records
-/// the lane that recorded it has reached.
+/// An event of the host device: how many times it was recorded, how many of those records the
+/// lane that recorded it has reached, and when it last completed.
 #[derive(Default)]
 pub struct HostEvent {
     state: Mutex<(u64, u64)>,
     cv: Condvar,
+    done_at: Mutex<Option<Instant>>,
 }
 
 impl HostEvent {
@@ -158,10 +175,16 @@ impl HostEvent {
         }
     }
     fn complete(&self, generation: u64) {
+        if let Ok(mut t) = self.done_at.lock() {
+            *t = Some(Instant::now());
+        }
         if let Ok(mut s) = self.state.lock() {
             s.1 = s.1.max(generation);
         }
         self.cv.notify_all();
+    }
+    fn completed_at(&self) -> Option<Instant> {
+        self.done_at.lock().ok().and_then(|t| *t)
     }
     fn wait_for(&self, generation: u64) {
         let Ok(mut s) = self.state.lock() else { return };
@@ -277,6 +300,15 @@ impl Device for HostDevice {
     type Event = Arc<HostEvent>;
     fn new_event(&self) -> Result<Arc<HostEvent>> {
         Ok(Arc::new(HostEvent::default()))
+    }
+    fn elapsed_ms(&self, start: &Arc<HostEvent>, end: &Arc<HostEvent>) -> Result<Option<f64>> {
+        Ok(match (start.completed_at(), end.completed_at()) {
+            (Some(a), Some(b)) => Some(match b.checked_duration_since(a) {
+                Some(d) => d.as_secs_f64() * 1e3,
+                None => -(a.duration_since(b).as_secs_f64() * 1e3),
+            }),
+            _ => None,
+        })
     }
     fn record(&self, ev: &Arc<HostEvent>, lane: Lane) -> Result<()> {
         let g = ev.next_generation();

@@ -15,6 +15,17 @@
 //!    gradient copies have completed so the caller can free their device buffers in order.
 //! 5. **synchronize** — end of backward: both engine lanes drained, every gradient is on the host.
 //!
+//! Acquire is two steps that a caller may split: **prefetch** issues the copy into a slot (the
+//! slot is then held) and **claim** makes a compute lane wait for it. A caller that knows the
+//! order of units (the itinerary) prefetches ahead and claims at the point of use, so the copy
+//! overlaps the compute queued in between. A prefetch may name the unit by a key: a released slot
+//! still holding that key's bytes is handed back without a copy (the last unit of a forward pass
+//! is the first of the backward pass), and eviction skips the keys the caller says it needs soon.
+//!
+//! Copies and compute-lane waits are timed with device events, harvested lazily once complete:
+//! achieved bandwidth and the time compute waited on copies come from them, and, while a trace is
+//! on, per-unit records for a Chrome trace.
+//!
 //! Slot memory belongs to the caller (torch's caching allocator, so torch's memory accounting sees
 //! it); the engine only holds its addresses.
 
@@ -58,25 +69,88 @@ pub struct EngineStats {
     pub throttle_wait_seconds: f64,
     /// Seconds the host spent in `synchronize`.
     pub sync_wait_seconds: f64,
+    /// Device seconds spent in timed host→device copies (completed ones).
+    pub h2d_seconds: f64,
+    /// Bytes of the timed host→device copies counted in `h2d_seconds`.
+    pub h2d_timed_bytes: u64,
+    /// Device seconds spent in timed device→host copies.
+    pub d2h_seconds: f64,
+    /// Bytes of the timed device→host copies counted in `d2h_seconds`.
+    pub d2h_timed_bytes: u64,
+    /// Seconds compute lanes spent waiting for weight copies.
+    pub stall_seconds: f64,
+    /// Claims (compute-lane waits on a copy) issued.
+    pub claims: u64,
+    /// Prefetches served from a slot that still held the unit (no copy).
+    pub reuses: u64,
+    /// Bytes not copied thanks to those reuses.
+    pub reused_bytes: u64,
+}
+
+/// One timed span or instant, in milliseconds since the trace started.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceRecord {
+    /// `"h2d"`, `"d2h"`, `"wait"` (a compute lane waiting for a copy) or `"mark"` (an instant on a
+    /// compute lane; `code` says which).
+    pub kind: &'static str,
+    /// The caller's tag (a unit id).
+    pub tag: u64,
+    /// The caller's code of a mark; 0 otherwise.
+    pub code: u64,
+    /// Bytes moved (copies only).
+    pub bytes: u64,
+    /// Start, ms after the trace began.
+    pub start_ms: f64,
+    /// End, ms after the trace began.
+    pub end_ms: f64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    H2d,
+    D2h,
+    Wait,
+    Mark,
+}
+
+struct Timing<E> {
+    kind: Kind,
+    tag: u64,
+    code: u64,
+    bytes: u64,
+    start: E,
+    end: Option<E>,
 }
 
 struct Slot<E> {
     ptr: u64,
     free: E,
+    ready: E,
     held: bool,
+    owner: Option<u64>,
+    used: u64,
 }
 
 struct State<E> {
     slots: Vec<Slot<E>>,
     slot_bytes: usize,
-    next: usize,
+    tick: u64,
     h2d: VecDeque<E>,
     d2h: VecDeque<E>,
     h2d_spare: Vec<E>,
     d2h_spare: Vec<E>,
+    timed_spare: Vec<E>,
+    timings: Vec<Timing<E>>,
     compute_mark: Option<E>,
+    trace_base: Option<E>,
+    trace: Vec<TraceRecord>,
     stats: EngineStats,
 }
+
+/// Most timed records kept while a trace is on (older ones are dropped beyond it).
+const MAX_TRACE_RECORDS: usize = 1 << 20;
+/// Most timings awaiting completion; beyond it new copies go untimed rather than grow memory.
+const MAX_PENDING_TIMINGS: usize = 1 << 16;
 
 /// The engine of one device.
 pub struct Engine<D: Device> {
@@ -92,12 +166,16 @@ impl<D: Device> Engine<D> {
             state: Mutex::new(State {
                 slots: Vec::new(),
                 slot_bytes: 0,
-                next: 0,
+                tick: 0,
                 h2d: VecDeque::new(),
                 d2h: VecDeque::new(),
                 h2d_spare: Vec::new(),
                 d2h_spare: Vec::new(),
+                timed_spare: Vec::new(),
+                timings: Vec::new(),
                 compute_mark: None,
+                trace_base: None,
+                trace: Vec::new(),
                 stats: EngineStats::default(),
             }),
         }
@@ -136,15 +214,163 @@ impl<D: Device> Engine<D> {
             slots.push(Slot {
                 ptr,
                 free: self.dev.new_event()?,
+                ready: self.dev.new_event()?,
                 held: false,
+                owner: None,
+                used: 0,
             });
         }
         let spent: Vec<_> = s.h2d.drain(..).collect();
         s.h2d_spare.extend(spent);
         s.slots = slots;
         s.slot_bytes = bytes;
-        s.next = 0;
         Ok(())
+    }
+
+    fn timed_event(&self, s: &mut State<D::Event>) -> Result<D::Event> {
+        match s.timed_spare.pop() {
+            Some(e) => Ok(e),
+            None => self.dev.new_timed_event(),
+        }
+    }
+
+    /// Moves completed timings into the counters (and the trace, while one is on).
+    fn harvest(&self, s: &mut State<D::Event>) -> Result<()> {
+        if s.timings.is_empty() {
+            return Ok(());
+        }
+        let base_done = match &s.trace_base {
+            Some(b) => self.dev.is_complete(b)?,
+            None => true,
+        };
+        let mut keep = Vec::with_capacity(s.timings.len());
+        for t in std::mem::take(&mut s.timings) {
+            let last = t.end.as_ref().unwrap_or(&t.start);
+            if !base_done || !self.dev.is_complete(last)? || !self.dev.is_complete(&t.start)? {
+                keep.push(t);
+                continue;
+            }
+            let ms = match &t.end {
+                Some(end) => self.dev.elapsed_ms(&t.start, end)?,
+                None => Some(0.0),
+            };
+            if let Some(ms) = ms {
+                let secs = ms.max(0.0) / 1e3;
+                match t.kind {
+                    Kind::H2d => {
+                        s.stats.h2d_seconds += secs;
+                        s.stats.h2d_timed_bytes += t.bytes;
+                    }
+                    Kind::D2h => {
+                        s.stats.d2h_seconds += secs;
+                        s.stats.d2h_timed_bytes += t.bytes;
+                    }
+                    Kind::Wait => s.stats.stall_seconds += secs,
+                    Kind::Mark => {}
+                }
+            }
+            if let Some(base) = &s.trace_base {
+                let start = self.dev.elapsed_ms(base, &t.start)?;
+                if let (Some(start), Some(ms)) = (start, ms) {
+                    if s.trace.len() < MAX_TRACE_RECORDS {
+                        s.trace.push(TraceRecord {
+                            kind: match t.kind {
+                                Kind::H2d => "h2d",
+                                Kind::D2h => "d2h",
+                                Kind::Wait => "wait",
+                                Kind::Mark => "mark",
+                            },
+                            tag: t.tag,
+                            code: t.code,
+                            bytes: t.bytes,
+                            start_ms: start,
+                            end_ms: start + ms.max(0.0),
+                        });
+                    }
+                }
+            }
+            s.timed_spare.push(t.start);
+            if let Some(e) = t.end {
+                s.timed_spare.push(e);
+            }
+        }
+        s.timings = keep;
+        Ok(())
+    }
+
+    /// Starts a timed span on `lane` (`None` when too many timings are pending).
+    fn span_start(&self, s: &mut State<D::Event>, lane: Lane) -> Result<Option<D::Event>> {
+        if s.timings.len() >= MAX_PENDING_TIMINGS {
+            return Ok(None);
+        }
+        let e = self.timed_event(s)?;
+        self.dev.record(&e, lane)?;
+        Ok(Some(e))
+    }
+
+    fn span_end(
+        &self,
+        s: &mut State<D::Event>,
+        start: Option<D::Event>,
+        lane: Lane,
+        kind: Kind,
+        tag: u64,
+        bytes: u64,
+    ) -> Result<()> {
+        if let Some(start) = start {
+            let end = self.timed_event(s)?;
+            self.dev.record(&end, lane)?;
+            s.timings.push(Timing {
+                kind,
+                tag,
+                code: 0,
+                bytes,
+                start,
+                end: Some(end),
+            });
+        }
+        Ok(())
+    }
+
+    /// Blocks the host while `max_inflight` or more copies of `queue` are in flight. Returns how
+    /// many copies of the queue are known complete (in issue order).
+    fn throttle(&self, s: &mut State<D::Event>, d2h: bool, max_inflight: usize) -> Result<usize> {
+        let mut retired = 0;
+        loop {
+            let q = if d2h { &mut s.d2h } else { &mut s.h2d };
+            let Some(front) = q.front() else { break };
+            if !self.dev.is_complete(front)? {
+                break;
+            }
+            let ev = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
+            if d2h {
+                s.d2h_spare.push(ev);
+            } else {
+                s.h2d_spare.push(ev);
+            }
+            retired += 1;
+        }
+        let len = if d2h { s.d2h.len() } else { s.h2d.len() };
+        if len >= max_inflight {
+            let t = Instant::now();
+            loop {
+                let q = if d2h { &mut s.d2h } else { &mut s.h2d };
+                if q.len() < max_inflight {
+                    break;
+                }
+                let ev = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
+                self.dev.synchronize(&ev)?;
+                if d2h {
+                    s.d2h_spare.push(ev);
+                } else {
+                    s.h2d_spare.push(ev);
+                }
+                retired += 1;
+            }
+            s.stats.throttle_waits += 1;
+            s.stats.throttle_wait_seconds += t.elapsed().as_secs_f64();
+        }
+        Ok(retired)
     }
 
     /// Copies `n` bytes at `src` into a free slot and makes the compute lane `compute` wait for
@@ -159,6 +385,34 @@ impl<D: Device> Engine<D> {
         max_inflight: usize,
         compute: u64,
     ) -> Result<(usize, u64)> {
+        // SAFETY: forwarded from the caller's contract.
+        let (index, ptr, _) = unsafe { self.prefetch(None, src, n, max_inflight, &[], 0)? };
+        if let Err(e) = self.claim(index, compute, 0) {
+            let _ = self.release(index, compute);
+            return Err(e);
+        }
+        Ok((index, ptr))
+    }
+
+    /// Issues the copy of `n` bytes at `src` into a free slot, which stays held until
+    /// [`Engine::release`]; nothing waits for the copy until [`Engine::claim`]. With a `key`, a
+    /// released slot whose last copy was that key's is handed back without copying (`false` in
+    /// the result). The slot to overwrite is one holding no key, else one holding a key not in
+    /// `keep`, least recently used first. Returns the slot index, its device address and whether
+    /// a copy was issued.
+    ///
+    /// # Safety
+    /// `src..src+n` must stay readable until the copy has run (see [`Engine::synchronize`]); a
+    /// key must name the same bytes for as long as it is used.
+    pub unsafe fn prefetch(
+        &self,
+        key: Option<u64>,
+        src: *const u8,
+        n: usize,
+        max_inflight: usize,
+        keep: &[u64],
+        tag: u64,
+    ) -> Result<(usize, u64, bool)> {
         let max_inflight = validate_max_inflight(max_inflight)?;
         let mut guard = self.lock()?;
         let s = &mut *guard;
@@ -168,30 +422,44 @@ impl<D: Device> Engine<D> {
                 s.slot_bytes
             )));
         }
-        let count = s.slots.len();
-        let index = (0..count)
-            .map(|k| (s.next + k) % count.max(1))
-            .find(|&i| !s.slots[i].held)
-            .ok_or(Error::SlotsExhausted { slots: count })?;
+        self.harvest(s)?;
+        s.tick += 1;
+        let tick = s.tick;
+        if let Some(k) = key {
+            if let Some(i) = s.slots.iter().position(|x| x.owner == Some(k)) {
+                if s.slots[i].held {
+                    return Err(Error::InvalidArgument(format!(
+                        "unit {k} is already held in device slot {i}"
+                    )));
+                }
+                let slot = &mut s.slots[i];
+                slot.held = true;
+                slot.used = tick;
+                let ptr = slot.ptr;
+                s.stats.reuses += 1;
+                s.stats.reused_bytes += n as u64;
+                return Ok((i, ptr, false));
+            }
+        }
+        let index = s
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| !x.held)
+            .min_by_key(|(_, x)| {
+                let rank = match x.owner {
+                    None => 0,
+                    Some(o) if !keep.contains(&o) => 1,
+                    Some(_) => 2,
+                };
+                (rank, x.used)
+            })
+            .map(|(i, _)| i)
+            .ok_or(Error::SlotsExhausted {
+                slots: s.slots.len(),
+            })?;
 
-        // Throttle: retire finished copies, then block on the oldest while too many are in flight.
-        while let Some(front) = s.h2d.front() {
-            if !self.dev.is_complete(front)? {
-                break;
-            }
-            let ev = s.h2d.pop_front().ok_or(Error::Worker("h2d queue".into()))?;
-            s.h2d_spare.push(ev);
-        }
-        if s.h2d.len() >= max_inflight {
-            let t = Instant::now();
-            while s.h2d.len() >= max_inflight {
-                let ev = s.h2d.pop_front().ok_or(Error::Worker("h2d queue".into()))?;
-                self.dev.synchronize(&ev)?;
-                s.h2d_spare.push(ev);
-            }
-            s.stats.throttle_waits += 1;
-            s.stats.throttle_wait_seconds += t.elapsed().as_secs_f64();
-        }
+        self.throttle(s, false, max_inflight)?;
 
         let slot_ptr = s.slots[index].ptr;
         let copied = match s.h2d_spare.pop() {
@@ -199,24 +467,52 @@ impl<D: Device> Engine<D> {
             None => self.dev.new_event()?,
         };
         self.dev.wait(Lane::Transfer, &s.slots[index].free)?;
+        let t0 = self.span_start(s, Lane::Transfer)?;
         if n > 0 {
             // SAFETY: the caller keeps `src` readable; the slot holds `slot_bytes >= n` bytes and is
             // not rewritten before its free event, which orders this copy after earlier readers.
             unsafe { self.dev.copy_to_device(Lane::Transfer, slot_ptr, src, n)? };
         }
+        self.span_end(s, t0, Lane::Transfer, Kind::H2d, tag, n as u64)?;
         self.dev.record(&copied, Lane::Transfer)?;
-        self.dev.wait(Lane::Compute(compute), &copied)?;
+        self.dev.record(&s.slots[index].ready, Lane::Transfer)?;
         s.h2d.push_back(copied);
-        s.slots[index].held = true;
-        s.next = (index + 1) % count;
+        let slot = &mut s.slots[index];
+        slot.held = true;
+        slot.owner = key;
+        slot.used = tick;
         s.stats.h2d_bytes += n as u64;
         s.stats.h2d_copies += 1;
-        Ok((index, slot_ptr))
+        Ok((index, slot_ptr, true))
+    }
+
+    /// Makes the compute lane `compute` wait (on the device) for the copy into held slot `index`.
+    pub fn claim(&self, index: usize, compute: u64, tag: u64) -> Result<()> {
+        let mut guard = self.lock()?;
+        let s = &mut *guard;
+        match s.slots.get(index) {
+            Some(x) if x.held => {}
+            Some(_) => {
+                return Err(Error::InvalidArgument(format!(
+                    "device slot {index} is not held"
+                )))
+            }
+            None => return Err(Error::InvalidArgument(format!("no device slot {index}"))),
+        }
+        let lane = Lane::Compute(compute);
+        let t0 = self.span_start(s, lane)?;
+        self.dev.wait(lane, &s.slots[index].ready)?;
+        self.span_end(s, t0, lane, Kind::Wait, tag, 0)?;
+        s.stats.claims += 1;
+        Ok(())
     }
 
     /// Gives slot `index` back once the work queued so far on `compute` is done.
     pub fn release(&self, index: usize, compute: u64) -> Result<()> {
-        let mut s = self.lock()?;
+        let mut guard = self.lock()?;
+        let s = &mut *guard;
+        s.tick += 1;
+        let tick = s.tick;
         let slot = s
             .slots
             .get_mut(index)
@@ -228,7 +524,64 @@ impl<D: Device> Engine<D> {
         }
         self.dev.record(&slot.free, Lane::Compute(compute))?;
         slot.held = false;
+        slot.used = tick;
         Ok(())
+    }
+
+    /// Forgets which unit each slot holds (their bytes are no longer trusted): the next prefetch
+    /// of any key copies again.
+    pub fn invalidate(&self) -> Result<()> {
+        let mut s = self.lock()?;
+        for slot in s.slots.iter_mut() {
+            slot.owner = None;
+        }
+        Ok(())
+    }
+
+    /// Records an instant on `compute` for the trace (no effect while no trace is on).
+    pub fn mark(&self, compute: u64, tag: u64, code: u64) -> Result<()> {
+        let mut guard = self.lock()?;
+        let s = &mut *guard;
+        if s.trace_base.is_none() || s.timings.len() >= MAX_PENDING_TIMINGS {
+            return Ok(());
+        }
+        let e = self.timed_event(s)?;
+        self.dev.record(&e, Lane::Compute(compute))?;
+        s.timings.push(Timing {
+            kind: Kind::Mark,
+            tag,
+            code,
+            bytes: 0,
+            start: e,
+            end: None,
+        });
+        Ok(())
+    }
+
+    /// Starts a trace: timed records from now on are kept, relative to this point on `compute`.
+    pub fn trace_start(&self, compute: u64) -> Result<()> {
+        let mut guard = self.lock()?;
+        let s = &mut *guard;
+        self.harvest(s)?;
+        let base = self.timed_event(s)?;
+        self.dev.record(&base, Lane::Compute(compute))?;
+        s.trace_base = Some(base);
+        s.trace.clear();
+        Ok(())
+    }
+
+    /// Ends the trace and returns its records. The caller must first have drained its compute
+    /// lanes; the engine drains its own.
+    pub fn trace_stop(&self) -> Result<Vec<TraceRecord>> {
+        let mut guard = self.lock()?;
+        let s = &mut *guard;
+        self.dev.synchronize_lane(Lane::Transfer)?;
+        self.dev.synchronize_lane(Lane::Gradient)?;
+        self.harvest(s)?;
+        if let Some(b) = s.trace_base.take() {
+            s.timed_spare.push(b);
+        }
+        Ok(std::mem::take(&mut s.trace))
     }
 
     /// Copies `n` device bytes at `src` to host `dst` on the gradient lane, after the work queued so
@@ -245,29 +598,28 @@ impl<D: Device> Engine<D> {
         max_inflight: usize,
         compute: u64,
     ) -> Result<usize> {
+        // SAFETY: forwarded.
+        unsafe { self.copy_to_host_tagged(dst, src, n, max_inflight, compute, 0) }
+    }
+
+    /// [`Engine::copy_to_host`] with a trace tag.
+    ///
+    /// # Safety
+    /// As for [`Engine::copy_to_host`].
+    pub unsafe fn copy_to_host_tagged(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        n: usize,
+        max_inflight: usize,
+        compute: u64,
+        tag: u64,
+    ) -> Result<usize> {
         let max_inflight = validate_max_inflight(max_inflight)?;
         let mut guard = self.lock()?;
         let s = &mut *guard;
-        let mut retired = 0;
-        while let Some(front) = s.d2h.front() {
-            if !self.dev.is_complete(front)? {
-                break;
-            }
-            let ev = s.d2h.pop_front().ok_or(Error::Worker("d2h queue".into()))?;
-            s.d2h_spare.push(ev);
-            retired += 1;
-        }
-        if s.d2h.len() >= max_inflight {
-            let t = Instant::now();
-            while s.d2h.len() >= max_inflight {
-                let ev = s.d2h.pop_front().ok_or(Error::Worker("d2h queue".into()))?;
-                self.dev.synchronize(&ev)?;
-                s.d2h_spare.push(ev);
-                retired += 1;
-            }
-            s.stats.throttle_waits += 1;
-            s.stats.throttle_wait_seconds += t.elapsed().as_secs_f64();
-        }
+        self.harvest(s)?;
+        let retired = self.throttle(s, true, max_inflight)?;
         if s.compute_mark.is_none() {
             s.compute_mark = Some(self.dev.new_event()?);
         }
@@ -277,10 +629,12 @@ impl<D: Device> Engine<D> {
             .ok_or(Error::Worker("compute mark".into()))?;
         self.dev.record(mark, Lane::Compute(compute))?;
         self.dev.wait(Lane::Gradient, mark)?;
+        let t0 = self.span_start(s, Lane::Gradient)?;
         if n > 0 {
             // SAFETY: forwarded from the caller's contract.
             unsafe { self.dev.copy_to_host(Lane::Gradient, dst, src, n)? };
         }
+        self.span_end(s, t0, Lane::Gradient, Kind::D2h, tag, n as u64)?;
         let done = match s.d2h_spare.pop() {
             Some(e) => e,
             None => self.dev.new_event()?,
@@ -306,6 +660,7 @@ impl<D: Device> Engine<D> {
         let d: Vec<_> = s.d2h.drain(..).collect();
         let retired = d.len();
         s.d2h_spare.extend(d);
+        self.harvest(s)?;
         Ok(retired)
     }
 
@@ -315,9 +670,11 @@ impl<D: Device> Engine<D> {
         Ok((s.h2d.len(), s.d2h.len()))
     }
 
-    /// Counters so far.
+    /// Counters so far (completed timings included).
     pub fn stats(&self) -> Result<EngineStats> {
-        Ok(self.lock()?.stats)
+        let mut guard = self.lock()?;
+        self.harvest(&mut guard)?;
+        Ok(guard.stats)
     }
 }
 

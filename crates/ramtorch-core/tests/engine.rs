@@ -241,3 +241,104 @@ fn slots_round_robin_skipping_held_ones() {
     assert_eq!((a, b, c), (0, 1, 2));
     assert_eq!(d, 1, "slot 0 is still held, slot 1 was released");
 }
+
+#[test]
+fn prefetch_then_claim_and_keyed_slots_are_reused_without_a_copy() {
+    let (e, mem) = host_engine(3, 64);
+    let units: Vec<Vec<u8>> = (0..4u8).map(|k| vec![k + 10; 64]).collect();
+    // Prefetch two units ahead, claim them later.
+    // SAFETY: the unit buffers live until the end of the test.
+    let (a, _, copied_a) =
+        unsafe { e.prefetch(Some(1), units[0].as_ptr(), 64, 2, &[], 1) }.expect("a");
+    // SAFETY: as above.
+    let (b, _, copied_b) =
+        unsafe { e.prefetch(Some(2), units[1].as_ptr(), 64, 2, &[], 2) }.expect("b");
+    assert!(copied_a && copied_b && a != b);
+    e.claim(a, 0, 1).expect("claim a");
+    assert!(mem[a].iter().all(|&x| x == 10));
+    e.claim(b, 0, 2).expect("claim b");
+    assert!(mem[b].iter().all(|&x| x == 11));
+    e.release(a, 0).expect("release a");
+    e.release(b, 0).expect("release b");
+    // Same key again: the slot still holds it, no copy.
+    // SAFETY: as above.
+    let (b2, _, copied) =
+        unsafe { e.prefetch(Some(2), units[1].as_ptr(), 64, 2, &[], 2) }.expect("b2");
+    assert_eq!((b2, copied), (b, false));
+    // A key already held is an error, not a second copy.
+    // SAFETY: as above.
+    let err = unsafe { e.prefetch(Some(2), units[1].as_ptr(), 64, 2, &[], 2) };
+    assert!(matches!(err, Err(Error::InvalidArgument(_))));
+    e.release(b2, 0).expect("release b2");
+    let st = e.stats().expect("stats");
+    assert_eq!((st.h2d_copies, st.reuses, st.reused_bytes), (2, 1, 64));
+    // After invalidate the key is copied again.
+    e.invalidate().expect("invalidate");
+    // SAFETY: as above.
+    let (_, _, copied) =
+        unsafe { e.prefetch(Some(2), units[1].as_ptr(), 64, 2, &[], 2) }.expect("b3");
+    assert!(copied);
+    // The slots and units are freed after this: the copies must be done.
+    e.synchronize().expect("sync");
+}
+
+#[test]
+fn eviction_prefers_empty_slots_then_keys_not_kept() {
+    let (e, _mem) = host_engine(3, 16);
+    let u = [7u8; 16];
+    let mut slot_of = std::collections::HashMap::new();
+    for key in [1u64, 2, 3] {
+        // SAFETY: `u` lives until the end of the test.
+        let (i, _, _) =
+            unsafe { e.prefetch(Some(key), u.as_ptr(), 16, 2, &[], 0) }.expect("prefetch");
+        e.release(i, 0).expect("release");
+        slot_of.insert(key, i);
+    }
+    // Key 1 is the least recently used, but it is kept: key 2's slot goes instead.
+    // SAFETY: as above.
+    let (i, _, copied) = unsafe { e.prefetch(Some(4), u.as_ptr(), 16, 2, &[1, 3], 0) }.expect("4");
+    assert!(copied);
+    assert_eq!(i, slot_of[&2]);
+    e.release(i, 0).expect("release");
+    // Without a keep list the least recently used goes: key 1.
+    // SAFETY: as above.
+    let (i, _, _) = unsafe { e.prefetch(Some(5), u.as_ptr(), 16, 2, &[], 0) }.expect("5");
+    assert_eq!(i, slot_of[&1]);
+    e.synchronize().expect("sync");
+}
+
+#[test]
+fn copies_and_waits_are_timed_and_traced() {
+    let (e, _mem) = host_engine(3, 1 << 20);
+    let u = vec![1u8; 1 << 20];
+    let mut back = vec![0u8; 1 << 20];
+    e.trace_start(0).expect("trace");
+    for tag in 1..=4u64 {
+        // SAFETY: `u` lives until the end of the test.
+        let (i, ptr) = unsafe { e.acquire(u.as_ptr(), u.len(), 2, 0) }.expect("acquire");
+        e.mark(0, tag, 7).expect("mark");
+        // SAFETY: `back` lives until synchronize below; the slot is held.
+        unsafe { e.copy_to_host_tagged(back.as_mut_ptr(), ptr, 1 << 20, 2, 0, tag) }.expect("d2h");
+        e.release(i, 0).expect("release");
+    }
+    e.synchronize().expect("sync");
+    let recs = e.trace_stop().expect("trace stop");
+    let st = e.stats().expect("stats");
+    assert_eq!(st.h2d_timed_bytes, 4 << 20);
+    assert_eq!(st.d2h_timed_bytes, 4 << 20);
+    assert!(st.h2d_seconds > 0.0 && st.d2h_seconds > 0.0);
+    assert_eq!(st.claims, 4);
+    let count = |k: &str| recs.iter().filter(|r| r.kind == k).count();
+    assert_eq!(
+        (count("h2d"), count("d2h"), count("wait"), count("mark")),
+        (4, 4, 4, 4)
+    );
+    assert!(recs
+        .iter()
+        .all(|r| r.end_ms >= r.start_ms && r.start_ms >= 0.0));
+    assert!(recs
+        .iter()
+        .filter(|r| r.kind == "mark")
+        .all(|r| r.code == 7));
+    assert_eq!(back, u);
+}

@@ -264,6 +264,14 @@ fn stats_dict<'py>(py: Python<'py>, s: EngineStats) -> PyResult<Bound<'py, PyDic
     d.set_item("throttle_waits", s.throttle_waits)?;
     d.set_item("throttle_wait_seconds", s.throttle_wait_seconds)?;
     d.set_item("sync_wait_seconds", s.sync_wait_seconds)?;
+    d.set_item("h2d_seconds", s.h2d_seconds)?;
+    d.set_item("h2d_timed_bytes", s.h2d_timed_bytes)?;
+    d.set_item("d2h_seconds", s.d2h_seconds)?;
+    d.set_item("d2h_timed_bytes", s.d2h_timed_bytes)?;
+    d.set_item("stall_seconds", s.stall_seconds)?;
+    d.set_item("claims", s.claims)?;
+    d.set_item("reuses", s.reuses)?;
+    d.set_item("reused_bytes", s.reused_bytes)?;
     Ok(d)
 }
 
@@ -328,6 +336,72 @@ impl Engine {
         py.detach(|| guard("acquire", || with_engine!(self, e => unsafe { e.acquire(src as *const u8, nbytes, max_inflight, stream) })))
     }
 
+    /// Issues the copy of a unit into a free slot (held until `release`) without making any
+    /// stream wait for it; returns `(slot, device address, copied)`. With a `key`, a slot still
+    /// holding that key is reused without a copy; eviction spares the keys in `keep`.
+    #[pyo3(signature = (key, src, nbytes, max_inflight, keep, tag = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn prefetch(
+        &self,
+        py: Python<'_>,
+        key: Option<u64>,
+        src: usize,
+        nbytes: usize,
+        max_inflight: usize,
+        keep: Vec<u64>,
+        tag: u64,
+    ) -> PyResult<(usize, u64, bool)> {
+        // SAFETY: as in `acquire`; a key names one arena region at one version (the front end
+        // derives it from the parameters' version counters).
+        py.detach(|| guard("prefetch", || with_engine!(self, e => unsafe { e.prefetch(key, src as *const u8, nbytes, max_inflight, &keep, tag) })))
+    }
+
+    /// Makes `stream` wait for the copy into held slot `slot`.
+    #[pyo3(signature = (slot, stream, tag = 0))]
+    fn claim(&self, py: Python<'_>, slot: usize, stream: u64, tag: u64) -> PyResult<()> {
+        py.detach(|| {
+            guard(
+                "claim",
+                || with_engine!(self, e => e.claim(slot, stream, tag)),
+            )
+        })
+    }
+
+    /// Forgets which unit each slot holds.
+    fn invalidate(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| guard("invalidate", || with_engine!(self, e => e.invalidate())))
+    }
+
+    /// Records a trace instant on `stream` (nothing while no trace is on).
+    fn mark(&self, py: Python<'_>, stream: u64, tag: u64, code: u64) -> PyResult<()> {
+        py.detach(|| {
+            guard(
+                "mark",
+                || with_engine!(self, e => e.mark(stream, tag, code)),
+            )
+        })
+    }
+
+    /// Starts keeping timed records, relative to this point on `stream`.
+    fn trace_start(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        py.detach(|| {
+            guard(
+                "trace_start",
+                || with_engine!(self, e => e.trace_start(stream)),
+            )
+        })
+    }
+
+    /// Ends the trace: a list of `(kind, tag, code, bytes, start_ms, end_ms)`.
+    #[allow(clippy::type_complexity)]
+    fn trace_stop(&self, py: Python<'_>) -> PyResult<Vec<(&'static str, u64, u64, u64, f64, f64)>> {
+        let recs = py.detach(|| guard("trace_stop", || with_engine!(self, e => e.trace_stop())))?;
+        Ok(recs
+            .into_iter()
+            .map(|r| (r.kind, r.tag, r.code, r.bytes, r.start_ms, r.end_ms))
+            .collect())
+    }
+
     /// Releases a slot after the work queued on `stream` so far.
     fn release(&self, py: Python<'_>, slot: usize, stream: u64) -> PyResult<()> {
         py.detach(|| {
@@ -340,6 +414,8 @@ impl Engine {
 
     /// Queues a device→host copy on the gradient stream after the work queued on `stream`; returns
     /// how many earlier gradient copies have completed since the last report.
+    #[pyo3(signature = (dst, src, nbytes, max_inflight, stream, tag = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn copy_to_host(
         &self,
         py: Python<'_>,
@@ -348,10 +424,11 @@ impl Engine {
         nbytes: usize,
         max_inflight: usize,
         stream: u64,
+        tag: u64,
     ) -> PyResult<usize> {
         // SAFETY: the front-end passes a live arena region as `dst` and keeps the device source
         // alive until this engine reports the copy complete.
-        py.detach(|| guard("copy_to_host", || with_engine!(self, e => unsafe { e.copy_to_host(dst as *mut u8, src, nbytes, max_inflight, stream) })))
+        py.detach(|| guard("copy_to_host", || with_engine!(self, e => unsafe { e.copy_to_host_tagged(dst as *mut u8, src, nbytes, max_inflight, stream, tag) })))
     }
 
     /// Waits for both engine streams; returns the number of gradient copies newly completed.
