@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import _core, _engine, nn
+from . import _core, _engine, _offload, nn
 from ._core import CudaError
+from ._offload import offload
+from ._trace import trace
 from .convert import replace_linear
 
 try:
@@ -21,15 +23,24 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["CudaError", "empty_cache", "nn", "replace_linear", "stats", "synchronize"]
+__all__ = ["CudaError", "empty_cache", "nn", "offload", "replace_linear", "stats", "synchronize", "trace"]
 
 
 def stats() -> dict[str, object]:
-    """Counters of the engine: host arena bytes (reserved, in use, pinned, pageable, pooled) and,
-    per compute device, bytes and copies each way, slots and time the host waited."""
+    """Counters of the engine.
+
+    - ``host``: host arena bytes (reserved, in use, pinned, pageable, pooled);
+    - ``devices``: per compute device, bytes and copies each way, achieved bandwidth
+      (``h2d_gbps``/``d2h_gbps``, from device timings of the copies), seconds the compute stream
+      waited on copies (``stall_seconds``), slots and their bytes, copies saved by reusing a slot
+      that still held a unit (``reuses``), and time the host blocked;
+    - ``models``: per offloaded model, resident and streamed units, bytes held on the device,
+      bytes streamed per pass, the learned itinerary and prefetch hits.
+    """
     return {
         "host": dict(_core.arena_stats()),
         "devices": {str(e.device): e.stats() for e in _engine.engines()},
+        "models": [s.stats() for s in _offload.streamers()],
     }
 
 

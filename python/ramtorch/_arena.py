@@ -39,15 +39,22 @@ def host_empty(shape: Sequence[int], dtype: torch.dtype, zeroed: bool = False) -
 def pack(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One arena region holding several tensors back to back (64-byte aligned), so that a unit's
     parameters cross the link in one copy. Returns the flat region and the tensor views."""
+    return pack_mixed([(shape, dtype) for shape in shapes])
+
+
+def pack_mixed(
+    specs: Sequence[tuple[Sequence[int], torch.dtype]],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """As :func:`pack`, each tensor with its own dtype."""
     offsets, total = [], 0
-    for shape in shapes:
+    for shape, dtype in specs:
         total = -(-total // _ALIGN) * _ALIGN
         offsets.append(total)
         total += _nbytes(shape, dtype)
     flat = host_bytes(total)
     views = [
         flat[off : off + _nbytes(shape, dtype)].view(dtype).view(tuple(shape))
-        for off, shape in zip(offsets, shapes)
+        for off, (shape, dtype) in zip(offsets, specs)
     ]
     return flat, views
 

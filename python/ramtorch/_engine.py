@@ -37,16 +37,25 @@ def normalize_device(device: torch.device | str | int | None) -> torch.device:
 
 
 class Layout:
-    """Where a unit's tensors sit in its host region: ``(offset, shape)`` per tensor, one dtype."""
+    """Where a unit's tensors sit in its host region: ``(offset, shape, dtype)`` per tensor."""
 
-    __slots__ = ("dtype", "entries", "nbytes")
+    __slots__ = ("entries", "nbytes")
 
     def __init__(self, flat: torch.Tensor, views: Sequence[torch.Tensor | None]) -> None:
         base = flat.data_ptr()
-        present = [v for v in views if v is not None]
-        self.dtype = present[0].dtype if present else torch.uint8
-        self.entries = [None if v is None else (v.data_ptr() - base, tuple(v.shape)) for v in views]
+        self.entries = [
+            None if v is None else (v.data_ptr() - base, tuple(v.shape), v.dtype) for v in views
+        ]
         self.nbytes = flat.numel()
+
+    def views(self, slot: torch.Tensor) -> list[torch.Tensor | None]:
+        """The tensors of this layout inside ``slot`` (a ``uint8`` buffer holding the region)."""
+        return [
+            None
+            if e is None
+            else slot[e[0] : e[0] + _arena._nbytes(e[1], e[2])].view(e[2]).view(e[1])
+            for e in self.entries
+        ]
 
 
 class DeviceEngine:
@@ -70,11 +79,11 @@ class DeviceEngine:
 
     # -- slots --------------------------------------------------------------------------------
 
-    def reserve(self, nbytes: int, max_inflight: int) -> None:
-        """Records that a unit of ``nbytes`` streaming with ``max_inflight`` will use this device;
-        slots are (re)allocated lazily at the next acquire."""
-        self._want_bytes = max(self._want_bytes, nbytes)
-        self._want_count = max(self._want_count, max_inflight + 1)
+    def reserve(self, nbytes: int, count: int) -> None:
+        """Records that units of up to ``nbytes`` will stream through ``count`` slots on this
+        device; slots are (re)allocated lazily at the next acquire."""
+        self._want_bytes = max(self._want_bytes, -(-nbytes // 64) * 64)
+        self._want_count = max(self._want_count, count)
 
     def _ensure_slots(self) -> None:
         if self._slot_bytes >= self._want_bytes and len(self._slots) >= self._want_count:
@@ -109,20 +118,42 @@ class DeviceEngine:
             stream = self._stream()
             index, _ = self._core.acquire(flat.data_ptr(), layout.nbytes, max_inflight, stream)
         try:
-            slot = self._slots[index]
-            views = [
-                None
-                if e is None
-                else slot[e[0] : e[0] + _arena._nbytes(e[1], layout.dtype)].view(layout.dtype).view(e[1])
-                for e in layout.entries
-            ]
-            yield views
+            yield layout.views(self._slots[index])
         finally:
             self._core.release(index, stream)
 
+    # -- split acquisition (prefetch ahead, claim at the point of use) ---------------------------
+
+    def prefetch(
+        self, key: int, flat: torch.Tensor, nbytes: int, max_inflight: int, keep: list[int], tag: int
+    ) -> tuple[int, bool]:
+        """Issues the copy of ``flat`` into a slot held from now on; returns ``(slot, copied)``.
+        A slot still holding ``key`` is reused without a copy."""
+        with self._lock:
+            self._ensure_slots()
+            index, _, copied = self._core.prefetch(key, flat.data_ptr(), nbytes, max_inflight, keep, tag)
+        return index, copied
+
+    def claim(self, index: int, tag: int = 0) -> torch.Tensor:
+        """Makes the current stream wait for the copy into slot ``index``; returns the slot."""
+        self._core.claim(index, self._stream(), tag)
+        return self._slots[index]
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self._slots[index]
+
+    def release(self, index: int) -> None:
+        """Gives slot ``index`` back after the work queued so far on the current stream."""
+        self._core.release(index, self._stream())
+
+    def mark(self, tag: int, code: int) -> None:
+        self._core.mark(self._stream(), tag, code)
+
     # -- gradients ----------------------------------------------------------------------------
 
-    def push_grad(self, param: torch.nn.Parameter, grad: torch.Tensor, max_inflight: int) -> None:
+    def push_grad(
+        self, param: torch.nn.Parameter, grad: torch.Tensor, max_inflight: int, tag: int = 0
+    ) -> None:
         """Runs ``param``'s gradient hooks on the device gradient, then queues its copy into a host
         arena buffer; :meth:`finish` adds it to ``param.grad``."""
         hooks = getattr(param, "_backward_hooks", None)
@@ -135,7 +166,7 @@ class DeviceEngine:
         dst = _arena.host_empty(param.shape, param.dtype)
         nbytes = grad.numel() * grad.element_size()
         retired = self._core.copy_to_host(
-            dst.data_ptr(), grad.data_ptr(), nbytes, max_inflight, self._stream()
+            dst.data_ptr(), grad.data_ptr(), nbytes, max_inflight, self._stream(), tag
         )
         for _ in range(min(retired, len(self._grad_sources))):
             self._grad_sources.popleft()
@@ -199,6 +230,8 @@ class DeviceEngine:
         s["slots"] = len(self._slots)
         s["slot_bytes"] = self._slot_bytes
         s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
+        s["h2d_gbps"] = s["h2d_timed_bytes"] / s["h2d_seconds"] / 1e9 if s["h2d_seconds"] > 0 else 0.0
+        s["d2h_gbps"] = s["d2h_timed_bytes"] / s["d2h_seconds"] / 1e9 if s["d2h_seconds"] > 0 else 0.0
         return s
 
 

@@ -131,7 +131,7 @@ class Linear(nn.Linear):
             self._anchor = torch.empty(0, requires_grad=True)
         self._layout = _engine.Layout(flat, [self.weight, self.bias])
         self._home_ptrs = (self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr())
-        _engine.engine_for(self.compute_device).reserve(self._layout.nbytes, self.max_inflight)
+        _engine.engine_for(self.compute_device).reserve(self._layout.nbytes, self.max_inflight + 1)
 
     def _is_home(self) -> bool:
         b = self.bias
@@ -184,7 +184,7 @@ class Linear(nn.Linear):
         if probe.dtype != self.weight.dtype or not self._is_home():
             self._rehome(probe.dtype)
         self.compute_device = device
-        _engine.engine_for(device).reserve(self._layout.nbytes, self.max_inflight)
+        _engine.engine_for(device).reserve(self._layout.nbytes, self.max_inflight + 1)
         return self
 
     def __getstate__(self) -> dict[str, Any]:

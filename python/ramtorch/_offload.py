@@ -1,0 +1,855 @@
+"""``ramtorch.offload``: any model streamed unit by unit through module hooks.
+
+A *unit* is a module whose parameters cross the link together: by default each block of the
+model's largest ``nn.ModuleList`` plus, outside those blocks, every module that holds parameters of
+its own. Each streamed unit's parameters are packed into one host-arena region; they stay CPU
+``nn.Parameter``s (optimizers, ``state_dict`` and ``torch.save`` see them as usual).
+
+How a unit runs:
+
+- **forward pre-hook**: the unit's region is in a device slot (prefetched along the learned
+  itinerary, or copied now); the compute stream waits for that copy; device views of the slot
+  replace the unit's parameters for the duration of its forward. With grad enabled the views come
+  out of :class:`_Fetch` (whose backward sends the weight gradients to the host) and tensors saved
+  for backward that point into the slot are packed as references, not kept: backward fetches the
+  unit again. Inputs pass through :class:`_PostBackward`, whose backward marks the unit's backward
+  as done.
+- **forward post-hook** (always called, even if the forward raised): parameters restored, slot
+  released after the queued kernels, and a hook on the outputs' gradients prefetches the unit for
+  backward.
+
+The *itinerary* is the order in which units ran in the last forward (and the last backward); the
+next pass prefetches along it, ``MAX_INFLIGHT`` copies ahead at most, and slots are evicted
+farthest-next-use first (a released slot keeps its unit, so the units that end a forward pass start
+the backward pass without a copy). A pass that strays from the itinerary is still correct: every
+use checks the unit's key (its identity and its parameters' version counters) and copies when the
+slot holds anything else; the itinerary is then relearned.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from . import _arena, _config, _engine
+
+_GIB = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
+_UNITS.update({"t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+#: Trace mark codes (see :mod:`ramtorch._trace`).
+MARK_FWD_BEGIN, MARK_FWD_END, MARK_BWD_BEGIN, MARK_BWD_END = 1, 2, 3, 4
+
+
+def parse_bytes(value: int | float | str | None, what: str = "gpu_budget") -> int | None:
+    """``None`` → ``None``; ints are bytes; strings such as ``"24GiB"``, ``"1.5 GB"``, ``"512MiB"``."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a byte count or a string such as '24GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"{what} must be a non-negative byte count, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"{what}={value!r} is not a size; use bytes or a number with a unit "
+                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            )
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise TypeError(f"{what} must be a byte count or a string such as '24GiB', got {type(value).__name__}")
+
+
+def _fmt(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= (1 << 28) else f"{n / (1 << 20):.1f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Units
+
+
+@dataclass
+class _Entry:
+    owner: nn.Module
+    name: str
+    index: int  # into the unit's unique parameter list
+
+
+def _unit_classes(unit: Any) -> tuple[tuple[type, ...], tuple[str, ...]] | None:
+    if unit is None:
+        return None
+    items = list(unit) if isinstance(unit, (list, tuple, set)) else [unit]
+    types, names = [], []
+    for u in items:
+        if isinstance(u, type) and issubclass(u, nn.Module):
+            types.append(u)
+        elif isinstance(u, str):
+            names.append(u)
+        else:
+            raise TypeError(f"unit= takes nn.Module classes or class names, got {u!r}")
+    return tuple(types), tuple(names)
+
+
+def _is_unit_class(m: nn.Module, spec: tuple[tuple[type, ...], tuple[str, ...]]) -> bool:
+    types, names = spec
+    return isinstance(m, types) or any(fnmatch.fnmatchcase(type(m).__name__, n) for n in names)
+
+
+def _pcount(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def find_unit_roots(model: nn.Module, unit: Any) -> list[tuple[str, nn.Module]]:
+    """The block modules: the outermost modules of the named classes, or the children of the
+    model's largest ``nn.ModuleList`` (by parameter count)."""
+    spec = _unit_classes(unit)
+    if spec is not None:
+        roots: list[tuple[str, nn.Module]] = []
+        skip: list[str] = []
+        for name, m in model.named_modules():
+            if any(name.startswith(s + ".") for s in skip):
+                continue
+            if _is_unit_class(m, spec):
+                roots.append((name, m))
+                skip.append(name)
+        if not roots:
+            raise ValueError(f"unit={unit!r}: no module of the model matches")
+        return roots
+    best: tuple[int, str, nn.Module] | None = None
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) >= 2:
+            n = _pcount(m)
+            if n > 0 and (best is None or n > best[0]):
+                best = (n, name, m)
+    if best is None:
+        return []
+    _, lname, lst = best
+    return [(f"{lname}.{k}" if lname else k, child) for k, child in lst.named_children()]
+
+
+def _skip_module(m: nn.Module) -> bool:
+    from .nn.linear import Linear
+
+    return isinstance(m, Linear) or getattr(m, "_ramtorch_unit", None) is not None
+
+
+def _subtree_entries(m: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    entries = []
+    for sub in m.modules():
+        if _skip_module(sub):
+            continue
+        for pname, p in sub.named_parameters(recurse=False):
+            entries.append((sub, pname, p))
+    return entries
+
+
+def collect_units(
+    model: nn.Module, unit: Any
+) -> tuple[list[tuple[str, nn.Module, list[tuple[nn.Module, str, nn.Parameter]], bool]], list[nn.Parameter]]:
+    """Groups the model's parameters into units. Returns ``(units, shared)``: each unit as
+    ``(name, module, [(owner, param_name, param)], container)`` and the parameters used by more
+    than one unit (tied weights), which stay resident on the device.
+
+    Outside the blocks, a module that holds parameters forms a unit with everything under it,
+    unless it contains blocks: then its own parameters form a *container* unit, which stays
+    resident (it would hold a slot for the whole pass), and its children are visited."""
+    roots = find_unit_roots(model, unit)
+    root_ids = {id(m) for _, m in roots}
+    units: list[tuple[str, nn.Module, list[tuple[nn.Module, str, nn.Parameter]], bool]] = []
+    for name, m in roots:
+        units.append((name, m, _subtree_entries(m), False))
+
+    def visit(name: str, m: nn.Module) -> None:
+        if id(m) in root_ids or _skip_module(m):
+            return
+        direct = [(m, pname, p) for pname, p in m.named_parameters(recurse=False)]
+        has_blocks = any(id(x) in root_ids for x in m.modules())
+        if not has_blocks:
+            entries = _subtree_entries(m)
+            if entries and (direct or not list(m.children())):
+                units.append((name or "<root>", m, entries, False))
+                return
+        elif direct:
+            units.append((name or "<root>", m, direct, True))
+        for cname, child in m.named_children():
+            visit(f"{name}.{cname}" if name else cname, child)
+
+    visit("", model)
+    users: dict[int, set[int]] = {}
+    for k, (_, _, entries, _) in enumerate(units):
+        for _, _, p in entries:
+            users.setdefault(id(p), set()).add(k)
+    shared: dict[int, nn.Parameter] = {}
+    for _, _, entries, _ in units:
+        for _, _, p in entries:
+            if len(users[id(p)]) > 1:
+                shared[id(p)] = p
+    return units, list(shared.values())
+
+
+def _packed_bytes(params: Sequence[torch.Tensor]) -> int:
+    """Bytes of the arena region :func:`ramtorch._arena.pack_mixed` makes for ``params``."""
+    total = 0
+    for p in params:
+        total = -(-total // 64) * 64 + _arena._nbytes(p.shape, p.dtype)
+    return total
+
+
+class _Unit:
+    """One streamed (or resident) unit."""
+
+    def __init__(self, uid: int, name: str, module: nn.Module, entries: list[tuple[nn.Module, str, nn.Parameter]]):
+        self.uid = uid
+        self.name = name
+        self.module = module
+        self.params: list[nn.Parameter] = []
+        self.entries: list[_Entry] = []
+        seen: dict[int, int] = {}
+        for owner, pname, p in entries:
+            if id(p) not in seen:
+                seen[id(p)] = len(self.params)
+                self.params.append(p)
+            self.entries.append(_Entry(owner, pname, seen[id(p)]))
+        self.nbytes = _packed_bytes(self.params)
+        self.resident = False
+        self.container = False  # holds other units: stays resident (it would hold a slot all pass)
+        self.gen = 0
+        self.flat: torch.Tensor | None = None
+        self.layout: _engine.Layout | None = None
+        self.home: list[int] = []
+        # Running forwards (a unit may be called inside itself): (slot, saved-tensor hooks, slot address).
+        self.fwd: list[tuple[int, Any, int]] = []
+        self.bwd: int | None = None
+        self.in_bwd = False
+        self.anchor = torch.empty(0, requires_grad=True)
+
+    def pack(self) -> None:
+        """Moves the parameters (and their grads) into one arena region."""
+        flat, views = _arena.pack_mixed([(tuple(p.shape), p.dtype) for p in self.params])
+        with torch.no_grad():
+            for p, v in zip(self.params, views):
+                v.copy_(p.detach())
+                grad = p.grad
+                p.data = v
+                if grad is not None:
+                    g = _arena.host_empty(tuple(p.shape), p.dtype)
+                    g.copy_(grad)
+                    p.grad = g
+        self.flat = flat
+        self.layout = _engine.Layout(flat, views)
+        self.home = [v.data_ptr() for v in views]
+        self.gen += 1
+
+    def is_home(self) -> bool:
+        lay = self.layout
+        if lay is None:
+            return False
+        for p, ptr, e in zip(self.params, self.home, lay.entries):
+            if p.device.type != "cpu" or p.data_ptr() != ptr or e is None or p.dtype != e[2]:
+                return False
+        return True
+
+    def key(self) -> int:
+        return hash((self.uid, self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd pieces
+
+
+class _Fetch(torch.autograd.Function):
+    """Device views of a unit's parameters; backward sends their gradients to the host."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, unit: _Unit, streamer: Streamer, *views: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.unit, ctx.streamer = unit, streamer
+        return tuple(v.detach() for v in views)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+        ctx.streamer.weights_backward(ctx.unit, grads)
+        return (None, None, None) + (None,) * len(grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs: its backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: _Unit, streamer: Streamer, *xs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.unit, ctx.streamer = unit, streamer
+        return xs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+        ctx.streamer.end_backward(ctx.unit)
+        return (None, None) + grads
+
+
+class _SlotRef:
+    """A saved tensor that lives in a unit's slot: re-created from the unit at unpack time."""
+
+    __slots__ = ("dtype", "offset", "size", "stride", "unit")
+
+    def __init__(self, unit: _Unit, t: torch.Tensor) -> None:
+        self.unit = unit
+        self.dtype = t.dtype
+        self.offset = t.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+
+
+# ---------------------------------------------------------------------------------------------
+# The streamer of one offloaded model
+
+
+class Streamer:
+    """Runs the units of one offloaded model on one compute device."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[_Unit],
+        device: torch.device,
+        max_inflight: int,
+        slots: int,
+        slot_bytes: int,
+        budget: int | None,
+        resident_bytes: int,
+    ) -> None:
+        self.model_ref = weakref.ref(model)
+        self.units = units
+        self.device = device
+        self.max_inflight = max_inflight
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.budget = budget
+        self.resident_bytes = resident_bytes
+        self.eng = _engine.engine_for(device)
+        if slots:
+            self.eng.reserve(slot_bytes, slots)
+        self.by_uid = {u.uid: u for u in units}
+        self.streamed = [u for u in units if not u.resident]
+        self.fwd_itin: list[int] = []
+        self.bwd_itin: list[int] = []
+        self.cur_fwd: list[int] = []
+        self.cur_bwd: list[int] = []
+        self.fwd_pos = 0
+        self.bwd_pos = 0
+        self.ahead: dict[int, tuple[int, int]] = {}  # uid -> (slot, key): prefetched, not claimed
+        self.held = 0  # slots held by running units (forward or backward)
+        self.slot_owner: dict[int, _Unit] = {}  # slot storage address -> unit using it in forward
+        self.in_pass = False
+        self.bwd_callback_queued = False
+        self.lock = threading.RLock()
+        self.counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0, "passes": 0}
+        self.hook_handles: list[Any] = []
+
+    # -- slots ------------------------------------------------------------------------------------
+
+    def _free_slots(self) -> int:
+        return self.slots - self.held - len(self.ahead)
+
+    def _drop_ahead(self, uid: int | None = None) -> None:
+        items = list(self.ahead.items()) if uid is None else [(uid, self.ahead[uid])]
+        for k, (slot, _) in items:
+            del self.ahead[k]
+            self.eng.release(slot)
+            self.counters["prefetch_wasted"] += 1
+
+    def _prefetch(self, u: _Unit, key: int, keep: list[int]) -> int:
+        assert u.layout is not None and u.flat is not None
+        if self._free_slots() <= 0 and self.ahead:
+            self._drop_ahead()
+        if self._free_slots() <= 0:
+            raise RuntimeError(
+                f"ramtorch.offload: all {self.slots} device slots are held while unit {u.name!r} "
+                "needs one (units nested deeper than the slots allow); raise gpu_budget or "
+                "max_inflight"
+            )
+        slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.uid)
+        return slot
+
+    def _take(self, u: _Unit, keep: list[int]) -> int:
+        """A claimed slot holding ``u``'s current weights."""
+        if not u.is_home():
+            self._drop_ahead()
+            u.pack()
+        key = u.key()
+        hit = self.ahead.pop(u.uid, None)
+        if hit is not None and hit[1] != key:
+            self.eng.release(hit[0])
+            self.counters["prefetch_wasted"] += 1
+            hit = None
+        if hit is not None:
+            slot = hit[0]
+            self.counters["prefetch_hits"] += 1
+        else:
+            slot = self._prefetch(u, key, keep)
+        self.held += 1
+        self.eng.claim(slot, u.uid)
+        return slot
+
+    def _give(self, slot: int) -> None:
+        self.held -= 1
+        self.eng.release(slot)
+
+    def _lookahead(self, itin: list[int], pos: int) -> list[_Unit]:
+        out: list[_Unit] = []
+        depth = min(self.max_inflight, max(self.slots - 1, 0))
+        for uid in itin[pos:]:
+            if len(out) >= depth:
+                break
+            u = self.by_uid[uid]
+            if not u.resident and u not in out:
+                out.append(u)
+        return out
+
+    def _prefetch_along(self, itin: list[int], pos: int, current: _Unit) -> None:
+        nxt = self._lookahead(itin, pos)
+        keep = [u.key() for u in nxt]
+        for u in nxt:
+            if u is current or u.uid in self.ahead or u.fwd or u.bwd is not None:
+                continue
+            if self._free_slots() <= 0 or not u.is_home():
+                break
+            key = u.key()
+            slot = self._prefetch(u, key, keep)
+            self.ahead[u.uid] = (slot, key)
+            self.counters["prefetches"] += 1
+
+    @staticmethod
+    def _advance(itin: list[int], pos: int, uid: int) -> int:
+        if pos < len(itin) and itin[pos] == uid:
+            return pos + 1
+        try:
+            return itin.index(uid, pos) + 1
+        except ValueError:
+            return len(itin)
+
+    # -- passes -------------------------------------------------------------------------------------
+
+    def begin_pass(self) -> None:
+        """Root forward pre-hook: a new forward pass begins."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward
+        with self.lock:
+            self.eng.drop_interrupted()
+            self._release_backward()
+            self._drop_ahead()
+            self.in_pass = True
+            self.cur_fwd = []
+            self.fwd_pos = 0
+
+    def end_pass(self) -> None:
+        if not self.in_pass:
+            return
+        with self.lock:
+            self.in_pass = False
+            self.fwd_itin = self.cur_fwd
+            self.cur_fwd = []
+            self.counters["passes"] += 1
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        with self.lock:
+            recompute = torch._C._current_graph_task_id() != -1
+            if self.in_pass and not recompute:
+                self.cur_fwd.append(u.uid)
+                self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
+                keep_itin, keep_pos = self.fwd_itin, self.fwd_pos
+            else:
+                keep_itin, keep_pos = [], 0
+            slot = self._take(u, [x.key() for x in self._lookahead(keep_itin, keep_pos)])
+            if keep_itin:
+                self._prefetch_along(keep_itin, keep_pos, u)
+            assert u.layout is not None
+            buf = self.eng.slot(slot)
+            views = u.layout.views(buf)
+        self.eng.mark(u.uid, MARK_FWD_BEGIN)
+        grad = torch.is_grad_enabled()
+        wants = grad and any(p.requires_grad for p in u.params)
+        if wants:
+            dev = _Fetch.apply(u.anchor, u, self, *views)
+            dev = [d if p.requires_grad else d.detach() for d, p in zip(dev, u.params)]
+        else:
+            dev = views
+        for e in u.entries:
+            e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
+        addr = buf.untyped_storage().data_ptr()
+        ctx = None
+        if grad:
+            self.slot_owner[addr] = u
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._packer(outer), self._unpacker(outer))
+            ctx.__enter__()
+        u.fwd.append((slot, ctx, addr))
+        if grad:
+            flat_args, _ = tree_flatten((args, kwargs))
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_args):
+                args, kwargs = self._wrap_inputs(u, args, kwargs)
+        return args, kwargs
+
+    def _wrap_inputs(self, u: _Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        kws = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not pos and not kws:
+            return args, kwargs
+        outs = _PostBackward.apply(u, self, *[args[i] for i in pos], *[kwargs[k] for k in kws])
+        args = list(args)
+        for i, o in zip(pos, outs[: len(pos)]):
+            args[i] = o
+        kwargs = dict(kwargs)
+        for k, o in zip(kws, outs[len(pos) :]):
+            kwargs[k] = o
+        return tuple(args), kwargs
+
+    def post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not u.fwd:
+            return output  # the pre-hook failed before taking a slot
+        slot, ctx, addr = u.fwd.pop()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            self.slot_owner.pop(addr, None)
+        for e in u.entries:
+            e.owner._parameters[e.name] = u.params[e.index]
+        self.eng.mark(u.uid, MARK_FWD_END)
+        with self.lock:
+            self._give(slot)
+        if torch.is_grad_enabled() and not u.resident:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._pre_backward_hook(u))
+        return output
+
+    # -- saved tensors ------------------------------------------------------------------------------
+
+    def _packer(self, outer: tuple[Any, Any] | None) -> Any:
+        owners = self.slot_owner
+
+        dev = self.device
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.device == dev:
+                u = owners.get(t.untyped_storage().data_ptr())
+                if u is not None:
+                    return _SlotRef(u, t)
+            return (outer[0](t),) if outer is not None else (t,)
+
+        return pack
+
+    def _unpacker(self, outer: tuple[Any, Any] | None) -> Any:
+        def unpack(obj: Any) -> torch.Tensor:
+            if isinstance(obj, _SlotRef):
+                return self.weight_for_backward(obj)
+            return outer[1](obj[0]) if outer is not None else obj[0]
+
+        return unpack
+
+    def weight_for_backward(self, ref: _SlotRef) -> torch.Tensor:
+        u = ref.unit
+        with self.lock:
+            if u.bwd is None:
+                self._begin_backward_locked(u)
+            assert u.bwd is not None
+            buf = self.eng.slot(u.bwd)
+        return buf.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _pre_backward_hook(self, u: _Unit) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            with self.lock:
+                if not u.in_bwd:
+                    self._begin_backward_locked(u)
+
+        return hook
+
+    def _begin_backward_locked(self, u: _Unit) -> None:
+        if not self.bwd_callback_queued:
+            self.bwd_callback_queued = True
+            self.cur_bwd = []
+            self.bwd_pos = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+        first = not u.in_bwd
+        u.in_bwd = True
+        if first:
+            self.cur_bwd.append(u.uid)
+            self.bwd_pos = self._advance(self.bwd_itin, self.bwd_pos, u.uid)
+        if u.bwd is None:
+            u.bwd = self._take(u, [x.key() for x in self._lookahead(self.bwd_itin, self.bwd_pos)])
+            self.eng.mark(u.uid, MARK_BWD_BEGIN)
+        self._prefetch_along(self.bwd_itin, self.bwd_pos, u)
+
+    def weights_backward(self, u: _Unit, grads: Sequence[torch.Tensor | None]) -> None:
+        """:class:`_Fetch`'s backward: gradients of the unit's weights leave for the host."""
+        for p, g in zip(u.params, grads):
+            if g is not None and p.requires_grad:
+                self.eng.push_grad(p, g, self.max_inflight, u.uid)
+        self.end_backward(u)
+
+    def end_backward(self, u: _Unit) -> None:
+        with self.lock:
+            if u.bwd is not None:
+                self.eng.mark(u.uid, MARK_BWD_END)
+                self._give(u.bwd)
+                u.bwd = None
+
+    def _release_backward(self) -> None:
+        for u in self.streamed:
+            if u.bwd is not None:
+                self._give(u.bwd)
+                u.bwd = None
+            u.in_bwd = False
+
+    def end_of_backward(self) -> None:
+        with self.lock:
+            self._release_backward()
+            self._drop_ahead()
+            self.bwd_callback_queued = False
+            if self.cur_bwd:
+                self.bwd_itin = self.cur_bwd
+            self.cur_bwd = []
+        self.eng.finish()
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        streamed = [u for u in self.units if not u.resident]
+        return {
+            "device": str(self.device),
+            "gpu_budget": self.budget,
+            "units": len(self.units),
+            "resident_units": [u.name for u in self.units if u.resident],
+            "streamed_units": len(streamed),
+            "resident_bytes": self.resident_bytes,
+            "slot_count": self.slots,
+            "slot_bytes": self.slot_bytes,
+            "gpu_bytes": self.resident_bytes + self.slots * self.slot_bytes,
+            "streamed_bytes_per_pass": sum(u.nbytes for u in streamed),
+            "host_bytes": sum(u.nbytes for u in streamed),
+            "itinerary": [self.by_uid[k].name for k in self.fwd_itin],
+            **self.counters,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass
+class Plan:
+    """Which units stay resident and how the rest stream."""
+
+    resident: list[int]
+    slots: int
+    slot_bytes: int
+    resident_bytes: int
+    streamed_bytes: int
+
+
+def _align(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def plan(
+    sizes: Sequence[int], forced: Iterable[int], budget: int | None, max_inflight: int, forced_bytes: int = 0
+) -> Plan:
+    """Picks resident units for ``budget`` bytes: most bytes resident (fewest streamed per pass),
+    then most slots. ``forced`` units must be resident; ``forced_bytes`` (buffers, tied weights) are
+    held on the device too. Raises ``ValueError`` with the smallest budget that works."""
+    forced = set(forced)
+    want_slots = max_inflight + 1
+    base = forced_bytes + sum(sizes[i] for i in forced)
+    free = sorted((i for i in range(len(sizes)) if i not in forced), key=lambda i: -sizes[i])
+    if budget is None:
+        slot = _align(max((sizes[i] for i in free), default=0))
+        return Plan(sorted(forced), want_slots if free else 0, slot, base, sum(sizes[i] for i in free))
+    best: tuple[tuple[int, int], Plan] | None = None
+    minimum: int | None = None
+    for count in range(want_slots, 1, -1):
+        for k in range(len(free) + 1):
+            res, rest = free[:k], free[k:]
+            slot = _align(sizes[rest[0]]) if rest else 0
+            need = base + sum(sizes[i] for i in res) + (count * slot if rest else 0)
+            if count == 2:
+                minimum = need if minimum is None else min(minimum, need)
+            if need > budget:
+                continue
+            left = budget - need
+            extra = []
+            for i in rest[1:]:
+                if sizes[i] <= left:
+                    extra.append(i)
+                    left -= sizes[i]
+            resident = res + extra
+            streamed = sum(sizes[i] for i in rest) - sum(sizes[i] for i in extra)
+            p = Plan(
+                sorted(forced | set(resident)),
+                count if streamed or len(rest) > len(extra) else 0,
+                slot if len(rest) > len(extra) else 0,
+                base + sum(sizes[i] for i in resident),
+                streamed,
+            )
+            score = (streamed, -count)
+            if best is None or score < best[0]:
+                best = (score, p)
+    if best is None:
+        raise ValueError(
+            f"gpu_budget of {_fmt(budget)} is too small for this model: it needs at least "
+            f"{_fmt(minimum or base)} ({_fmt(base)} resident that cannot stream, plus two slots of "
+            f"the largest streamed unit, {_fmt(_align(sizes[free[0]]) if free else 0)} each)"
+        )
+    return best[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def offload(
+    model: nn.Module,
+    gpu_budget: int | str | None = None,
+    unit: Any = None,
+    device: torch.device | str | int | None = None,
+    *,
+    max_inflight: int | None = None,
+    progress: bool | None = None,
+) -> nn.Module:
+    """Keeps ``model``'s parameters in host RAM and streams them to ``device`` unit by unit.
+
+    Args:
+        model: any ``nn.Module``; changed in place and returned. Its training loop, optimizer,
+            ``state_dict`` and autocast keep working; inputs go on ``device``.
+        gpu_budget: bytes ramtorch may hold on the device (resident units plus streaming slots),
+            as an int or a string such as ``"24GiB"``. Units that fit stay resident, the rest
+            stream. ``None``: stream every unit, with ``max_inflight + 1`` slots of the largest.
+        unit: the block classes (types or class-name patterns) that form units; default: each
+            child of the model's largest ``nn.ModuleList``. Modules outside the blocks that hold
+            parameters are units of their own.
+        device: compute device; default the current CUDA device, or CPU without CUDA.
+        max_inflight: copies in flight (default ``RAMTORCH_MAX_INFLIGHT``/``MAX_INFLIGHT``, else 2).
+        progress: show a progress bar while moving weights into host RAM (default: for models
+            over 1 GiB).
+
+    Parameters shared by several units (tied weights), parameters of modules that contain other
+    units, and buffers stay on the device and count against the budget.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ramtorch.offload: model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_ramtorch_streamer", None) is not None:
+        raise RuntimeError("ramtorch.offload: this model is already offloaded")
+    budget = parse_bytes(gpu_budget)
+    inflight = _config.max_inflight(max_inflight)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = _engine.normalize_device(device)
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"ramtorch.offload: parameter {name!r} is on the meta device (no data to keep)")
+
+    raw_units, shared = collect_units(model, unit)
+    units = [_Unit(k, name, m, entries) for k, (name, m, entries, _) in enumerate(raw_units)]
+    shared_ids = {id(p) for p in shared}
+    for u, raw in zip(units, raw_units):
+        u.container = raw[3]
+        # Tied parameters stay resident: drop them from the streamed unit.
+        keep = [i for i, p in enumerate(u.params) if id(p) not in shared_ids]
+        if len(keep) != len(u.params):
+            remap = {old: new for new, old in enumerate(keep)}
+            u.entries = [_Entry(e.owner, e.name, remap[e.index]) for e in u.entries if e.index in remap]
+            u.params = [u.params[i] for i in keep]
+            u.nbytes = _packed_bytes(u.params)
+    units = [u for u in units if u.params]
+    for k, u in enumerate(units):
+        u.uid = k
+    buffers = [b for b in model.buffers()]
+    fixed = sum(_arena._nbytes(p.shape, p.dtype) for p in shared)
+    fixed += sum(_arena._nbytes(b.shape, b.dtype) for b in buffers)
+    pl = plan([u.nbytes for u in units], [k for k, u in enumerate(units) if u.container], budget, inflight, fixed)
+    resident_ids = set(pl.resident)
+
+    total = sum(u.nbytes for u in units)
+    show = progress if progress is not None else total > _GIB
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="ramtorch.offload", leave=False)
+    with torch.no_grad():
+        for p in shared:
+            p.data = p.data.to(dev)
+        for mod in model.modules():
+            for bname, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[bname] = b.to(dev)
+        for u in units:
+            if u.uid in resident_ids:
+                u.resident = True
+                for p in u.params:
+                    p.data = p.data.to(dev)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(dev)
+            else:
+                u.pack()
+            if bar is not None:
+                bar.update(u.nbytes)
+    if bar is not None:
+        bar.close()
+
+    streamer = Streamer(model, units, dev, inflight, pl.slots, pl.slot_bytes, budget, pl.resident_bytes)
+    handles = streamer.hook_handles
+    handles.append(model.register_forward_pre_hook(lambda m, a: streamer.begin_pass()))
+    handles.append(model.register_forward_hook(lambda m, a, o: streamer.end_pass(), always_call=True))
+    for u in units:
+        if u.resident:
+            continue
+        u.module._ramtorch_unit = u  # type: ignore[assignment]
+        handles.append(
+            u.module.register_forward_pre_hook(
+                lambda m, a, k, u=u: streamer.pre_forward(u, m, a, k), with_kwargs=True
+            )
+        )
+        handles.append(
+            u.module.register_forward_hook(
+                lambda m, a, k, o, u=u: streamer.post_forward(u, m, a, k, o), with_kwargs=True, always_call=True
+            )
+        )
+    model._ramtorch_streamer = streamer  # type: ignore[assignment]
+    _STREAMERS.add(streamer)
+    return model
+
+
+def detach_streamer(model: nn.Module) -> None:
+    """Removes ``model``'s streaming hooks (its parameters stay where they are)."""
+    streamer = getattr(model, "_ramtorch_streamer", None)
+    if streamer is None:
+        return
+    streamer.eng.synchronize()
+    for h in streamer.hook_handles:
+        h.remove()
+    for u in streamer.units:
+        if getattr(u.module, "_ramtorch_unit", None) is u:
+            del u.module._ramtorch_unit
+    _STREAMERS.discard(streamer)
+    model._ramtorch_streamer = None
+
+
+_STREAMERS: weakref.WeakSet[Streamer] = weakref.WeakSet()
+
+
+def streamers() -> list[Streamer]:
+    """Live offloaded models' streamers."""
+    return list(_STREAMERS)
