@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import ramtorch
 import ramtorch.nn as rnn
@@ -95,3 +97,72 @@ def test_non_default_stream():
         y.sum().backward()
     s.synchronize()
     torch.testing.assert_close(y, ref(x))
+
+
+def _mlp_stack(blocks: int, d: int, f: int) -> nn.Module:
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(d, f, bias=False), nn.GELU(), nn.Linear(f, d, bias=False))
+                for _ in range(blocks)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    return Stack()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resident_blocks", [0, 2])
+def test_offload_peak_gpu_memory_stays_within_budget(resident_blocks):
+    torch.manual_seed(0)
+    model = _mlp_stack(8, 1024, 4096)  # 32 MiB a block in fp32
+    block = 2 * 1024 * 4096 * 4
+    budget = 3 * block + resident_blocks * block + (1 << 20)
+    ref = copy.deepcopy(model).cuda()
+    ramtorch.offload(model, gpu_budget=budget, device="cuda")
+    s = model._ramtorch_streamer.stats()
+    assert s["gpu_bytes"] <= budget
+    assert len(s["resident_units"]) == resident_blocks
+    x = torch.randn(4, 1024, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        y = model(x)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= budget + (2 << 20)
+    torch.testing.assert_close(y, ref(x), rtol=1e-4, atol=1e-4)
+    # Training: ramtorch's share stays within the budget; on top of it come torch's own gradients
+    # of resident blocks and the weight gradients in flight to the host.
+    torch.cuda.reset_peak_memory_stats()
+    model(x).square().mean().backward()
+    torch.cuda.synchronize()
+    allowance = resident_blocks * block + 3 * block + (16 << 20)
+    assert torch.cuda.max_memory_allocated() - base <= budget + allowance
+    ref(x).square().mean().backward()
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad.to(p.grad.device), rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+def test_offload_on_a_side_stream_matches():
+    torch.manual_seed(0)
+    model = _mlp_stack(4, 256, 512)
+    ref = copy.deepcopy(model).cuda()
+    ramtorch.offload(model, device="cuda")
+    x = torch.randn(8, 256, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            y = model(x)
+            y.square().mean().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.testing.assert_close(y, ref(x), rtol=1e-4, atol=1e-4)
+    stats = ramtorch.stats()["devices"]["cuda:0"]
+    assert stats["h2d_gbps"] > 1 and stats["stall_seconds"] >= 0

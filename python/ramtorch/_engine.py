@@ -43,17 +43,13 @@ class Layout:
 
     def __init__(self, flat: torch.Tensor, views: Sequence[torch.Tensor | None]) -> None:
         base = flat.data_ptr()
-        self.entries = [
-            None if v is None else (v.data_ptr() - base, tuple(v.shape), v.dtype) for v in views
-        ]
+        self.entries = [None if v is None else (v.data_ptr() - base, tuple(v.shape), v.dtype) for v in views]
         self.nbytes = flat.numel()
 
     def views(self, slot: torch.Tensor) -> list[torch.Tensor | None]:
         """The tensors of this layout inside ``slot`` (a ``uint8`` buffer holding the region)."""
         return [
-            None
-            if e is None
-            else slot[e[0] : e[0] + _arena._nbytes(e[1], e[2])].view(e[2]).view(e[1])
+            None if e is None else slot[e[0] : e[0] + _arena._nbytes(e[1], e[2])].view(e[2]).view(e[1])
             for e in self.entries
         ]
 

@@ -29,6 +29,7 @@ slot holds anything else; the itinerary is then relearned.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import math
 import re
 import threading
@@ -199,6 +200,9 @@ def collect_units(
     return units, list(shared.values())
 
 
+_GENERATIONS = itertools.count(1)
+
+
 def _packed_bytes(params: Sequence[torch.Tensor]) -> int:
     """Bytes of the arena region :func:`ramtorch._arena.pack_mixed` makes for ``params``."""
     total = 0
@@ -210,8 +214,11 @@ def _packed_bytes(params: Sequence[torch.Tensor]) -> int:
 class _Unit:
     """One streamed (or resident) unit."""
 
-    def __init__(self, uid: int, name: str, module: nn.Module, entries: list[tuple[nn.Module, str, nn.Parameter]]):
-        self.uid = uid
+    def __init__(
+        self, uid: int, name: str, module: nn.Module, entries: list[tuple[nn.Module, str, nn.Parameter]]
+    ):
+        self.uid = uid  # index in its model
+        self.tag = next(_GENERATIONS)  # unique in this process: names the unit in traces
         self.name = name
         self.module = module
         self.params: list[nn.Parameter] = []
@@ -250,7 +257,7 @@ class _Unit:
         self.flat = flat
         self.layout = _engine.Layout(flat, views)
         self.home = [v.data_ptr() for v in views]
-        self.gen += 1
+        self.gen = next(_GENERATIONS)  # unique across models: slot keys of one engine never collide
 
     def is_home(self) -> bool:
         lay = self.layout
@@ -262,7 +269,7 @@ class _Unit:
         return True
 
     def key(self) -> int:
-        return hash((self.uid, self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
+        return hash((self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +385,7 @@ class Streamer:
                 "needs one (units nested deeper than the slots allow); raise gpu_budget or "
                 "max_inflight"
             )
-        slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.uid)
+        slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
         return slot
 
     def _take(self, u: _Unit, keep: list[int]) -> int:
@@ -398,7 +405,7 @@ class Streamer:
         else:
             slot = self._prefetch(u, key, keep)
         self.held += 1
-        self.eng.claim(slot, u.uid)
+        self.eng.claim(slot, u.tag)
         return slot
 
     def _give(self, slot: int) -> None:
@@ -478,7 +485,7 @@ class Streamer:
             assert u.layout is not None
             buf = self.eng.slot(slot)
             views = u.layout.views(buf)
-        self.eng.mark(u.uid, MARK_FWD_BEGIN)
+        self.eng.mark(u.tag, MARK_FWD_BEGIN)
         grad = torch.is_grad_enabled()
         wants = grad and any(p.requires_grad for p in u.params)
         if wants:
@@ -525,7 +532,7 @@ class Streamer:
             self.slot_owner.pop(addr, None)
         for e in u.entries:
             e.owner._parameters[e.name] = u.params[e.index]
-        self.eng.mark(u.uid, MARK_FWD_END)
+        self.eng.mark(u.tag, MARK_FWD_END)
         with self.lock:
             self._give(slot)
         if torch.is_grad_enabled() and not u.resident:
@@ -590,20 +597,20 @@ class Streamer:
             self.bwd_pos = self._advance(self.bwd_itin, self.bwd_pos, u.uid)
         if u.bwd is None:
             u.bwd = self._take(u, [x.key() for x in self._lookahead(self.bwd_itin, self.bwd_pos)])
-            self.eng.mark(u.uid, MARK_BWD_BEGIN)
+            self.eng.mark(u.tag, MARK_BWD_BEGIN)
         self._prefetch_along(self.bwd_itin, self.bwd_pos, u)
 
     def weights_backward(self, u: _Unit, grads: Sequence[torch.Tensor | None]) -> None:
         """:class:`_Fetch`'s backward: gradients of the unit's weights leave for the host."""
         for p, g in zip(u.params, grads):
             if g is not None and p.requires_grad:
-                self.eng.push_grad(p, g, self.max_inflight, u.uid)
+                self.eng.push_grad(p, g, self.max_inflight, u.tag)
         self.end_backward(u)
 
     def end_backward(self, u: _Unit) -> None:
         with self.lock:
             if u.bwd is not None:
-                self.eng.mark(u.uid, MARK_BWD_END)
+                self.eng.mark(u.tag, MARK_BWD_END)
                 self._give(u.bwd)
                 u.bwd = None
 
@@ -778,7 +785,9 @@ def offload(
     buffers = [b for b in model.buffers()]
     fixed = sum(_arena._nbytes(p.shape, p.dtype) for p in shared)
     fixed += sum(_arena._nbytes(b.shape, b.dtype) for b in buffers)
-    pl = plan([u.nbytes for u in units], [k for k, u in enumerate(units) if u.container], budget, inflight, fixed)
+    pl = plan(
+        [u.nbytes for u in units], [k for k, u in enumerate(units) if u.container], budget, inflight, fixed
+    )
     resident_ids = set(pl.resident)
 
     total = sum(u.nbytes for u in units)
@@ -824,7 +833,9 @@ def offload(
         )
         handles.append(
             u.module.register_forward_hook(
-                lambda m, a, k, o, u=u: streamer.post_forward(u, m, a, k, o), with_kwargs=True, always_call=True
+                lambda m, a, k, o, u=u: streamer.post_forward(u, m, a, k, o),
+                with_kwargs=True,
+                always_call=True,
             )
         )
     model._ramtorch_streamer = streamer  # type: ignore[assignment]

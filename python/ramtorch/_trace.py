@@ -20,18 +20,22 @@ def _unit_names() -> dict[int, str]:
     names: dict[int, str] = {}
     for s in _offload.streamers():
         for u in s.units:
-            names[u.uid] = u.name
+            names[u.tag] = u.name
     return names
 
 
-def _events(device: str, records: list[tuple[str, int, int, int, float, float]], pid: int) -> list[dict[str, Any]]:
+def _events(
+    device: str, records: list[tuple[str, int, int, int, float, float]], pid: int
+) -> list[dict[str, Any]]:
     names = _unit_names()
     tids = {k: i for i, k in enumerate(_KIND_TRACK)}
     out: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"ramtorch {device}"}}
     ]
     for kind, tid in tids.items():
-        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": _KIND_TRACK[kind]}})
+        out.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": _KIND_TRACK[kind]}}
+        )
     opened: dict[tuple[int, int], float] = {}
     for kind, tag, code, nbytes, start, end in sorted(records, key=lambda r: r[4]):
         name = names.get(tag, f"unit {tag}") if tag else "layer"
@@ -44,8 +48,14 @@ def _events(device: str, records: list[tuple[str, int, int, int, float, float]],
             if begin is None:
                 continue
             out.append(
-                {"ph": "X", "name": f"{phase} {name}", "pid": pid, "tid": tids["mark"], "ts": begin * 1e3,
-                 "dur": max(start - begin, 0.0) * 1e3}
+                {
+                    "ph": "X",
+                    "name": f"{phase} {name}",
+                    "pid": pid,
+                    "tid": tids["mark"],
+                    "ts": begin * 1e3,
+                    "dur": max(start - begin, 0.0) * 1e3,
+                }
             )
             continue
         ev: dict[str, Any] = {

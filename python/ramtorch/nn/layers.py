@@ -27,9 +27,7 @@ class _StreamedLayer(nn.Module):
 
     def _restream(self) -> None:
         _offload.detach_streamer(self)
-        _offload.offload(
-            self, device=self.compute_device, max_inflight=self.max_inflight, progress=False
-        )
+        _offload.offload(self, device=self.compute_device, max_inflight=self.max_inflight, progress=False)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         ref = next(self.parameters(), None)
@@ -59,8 +57,13 @@ class _StreamedLayer(nn.Module):
         state = self.__dict__.copy()
         state["_ramtorch_streamer"] = None
         state.pop("_ramtorch_unit", None)
-        for key in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-                    "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+        for key in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+        ):
             state[key] = type(state[key])()
         return state
 
@@ -85,7 +88,9 @@ class Embedding(_StreamedLayer, nn.Embedding):
     keep the embedding resident instead (``ramtorch.offload`` with a ``gpu_budget``).
     """
 
-    def __init__(self, *args: Any, device: Any = None, max_inflight: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, device: Any = None, max_inflight: int | None = None, **kwargs: Any
+    ) -> None:
         nn.Embedding.__init__(self, *args, device="cpu", **kwargs)
         self._stream_setup(device, max_inflight)
 
@@ -96,6 +101,8 @@ class Conv2d(_StreamedLayer, nn.Conv2d):
     Same arguments as ``nn.Conv2d`` (``device`` is where it computes), plus ``max_inflight``.
     """
 
-    def __init__(self, *args: Any, device: Any = None, max_inflight: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, device: Any = None, max_inflight: int | None = None, **kwargs: Any
+    ) -> None:
         nn.Conv2d.__init__(self, *args, device="cpu", **kwargs)
         self._stream_setup(device, max_inflight)
