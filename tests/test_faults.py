@@ -158,12 +158,15 @@ def test_dataloader_with_forked_workers_next_to_the_engine():
 
 def test_stats_count_the_bytes_that_moved():
     layer = rnn.Linear(32, 16)
-    eng_before = ramtorch.stats()["devices"].get("cpu", {"h2d_bytes": 0, "d2h_bytes": 0})
+    eng_before = ramtorch.stats()["devices"].get("cpu", {"h2d_bytes": 0, "d2h_bytes": 0, "reused_bytes": 0})
     x = torch.randn(3, 32, requires_grad=True)
     layer(x).sum().backward()
     eng = ramtorch.stats()["devices"]["cpu"]
     unit = 32 * 16 * 4 + 64  # weight, bias aligned to 64 bytes
-    assert eng["h2d_bytes"] - eng_before["h2d_bytes"] == 2 * unit, "forward and backward copy the unit"
+    copied = eng["h2d_bytes"] - eng_before["h2d_bytes"]
+    reused = eng["reused_bytes"] - eng_before["reused_bytes"]
+    assert copied == unit, "forward copies the unit"
+    assert reused == unit, "backward finds it still in its slot"
     assert eng["d2h_bytes"] - eng_before["d2h_bytes"] == (32 * 16 + 16) * 4, "weight and bias grads"
     host = ramtorch.stats()["host"]
     assert host["in_use_bytes"] <= host["reserved_bytes"]

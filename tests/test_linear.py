@@ -223,8 +223,9 @@ def test_weight_changes_between_steps_are_seen(device):
         ours.weight.mul_(2)
         ref.weight.mul_(2)
     close(ref(x), ours(x), torch.float32)
-    ours.weight.data.add_(1.0)  # an edit autograd does not see
+    ours.weight.data.add_(1.0)  # an edit no version counter sees: needs synchronize()
     ref.weight.data.add_(1.0)
+    ramtorch.synchronize()
     close(ref(x), ours(x), torch.float32)
     ours.load_state_dict(ref.state_dict())
     close(ref(x), ours(x), torch.float32)
@@ -284,3 +285,23 @@ def test_grads_are_arena_memory_after_zero_grad():
     used = ramtorch.stats()["host"]["in_use_bytes"]
     ours(x).sum().backward()
     assert ramtorch.stats()["host"]["in_use_bytes"] - used >= 256 * 257 * 4
+
+
+def test_layers_prefetch_their_learned_successors_and_relearn():
+    torch.manual_seed(0)
+    refs = [nn.Linear(12, 12) for _ in range(5)]
+    ours = [rnn.Linear.from_linear(r) for r in refs]
+    x = torch.randn(4, 12)
+    before = dict(ramtorch._engine.engine_for(torch.device("cpu")).layer_counters)
+    for order in ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [4, 2, 0, 1, 3], [4, 2, 0, 1, 3], [0, 1, 2, 3, 4]):
+        a, b = x, x
+        for i in order:
+            a, b = torch.tanh(refs[i](a)), torch.tanh(ours[i](b))
+        close(a, b, torch.float32)
+        a.square().sum().backward()
+        b.square().sum().backward()
+        for r, o in zip(refs, ours):
+            close(r.weight.grad, o.weight.grad, torch.float32)
+    after = ramtorch._engine.engine_for(torch.device("cpu")).layer_counters
+    assert after["prefetch_hits"] > before["prefetch_hits"]
+    assert after["prefetch_wasted"] > before["prefetch_wasted"]  # the order changed twice

@@ -47,9 +47,13 @@ def stats() -> dict[str, object]:
 def synchronize() -> None:
     """Waits for every copy the engine has queued, and writes pending gradients to ``.grad``.
 
-    Needed only before editing weights in place right after a forward whose results you have not
-    read (a forward's weight copies run asynchronously); optimizer steps and ``load_state_dict``
-    on ramtorch layers do not need it after a completed backward.
+    Device slots keep the weights they last received and are reused while the parameters'
+    version counters say the weights are unchanged (so the layers that end a forward pass start
+    the backward pass without a copy). Call this after editing weights in a way no version counter
+    sees (through ``param.data``, or through a raw pointer) and before editing weights in place
+    right after a forward whose results you have not read (its copies run asynchronously).
+    Optimizer steps, ``load_state_dict`` and in-place edits of the parameters themselves need
+    nothing: each backward pass ends by forgetting what the slots hold, and versions cover the rest.
     """
     for e in _engine.engines():
         e.synchronize()

@@ -9,9 +9,11 @@ module only passes torch's current stream to it.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -67,7 +69,14 @@ class DeviceEngine:
         self._slot_bytes = 0
         self._want_bytes = 0
         self._want_count = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        # Per-layer prefetch (ramtorch.nn.Linear): which layer followed which, per phase (forward,
+        # backward), learned from the last acquisitions; copies issued ahead, keyed by layer state.
+        self._succ: dict[tuple[bool, int], weakref.ref[Any]] = {}
+        self._last: dict[bool, weakref.ref[Any]] = {}
+        self._ahead: dict[int, int] = {}  # key -> slot
+        self._held = 0
+        self.layer_counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
         # Gradient copies in flight: their device sources, oldest first, freed as they complete.
         self._grad_sources: deque[torch.Tensor] = deque()
         # Host buffers receiving gradients this backward: id(param) -> (param, [buffers]).
@@ -84,6 +93,7 @@ class DeviceEngine:
     def _ensure_slots(self) -> None:
         if self._slot_bytes >= self._want_bytes and len(self._slots) >= self._want_count:
             return
+        self.drop_ahead()
         if self._slots:
             # Kernels may still read the old slots: let them finish before torch reuses the memory.
             self.synchronize_compute()
@@ -117,6 +127,73 @@ class DeviceEngine:
             yield layout.views(self._slots[index])
         finally:
             self._core.release(index, stream)
+
+    # -- keyed per-layer acquisition with a learned successor itinerary ------------------------
+
+    def drop_ahead(self) -> None:
+        """Releases slots prefetched for layers that were not used."""
+        with self._lock:
+            for slot in self._ahead.values():
+                self._core.release(slot, self._stream())
+                self.layer_counters["prefetch_wasted"] += 1
+            self._ahead.clear()
+
+    def _layer_prefetch(self, layer: Any, max_inflight: int, keep: list[int]) -> int:
+        if len(self._slots) - self._held - len(self._ahead) <= 0:
+            self.drop_ahead()
+        flat, layout = layer._flat, layer._layout
+        slot, _ = self.prefetch(layer._stream_key(), flat, layout.nbytes, max_inflight, keep, 0)
+        return slot
+
+    @contextmanager
+    def borrow_layer(self, layer: Any, max_inflight: int) -> Iterator[list[torch.Tensor | None]]:
+        """As :meth:`borrow` for a layer with ``_flat``, ``_layout`` and ``_stream_key()``: a slot
+        still holding the layer's current weights is reused without a copy, and the layers that
+        followed this one last time (in this phase: forward or backward) are prefetched."""
+        backward = torch._C._current_graph_task_id() != -1
+        with self._lock:
+            self._ensure_slots()
+            key = layer._stream_key()
+            slot = self._ahead.pop(key, None)
+            if slot is not None:
+                self.layer_counters["prefetch_hits"] += 1
+            else:
+                slot = self._layer_prefetch(layer, max_inflight, [])
+            self._held += 1
+            try:
+                self._core.claim(slot, self._stream(), 0)
+                prev = self._last.get(backward)
+                prev_layer = prev() if prev is not None else None
+                if prev_layer is not None and prev_layer is not layer:
+                    self._succ[(backward, id(prev_layer))] = weakref.ref(layer)
+                self._last[backward] = weakref.ref(layer)
+                # Prefetch along the successors learned so far.
+                nxt, seen = layer, {id(layer)}
+                for _ in range(min(max_inflight, len(self._slots) - 1)):
+                    ref = self._succ.get((backward, id(nxt)))
+                    nxt = ref() if ref is not None else None
+                    if nxt is None or id(nxt) in seen or getattr(nxt, "_flat", None) is None:
+                        break
+                    seen.add(id(nxt))
+                    if not nxt._is_home() or nxt.compute_device != self.device:
+                        break
+                    k = nxt._stream_key()
+                    if k in self._ahead:
+                        continue
+                    if len(self._slots) - self._held - len(self._ahead) <= 0:
+                        break
+                    self._ahead[k] = self._layer_prefetch(nxt, max_inflight, [k])
+                    self.layer_counters["prefetches"] += 1
+            except BaseException:
+                self._held -= 1
+                self._core.release(slot, self._stream())
+                raise
+        try:
+            yield layer._layout.views(self._slots[slot])
+        finally:
+            with self._lock:
+                self._held -= 1
+                self._core.release(slot, self._stream())
 
     # -- split acquisition (prefetch ahead, claim at the point of use) ---------------------------
 
@@ -180,6 +257,9 @@ class DeviceEngine:
     def finish(self) -> None:
         """Waits for every gradient copy (one synchronisation per backward) and accumulates the
         host buffers into ``.grad``, then runs post-accumulate-grad hooks."""
+        # The optimizer step comes next: weights may change in ways no version counter sees.
+        self.drop_ahead()
+        self._core.invalidate()
         if not self._pending and not self._grad_sources:
             return
         self._core.synchronize()
@@ -215,7 +295,13 @@ class DeviceEngine:
             torch.cuda.synchronize(self.device)
 
     def synchronize(self) -> None:
-        """Waits for all copies of this device; pending gradients are written to ``.grad``."""
+        """Waits for all copies of this device; pending gradients are written to ``.grad``.
+        Prefetched copies are dropped and no slot is trusted to hold current weights anymore."""
+        for s in _offload_streamers():
+            if s.eng is self:
+                s.drop_prefetched()
+        self.drop_ahead()
+        self._core.invalidate()
         if self._pending or self._grad_sources:
             self.finish()
         else:
@@ -226,9 +312,16 @@ class DeviceEngine:
         s["slots"] = len(self._slots)
         s["slot_bytes"] = self._slot_bytes
         s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
+        s.update({f"layer_{k}": v for k, v in self.layer_counters.items()})
         s["h2d_gbps"] = s["h2d_timed_bytes"] / s["h2d_seconds"] / 1e9 if s["h2d_seconds"] > 0 else 0.0
         s["d2h_gbps"] = s["d2h_timed_bytes"] / s["d2h_seconds"] / 1e9 if s["d2h_seconds"] > 0 else 0.0
         return s
+
+
+def _offload_streamers() -> list[Any]:
+    from . import _offload
+
+    return _offload.streamers()
 
 
 _ENGINES: dict[torch.device, DeviceEngine] = {}

@@ -368,6 +368,11 @@ class Streamer:
     def _free_slots(self) -> int:
         return self.slots - self.held - len(self.ahead)
 
+    def drop_prefetched(self) -> None:
+        """Releases slots prefetched but not yet used."""
+        with self.lock:
+            self._drop_ahead()
+
     def _drop_ahead(self, uid: int | None = None) -> None:
         items = list(self.ahead.items()) if uid is None else [(uid, self.ahead[uid])]
         for k, (slot, _) in items:

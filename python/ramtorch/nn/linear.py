@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from .. import _arena, _config, _engine
 
+_GENERATIONS = itertools.count(1 << 40)  # distinct from the offload units' keys
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -38,7 +40,7 @@ class _LinearFn(torch.autograd.Function):
         eng = _engine.engine_for(layer.compute_device)
         eng.drop_interrupted()
         cdtype = _compute_dtype(x, weight)
-        with eng.borrow(layer._flat, layer._layout, layer.max_inflight) as (w, b):
+        with eng.borrow_layer(layer, layer.max_inflight) as (w, b):
             with torch.autocast(x.device.type, enabled=False):
                 y = F.linear(x.to(cdtype), w.to(cdtype), None if b is None else b.to(cdtype))
         ctx.save_for_backward(x, weight, bias)
@@ -58,7 +60,7 @@ class _LinearFn(torch.autograd.Function):
         g = gy.to(cdtype)
         gx = None
         if need_x:
-            with eng.borrow(layer._flat, layer._layout, layer.max_inflight) as (w, _):
+            with eng.borrow_layer(layer, layer.max_inflight) as (w, _):
                 gx = g.matmul(w.to(cdtype)).to(x.dtype)
         if need_w or need_b:
             g2 = g.reshape(-1, layer.out_features)
@@ -127,11 +129,17 @@ class Linear(nn.Linear):
 
     def _set_home(self, flat: torch.Tensor) -> None:
         self._flat = flat
+        self._gen = next(_GENERATIONS)
         if getattr(self, "_anchor", None) is None:
             self._anchor = torch.empty(0, requires_grad=True)
         self._layout = _engine.Layout(flat, [self.weight, self.bias])
         self._home_ptrs = (self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr())
         _engine.engine_for(self.compute_device).reserve(self._layout.nbytes, self.max_inflight + 1)
+
+    def _stream_key(self) -> int:
+        """Names the bytes of this layer's host region as they are now (region and versions)."""
+        b = self.bias
+        return hash((self._gen, self.weight._version, None if b is None else b._version)) & ((1 << 63) - 1)
 
     def _is_home(self) -> bool:
         b = self.bias
