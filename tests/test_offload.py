@@ -342,6 +342,9 @@ def test_bad_arguments_are_clear_errors():
     ramtorch.offload(m, unit=Block, device="cpu")
     with pytest.raises(RuntimeError, match="already offloaded"):
         ramtorch.offload(m, device="cpu")
+    assert m.to("cpu") is m  # its compute device: nothing moves
+    with pytest.raises(RuntimeError, match="cannot be moved or converted"):
+        m.double()
     with pytest.raises(ValueError, match="meta"):
         ramtorch.offload(TinyLM().to("meta"), device="cpu")
 

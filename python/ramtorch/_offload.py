@@ -844,8 +844,34 @@ def offload(
             )
         )
     model._ramtorch_streamer = streamer  # type: ignore[assignment]
+    if type(model)._apply is nn.Module._apply:
+        model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
     _STREAMERS.add(streamer)
     return model
+
+
+def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:
+    """``model.to()``/``.cuda()``/``.half()`` after offload: moving to the compute device is a
+    no-op (streamed weights stay in RAM, the rest is there already); anything else is refused
+    rather than silently pulling the host parameters onto a device."""
+    ref = weakref.ref(model)
+
+    def _apply(fn: Any, recurse: bool = True) -> nn.Module:
+        m = ref()
+        dtype = next((p.dtype for p in m.parameters()), torch.float32) if m is not None else torch.float32
+        probe = fn(torch.empty(0, dtype=dtype))
+        same = probe.dtype == dtype and probe.device.type == streamer.device.type
+        if same and probe.device.type == "cuda":
+            same = (probe.device.index or torch.cuda.current_device()) == streamer.device.index
+        if not same:
+            raise RuntimeError(
+                f"ramtorch.offload: this model streams to {streamer.device} with its weights in host "
+                f"RAM; it cannot be moved or converted to {probe.device}/{probe.dtype} afterwards. "
+                "Convert the model before calling ramtorch.offload (device= picks where it computes)."
+            )
+        return m  # type: ignore[return-value]
+
+    return _apply
 
 
 def detach_streamer(model: nn.Module) -> None:
@@ -854,6 +880,7 @@ def detach_streamer(model: nn.Module) -> None:
     if streamer is None:
         return
     streamer.eng.synchronize()
+    model.__dict__.pop("_apply", None)
     for h in streamer.hook_handles:
         h.remove()
     for u in streamer.units:
