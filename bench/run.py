@@ -1,9 +1,22 @@
-"""Runs W1 for every system (each in its own process) and writes the records with the limits.
+"""Runs W1 and W2 for every chosen system (each in its own process) and writes the records with the
+limits and the ratios against the peers.
 
-    python3 bench/run.py --out results.json [--tokens 512 4096 16384] [--baseline /path/to/ramtorch-1.11]
+    python3 bench/run.py --out results.json [--workloads w1 w2] [--tokens 512 4096 16384]
+        [--systems resident ramtorch accelerate ...] [--budgets none 4GiB 8GiB]
+        [--baseline /path/to/ramtorch-1.11] [--ours /path/to/this/package]
 
 Ceilings (pinned H2D/D2H/duplex bandwidth, resident compute time) are measured in the same run;
-see BENCH.md for the protocol.
+see BENCH.md for the protocol. Limits:
+
+- forward: max(resident forward, streamed weight bytes / H2D);
+- forward+backward: max(resident forward+backward, 2 × streamed / H2D, weights / D2H,
+  (2 × streamed + weights) / duplex): weights cross twice, gradients once.
+
+Streamed weight bytes are the model's weight bytes, except for a ``ramtorch`` record that reports
+``streamed_bytes_per_pass`` (under a GPU budget part of the model stays resident). Each ``ramtorch``
+record carries ``vs_<peer>`` = peer seconds / ramtorch seconds at the same workload, tokens and
+phase (> 1: ramtorch is faster). The results file is rewritten after every system, so a run cut
+short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -18,9 +31,21 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SYSTEMS = {
+    "w1": ["resident", "ramtorch", "ramtorch-linear", "ramtorch-1.11", "ramtorch-1.11-linear", "accelerate"],
+    "w2": ["resident", "ramtorch", "accelerate", "ramtorch-1.11"],
+}
+BASELINE = ("ramtorch-1.11", "ramtorch-1.11-linear")  # run with PYTHONPATH=--baseline
+PEERS = ("resident", "accelerate", "ramtorch-1.11", "ramtorch-1.11-linear", "ramtorch-linear")
 
 
-def bandwidth() -> dict[str, float]:
+def bandwidth(device: str = "cuda") -> dict[str, float]:
+    if not device.startswith("cuda"):  # smoke runs: host copy speed stands in for the link
+        a, b = torch.empty(1 << 28, dtype=torch.uint8), torch.empty(1 << 28, dtype=torch.uint8)
+        t = time.perf_counter()
+        b.copy_(a)
+        g = a.numel() / (time.perf_counter() - t) / 1e9
+        return {"h2d_gbps": g, "d2h_gbps": g, "duplex_gbps": g}
     n = 2 << 30
     h = torch.empty(n, dtype=torch.uint8).pin_memory()
     h2 = torch.empty(n, dtype=torch.uint8).pin_memory()
@@ -50,73 +75,143 @@ def bandwidth() -> dict[str, float]:
     return {"h2d_gbps": h2d, "d2h_gbps": d2h, "duplex_gbps": duplex}
 
 
-def run_system(system: str, tokens: list[int], env_path: str | None, extra: list[str]) -> list[dict]:
+def run_system(
+    workload: str, system: str, args: list[str], env_path: str | None, timeout: float
+) -> list[dict]:
     env = dict(os.environ)
     if env_path is not None:
         env["PYTHONPATH"] = env_path
-    cmd = [
-        sys.executable,
-        os.path.join(HERE, "w1.py"),
-        "--system",
-        system,
-        "--tokens",
-        *map(str, tokens),
-        *extra,
-    ]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        print(f"{system} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
-    out = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    cmd = [sys.executable, os.path.join(HERE, f"{workload}.py"), "--system", system, *args]
+    label = f"{workload} {system} {' '.join(args)}"
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, failed = p.stdout, p.returncode != 0
+        if failed:
+            print(f"{label} failed ({p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        print(f"{label} timed out after {timeout:.0f} s:\n{err[-3000:]}", file=sys.stderr)
+    out = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     for r in out:
         print(json.dumps(r), flush=True)
+    print(f"# {label}: {len(out)} records in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     return out
 
 
 def command_line() -> str:
-    """This run's command, with the output file and baseline folder reduced to placeholders."""
+    """This run's command, with the output file (its name kept) and package folders as placeholders."""
     args, out = sys.argv[1:], []
     for i, a in enumerate(args):
         prev = args[i - 1] if i else ""
-        out.append({"--out": "w1.json", "--baseline": "BASELINE", "--ours": "OURS"}.get(prev, a))
+        if prev == "--out":
+            out.append(os.path.basename(a))
+        else:
+            out.append({"--baseline": "BASELINE", "--ours": "OURS"}.get(prev, a))
     return "python3 bench/run.py " + " ".join(out)
+
+
+def peer_key(system: str) -> str:
+    return "vs_" + system.replace("-", "_").replace(".", "_")
+
+
+def key(r: dict) -> tuple:
+    """Records comparable with each other: same workload, tokens and phase."""
+    return r["workload"], r["tokens"], r["phase"]
+
+
+def finish(records: list[dict], bw: dict[str, float], meta: dict) -> None:
+    """Adds limits, peer ratios, ceilings and provenance to every record (in place)."""
+    resident = {key(r): r["seconds"] for r in records if r["system"] == "resident"}
+    peers: dict[tuple, dict[str, float]] = {}
+    for r in records:
+        if r["system"] in PEERS:
+            peers.setdefault(key(r), {})[r["system"]] = r["seconds"]
+    h2d, d2h, duplex = (bw[k] * 1e9 for k in ("h2d_gbps", "d2h_gbps", "duplex_gbps"))
+    for r in records:
+        w = r["weight_bytes"]
+        comp = resident.get(key(r))
+        if r["system"] == "resident":
+            limit, streamed = r["seconds"], 0
+        else:
+            streamed = r.get("streamed_bytes_per_pass", w) if r["system"] == "ramtorch" else w
+            if r["phase"] == "forward":
+                link = streamed / h2d
+            else:
+                link = max(2 * streamed / h2d, w / d2h, (2 * streamed + w) / duplex)
+            limit = max(comp or 0.0, link)
+        r["limit_seconds"] = limit
+        r["limit_over_measured"] = limit / r["seconds"]
+        r["limit_compute_seconds"] = comp
+        r["limit_streamed_bytes"] = streamed
+        if r["system"] == "ramtorch":
+            for peer, s in sorted(peers.get(key(r), {}).items()):
+                r[peer_key(peer)] = s / r["seconds"]
+        r.update(bw, **meta)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
+    ap.add_argument("--workloads", nargs="+", choices=sorted(SYSTEMS), default=["w1", "w2"])
+    ap.add_argument("--systems", nargs="+", default=None, help="default: every system of each workload")
+    ap.add_argument("--budgets", nargs="+", default=["none"], help="ramtorch gpu_budgets: none 8GiB ...")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384], help="W1 tokens per step")
+    ap.add_argument("--phases", nargs="+", default=["forward", "forward_backward"], help="W1 phases")
+    ap.add_argument("--seq", type=int, default=2048, help="W2 sequence length (batch 1)")
+    ap.add_argument("--w2-gpu-cap", default=None, help="GPU memory cap of W2's offloading systems")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds allowed to one system's process")
     ap.add_argument("--baseline", default=None, help="PYTHONPATH of the original RamTorch 1.11")
     ap.add_argument("--ours", default=None, help="PYTHONPATH of this package (default: inherited)")
     ap.add_argument("--commit", default="unknown")
+    # Hidden: check the harness on the CPU with tiny models.
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    bw = bandwidth()
+    known = {s for v in SYSTEMS.values() for s in v}
+    if a.systems is not None and not set(a.systems) <= known:
+        ap.error(f"unknown systems {sorted(set(a.systems) - known)}; known: {sorted(known)}")
+
+    bw = bandwidth(a.device)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hold neither GPU nor pinned memory while the systems run
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
     print(json.dumps(bw), flush=True)
-    records = []
-    records += run_system("resident", a.tokens, a.ours, [])
-    records += run_system("ramtorch-linear", a.tokens, a.ours, [])
-    if a.baseline:
-        records += run_system("ramtorch-1.11-linear", a.tokens, a.baseline, [])
-    resident = {(r["tokens"], r["phase"]): r["seconds"] for r in records if r["system"] == "resident"}
-    for r in records:
-        w = r["weight_bytes"]
-        comp = resident.get((r["tokens"], r["phase"]), 0.0)
-        if r["phase"] == "forward":
-            link = w / (bw["h2d_gbps"] * 1e9)
-        else:  # weights cross twice, gradients once; the link is full duplex
-            link = max(2 * w / (bw["h2d_gbps"] * 1e9), 3 * w / (bw["duplex_gbps"] * 1e9))
-        r["limit_seconds"] = max(comp, link) if r["system"] != "resident" else comp
-        r["limit_over_measured"] = r["limit_seconds"] / r["seconds"]
-        r.update(
-            h2d_gbps=bw["h2d_gbps"],
-            d2h_gbps=bw["d2h_gbps"],
-            duplex_gbps=bw["duplex_gbps"],
-            device=torch.cuda.get_device_name(),
-            commit=a.commit,
-            gpus=1,
-            command="python3 bench/run.py " + " ".join(sys.argv[1:]),
-        )
-    with open(a.out, "w") as fh:
-        json.dump(records, fh, indent=1)
+    meta = {
+        "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
+        "commit": a.commit,
+        "gpus": 1 if a.device.startswith("cuda") else 0,
+        "command": command_line(),
+    }
+    common = ["--reps", str(a.reps), "--warmup", str(a.warmup)]
+    if a.device != "cuda":
+        common += ["--device", a.device]
+    if a.tiny:
+        common.append("--tiny")
+    records: list[dict] = []
+    for wl in a.workloads:
+        systems = [s for s in SYSTEMS[wl] if a.systems is None or s in a.systems]
+        if wl == "w1":
+            args = ["--tokens", *map(str, a.tokens), "--phases", *a.phases, *common]
+        else:
+            args = ["--seq", str(a.seq), *common]
+        for system in systems:
+            if system in BASELINE and not a.baseline:
+                print(f"# {wl} {system}: skipped (no --baseline)", file=sys.stderr)
+                continue
+            path = a.baseline if system in BASELINE else a.ours
+            extra = list(args)
+            if wl == "w2" and a.w2_gpu_cap and system != "resident":
+                extra += ["--gpu-cap", a.w2_gpu_cap]
+            for budget in a.budgets if system == "ramtorch" else [None]:
+                more = ["--budget", budget] if budget is not None else []
+                records += run_system(wl, system, extra + more, path, a.timeout)
+                finish(records, bw, meta)
+                with open(a.out, "w") as fh:
+                    json.dump(records, fh, indent=1)
 
 
 if __name__ == "__main__":

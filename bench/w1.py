@@ -1,112 +1,211 @@
 """W1 (MLP stack, bf16) for one system in this process; prints one JSON record per line.
 
-Systems: ``ramtorch-linear`` (this package's ``ramtorch.nn.Linear``), ``resident`` (plain
-``nn.Linear`` on the GPU), ``ramtorch-1.11-linear`` (the original RamTorch's per-layer Linear; run
-with that package first on ``PYTHONPATH``).
+The model is ``layers`` blocks of ``Linear(d, f) → GELU → Linear(f, d)`` (no bias) held in an
+``nn.ModuleList``. Systems:
+
+- ``resident``: plain ``nn.Linear`` with every weight on the GPU (the compute floor);
+- ``ramtorch``: the plain model moved to host RAM, then ``ramtorch.offload(model, gpu_budget=...)``
+  (``--budget``: bytes, a string such as ``8GiB``, or ``none`` to stream everything);
+- ``ramtorch-linear``: this package's per-layer ``ramtorch.nn.Linear``;
+- ``ramtorch-1.11``: the original RamTorch 1.11 ``OffloadModel``, one chunk per block, ``window=2``
+  (run with that package first on ``PYTHONPATH``);
+- ``ramtorch-1.11-linear``: the original RamTorch's per-layer ``ramtorch.Linear`` (same);
+- ``accelerate``: ``accelerate.cpu_offload(model, execution_device="cuda")``, forward only.
+
+Weights are filled on the compute device and copied to the host where a system needs them there
+(initialising 3.8e9 parameters on the host would take minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import statistics
+import sys
 import time
 
 import torch
+from benchlib import (
+    budget_arg,
+    gpu_allocated,
+    gpu_peak,
+    parse_bytes,
+    ramtorch_fields,
+    ramtorch_stats,
+    reset_peak,
+    rss,
+    timeit,
+    warm,
+)
 from torch import nn
 
+SYSTEMS = ("resident", "ramtorch", "ramtorch-linear", "ramtorch-1.11", "ramtorch-1.11-linear", "accelerate")
+INFERENCE_ONLY = ("accelerate",)
 
-def build(system: str, d: int, f: int, layers: int) -> nn.Module:
+
+class Stack(nn.Module):
+    """The W1 model: blocks applied in order."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def linear(system: str, i: int, o: int, device: str) -> nn.Module:
     dt = torch.bfloat16
-    mods: list[nn.Module] = []
+    if system == "ramtorch-linear":
+        import ramtorch.nn as rnn
+
+        lin = rnn.Linear(i, o, bias=False, device=device, dtype=dt)
+    elif system == "ramtorch-1.11-linear":
+        import ramtorch as rt
+
+        lin = rt.Linear(i, o, bias=False, device=device, dtype=dt, skip_init=True)
+    else:  # a plain layer, allocated on the compute device without running its initialiser
+        lin = torch.nn.utils.skip_init(nn.Linear, i, o, bias=False, device=device, dtype=dt)
+    with torch.no_grad():  # fill on the device, copy into wherever the layer keeps weights
+        lin.weight.copy_(torch.randn(o, i, device=device, dtype=dt).mul_(i**-0.5))
+    return lin
+
+
+def build(system: str, d: int, f: int, layers: int, device: str) -> Stack:
+    blocks = []
     for _ in range(layers):
-        for i, o in ((d, f), (f, d)):
-            if system == "resident":
-                lin = nn.Linear(i, o, bias=False, device="cuda", dtype=dt)
-            elif system == "ramtorch-linear":
-                import ramtorch.nn as rnn
-
-                lin = rnn.Linear(i, o, bias=False, device="cuda", dtype=dt)
-            elif system == "ramtorch-1.11-linear":
-                import ramtorch as rt
-
-                lin = rt.Linear(i, o, bias=False, device="cuda", dtype=dt, skip_init=True)
-            else:
-                raise SystemExit(f"unknown system {system}")
-            with torch.no_grad():  # fill on the GPU, copy into wherever the layer keeps weights
-                lin.weight.copy_(torch.randn(o, i, device="cuda", dtype=dt).mul_(i**-0.5))
-            mods.append(lin)
-            if i == d:
-                mods.append(nn.GELU())
-    return nn.Sequential(*mods)
+        blocks.append(nn.Sequential(linear(system, d, f, device), nn.GELU(), linear(system, f, d, device)))
+    return Stack(blocks)
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * 4096
+def loss_of(out: torch.Tensor, _target: object = None) -> torch.Tensor:
+    """W1's loss: mean of squared outputs, in fp32."""
+    return out.float().pow(2).mean()
 
 
-def timeit(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def to_host(model: nn.Module) -> None:
+    """Moves the model to host RAM tensor by tensor (GPU memory is freed as it goes)."""
+    model.to("cpu")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def wrap(system: str, model: Stack, device: str, budget: int | str | None) -> tuple[nn.Module, dict]:
+    """Applies the system's offloading to the built model; returns the model to call and extra fields."""
+    extra: dict = {}
+    if system == "ramtorch":
+        import ramtorch
+
+        to_host(model)
+        model = ramtorch.offload(model, gpu_budget=budget, device=device)
+        extra["gpu_budget"] = budget
+        extra["gpu_budget_bytes"] = parse_bytes(budget)
+    elif system == "ramtorch-1.11":
+        from ramtorch import OffloadModel
+
+        blocks = list(model.blocks)
+        model = OffloadModel(blocks, device=device, window=2)
+        extra.update(chunks=len(blocks), window=2)
+    elif system == "accelerate":
+        import accelerate
+
+        to_host(model)
+        model = accelerate.cpu_offload(model, execution_device=torch.device(device))
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return model, extra
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", required=True)
+    ap.add_argument("--system", required=True, choices=SYSTEMS)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--d", type=int, default=8192)
     ap.add_argument("--f", type=int, default=28672)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--phases", nargs="+", default=["forward", "forward_backward"])
+    ap.add_argument("--budget", default=None, help="ramtorch gpu_budget: bytes, e.g. 8GiB, or none")
+    # Hidden: run on the CPU with a tiny model, to check the harness without a GPU.
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    model = build(a.system, a.d, a.f, a.layers)
-    params = [p for p in model.parameters()]
-    wbytes = sum(p.numel() * p.element_size() for p in params)
+    if a.tiny:
+        a.d, a.f, a.layers = 64, 160, 3
+    dev = a.device
+    budget = budget_arg(a.budget)
+    phases = [p for p in a.phases if not (a.system in INFERENCE_ONLY and p != "forward")]
+    if len(phases) < len(a.phases):
+        print(f"{a.system}: inference only, skipping {sorted(set(a.phases) - set(phases))}", file=sys.stderr)
+
+    t0 = time.perf_counter()
+    model = build(a.system, a.d, a.f, a.layers, dev)
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    nparams = sum(p.numel() for p in model.parameters())
+    model, extra = wrap(a.system, model, dev, budget)
+    extra["setup_seconds"] = time.perf_counter() - t0  # build, copy to host, wrap
+    params = list(model.parameters())
+
     for t in a.tokens:
-        x = torch.randn(t, a.d, device="cuda", dtype=torch.bfloat16)
-        for phase in a.phases:
+        x = torch.randn(t, a.d, device=dev, dtype=torch.bfloat16)
+        for phase in phases:
 
             def fwd(x: torch.Tensor = x) -> None:
                 with torch.no_grad():
                     model(x)
 
             def fwd_bwd(x: torch.Tensor = x) -> None:
-                loss = model(x).float().pow(2).mean()
-                loss.backward()
+                if a.system == "ramtorch-1.11":
+                    model.step(x, loss_fn=loss_of)
+                    model.flush_grads()  # accumulated gradients to .grad (host, for streamed chunks)
+                    return
+                loss_of(model(x)).backward()
+                if a.system == "ramtorch":
+                    import ramtorch
+
+                    if hasattr(ramtorch, "synchronize"):
+                        ramtorch.synchronize()  # every .grad written
                 for p in params:
                     p.grad = None
 
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            s = timeit(fwd if phase == "forward" else fwd_bwd, warmup=2, reps=a.reps)
+            fn = fwd if phase == "forward" else fwd_bwd
+            warm(fn, a.warmup, dev)
+            reset_peak(dev)
+            base = gpu_allocated(dev)
+            before = ramtorch_stats() if a.system == "ramtorch" else {}
+            s, times = timeit(fn, a.reps, dev)
             rec = {
                 "workload": "W1",
                 "tokens": t,
                 "phase": phase,
                 "system": a.system,
                 "seconds": s,
-                "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
-                "gpu_peak_above_base_bytes": torch.cuda.max_memory_allocated() - base,
+                "seconds_all": times,
+                "gpu_peak_bytes": gpu_peak(dev),
+                "gpu_peak_above_base_bytes": gpu_peak(dev) - base,
                 "host_rss_bytes": rss(),
                 "weight_bytes": wbytes,
-                "params": sum(p.numel() for p in params),
+                "params": nparams,
+                **extra,
             }
-            if a.system == "ramtorch-linear":
+            if a.system == "ramtorch":
+                rec.update(ramtorch_fields(before, ramtorch_stats(), a.reps, phase, wbytes))
+            elif a.system == "ramtorch-linear":
                 import ramtorch
 
                 rec["engine"] = ramtorch.stats()["devices"].get("cuda:0")
+            elif a.system == "ramtorch-1.11":
+                rec["offload_stats"] = dict(model.stats)
+            if dev != "cuda":
+                rec["device_kind"] = dev
             print(json.dumps(rec), flush=True)
+    if a.system == "ramtorch-1.11":
+        model.close()
 
 
 if __name__ == "__main__":

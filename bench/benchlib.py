@@ -1,0 +1,171 @@
+"""Helpers shared by the workload scripts (w1.py, w2.py): timing, memory, budgets, ramtorch stats."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def budget_arg(text: str | None) -> int | str | None:
+    """``--budget`` as ramtorch.offload takes it: None ("none"), int bytes (all digits) or a string."""
+    if text is None or text.strip().lower() in ("", "none", "null"):
+        return None
+    text = text.strip()
+    return int(text) if text.isdigit() else text
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``8GiB`` → 8589934592, ``"1e9"`` → 1000000000, 123 → 123, None → None."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def rss() -> int:
+    """Resident set size of this process in bytes (VmRSS of /proc/self/status)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def gpu_peak(device: str) -> int:
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
+
+
+def gpu_allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def timeit(fn: Callable[[], object], reps: int, device: str) -> tuple[float, list[float]]:
+    """Median and all wall times of ``reps`` calls of ``fn``, each ended by a device synchronize."""
+    times = []
+    sync(device)
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), times
+
+
+def warm(fn: Callable[[], object], n: int, device: str) -> None:
+    for _ in range(n):
+        fn()
+    sync(device)
+
+
+def jsonable(obj: object) -> object:
+    """``obj`` with everything json cannot write turned into numbers, lists or strings."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    try:
+        json.dumps(obj)
+        return obj
+    except TypeError:
+        return str(obj)
+
+
+def find_key(tree: object, *keys: str) -> object | None:
+    """First value stored under any of ``keys`` in a nested dict (breadth first), else None."""
+    level = [tree]
+    while level:
+        nxt = []
+        for d in level:
+            if isinstance(d, dict):
+                for k in keys:
+                    if k in d:
+                        return d[k]
+                nxt += [v for v in d.values() if isinstance(v, dict)]
+        level = nxt
+    return None
+
+
+def ramtorch_stats() -> dict:
+    """``ramtorch.stats()`` made writable as JSON, or {} when the package has no stats()."""
+    import ramtorch
+
+    fn = getattr(ramtorch, "stats", None)
+    if fn is None:
+        return {}
+    try:
+        return jsonable(fn())
+    except Exception as e:  # a benchmark records what it can
+        return {"error": repr(e)}
+
+
+def ramtorch_fields(before: dict, after: dict, reps: int, phase: str, weight_bytes: int) -> dict:
+    """Fields a ``ramtorch`` record carries next to the raw stats: the offloaded model's plan
+    (``stats()["models"]``: resident units, GPU bytes, bytes streamed per pass) and what the
+    device counters measured over the timed repetitions (bytes copied and reused per repetition,
+    achieved H2D bandwidth, seconds the compute stream waited on copies)."""
+    out: dict = {"stats": after}
+    models = after.get("models") or []
+    if models:
+        m = models[-1]
+        out["resident_blocks"] = [n for n in m.get("resident_units", []) if n.startswith("blocks")]
+        out["resident_units"] = m.get("resident_units", [])
+        out["ramtorch_gpu_bytes"] = m.get("gpu_bytes")
+        out["streamed_bytes_per_pass"] = m.get("streamed_bytes_per_pass")
+        out["streamed_bytes_source"] = "stats.models.streamed_bytes_per_pass"
+    devs0, devs1 = before.get("devices") or {}, after.get("devices") or {}
+    for name, d1 in devs1.items():
+        if not name.startswith("cuda"):
+            continue
+        d0 = devs0.get(name, {})
+        for k in ("h2d_bytes", "reused_bytes", "d2h_bytes", "stall_seconds"):
+            if _num(d1.get(k)) and reps > 0:
+                out[f"{k}_per_rep"] = (d1[k] - d0.get(k, 0)) / reps
+        out["ramtorch_h2d_gbps"] = d1.get("h2d_gbps")
+        out["ramtorch_d2h_gbps"] = d1.get("d2h_gbps")
+    if out.get("streamed_bytes_per_pass") is None:
+        out.pop("streamed_bytes_per_pass", None)
+        out.pop("streamed_bytes_source", None)
+    return out
+
+
+def _num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
