@@ -304,6 +304,12 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+def _leaves(views: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter]) -> list[Any]:
+    """Device weights for a recomputation: leaves that require grad like the parameters, so the
+    recomputed forward saves the same tensors as the original one (no gradient reaches them)."""
+    return [v if v is None else v.detach().requires_grad_(p.requires_grad) for v, p in zip(views, params)]
+
+
 class _SlotRef:
     """A saved tensor that lives in a unit's slot: re-created from the unit at unpack time."""
 
@@ -428,7 +434,7 @@ class Streamer:
                 out.append(u)
         return out
 
-    def _prefetch_along(self, itin: list[int], pos: int, current: _Unit) -> None:
+    def _prefetch_along(self, itin: list[int], pos: int, current: _Unit | None) -> None:
         nxt = self._lookahead(itin, pos)
         keep = [u.key() for u in nxt]
         for u in nxt:
@@ -459,7 +465,6 @@ class Streamer:
         with self.lock:
             self.eng.drop_interrupted()
             self._release_backward()
-            self._drop_ahead()
             self.in_pass = True
             self.cur_fwd = []
             self.fwd_pos = 0
@@ -472,43 +477,64 @@ class Streamer:
             self.fwd_itin = self.cur_fwd
             self.cur_fwd = []
             self.counters["passes"] += 1
+            if not torch.is_grad_enabled() and self.fwd_itin:
+                # Inference: passes follow one another (generation, evaluation); the first units
+                # of the next pass come in while this one's last kernels run. Their keys are
+                # checked when the next pass claims them.
+                self._prefetch_along(self.fwd_itin, 0, None)
 
     # -- forward --------------------------------------------------------------------------------
 
     def pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # Inside backward this is a recomputation (activation checkpointing): the unit's backward
+        # slot serves it, and stays held until the unit's backward is done.
+        recompute = torch._C._current_graph_task_id() != -1
         with self.lock:
-            recompute = torch._C._current_graph_task_id() != -1
-            if self.in_pass and not recompute:
-                self.cur_fwd.append(u.uid)
-                self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
-                keep_itin, keep_pos = self.fwd_itin, self.fwd_pos
+            if recompute:
+                if u.bwd is None:
+                    self._begin_backward_locked(u)
+                assert u.bwd is not None
+                slot, own = u.bwd, False
             else:
-                keep_itin, keep_pos = [], 0
-            slot = self._take(u, [x.key() for x in self._lookahead(keep_itin, keep_pos)])
-            if keep_itin:
-                self._prefetch_along(keep_itin, keep_pos, u)
+                if self.in_pass:
+                    self.cur_fwd.append(u.uid)
+                    self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
+                    itin, pos = self.fwd_itin, self.fwd_pos
+                else:
+                    itin, pos = [], 0
+                slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)])
+                own = True
+                if itin:
+                    self._prefetch_along(itin, pos, u)
             assert u.layout is not None
             buf = self.eng.slot(slot)
             views = u.layout.views(buf)
         self.eng.mark(u.tag, MARK_FWD_BEGIN)
         grad = torch.is_grad_enabled()
-        wants = grad and any(p.requires_grad for p in u.params)
+        wants = grad and not recompute and any(p.requires_grad for p in u.params)
         if wants:
             dev = _Fetch.apply(u.anchor, u, self, *views)
             dev = [d if p.requires_grad else d.detach() for d, p in zip(dev, u.params)]
+        elif recompute and grad:
+            dev = _leaves(views, u.params)
         else:
             dev = views
+        before = [e.owner._parameters[e.name] for e in u.entries]
         for e in u.entries:
             e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
         addr = buf.untyped_storage().data_ptr()
         ctx = None
-        if grad:
-            self.slot_owner[addr] = u
+        if grad and not recompute:
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            ctx = torch.autograd.graph.saved_tensors_hooks(self._packer(outer), self._unpacker(outer))
-            ctx.__enter__()
-        u.fwd.append((slot, ctx, addr))
-        if grad:
+            if outer is None:
+                # Tensors saved for backward that live in the slot are kept as references.
+                self.slot_owner[addr] = u
+                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                ctx.__enter__()
+            # Under another saved-tensor hook (a checkpointed region) that hook decides; the
+            # recomputation in backward runs on the unit's backward slot.
+        u.fwd.append((slot, own, ctx, addr, before))
+        if grad and not recompute:
             flat_args, _ = tree_flatten((args, kwargs))
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_args):
                 args, kwargs = self._wrap_inputs(u, args, kwargs)
@@ -531,44 +557,35 @@ class Streamer:
     def post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
-        slot, ctx, addr = u.fwd.pop()
+        slot, own, ctx, addr, before = u.fwd.pop()
         if ctx is not None:
             ctx.__exit__(None, None, None)
             self.slot_owner.pop(addr, None)
-        for e in u.entries:
-            e.owner._parameters[e.name] = u.params[e.index]
+        for e, t in zip(u.entries, before):
+            e.owner._parameters[e.name] = t
         self.eng.mark(u.tag, MARK_FWD_END)
-        with self.lock:
-            self._give(slot)
-        if torch.is_grad_enabled() and not u.resident:
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(self._pre_backward_hook(u))
+        if own:
+            with self.lock:
+                self._give(slot)
+            if torch.is_grad_enabled():
+                flat = tree_flatten(output)[0]
+                for t in [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]:
+                    t.register_hook(self._pre_backward_hook(u))
         return output
 
     # -- saved tensors ------------------------------------------------------------------------------
 
-    def _packer(self, outer: tuple[Any, Any] | None) -> Any:
-        owners = self.slot_owner
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device == self.device:
+            u = self.slot_owner.get(t.untyped_storage().data_ptr())
+            if u is not None:
+                return _SlotRef(u, t)
+        return t
 
-        dev = self.device
-
-        def pack(t: torch.Tensor) -> Any:
-            if t.device == dev:
-                u = owners.get(t.untyped_storage().data_ptr())
-                if u is not None:
-                    return _SlotRef(u, t)
-            return (outer[0](t),) if outer is not None else (t,)
-
-        return pack
-
-    def _unpacker(self, outer: tuple[Any, Any] | None) -> Any:
-        def unpack(obj: Any) -> torch.Tensor:
-            if isinstance(obj, _SlotRef):
-                return self.weight_for_backward(obj)
-            return outer[1](obj[0]) if outer is not None else obj[0]
-
-        return unpack
+    def _unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, _SlotRef):
+            return self.weight_for_backward(obj)
+        return obj
 
     def weight_for_backward(self, ref: _SlotRef) -> torch.Tensor:
         u = ref.unit
@@ -603,6 +620,12 @@ class Streamer:
         if u.bwd is None:
             u.bwd = self._take(u, [x.key() for x in self._lookahead(self.bwd_itin, self.bwd_pos)])
             self.eng.mark(u.tag, MARK_BWD_BEGIN)
+            # Code that runs the unit's submodules during its backward (a checkpointed region
+            # inside the unit recomputing) must find the weights on the device.
+            assert u.layout is not None
+            views = _leaves(u.layout.views(self.eng.slot(u.bwd)), u.params)
+            for e in u.entries:
+                e.owner._parameters[e.name] = views[e.index]  # type: ignore[assignment]
         self._prefetch_along(self.bwd_itin, self.bwd_pos, u)
 
     def weights_backward(self, u: _Unit, grads: Sequence[torch.Tensor | None]) -> None:
@@ -616,12 +639,20 @@ class Streamer:
         with self.lock:
             if u.bwd is not None:
                 self.eng.mark(u.tag, MARK_BWD_END)
+                self._restore(u)
                 self._give(u.bwd)
                 u.bwd = None
+
+    @staticmethod
+    def _restore(u: _Unit) -> None:
+        if not u.fwd:
+            for e in u.entries:
+                e.owner._parameters[e.name] = u.params[e.index]
 
     def _release_backward(self) -> None:
         for u in self.streamed:
             if u.bwd is not None:
+                self._restore(u)
                 self._give(u.bwd)
                 u.bwd = None
             u.in_bwd = False
