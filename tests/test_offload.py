@@ -333,6 +333,16 @@ def test_budget_planner_properties():
         plan(sizes, [], 100, 2)
 
 
+def test_resident_blocks_are_spread_along_the_model():
+    from ramtorch._offload import spread_resident
+
+    sizes = [10] * 8 + [3]
+    assert spread_resident(sizes, {0, 1}, set()) == {2, 6}
+    assert spread_resident(sizes, {0, 1, 2, 3, 8}, set()) == {1, 3, 5, 7, 8}
+    assert spread_resident(sizes, set(range(9)), set()) == set(range(9))
+    assert spread_resident([10, 10, 10], {0}, {0}) == {0}  # forced units stay
+
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 << 30
     assert parse_bytes("1.5 GB") == 1_500_000_000

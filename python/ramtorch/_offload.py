@@ -758,6 +758,25 @@ def plan(
     return best[1]
 
 
+def spread_resident(sizes: Sequence[int], resident: set[int], forced: set[int]) -> set[int]:
+    """Among units of equal size (the blocks), which ones stay resident does not change the
+    bytes: spread them evenly along the model's order, so each run of resident blocks is short
+    and its compute overlaps the copy of the next streamed block instead of idling the link."""
+    out = set(resident)
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(sizes):
+        if i not in forced:
+            groups.setdefault(n, []).append(i)
+    for members in groups.values():
+        chosen = [i for i in members if i in resident]
+        if not chosen or len(chosen) == len(members):
+            continue
+        n, r = len(members), len(chosen)
+        out -= set(chosen)
+        out |= {members[min(n - 1, int((j + 0.5) * n / r))] for j in range(r)}
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
@@ -824,7 +843,9 @@ def offload(
     pl = plan(
         [u.nbytes for u in units], [k for k, u in enumerate(units) if u.container], budget, inflight, fixed
     )
-    resident_ids = set(pl.resident)
+    resident_ids = spread_resident(
+        [u.nbytes for u in units], set(pl.resident), {k for k, u in enumerate(units) if u.container}
+    )
 
     total = sum(u.nbytes for u in units)
     show = progress if progress is not None else total > _GIB
