@@ -434,3 +434,10 @@ def test_embedding_and_conv2d_layers_match_torch(device):
         compare_grads(b, a)
     c2 = copy.deepcopy(conv)
     close(c2(x), r_conv(x))
+
+
+def test_progress_bar_when_moving_into_host_ram(capsys):
+    m = TinyLM()
+    ramtorch.offload(m, device="cpu", progress=True)
+    err = capsys.readouterr().err
+    assert "ramtorch.offload" in err
