@@ -169,3 +169,39 @@ def ramtorch_fields(before: dict, after: dict, reps: int, phase: str, weight_byt
 
 def _num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    system: str,
+    phase: str,
+    reps: int,
+    warmup: int,
+    device: str,
+    weight_bytes: int,
+    params: int,
+    fields: dict,
+) -> dict:
+    """Warms ``fn`` up, times it and returns the record: ``fields`` (workload, tokens, …) plus the
+    common measurements, and ramtorch's own figures when ``system`` is ``ramtorch``."""
+    warm(fn, warmup, device)
+    reset_peak(device)
+    base = gpu_allocated(device)
+    before = ramtorch_stats() if system == "ramtorch" else {}
+    s, times = timeit(fn, reps, device)
+    rec = {
+        **fields,
+        "phase": phase,
+        "system": system,
+        "seconds": s,
+        "seconds_all": times,
+        "gpu_peak_bytes": gpu_peak(device),
+        "gpu_peak_above_base_bytes": gpu_peak(device) - base,
+        "host_rss_bytes": rss(),
+        "weight_bytes": weight_bytes,
+        "params": params,
+    }
+    if system == "ramtorch":
+        rec.update(ramtorch_fields(before, ramtorch_stats(), reps, phase, weight_bytes))
+    return rec

@@ -27,15 +27,8 @@ import time
 import torch
 from benchlib import (
     budget_arg,
-    gpu_allocated,
-    gpu_peak,
+    measure,
     parse_bytes,
-    ramtorch_fields,
-    ramtorch_stats,
-    reset_peak,
-    rss,
-    timeit,
-    warm,
 )
 from torch import nn
 
@@ -174,28 +167,18 @@ def main() -> None:
                     p.grad = None
 
             fn = fwd if phase == "forward" else fwd_bwd
-            warm(fn, a.warmup, dev)
-            reset_peak(dev)
-            base = gpu_allocated(dev)
-            before = ramtorch_stats() if a.system == "ramtorch" else {}
-            s, times = timeit(fn, a.reps, dev)
-            rec = {
-                "workload": "W1",
-                "tokens": t,
-                "phase": phase,
-                "system": a.system,
-                "seconds": s,
-                "seconds_all": times,
-                "gpu_peak_bytes": gpu_peak(dev),
-                "gpu_peak_above_base_bytes": gpu_peak(dev) - base,
-                "host_rss_bytes": rss(),
-                "weight_bytes": wbytes,
-                "params": nparams,
-                **extra,
-            }
-            if a.system == "ramtorch":
-                rec.update(ramtorch_fields(before, ramtorch_stats(), a.reps, phase, wbytes))
-            elif a.system == "ramtorch-linear":
+            rec = measure(
+                fn,
+                system=a.system,
+                phase=phase,
+                reps=a.reps,
+                warmup=a.warmup,
+                device=dev,
+                weight_bytes=wbytes,
+                params=nparams,
+                fields={"workload": "W1", "tokens": t, **extra},
+            )
+            if a.system == "ramtorch-linear":
                 import ramtorch
 
                 rec["engine"] = ramtorch.stats()["devices"].get("cuda:0")

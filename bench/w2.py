@@ -29,15 +29,8 @@ import time
 import torch
 from benchlib import (
     budget_arg,
-    gpu_allocated,
-    gpu_peak,
+    measure,
     parse_bytes,
-    ramtorch_fields,
-    ramtorch_stats,
-    reset_peak,
-    rss,
-    timeit,
-    warm,
 )
 from torch import nn
 
@@ -191,30 +184,18 @@ def main() -> None:
             else:
                 model(input_ids=ids, use_cache=False)
 
-    warm(fwd, a.warmup, dev)
-    reset_peak(dev)
-    base = gpu_allocated(dev)
-    before = ramtorch_stats() if a.system == "ramtorch" else {}
-    s, times = timeit(fwd, a.reps, dev)
-    rec = {
-        "workload": "W2",
-        "tokens": a.seq,
-        "seq": a.seq,
-        "batch": 1,
-        "phase": "forward",
-        "system": a.system,
-        "seconds": s,
-        "seconds_all": times,
-        "gpu_peak_bytes": gpu_peak(dev),
-        "gpu_peak_above_base_bytes": gpu_peak(dev) - base,
-        "host_rss_bytes": rss(),
-        "weight_bytes": wbytes,
-        "params": nparams,
-        **extra,
-    }
-    if a.system == "ramtorch":
-        rec.update(ramtorch_fields(before, ramtorch_stats(), a.reps, "forward", wbytes))
-    elif a.system == "ramtorch-1.11":
+    rec = measure(
+        fwd,
+        system=a.system,
+        phase="forward",
+        reps=a.reps,
+        warmup=a.warmup,
+        device=dev,
+        weight_bytes=wbytes,
+        params=nparams,
+        fields={"workload": "W2", "tokens": a.seq, "seq": a.seq, "batch": 1, **extra},
+    )
+    if a.system == "ramtorch-1.11":
         rec["offload_stats"] = dict(model.stats)
         model.close()
     if dev != "cuda":
