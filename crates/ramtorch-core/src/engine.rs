@@ -29,7 +29,8 @@
 //! Slot memory belongs to the caller (torch's caching allocator, so torch's memory accounting sees
 //! it); the engine only holds its addresses.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -156,6 +157,9 @@ const MAX_PENDING_TIMINGS: usize = 1 << 16;
 pub struct Engine<D: Device> {
     dev: D,
     state: Mutex<State<D::Event>>,
+    /// Markers handed out and not yet waited for (see [`Engine::marker`]).
+    markers: Mutex<HashMap<u64, Vec<D::Event>>>,
+    next_marker: AtomicU64,
 }
 
 impl<D: Device> Engine<D> {
@@ -178,7 +182,40 @@ impl<D: Device> Engine<D> {
                 trace: Vec::new(),
                 stats: EngineStats::default(),
             }),
+            markers: Mutex::new(HashMap::new()),
+            next_marker: AtomicU64::new(1),
         }
+    }
+
+    /// Captures the copies queued so far on both engine lanes; returns an id for
+    /// [`Engine::wait_marker`]. A host thread waiting on it (a CPU optimizer about to update a
+    /// unit whose gradients are on their way) blocks neither the engine nor its caller.
+    pub fn marker(&self) -> Result<u64> {
+        let evs = vec![self.dev.new_event()?, self.dev.new_event()?];
+        self.dev.record(&evs[0], Lane::Gradient)?;
+        self.dev.record(&evs[1], Lane::Transfer)?;
+        let id = self.next_marker.fetch_add(1, Ordering::Relaxed);
+        self.markers
+            .lock()
+            .map_err(|_| Error::Worker("marker lock poisoned".into()))?
+            .insert(id, evs);
+        Ok(id)
+    }
+
+    /// Blocks until the copies captured by marker `id` are done, and forgets the marker.
+    pub fn wait_marker(&self, id: u64) -> Result<()> {
+        let evs = self
+            .markers
+            .lock()
+            .map_err(|_| Error::Worker("marker lock poisoned".into()))?
+            .remove(&id)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("no marker {id} (already waited for?)"))
+            })?;
+        for e in &evs {
+            self.dev.synchronize(e)?;
+        }
+        Ok(())
     }
 
     /// The device.

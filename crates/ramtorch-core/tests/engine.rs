@@ -342,3 +342,22 @@ fn copies_and_waits_are_timed_and_traced() {
         .all(|r| r.code == 7));
     assert_eq!(back, u);
 }
+
+#[test]
+fn markers_wait_for_the_copies_queued_before_them() {
+    let (e, _mem) = host_engine(3, 1 << 16);
+    let src = vec![3u8; 1 << 16];
+    let mut dst = vec![0u8; 1 << 16];
+    let (i, ptr) = {
+        // SAFETY: `src` lives until the end of the test.
+        unsafe { e.acquire(src.as_ptr(), src.len(), 2, 0) }.expect("acquire")
+    };
+    // SAFETY: `dst` lives until the marker below has been waited for.
+    unsafe { e.copy_to_host(dst.as_mut_ptr(), ptr, 1 << 16, 2, 0) }.expect("d2h");
+    let m = e.marker().expect("marker");
+    e.wait_marker(m).expect("wait");
+    assert_eq!(dst, src);
+    assert!(matches!(e.wait_marker(m), Err(Error::InvalidArgument(_))));
+    e.release(i, 0).expect("release");
+    e.synchronize().expect("sync");
+}

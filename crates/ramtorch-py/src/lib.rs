@@ -356,6 +356,21 @@ impl Engine {
         py.detach(|| guard("prefetch", || with_engine!(self, e => unsafe { e.prefetch(key, src as *const u8, nbytes, max_inflight, &keep, tag) })))
     }
 
+    /// Captures the copies queued so far on both engine streams; returns an id for `wait_marker`.
+    fn marker(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| guard("marker", || with_engine!(self, e => e.marker())))
+    }
+
+    /// Blocks (without the GIL) until the copies captured by `marker` are done.
+    fn wait_marker(&self, py: Python<'_>, marker: u64) -> PyResult<()> {
+        py.detach(|| {
+            guard(
+                "wait_marker",
+                || with_engine!(self, e => e.wait_marker(marker)),
+            )
+        })
+    }
+
     /// Makes `stream` wait for the copy into held slot `slot`.
     #[pyo3(signature = (slot, stream, tag = 0))]
     fn claim(&self, py: Python<'_>, slot: usize, stream: u64, tag: u64) -> PyResult<()> {
