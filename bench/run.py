@@ -45,7 +45,7 @@ def bandwidth(device: str = "cuda") -> dict[str, float]:
         t = time.perf_counter()
         b.copy_(a)
         g = a.numel() / (time.perf_counter() - t) / 1e9
-        return {"h2d_gbps": g, "d2h_gbps": g, "duplex_gbps": g}
+        return {"h2d_gbps": g, "d2h_gbps": g, "duplex_gbps": g, "host_gbps": 2 * g}
     n = 2 << 30
     h = torch.empty(n, dtype=torch.uint8).pin_memory()
     h2 = torch.empty(n, dtype=torch.uint8).pin_memory()
@@ -72,7 +72,18 @@ def bandwidth(device: str = "cuda") -> dict[str, float]:
             h2.copy_(d2, non_blocking=True)
 
     duplex = 2 * n / run(both) / 1e9
-    return {"h2d_gbps": h2d, "d2h_gbps": d2h, "duplex_gbps": duplex}
+    return {"h2d_gbps": h2d, "d2h_gbps": d2h, "duplex_gbps": duplex, "host_gbps": host_bandwidth()}
+
+
+def host_bandwidth() -> float:
+    """Host memory bandwidth, GB/s of reads plus writes, of a 4 GiB copy on all cores."""
+    a = torch.ones(1 << 30, dtype=torch.float32)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t = time.perf_counter()
+    for _ in range(3):
+        b.copy_(a)
+    return 2 * a.numel() * 4 * 3 / (time.perf_counter() - t) / 1e9
 
 
 def run_system(
@@ -124,6 +135,10 @@ def key(r: dict) -> tuple:
 def finish(records: list[dict], bw: dict[str, float], meta: dict) -> None:
     """Adds limits, peer ratios, ceilings and provenance to every record (in place)."""
     resident = {key(r): r["seconds"] for r in records if r["system"] == "resident"}
+    # A training step computes at least what resident forward+backward does.
+    for r in records:
+        if r["system"] == "resident" and r["phase"] == "forward_backward":
+            resident.setdefault((r["workload"], r["tokens"], "step"), r["seconds"])
     peers: dict[tuple, dict[str, float]] = {}
     for r in records:
         if r["system"] in PEERS:
@@ -141,6 +156,9 @@ def finish(records: list[dict], bw: dict[str, float], meta: dict) -> None:
             else:
                 link = max(2 * streamed / h2d, w / d2h, (2 * streamed + w) / duplex)
             limit = max(comp or 0.0, link)
+            if r["phase"] == "step" and bw.get("host_gbps"):
+                r["limit_optimizer_seconds"] = r.get("optimizer_host_bytes", 0) / (bw["host_gbps"] * 1e9)
+                limit = max(limit, r["limit_optimizer_seconds"])
         r["limit_seconds"] = limit
         r["limit_over_measured"] = limit / r["seconds"]
         r["limit_compute_seconds"] = comp
@@ -158,7 +176,15 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", default=None, help="default: every system of each workload")
     ap.add_argument("--budgets", nargs="+", default=["none"], help="ramtorch gpu_budgets: none 8GiB ...")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384], help="W1 tokens per step")
-    ap.add_argument("--phases", nargs="+", default=["forward", "forward_backward"], help="W1 phases")
+    ap.add_argument(
+        "--phases", nargs="+", default=["forward", "forward_backward"], help="W1 phases (and 'step')"
+    )
+    ap.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=["rust"],
+        help="W1 phase 'step' of ramtorch: rust, rust-bf16, torch-fused (one run each)",
+    )
     ap.add_argument("--seq", type=int, default=2048, help="W2 sequence length (batch 1)")
     ap.add_argument("--w2-gpu-cap", default=None, help="GPU memory cap of W2's offloading systems")
     ap.add_argument("--reps", type=int, default=5)
@@ -206,12 +232,20 @@ def main() -> None:
             extra = list(args)
             if wl == "w2" and a.w2_gpu_cap and system != "resident":
                 extra += ["--gpu-cap", a.w2_gpu_cap]
+            optimizers = (
+                a.optimizers if (system == "ramtorch" and wl == "w1" and "step" in a.phases) else [None]
+            )
             for budget in a.budgets if system == "ramtorch" else [None]:
-                more = ["--budget", budget] if budget is not None else []
-                records += run_system(wl, system, extra + more, path, a.timeout)
-                finish(records, bw, meta)
-                with open(a.out, "w") as fh:
-                    json.dump(records, fh, indent=1)
+                for k, optimizer in enumerate(optimizers):
+                    more = ["--budget", budget] if budget is not None else []
+                    if optimizer is not None:
+                        more += ["--optimizer", optimizer]
+                        if k > 0:  # the other phases were measured with the first optimizer
+                            more += ["--phases", "step"]
+                    records += run_system(wl, system, extra + more, path, a.timeout)
+                    finish(records, bw, meta)
+                    with open(a.out, "w") as fh:
+                        json.dump(records, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def table(records: list[dict]) -> str:
             r["workload"],
             str(r["tokens"]),
             r["phase"],
-            r["system"],
+            r["system"] + (f" + {r['optimizer']}" if r.get("phase") == "step" and r.get("optimizer") else ""),
             budget_text(r),
             f"{r['seconds'] * 1e3:.1f}",
             lim_ms,

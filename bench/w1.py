@@ -113,6 +113,26 @@ def wrap(system: str, model: Stack, device: str, budget: int | str | None) -> tu
     return model, extra
 
 
+def make_optimizer(system: str, kind: str, params: list[torch.Tensor]) -> tuple[object, str, int]:
+    """The optimizer of phase ``step`` and the host bytes one step of it moves (AdamW: read
+    weight, gradient and both moments, write weight and moments; plus the fp32 master)."""
+    n = sum(p.numel() for p in params)
+    host = [p for p in params if p.device.type == "cpu"]
+    nh = sum(p.numel() for p in host)
+    if system == "ramtorch" and kind.startswith("rust"):
+        import ramtorch.optim as ropt
+
+        if kind == "rust-bf16":
+            return ropt.AdamW(params, lr=1e-5, precision="bf16"), "ramtorch.optim.AdamW(bf16)", 14 * nh
+        return ropt.AdamW(params, lr=1e-5), "ramtorch.optim.AdamW(fp32 master)", 28 * nh
+    if system == "resident":
+        return torch.optim.AdamW(params, lr=1e-5, fused=True), "torch.optim.AdamW(fused, GPU)", 0
+    # ramtorch-1.11 (its CPU parameters) and ramtorch with torch's optimizer: fused CPU AdamW on
+    # the bf16 host weights (bf16 states).
+    del n
+    return torch.optim.AdamW(params, lr=1e-5, fused=True), "torch.optim.AdamW(fused, CPU)", 14 * nh
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--system", required=True, choices=SYSTEMS)
@@ -124,6 +144,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--phases", nargs="+", default=["forward", "forward_backward"])
     ap.add_argument("--budget", default=None, help="ramtorch gpu_budget: bytes, e.g. 8GiB, or none")
+    ap.add_argument(
+        "--optimizer",
+        default="rust",
+        choices=["rust", "rust-bf16", "torch-fused"],
+        help="phase 'step' of ramtorch: ramtorch.optim.AdamW (fp32 master, bf16 states) or torch's fused",
+    )
     # Hidden: run on the CPU with a tiny model, to check the harness without a GPU.
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -143,6 +169,11 @@ def main() -> None:
     model, extra = wrap(a.system, model, dev, budget)
     extra["setup_seconds"] = time.perf_counter() - t0  # build, copy to host, wrap
     params = list(model.parameters())
+    opt, opt_name, opt_bytes = (
+        make_optimizer(a.system, a.optimizer, params) if "step" in phases else (None, "", 0)
+    )
+    if opt is not None:
+        extra.update(optimizer=opt_name, optimizer_host_bytes=opt_bytes)
 
     for t in a.tokens:
         x = torch.randn(t, a.d, device=dev, dtype=torch.bfloat16)
@@ -166,7 +197,17 @@ def main() -> None:
                 for p in params:
                     p.grad = None
 
-            fn = fwd if phase == "forward" else fwd_bwd
+            def step(x: torch.Tensor = x) -> None:
+                assert opt is not None
+                if a.system == "ramtorch-1.11":
+                    model.step(x, loss_fn=loss_of)
+                    model.flush_grads()
+                else:
+                    loss_of(model(x)).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            fn = {"forward": fwd, "forward_backward": fwd_bwd, "step": step}[phase]
             rec = measure(
                 fn,
                 system=a.system,

@@ -77,6 +77,7 @@ class DeviceEngine:
         self._ahead: dict[int, int] = {}  # key -> slot
         self._held = 0
         self.layer_counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
+        self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         # Gradient copies in flight: their device sources, oldest first, freed as they complete.
         self._grad_sources: deque[torch.Tensor] = deque()
         # Host buffers receiving gradients this backward: id(param) -> (param, [buffers]).
@@ -260,6 +261,8 @@ class DeviceEngine:
         # The optimizer step comes next: weights may change in ways no version counter sees.
         self.drop_ahead()
         self._core.invalidate()
+        for listener in list(self._listeners):
+            listener.drain()
         if not self._pending and not self._grad_sources:
             return
         self._core.synchronize()
@@ -278,15 +281,39 @@ class DeviceEngine:
                 if post:
                     for hook in list(post.values()):
                         hook(param)
+        for listener in list(self._listeners):
+            listener.after_finish()
 
-    def drop_interrupted(self) -> None:
+    def drop_interrupted(self) -> bool:
         """Called outside backward: gradients still pending belong to a backward pass that raised
         (Ctrl-C, an error in a hook) before its end. They are dropped, so an interrupted backward
-        writes no ``.grad`` at all, and the engine is ready for the next step."""
+        writes no ``.grad`` at all, and the engine is ready for the next step. Returns whether
+        there was anything to drop."""
         if (self._pending or self._grad_sources) and torch._C._current_graph_task_id() == -1:
+            for listener in list(self._listeners):
+                listener.drain(interrupted=True)
             self._core.synchronize()
             self._grad_sources.clear()
             self._pending.clear()
+            return True
+        return False
+
+    # -- gradient listeners (optimizers that update as gradients land) --------------------------
+
+    def add_listener(self, listener: Any) -> None:
+        """``listener.on_grads(engine, params)`` is called during backward when every gradient of
+        ``params`` for this backward is on its way to the host; ``listener.drain()`` before the
+        gradients are written to ``.grad``."""
+        self._listeners.add(listener)
+
+    def grads_complete(self, params: list[torch.nn.Parameter]) -> None:
+        for listener in list(self._listeners):
+            listener.on_grads(self, params)
+
+    def pending_buffers(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        """Host buffers receiving ``param``'s gradients in the running backward."""
+        entry = self._pending.get(id(param))
+        return [] if entry is None else list(entry[1])
 
     # -- synchronisation ------------------------------------------------------------------------
 
@@ -337,6 +364,9 @@ def engine_for(device: torch.device) -> DeviceEngine:
             if eng is None:
                 eng = DeviceEngine(device)
                 _ENGINES[device] = eng
+                from . import optim
+
+                optim.listen_on(eng)
     return eng
 
 

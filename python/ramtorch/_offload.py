@@ -34,7 +34,7 @@ import math
 import re
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +241,10 @@ class _Unit:
         self.bwd: int | None = None
         self.in_bwd = False
         self.anchor = torch.empty(0, requires_grad=True)
+        # Weight-gradient nodes created since the last backward ended, and how many have run: when
+        # they are equal every gradient of this unit for the step is on its way to the host.
+        self.fetches = 0
+        self.fetched_back = 0
 
     def pack(self) -> None:
         """Moves the parameters (and their grads) into one arena region."""
@@ -463,7 +467,9 @@ class Streamer:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward
         with self.lock:
-            self.eng.drop_interrupted()
+            if self.eng.drop_interrupted():
+                for u in self.streamed:
+                    u.fetches = u.fetched_back = 0
             self._release_backward()
             self.in_pass = True
             self.cur_fwd = []
@@ -513,6 +519,7 @@ class Streamer:
         grad = torch.is_grad_enabled()
         wants = grad and not recompute and any(p.requires_grad for p in u.params)
         if wants:
+            u.fetches += 1
             dev = _Fetch.apply(u.anchor, u, self, *views)
             dev = [d if p.requires_grad else d.detach() for d, p in zip(dev, u.params)]
         elif recompute and grad:
@@ -633,6 +640,9 @@ class Streamer:
         for p, g in zip(u.params, grads):
             if g is not None and p.requires_grad:
                 self.eng.push_grad(p, g, self.max_inflight, u.tag)
+        u.fetched_back += 1
+        if u.fetched_back == u.fetches:
+            self.eng.grads_complete([p for p in u.params if p.requires_grad])
         self.end_backward(u)
 
     def end_backward(self, u: _Unit) -> None:
@@ -665,6 +675,8 @@ class Streamer:
             if self.cur_bwd:
                 self.bwd_itin = self.cur_bwd
             self.cur_bwd = []
+            for u in self.streamed:
+                u.fetches = u.fetched_back = 0
         self.eng.finish()
 
     # -- reporting --------------------------------------------------------------------------------
@@ -789,6 +801,7 @@ def offload(
     *,
     max_inflight: int | None = None,
     progress: bool | None = None,
+    recompute: bool | Callable[[str], bool] = False,
 ) -> nn.Module:
     """Keeps ``model``'s parameters in host RAM and streams them to ``device`` unit by unit.
 
@@ -805,6 +818,11 @@ def offload(
         max_inflight: copies in flight (default ``RAMTORCH_MAX_INFLIGHT``/``MAX_INFLIGHT``, else 2).
         progress: show a progress bar while moving weights into host RAM (default: for models
             over 1 GiB).
+        recompute: backward mode of the streamed units: ``False`` keeps their activations for
+            backward; ``True`` (or a predicate on the unit's name) recomputes the unit's forward in
+            backward instead (activation checkpointing, non-reentrant, with the RNG state of the
+            forward restored, so dropout draws the same mask). The recomputation runs on the
+            weights fetched for the unit's backward: it costs compute, not PCIe bytes.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
     units, and buffers stay on the device and count against the budget.
@@ -875,6 +893,11 @@ def offload(
     if bar is not None:
         bar.close()
 
+    if recompute:
+        wants = recompute if callable(recompute) else (lambda name: True)
+        for u in units:
+            if not u.resident and wants(u.name):
+                _checkpoint_forward(u.module)
     streamer = Streamer(model, units, dev, inflight, pl.slots, pl.slot_bytes, budget, pl.resident_bytes)
     handles = streamer.hook_handles
     handles.append(model.register_forward_pre_hook(lambda m, a: streamer.begin_pass()))
@@ -900,6 +923,21 @@ def offload(
         model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
     _STREAMERS.add(streamer)
     return model
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Runs ``module``'s forward under non-reentrant activation checkpointing (inside the unit's
+    hooks, so the recomputation finds the weights the unit's backward fetched)."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
 
 
 def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:

@@ -1,0 +1,572 @@
+"""Optimizers that update parameters in host RAM with Rust kernels (all cores, SIMD), overlapped
+with the backward pass.
+
+``ramtorch.optim.AdamW``, ``SGD`` and ``Lion`` are real :class:`torch.optim.Optimizer` s: param
+groups, LR schedulers, ``state_dict``/``load_state_dict`` and ``zero_grad`` work as usual, and
+parameters that are not in host RAM (units kept resident on the GPU, norms) are updated too, with
+torch's own kernels on their device.
+
+**Overlap.** In a model streamed by :func:`ramtorch.offload`, a unit's weights are updated as soon
+as the last of its gradients for the step has reached host RAM, on a CPU thread, while the GPU runs
+the backward of the units before it. ``loss.backward()`` returns when the updates are done, and
+``step()`` has only the GPU-resident parameters left. The rule that makes this exact: **every
+backward is followed by a step**, except backwards run inside ``with opt.accumulate():`` (gradient
+accumulation over micro-batches: the update then happens in the final, unwrapped backward). If
+gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a ``GradScaler``
+unscaling them), an update made during backward would have used the unchanged ones: ``step()``
+detects it and raises. Use ``max_grad_norm=`` for clipping (global-norm clipping needs every
+gradient, so the updates then run in ``step()``: the overlap is lost) and ``overlap=False`` with a
+``GradScaler``.
+
+**Precision.** Parameters in fp32 are updated in place with fp32 states. bf16/fp16 parameters get
+an fp32 master copy in host RAM (``precision="fp32-master"``, the default; 16 bytes a parameter with
+the bf16 weight and gradient) and the weight is rewritten from it, rounded to nearest. With
+``precision="bf16"``, bf16 parameters keep bf16 states and are written with stochastic rounding
+(8 bytes a parameter), trading some accuracy for capacity.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from . import _arena, _core, _engine
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_PRECISIONS = ("fp32-master", "bf16")
+
+
+def _is_host(p: torch.Tensor) -> bool:
+    return p.device.type == "cpu" and p.dtype in _DTYPES
+
+
+class _HostOptimizer(torch.optim.Optimizer):
+    """Shared machinery: host parameters through Rust kernels, the rest through torch."""
+
+    _state_names: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        precision: str = "fp32-master",
+        overlap: bool = True,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
+        super().__init__(params, defaults)
+        self.precision = precision
+        self.max_grad_norm = max_grad_norm
+        self.overlap = overlap and max_grad_norm is None
+        self._accumulating = 0
+        self._seed = random.getrandbits(62)
+        self._jobs: list[Future[None]] = []
+        self._jobs_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ramtorch-optim")
+        # id(param) -> version of the gradient buffer the update used, for params updated during
+        # the last backward (checked in step(): the gradient must not have changed since).
+        self._done: dict[int, tuple[torch.Tensor, int]] = {}
+        self._error: BaseException | None = None
+        if self.overlap:
+            for e in _engine.engines():
+                e.add_listener(self)
+            _LISTENING.add(self)
+        self.last_step_seconds: dict[str, float] = {}
+
+    # -- user API ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (micro-batches); the update happens
+        in the next backward outside (or in ``step()``)."""
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
+    def _param_ids(self) -> dict[int, tuple[torch.nn.Parameter, dict[str, Any]]]:
+        cache = self.__dict__.get("_ids_cache")
+        if cache is None:
+            cache = {id(p): (p, group) for group in self.param_groups for p in group["params"]}
+            self.__dict__["_ids_cache"] = cache
+        return cache
+
+    # -- overlap -------------------------------------------------------------------------------------
+
+    def on_grads(self, eng: _engine.DeviceEngine, params: list[torch.nn.Parameter]) -> None:
+        """Called by the engine during backward once every gradient of ``params`` is queued."""
+        if not self.overlap or self._accumulating:
+            return
+        owned = self._param_ids()
+        work = []
+        for p in params:
+            entry = owned.get(id(p))
+            if entry is None or not _is_host(p) or id(p) in self._done:
+                continue
+            bufs = eng.pending_buffers(p)
+            if len(bufs) != 1:
+                continue  # several contributions: summed at the end of backward, updated in step()
+            work.append((p, entry[1], bufs[0]))
+        if not work:
+            return
+        marker = eng._core.marker()
+        for p, _, _ in work:
+            self._done[id(p)] = (None, -1)  # the gradient it becomes is known after backward
+        fut = self._pool.submit(self._run_job, eng, marker, work)
+        with self._jobs_lock:
+            self._jobs.append(fut)
+
+    def _run_job(self, eng: _engine.DeviceEngine, marker: int, work: list[Any]) -> None:
+        try:
+            eng._core.wait_marker(marker)
+            for p, group, buf in work:
+                grad = buf if p.grad is None else p.grad + buf
+                self._update_host(p, grad, group, 1.0)
+        except BaseException as e:  # noqa: BLE001 - surfaced by drain()/step()
+            self._error = e
+
+    def drain(self, interrupted: bool = False) -> None:
+        """Waits for the updates queued during backward. After an interrupted backward the
+        parameters already updated stay updated (the step is partly done; the error says so)."""
+        with self._jobs_lock:
+            jobs, self._jobs = self._jobs, []
+        for f in jobs:
+            f.result()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"{type(self).__name__}: an update during backward failed: {err}") from err
+        if interrupted and self._done:
+            self._done.clear()
+
+    def after_finish(self) -> None:
+        """Called by the engine once backward has written ``.grad``: remembers each gradient the
+        updates used, to detect later changes to it."""
+        for pid in list(self._done):
+            entry = self._param_ids().get(pid)
+            if entry is not None and entry[0].grad is not None:
+                g = entry[0].grad
+                self._done[pid] = (g, g._version)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, but states of host parameters keep their
+        own dtype (fp32 master and moments of a bf16 parameter stay fp32) and live in host RAM."""
+        self.drain()
+        original = state_dict["state"]
+        super().load_state_dict(state_dict)
+        self.__dict__.pop("_ids_cache", None)
+        params = [p for g in self.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for index, p in enumerate(params):
+                saved = original.get(index)
+                if saved is None or not _is_host(p):
+                    continue
+                st = self.state[p]
+                for k, v in saved.items():
+                    if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                        t = _arena.host_empty(tuple(v.shape), v.dtype)
+                        t.copy_(v)
+                        st[k] = t
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self.__dict__.pop("_ids_cache", None)
+
+    # -- step --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Finishes the step: waits for the updates made during backward, checks their gradients
+        were not changed since, and updates every other parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.drain()
+        done, self._done = self._done, {}
+        owned = self._param_ids()
+        for pid, (grad, version) in done.items():
+            p = owned[pid][0] if pid in owned else None
+            if p is not None and (p.grad is not grad or grad._version != version):
+                raise RuntimeError(
+                    f"{type(self).__name__}: a gradient was changed or replaced after backward "
+                    "(gradient clipping, GradScaler unscaling, a hook?) but its parameter was "
+                    "already updated during backward with the gradient as it was. Use "
+                    "max_grad_norm= for clipping, overlap=False with a GradScaler, and accumulate() "
+                    "around the backward passes of micro-batches."
+                )
+        scale = 1.0
+        if self.max_grad_norm is not None:
+            scale = self._clip_scale()
+        for group in self.param_groups:
+            dev_params = []
+            for p in group["params"]:
+                if p.grad is None or id(p) in done:
+                    continue
+                if _is_host(p):
+                    self._update_host(p, p.grad, group, scale)
+                else:
+                    dev_params.append(p)
+            if dev_params:
+                if scale != 1.0:
+                    torch._foreach_mul_([p.grad for p in dev_params], scale)
+                self._update_torch(dev_params, group)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and _is_host(p):
+                    # The kernels wrote through raw pointers: tell autograd and the streaming
+                    # engine (which keys device copies on version counters) that p changed.
+                    torch.autograd.graph.increment_version(p)
+        return loss
+
+    def _clip_scale(self) -> float:
+        total = 0.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.device.type == "cpu" and g.dtype in _DTYPES and g.is_contiguous():
+                    sq, _ = _core.grad_stats(g.data_ptr(), _DTYPES[g.dtype], g.numel())
+                    total += sq
+                else:
+                    total += float(g.detach().float().square().sum())
+        norm = total**0.5
+        self.last_grad_norm = norm
+        return min(1.0, self.max_grad_norm / (norm + 1e-6)) if self.max_grad_norm is not None else 1.0
+
+    # -- per-parameter state ---------------------------------------------------------------------------
+
+    def _host_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            low = p.dtype != torch.float32
+            bf16_mode = self.precision == "bf16" and p.dtype == torch.bfloat16
+            if low and not bf16_mode and p.dtype == torch.float16 and self.precision == "bf16":
+                raise ValueError("precision='bf16' needs bfloat16 parameters, got float16")
+            sdtype = torch.bfloat16 if bf16_mode else torch.float32
+            state["step"] = torch.tensor(0.0)
+            for name in self._state_names:
+                state[name] = _arena.host_empty(tuple(p.shape), sdtype, zeroed=True)
+            if low and not bf16_mode:
+                master = _arena.host_empty(tuple(p.shape), torch.float32)
+                master.copy_(p.detach())
+                state["master"] = master
+        return state
+
+    def _update_host(
+        self, p: torch.nn.Parameter, grad: torch.Tensor, group: dict[str, Any], scale: float
+    ) -> None:
+        if not p.is_contiguous():
+            raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
+        if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
+            grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
+        state = self._host_state(p)
+        state["step"] += 1
+        step = int(state["step"].item())
+        master = state.get("master")
+        names = self._state_names
+        sdt = state[names[0]].dtype if names else torch.float32
+        self._kernel(
+            p,
+            grad,
+            [state[n] for n in names],
+            _DTYPES[sdt],
+            0 if master is None else master.data_ptr(),
+            step,
+            group,
+            scale,
+            (self._seed * 1_000_003 + step * 7919 + id(p)) & ((1 << 63) - 1),
+        )
+
+    def _kernel(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        state_dtype: str,
+        master: int,
+        step: int,
+        group: dict[str, Any],
+        scale: float,
+        seed: int,
+    ) -> None:
+        raise NotImplementedError
+
+    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+_LISTENING: Any = __import__("weakref").WeakSet()
+
+
+def listen_on(eng: _engine.DeviceEngine) -> None:
+    """Engines created after an optimizer still report to it."""
+    for opt in list(_LISTENING):
+        eng.add_listener(opt)
+
+
+class AdamW(_HostOptimizer):
+    """AdamW (decoupled weight decay, as :class:`torch.optim.AdamW`) with host parameters updated
+    by Rust kernels, overlapped with backward (see the module documentation).
+
+    Args:
+        params: parameters or param groups.
+        lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW``.
+        precision: ``"fp32-master"`` (default) or ``"bf16"`` (bf16 states, stochastic rounding).
+        overlap: update units during backward as their gradients land.
+        max_grad_norm: clip the global gradient norm to this (disables the overlap).
+    """
+
+    _state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        maximize: bool = False,
+        precision: str = "fp32-master",
+        overlap: bool = True,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
+            raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"AdamW: betas must be in [0, 1), got {betas}")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
+        super().__init__(params, defaults, precision=precision, overlap=overlap, max_grad_norm=max_grad_norm)
+
+    def _kernel(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        state_dtype: str,
+        master: int,
+        step: int,
+        group: dict[str, Any],
+        scale: float,
+        seed: int,
+    ) -> None:
+        b1, b2 = group["betas"]
+        _core.adamw_step(
+            param=p.data_ptr(),
+            param_dtype=_DTYPES[p.dtype],
+            grad=grad.data_ptr(),
+            grad_dtype=_DTYPES[grad.dtype],
+            exp_avg=states[0].data_ptr(),
+            exp_avg_sq=states[1].data_ptr(),
+            state_dtype=state_dtype,
+            master=master,
+            numel=p.numel(),
+            step=step,
+            lr=float(group["lr"]),
+            beta1=float(b1),
+            beta2=float(b2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            maximize=bool(group["maximize"]),
+            grad_scale=scale,
+            seed=seed,
+        )
+
+    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        states = [self.state[p] for p in params]
+        for p, st in zip(params, states):
+            if not st:
+                st["step"] = torch.tensor(0.0, device=p.device) if p.is_cuda else torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        b1, b2 = group["betas"]
+        torch.optim.adamw.adamw(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=None,
+            fused=all(p.is_cuda for p in params) or None,
+            amsgrad=False,
+            beta1=b1,
+            beta2=b2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+
+
+class SGD(_HostOptimizer):
+    """SGD with momentum (as :class:`torch.optim.SGD`), host parameters updated by Rust kernels,
+    overlapped with backward. Arguments as ``torch.optim.SGD`` plus ``precision``, ``overlap``,
+    ``max_grad_norm`` (see :class:`AdamW`)."""
+
+    _state_names = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        precision: str = "fp32-master",
+        overlap: bool = True,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not lr >= 0 or not momentum >= 0 or not weight_decay >= 0:
+            raise ValueError(
+                f"SGD: lr, momentum and weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}"
+            )
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("SGD: nesterov needs momentum > 0 and dampening = 0")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+        }
+        super().__init__(params, defaults, precision=precision, overlap=overlap, max_grad_norm=max_grad_norm)
+
+    def _kernel(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        state_dtype: str,
+        master: int,
+        step: int,
+        group: dict[str, Any],
+        scale: float,
+        seed: int,
+    ) -> None:
+        _core.sgd_step(
+            param=p.data_ptr(),
+            param_dtype=_DTYPES[p.dtype],
+            grad=grad.data_ptr(),
+            grad_dtype=_DTYPES[grad.dtype],
+            momentum_buffer=states[0].data_ptr() if group["momentum"] != 0 else 0,
+            state_dtype=state_dtype,
+            master=master,
+            numel=p.numel(),
+            lr=float(group["lr"]),
+            momentum=float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            weight_decay=float(group["weight_decay"]),
+            nesterov=bool(group["nesterov"]),
+            maximize=bool(group["maximize"]),
+            first_step=step == 1,
+            grad_scale=scale,
+            seed=seed,
+        )
+
+    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        bufs = [self.state[p].get("momentum_buffer") for p in params]
+        torch.optim.sgd.sgd(
+            params,
+            [p.grad for p in params],
+            bufs,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )
+        for p, b in zip(params, bufs):
+            self.state[p]["momentum_buffer"] = b
+
+
+class Lion(_HostOptimizer):
+    """Lion (Chen et al., 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``, then
+    ``m = b2*m + (1-b2)*g``. Host parameters through Rust kernels, overlapped with backward;
+    ``precision``, ``overlap``, ``max_grad_norm`` as in :class:`AdamW`."""
+
+    _state_names = ("exp_avg",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        precision: str = "fp32-master",
+        overlap: bool = True,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if not lr >= 0 or not weight_decay >= 0:
+            raise ValueError(f"Lion: lr and weight_decay must be >= 0, got {lr}, {weight_decay}")
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"Lion: betas must be in [0, 1), got {betas}")
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
+        super().__init__(params, defaults, precision=precision, overlap=overlap, max_grad_norm=max_grad_norm)
+
+    def _kernel(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        state_dtype: str,
+        master: int,
+        step: int,
+        group: dict[str, Any],
+        scale: float,
+        seed: int,
+    ) -> None:
+        b1, b2 = group["betas"]
+        _core.lion_step(
+            param=p.data_ptr(),
+            param_dtype=_DTYPES[p.dtype],
+            grad=grad.data_ptr(),
+            grad_dtype=_DTYPES[grad.dtype],
+            exp_avg=states[0].data_ptr(),
+            state_dtype=state_dtype,
+            master=master,
+            numel=p.numel(),
+            lr=float(group["lr"]),
+            beta1=float(b1),
+            beta2=float(b2),
+            weight_decay=float(group["weight_decay"]),
+            maximize=bool(group["maximize"]),
+            grad_scale=scale,
+            seed=seed,
+        )
+
+    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        b1, b2 = group["betas"]
+        for p in params:
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p)
+            g = -p.grad if group["maximize"] else p.grad
+            m = st["exp_avg"]
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(torch.sign(m * b1 + g * (1 - b1)), alpha=-group["lr"])
+            m.mul_(b2).add_(g, alpha=1 - b2)
