@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import _core, _engine, _offload, nn
+from . import _core, _engine, _offload, nn, optim
 from ._core import CudaError
 from ._offload import offload
 from ._trace import trace
+from .checkpoint import load_checkpoint, save_checkpoint
 from .convert import replace_linear
 
 try:
@@ -23,7 +24,19 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["CudaError", "empty_cache", "nn", "offload", "replace_linear", "stats", "synchronize", "trace"]
+__all__ = [
+    "CudaError",
+    "empty_cache",
+    "load_checkpoint",
+    "nn",
+    "offload",
+    "optim",
+    "replace_linear",
+    "save_checkpoint",
+    "stats",
+    "synchronize",
+    "trace",
+]
 
 
 def stats() -> dict[str, object]:

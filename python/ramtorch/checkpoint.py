@@ -1,0 +1,667 @@
+"""Checkpoints of a model, its optimizer and the RNG states, as one safetensors file written atomically.
+
+Layout of the file (standard safetensors: any safetensors reader opens it):
+
+- ``model.<key>``: each tensor of ``model.state_dict()``. A tensor that is the same memory as
+  another one (tied weights) is written once; the other keys are listed in the ``ramtorch.aliases``
+  metadata entry and restored on load.
+- ``optim.<path>``: the tensors of ``optimizer.state_dict()``, e.g. ``optim.state.0.exp_avg``
+  (per-parameter state) or ``optim.param_groups.0.lr`` (a tensor learning rate).
+- ``extra.<path>``: tensors found in ``extra``.
+- ``rng.cpu``, ``rng.cuda.<i>``: torch's generator states (``uint8`` tensors).
+- metadata (strings): ``ramtorch.checkpoint`` (format version) and JSON entries for everything
+  that is not a tensor (optimizer ``param_groups``, ints/floats of the optimizer state, ``extra``,
+  the model's state-dict keys and non-tensor extra states), where a tensor is ``{"__tensor__": key}``.
+
+Saving never holds a second copy of the model: tensors are written one by one, straight from their
+memory (device tensors pass through host memory in chunks). The file is written under a temporary
+name in the target's directory, flushed, ``fsync``-ed and renamed over the target, so a crash at any
+point leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import json
+import math
+import os
+import re
+import secrets
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+import torch
+from torch import nn
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+
+#: Version of the layout described above; written as the ``ramtorch.checkpoint`` metadata entry.
+FORMAT_VERSION = 1
+_VERSION_KEY = "ramtorch.checkpoint"
+_GIB = 1 << 30
+#: Bytes copied per write (and per device-to-host copy) while saving.
+_CHUNK = 64 << 20
+
+# torch dtype <-> safetensors dtype name (the names safetensors.torch reads back).
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+for _name, _st in (
+    ("float64", "F64"),
+    ("float32", "F32"),
+    ("float16", "F16"),
+    ("bfloat16", "BF16"),
+    ("int64", "I64"),
+    ("int32", "I32"),
+    ("int16", "I16"),
+    ("int8", "I8"),
+    ("uint8", "U8"),
+    ("bool", "BOOL"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("complex64", "C64"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        _DTYPE_NAMES[getattr(torch, _name)] = _st
+_DTYPE_SIZES = {st: dtype.itemsize for dtype, st in _DTYPE_NAMES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read, or that does not match the model or optimizer."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-tensor values <-> JSON. Tensors found on the way are stored as file tensors and referenced.
+
+_MARKERS = ("__tensor__", "__tuple__", "__dict__", "__float__", "__dtype__", "__device__")
+
+
+class _Encoder:
+    """Turns nested Python values into JSON-able ones, collecting the tensors found in them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def _tensor_key(self, path: tuple[str, ...]) -> str:
+        key = ".".join(path)
+        for n in itertools.count(1):
+            if key not in self.tensors:
+                return key
+            key = f"{'.'.join(path)}~{n}"
+        raise AssertionError("unreachable")
+
+    def encode(self, obj: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = self._tensor_key(path)
+            self.tensors[key] = obj.detach()
+            return {"__tensor__": key}
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj) if math.isfinite(obj) else {"__float__": repr(float(obj))}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"__device__": str(obj)}
+        if isinstance(obj, tuple):
+            return {"__tuple__": [self.encode(v, (*path, str(i))) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self.encode(v, (*path, str(i))) for i, v in enumerate(obj)]
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) for k in obj) and not any(k in _MARKERS for k in obj):
+                return {k: self.encode(v, (*path, k)) for k, v in obj.items()}
+            return {
+                "__dict__": [
+                    [self.encode(k, (*path, "key")), self.encode(v, (*path, str(k)))] for k, v in obj.items()
+                ]
+            }
+        if type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0:  # numpy scalars
+            return self.encode(obj.item(), path)
+        raise TypeError(
+            f"save_checkpoint: cannot store {'.'.join(path)!r} of type {type(obj).__name__}: checkpoints "
+            "hold tensors, None, bool, int, float, str, dtypes, devices and lists, tuples and dicts of those"
+        )
+
+
+def _decode(obj: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensor) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        ((k, v),) = obj.items()
+        if k == "__tensor__":
+            return tensor(v)
+        if k == "__tuple__":
+            return tuple(_decode(x, tensor) for x in v)
+        if k == "__dict__":
+            return {_decode(a, tensor): _decode(b, tensor) for a, b in v}
+        if k == "__float__":
+            return float(v)
+        if k == "__dtype__":
+            dtype = getattr(torch, v, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {v!r}")
+            return dtype
+        if k == "__device__":
+            return torch.device(v)
+    return {k: _decode(v, tensor) for k, v in obj.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Two tensors with the same key hold the same values (same memory, same view)."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def _write_chunk(f: IO[bytes], chunk: torch.Tensor) -> None:
+    """Writes the bytes of a contiguous CPU tensor, without copying them."""
+    n = _nbytes(chunk)
+    if n:
+        f.write(memoryview((ctypes.c_char * n).from_address(chunk.data_ptr())))
+
+
+def _write_tensor(f: IO[bytes], t: torch.Tensor, tick: Callable[[int], None]) -> None:
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    step = max(1, _CHUNK // max(1, t.element_size()))
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start : start + step]
+        if chunk.device.type != "cpu":
+            chunk = chunk.to("cpu")
+        _write_chunk(f, chunk)
+        tick(_nbytes(chunk))
+
+
+def _temp_re(name: str) -> re.Pattern[str]:
+    return re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _remove_stale_temps(directory: str, name: str) -> None:
+    """Removes temporary files of ``name`` left by saves whose process died (e.g. killed)."""
+    pattern = _temp_re(name)
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.fullmatch(entry)
+        if m is not None and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(directory, entry))
+            except OSError:
+                pass
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems cannot sync a directory
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _progress_bar(show: bool | None, total: int, desc: str) -> Any:
+    if not (show if show is not None else total > _GIB):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if show:
+            raise
+        return None
+    return tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, file=sys.stderr
+    )
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    progress: bool | None = None,
+) -> None:
+    """Writes ``model``'s state dict, ``optimizer``'s state and ``extra`` to one safetensors file.
+
+    The file is written to a temporary file next to ``path`` (``.<name>.<pid>.<random>.tmp``),
+    flushed, ``fsync``-ed, renamed over ``path`` and the directory ``fsync``-ed: ``path`` holds either
+    the previous checkpoint or the new one, whole, even if the process is killed while saving. On an
+    exception the temporary file is removed; a temporary file left by a killed process is removed by
+    the next save of the same ``path``.
+
+    Args:
+        path: the checkpoint file (conventionally ``*.safetensors``); its directory must exist.
+        model: any ``nn.Module``; its ``state_dict()`` is saved (parameters and persistent buffers,
+            wherever they live: host arena, CPU or GPU; device tensors are copied to the host in
+            chunks). Tied tensors are written once.
+        optimizer: optional optimizer whose ``state_dict()`` has the standard ``{"state",
+            "param_groups"}`` form (any ``torch.optim`` optimizer); tensors of its state are stored
+            as tensors, the rest (hyperparameters, ints, floats) as JSON.
+        extra: optional dict of your own values (step, epoch, scheduler or data-loader state…):
+            ``None``, bool, int, float, str, tensors, and lists/tuples/dicts of those. Returned by
+            :func:`load_checkpoint`.
+        rng: also save torch's CPU generator state and, when CUDA is available, every device's
+            generator state, so that a resumed run draws the same random numbers (dropout…).
+        progress: show a progress bar on stderr while writing (default: for checkpoints of more
+            than 1 GiB of tensors).
+
+    Raises:
+        TypeError: ``extra`` (or the optimizer state) holds a value that cannot be stored, or a
+            tensor has a dtype safetensors cannot represent. Nothing is written then.
+    """
+    path = os.fspath(path)
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"save_checkpoint: extra must be a dict or None, got {type(extra).__name__}")
+
+    # 1. Everything to write, before touching the file system.
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    enc = _Encoder(tensors)
+    sd = model.state_dict()
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            tensors[f"model.{k}"] = v.detach()
+        else:  # e.g. a module's get_extra_state()
+            objects[k] = enc.encode(v, ("model_objects", k))
+    meta: dict[str, str] = {
+        "format": "pt",
+        _VERSION_KEY: str(FORMAT_VERSION),
+        "ramtorch.torch": torch.__version__,
+        "ramtorch.model": json.dumps({"keys": list(sd.keys()), "objects": objects}, allow_nan=False),
+        "ramtorch.extra": json.dumps(enc.encode(dict(extra or {}), ("extra",)), allow_nan=False),
+    }
+    if optimizer is not None:
+        osd = optimizer.state_dict()
+        meta["ramtorch.optimizer"] = json.dumps(enc.encode(osd, ("optim",)), allow_nan=False)
+    if rng:
+        rng_keys: dict[str, Any] = {"cpu": "rng.cpu", "cuda": []}
+        tensors["rng.cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            for i, state in enumerate(torch.cuda.get_rng_state_all()):
+                tensors[f"rng.cuda.{i}"] = state
+                rng_keys["cuda"].append(f"rng.cuda.{i}")
+        meta["ramtorch.rng"] = json.dumps(rng_keys)
+
+    # 2. Tied tensors are written once; the other names become aliases.
+    canonical: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    entries: list[tuple[str, torch.Tensor]] = []
+    for key, t in tensors.items():
+        if t.layout != torch.strided:
+            raise TypeError(
+                f"save_checkpoint: {key!r} is a {t.layout} tensor; only dense tensors can be saved"
+            )
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"save_checkpoint: {key!r} has dtype {t.dtype}, which safetensors cannot store")
+        if t.device.type == "meta":
+            raise TypeError(f"save_checkpoint: {key!r} is on the meta device (no data to save)")
+        ak = _alias_key(t)
+        if ak in canonical:
+            aliases[key] = canonical[ak]
+        else:
+            canonical[ak] = key
+            entries.append((key, t))
+    meta["ramtorch.aliases"] = json.dumps(aliases)
+
+    # 3. Header: largest elements first, so that every tensor is aligned to its element size.
+    entries.sort(key=lambda e: (-e[1].element_size(), e[0]))
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for key, t in entries:
+        n = _nbytes(t)
+        header[key] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    total = offset
+
+    # 4. Temporary file, fsync, rename, fsync the directory.
+    directory, name = os.path.split(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"save_checkpoint: {path} is a directory")
+    _remove_stale_temps(directory, name)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    bar = _progress_bar(progress, total, "ramtorch.save_checkpoint")
+    tick: Callable[[int], None] = bar.update if bar is not None else (lambda n: None)
+    replaced = False
+    try:
+        with open(tmp, "xb") as f:
+            f.write(len(head).to_bytes(8, "little"))
+            f.write(head)
+            with torch.no_grad():
+                for _, t in entries:
+                    _write_tensor(f, t, tick)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        replaced = True
+        _fsync_dir(directory)
+    except BaseException:
+        if not replaced:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _fmt_keys(keys: list[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", … ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def _json_meta(path: str, meta: Mapping[str, str], key: str, default: Any = None) -> Any:
+    if key not in meta:
+        return default
+    try:
+        return json.loads(meta[key])
+    except ValueError as e:
+        raise CheckpointError(f"{path}: metadata entry {key!r} is not valid JSON ({e})") from e
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    map_rng: bool = True,
+    strict: bool = True,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Loads a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
+
+    The file is checked first, before the model or optimizer is touched: it must be a complete
+    safetensors file with a known format version; with ``strict`` its keys must be exactly the
+    model's state-dict keys; every tensor must have the shape of the model's; the optimizer's
+    parameter groups must have the saved sizes. Then the values are copied into the model's
+    existing tensors with ``model.load_state_dict`` (parameters keep their storage, e.g. ramtorch's
+    host arena, and their identity, so an optimizer built on them stays valid), the optimizer state
+    is loaded with ``optimizer.load_state_dict`` and, with ``map_rng``, the RNG states are restored.
+
+    Args:
+        path: the checkpoint file.
+        model: the model to load into, built like the saved one.
+        optimizer: optional optimizer over ``model``'s parameters to restore; the checkpoint must
+            contain optimizer state then (with ``strict=False`` a checkpoint without it only warns).
+        map_rng: restore the saved torch RNG states (CPU, and each CUDA device present in both the
+            checkpoint and this process).
+        strict: require the checkpoint's model keys to match ``model.state_dict()`` exactly (as in
+            ``load_state_dict``); with ``False`` missing and unexpected keys are skipped.
+        progress: show a progress bar on stderr while reading (default: for checkpoints of more than
+            1 GiB of tensors).
+
+    Returns:
+        The ``extra`` dict given to :func:`save_checkpoint` (``{}`` if none).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: the file is not a readable checkpoint (truncated, corrupt, unknown
+            version) or does not match the model/optimizer (keys, shapes, parameter groups).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, "load_checkpoint: no such checkpoint file", path)
+    try:
+        from safetensors import safe_open
+    except ImportError as e:  # pragma: no cover - safetensors is a test/setup dependency
+        raise ImportError("load_checkpoint needs the safetensors package: pip install safetensors") from e
+
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types (and OSError)
+        raise CheckpointError(
+            f"{path} is not a readable safetensors checkpoint (truncated or corrupt?): {e}"
+        ) from e
+    with handle as f:
+        return _load(path, f, model, optimizer, map_rng=map_rng, strict=strict, progress=progress)
+
+
+def _load(
+    path: str,
+    f: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    map_rng: bool,
+    strict: bool,
+    progress: bool | None,
+) -> dict[str, Any]:
+    meta = f.metadata() or {}
+    version = meta.get(_VERSION_KEY)
+    if version is None:
+        raise CheckpointError(
+            f"{path} is a safetensors file but not a ramtorch checkpoint (no {_VERSION_KEY!r} metadata entry)"
+        )
+    if version != str(FORMAT_VERSION):
+        raise CheckpointError(
+            f"{path}: unknown checkpoint format version {version!r} "
+            f"(this ramtorch reads version {FORMAT_VERSION})"
+        )
+    file_keys = set(f.keys())
+    aliases: dict[str, str] = _json_meta(path, meta, "ramtorch.aliases", {})
+    if not isinstance(aliases, dict):
+        raise CheckpointError(f"{path}: metadata entry 'ramtorch.aliases' is malformed")
+    model_meta = _json_meta(path, meta, "ramtorch.model")
+    if not isinstance(model_meta, dict) or not isinstance(model_meta.get("keys"), list):
+        raise CheckpointError(f"{path}: metadata entry 'ramtorch.model' is missing or malformed")
+    objects: dict[str, Any] = model_meta.get("objects", {})
+    if not isinstance(objects, dict):
+        raise CheckpointError(f"{path}: metadata entry 'ramtorch.model' is malformed")
+
+    def resolve(key: str) -> str:
+        key = aliases.get(key, key)
+        if key not in file_keys:
+            raise CheckpointError(f"{path}: tensor {key!r} named in the metadata is not in the file")
+        return key
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    nbytes: dict[str, int] = {}
+    for key in file_keys:
+        sl = f.get_slice(key)
+        shapes[key] = tuple(sl.get_shape())
+        nbytes[key] = math.prod(shapes[key]) * _DTYPE_SIZES.get(sl.get_dtype(), 1)
+
+    # Model: keys and shapes.
+    saved_keys: list[str] = model_meta["keys"]
+    current = model.state_dict()
+    current_keys = set(current)
+    saved_set = set(saved_keys)
+    missing = [k for k in current if k not in saved_set]
+    unexpected = [k for k in saved_keys if k not in current]
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing keys (in the model, not in the checkpoint): {_fmt_keys(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys (in the checkpoint, not in the model): {_fmt_keys(unexpected)}")
+        raise CheckpointError(f"{path} does not match the model: " + "; ".join(parts))
+    mismatched = []
+    for k in saved_keys:
+        if k not in current:
+            continue
+        cur = current[k]
+        if k in objects:
+            if isinstance(cur, torch.Tensor):
+                mismatched.append(f"{k!r}: checkpoint holds a non-tensor value, the model a tensor")
+            continue
+        fk = resolve(f"model.{k}")
+        if not isinstance(cur, torch.Tensor):
+            mismatched.append(f"{k!r}: checkpoint holds a tensor, the model a {type(cur).__name__}")
+        elif tuple(cur.shape) != shapes[fk]:
+            mismatched.append(
+                f"{k!r}: shape {list(shapes[fk])} in the checkpoint, {list(cur.shape)} in the model"
+            )
+    if mismatched:
+        raise CheckpointError(f"{path} does not match the model: " + "; ".join(mismatched))
+    del current
+
+    def check(entry: str, obj: Any) -> tuple[Any, list[str]]:
+        """Decodes ``obj`` with tensors left as their keys: checks its form and its references."""
+        refs: list[str] = []
+
+        def ref(key: str) -> str:
+            refs.append(resolve(key))
+            return key
+
+        try:
+            return _decode(obj, ref), refs
+        except (ValueError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{path}: metadata entry {entry!r} is malformed ({e})") from e
+
+    # Optimizer: state present, same parameter groups.
+    optim_meta = None
+    optim_refs: list[str] = []
+    if optimizer is not None:
+        optim_meta = _json_meta(path, meta, "ramtorch.optimizer")
+        if optim_meta is None:
+            if strict:
+                raise CheckpointError(f"{path} holds no optimizer state (saved without an optimizer)")
+            warnings.warn(
+                f"load_checkpoint: {path} holds no optimizer state; optimizer left as is", stacklevel=3
+            )
+        else:
+            skeleton, optim_refs = check("ramtorch.optimizer", optim_meta)
+            groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
+            if not isinstance(groups, list) or not all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+            ):
+                raise CheckpointError(f"{path}: metadata entry 'ramtorch.optimizer' is malformed")
+            saved_sizes = [len(g["params"]) for g in groups]
+            sizes = [len(g["params"]) for g in optimizer.param_groups]
+            if saved_sizes != sizes:
+                raise CheckpointError(
+                    f"{path} does not match the optimizer: parameter groups of sizes {saved_sizes} in the "
+                    f"checkpoint, {sizes} in the optimizer"
+                )
+    extra_meta = _json_meta(path, meta, "ramtorch.extra", {})
+    _, extra_refs = check("ramtorch.extra", extra_meta)
+    _, object_refs = check("ramtorch.model", {k: v for k, v in objects.items() if k in current_keys})
+    rng_meta = _json_meta(path, meta, "ramtorch.rng") if map_rng else None
+    if rng_meta is not None:
+        if not isinstance(rng_meta, dict) or not isinstance(rng_meta.get("cuda", []), list):
+            raise CheckpointError(f"{path}: metadata entry 'ramtorch.rng' is malformed")
+        for key in ([rng_meta["cpu"]] if rng_meta.get("cpu") else []) + rng_meta.get("cuda", []):
+            resolve(key)
+
+    # Everything checked: read.
+    load_keys = [k for k in saved_keys if k in current_keys]
+    model_bytes = {k: nbytes[resolve(f"model.{k}")] for k in load_keys if k not in objects}
+    total = sum(model_bytes.values()) + sum(nbytes[r] for r in optim_refs + extra_refs + object_refs)
+    bar = _progress_bar(progress, total, "ramtorch.load_checkpoint")
+    try:
+
+        def clone(key: str) -> torch.Tensor:
+            key = resolve(key)
+            t = f.get_tensor(key).clone()
+            if bar is not None:
+                bar.update(nbytes[key])
+            return t
+
+        from . import synchronize
+
+        synchronize()  # queued copies of the weights finish before we overwrite them
+        state: dict[str, Any] = {}
+        for k in load_keys:
+            if k in objects:
+                state[k] = _decode(objects[k], clone)
+            else:  # zero-copy views of the file: load_state_dict copies them into the parameters
+                state[k] = f.get_tensor(resolve(f"model.{k}"))
+        with _ModelProgress(model, bar, model_bytes):
+            model.load_state_dict(state, strict=strict)
+        del state
+
+        if optimizer is not None and optim_meta is not None:
+            optimizer.load_state_dict(_decode(optim_meta, clone))
+        extra = _decode(extra_meta, clone)
+        if rng_meta is not None:
+            _restore_rng(path, rng_meta, lambda k: f.get_tensor(resolve(k)).clone())
+    finally:
+        if bar is not None:
+            bar.close()
+    return extra if isinstance(extra, dict) else {}
+
+
+class _ModelProgress:
+    """Advances ``bar`` as ``load_state_dict`` reaches each module (by the bytes of its own keys)."""
+
+    def __init__(self, model: nn.Module, bar: Any, nbytes: dict[str, int]) -> None:
+        self.model, self.bar, self.nbytes = model, bar, nbytes
+        self.handles: list[Any] = []
+        self.pending = 0
+
+    def _hook(self, module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+        self.bar.update(self.pending)
+        own = itertools.chain(module._parameters, module._buffers)
+        self.pending = sum(self.nbytes.get(prefix + n, 0) for n in own)
+
+    def __enter__(self) -> _ModelProgress:
+        if self.bar is not None:
+            for m in self.model.modules():
+                self.handles.append(m.register_load_state_dict_pre_hook(self._hook))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        if self.bar is not None and exc[0] is None:
+            self.bar.update(self.pending)
+
+
+def _restore_rng(path: str, rng_meta: Any, tensor: Callable[[str], torch.Tensor]) -> None:
+    if not isinstance(rng_meta, dict):
+        raise CheckpointError(f"{path}: metadata entry 'ramtorch.rng' is malformed")
+    if rng_meta.get("cpu"):
+        torch.set_rng_state(tensor(rng_meta["cpu"]))
+    cuda = rng_meta.get("cuda") or []
+    if cuda and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if len(cuda) != n:
+            warnings.warn(
+                f"load_checkpoint: {path} holds the RNG states of {len(cuda)} CUDA devices, this process "
+                f"sees {n}; restoring the first {min(n, len(cuda))}",
+                stacklevel=4,
+            )
+        for i, key in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(tensor(key), i)
