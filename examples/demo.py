@@ -1,8 +1,10 @@
-"""Train a small byte-level transformer language model whose Linear layers live in host RAM.
+"""Train a small byte-level transformer language model whose weights live in host RAM.
 
-Every ``Linear`` of the model (attention projections, MLP, output head) is a ``ramtorch.nn.Linear``:
-its weights and gradients stay in host memory and are streamed to the compute device for each
-forward and backward. Embeddings and LayerNorms are ordinary torch layers on the compute device.
+The model is written with plain torch layers; one call, ``ramtorch.offload(model)``, moves every
+parameter into host memory and streams each transformer block to the compute device for its forward
+and backward. ``ramtorch.optim.AdamW`` updates each block in host RAM (Rust kernels, all cores) as
+soon as its gradients have arrived, while the GPU runs the backward of the blocks before it. At the
+end the demo prints where the step time went.
 
 The training text is this repository's own sources and docs (``*.py``, ``*.rs``, ``*.md``,
 ``*.toml``), so nothing is downloaded. Runs on CUDA (bf16 autocast) when available, else on CPU::
@@ -25,7 +27,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import ramtorch
-import ramtorch.nn as rnn
+import ramtorch.optim
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,8 +103,8 @@ class CausalSelfAttention(nn.Module):
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
         self.n_heads = n_heads
-        self.qkv = rnn.Linear(d_model, 3 * d_model, device=device)
-        self.proj = rnn.Linear(d_model, d_model, device=device)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(batch, time, d_model)`` → same shape."""
@@ -118,11 +120,11 @@ class Block(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, device: torch.device) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(d_model, device=device)
+        self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads, device)
-        self.ln2 = nn.LayerNorm(d_model, device=device)
-        self.fc = rnn.Linear(d_model, 4 * d_model, device=device)
-        self.out = rnn.Linear(4 * d_model, d_model, device=device)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(batch, time, d_model)`` → same shape."""
@@ -136,11 +138,11 @@ class ByteLM(nn.Module):
     def __init__(self, d_model: int, n_layers: int, n_heads: int, max_seq: int, device: torch.device) -> None:
         super().__init__()
         self.max_seq = max_seq
-        self.tok = nn.Embedding(VOCAB, d_model, device=device)
-        self.pos = nn.Embedding(max_seq, d_model, device=device)
+        self.tok = nn.Embedding(VOCAB, d_model)
+        self.pos = nn.Embedding(max_seq, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, device) for _ in range(n_layers))
-        self.ln_f = nn.LayerNorm(d_model, device=device)
-        self.head = rnn.Linear(d_model, VOCAB, bias=False, device=device)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB, bias=False)
         for emb in (self.tok, self.pos):
             nn.init.normal_(emb.weight, std=0.02)
 
@@ -159,9 +161,8 @@ class ByteLM(nn.Module):
 
 
 def autocast_for(device: torch.device) -> AbstractContextManager[object]:
-    """bf16 autocast on CUDA, nothing on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """Nothing to do: on CUDA the weights are bf16 already (fp32 master copies live in the
+    optimizer), on CPU everything is fp32."""
     return nullcontext()
 
 
@@ -244,30 +245,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"corpus: {n_files} files, {fmt_bytes(data.numel())} from {REPO_ROOT}")
 
     model = ByteLM(args.d_model, args.layers, args.heads, args.seq, device)
-    host_params = sum(p.numel() for m in model.modules() if isinstance(m, rnn.Linear) for p in m.parameters())
+    if device.type == "cuda":
+        model.to(torch.bfloat16)  # bf16 weights stream; the optimizer keeps fp32 masters
+    ramtorch.offload(model, device=device)
+    plan = ramtorch.stats()["models"][-1]
     all_params = sum(p.numel() for p in model.parameters())
+    host_params = sum(p.numel() for p in model.parameters() if p.device.type == "cpu")
     print(
-        f"model: {args.layers} layers, d_model {args.d_model}, {all_params / 1e6:.2f} M parameters "
-        f"({host_params / 1e6:.2f} M in host RAM via ramtorch.nn.Linear), device {device}"
+        f"model: {args.layers} layers, d_model {args.d_model}, {all_params / 1e6:.2f} M parameters, "
+        f"{host_params / 1e6:.2f} M in host RAM in {plan['streamed_units']} streamed units "
+        f"(resident: {', '.join(plan['resident_units']) or 'none'}), device {device}"
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = ramtorch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     warmup = max(1, min(30, args.steps // 10))
 
     losses: list[float] = []
+    spent = {"forward": 0.0, "backward (with overlapped updates)": 0.0, "optimizer step()": 0.0}
+    before = {d: dict(s) for d, s in ramtorch.stats()["devices"].items()}
     t0 = time.perf_counter()
     bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, warmup)
         x, y = get_batch(data, args.batch, args.seq, device, data_gen)
-        with autocast_for(device):
-            logits = model(x)
+        t = time.perf_counter()
+        logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # waits for the forward
+        t1 = time.perf_counter()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t2 = time.perf_counter()
         opt.step()
-        losses.append(loss.item())
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        spent["forward"] += t1 - t
+        spent["backward (with overlapped updates)"] += t2 - t1
+        spent["optimizer step()"] += t3 - t2
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()
     ramtorch.synchronize()
@@ -280,15 +293,32 @@ def main(argv: list[str] | None = None) -> int:
         f"time: {elapsed:.1f} s for {args.steps} steps, {elapsed / args.steps:.3f} s/step "
         f"({args.batch * args.seq * args.steps / elapsed:,.0f} tokens/s)"
     )
+    print("where a step's time went (host wall time, averaged):")
+    for what, sec in spent.items():
+        print(f"  {what:<36} {sec / args.steps * 1e3:8.2f} ms")
+    o = opt.timings
+    print(
+        f"  optimizer kernels: {o['in_backward_seconds'] / args.steps * 1e3:.2f} ms/step during backward "
+        f"({o['in_backward_updates']} tensor updates), {o['in_step_seconds'] / args.steps * 1e3:.2f} ms/step "
+        f"in step() ({o['in_step_updates']} tensor updates)"
+    )
 
     stats = ramtorch.stats()
     host = stats["host"]
     print(f"ramtorch host arena: {fmt_bytes(host['in_use_bytes'])} in use, pinned: {host['pinning']}")
     for dev, s in stats["devices"].items():
+        b = before.get(dev, {})
+
+        def d(k: str, s: dict = s, b: dict = b) -> float:
+            return s[k] - b.get(k, 0)
+
         print(
-            f"ramtorch {dev}: host->device {fmt_bytes(s['h2d_bytes'])} in {s['h2d_copies']} copies, "
-            f"device->host {fmt_bytes(s['d2h_bytes'])} in {s['d2h_copies']} copies, "
-            f"host waited {s['throttle_wait_seconds'] + s['sync_wait_seconds']:.2f} s"
+            f"ramtorch {dev}: host->device {fmt_bytes(d('h2d_bytes'))} in {d('h2d_copies'):.0f} copies "
+            f"({d('h2d_seconds') / args.steps * 1e3:.2f} ms/step busy, {s['h2d_gbps']:.1f} GB/s), "
+            f"device->host {fmt_bytes(d('d2h_bytes'))} "
+            f"({d('d2h_seconds') / args.steps * 1e3:.2f} ms/step busy), "
+            f"compute waited on copies {d('stall_seconds') / args.steps * 1e3:.2f} ms/step, "
+            f"copies saved by slot reuse {fmt_bytes(d('reused_bytes'))}"
         )
 
     prompt = b"import torch\n"

@@ -27,8 +27,8 @@ the bf16 weight and gradient) and the weight is rewritten from it, rounded to ne
 
 from __future__ import annotations
 
-import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -69,7 +69,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.overlap = overlap and max_grad_norm is None
         self._accumulating = 0
-        self._seed = random.getrandbits(62)
+        self._seed = 0x5EED
         self._jobs: list[Future[None]] = []
         self._jobs_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ramtorch-optim")
@@ -81,7 +81,13 @@ class _HostOptimizer(torch.optim.Optimizer):
             for e in _engine.engines():
                 e.add_listener(self)
             _LISTENING.add(self)
-        self.last_step_seconds: dict[str, float] = {}
+        #: Seconds and tensor updates of the Rust kernels, during backward and in ``step()``.
+        self.timings = {
+            "in_backward_seconds": 0.0,
+            "in_backward_updates": 0,
+            "in_step_seconds": 0.0,
+            "in_step_updates": 0,
+        }
 
     # -- user API ----------------------------------------------------------------------------------
 
@@ -130,9 +136,12 @@ class _HostOptimizer(torch.optim.Optimizer):
     def _run_job(self, eng: _engine.DeviceEngine, marker: int, work: list[Any]) -> None:
         try:
             eng._core.wait_marker(marker)
+            t = time.perf_counter()
             for p, group, buf in work:
                 grad = buf if p.grad is None else p.grad + buf
                 self._update_host(p, grad, group, 1.0)
+            self.timings["in_backward_seconds"] += time.perf_counter() - t
+            self.timings["in_backward_updates"] += len(work)
         except BaseException as e:  # noqa: BLE001 - surfaced by drain()/step()
             self._error = e
 
@@ -178,9 +187,18 @@ class _HostOptimizer(torch.optim.Optimizer):
                         t.copy_(v)
                         st[k] = t
 
+    def _index_of(self, p: torch.nn.Parameter) -> int:
+        """Position of ``p`` among the optimizer's parameters (seeds its stochastic rounding)."""
+        index = self.__dict__.get("_index_cache")
+        if index is None:
+            index = {id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])}
+            self.__dict__["_index_cache"] = index
+        return index.get(id(p), 0)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         self.__dict__.pop("_ids_cache", None)
+        self.__dict__.pop("_index_cache", None)
 
     # -- step --------------------------------------------------------------------------------------
 
@@ -208,6 +226,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         scale = 1.0
         if self.max_grad_norm is not None:
             scale = self._clip_scale()
+        t = time.perf_counter()
         for group in self.param_groups:
             dev_params = []
             for p in group["params"]:
@@ -215,6 +234,7 @@ class _HostOptimizer(torch.optim.Optimizer):
                     continue
                 if _is_host(p):
                     self._update_host(p, p.grad, group, scale)
+                    self.timings["in_step_updates"] += 1
                 else:
                     dev_params.append(p)
             if dev_params:
@@ -227,6 +247,7 @@ class _HostOptimizer(torch.optim.Optimizer):
                     # The kernels wrote through raw pointers: tell autograd and the streaming
                     # engine (which keys device copies on version counters) that p changed.
                     torch.autograd.graph.increment_version(p)
+        self.timings["in_step_seconds"] += time.perf_counter() - t
         return loss
 
     def _clip_scale(self) -> float:
@@ -286,7 +307,7 @@ class _HostOptimizer(torch.optim.Optimizer):
             step,
             group,
             scale,
-            (self._seed * 1_000_003 + step * 7919 + id(p)) & ((1 << 63) - 1),
+            hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1),
         )
 
     def _kernel(

@@ -3,7 +3,8 @@
 //! - [`arena`]: the host arena (exact sizes, pinned, pooled);
 //! - [`device`]: what a device must offer, for CUDA and for the host stand-in used without a GPU;
 //! - [`engine`]: device slots, the copy throttle and the gradient write-back;
-//! - [`cuda`]: thin safe wrappers over the CUDA driver API, loaded at run time.
+//! - [`cuda`]: thin safe wrappers over the CUDA driver API, loaded at run time;
+//! - [`optim`]: CPU optimizer kernels (AdamW, SGD, Lion) over host memory, all cores, SIMD.
 //!
 //! ```
 //! use ramtorch_core::{arena::Arena, device::HostDevice, engine::Engine};
@@ -26,5 +27,6 @@ pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod optim;
 
 pub use error::{Error, Result};

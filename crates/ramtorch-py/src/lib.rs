@@ -1,6 +1,7 @@
 //! `ramtorch._core`: the PyO3 layer over `ramtorch-core`. Argument conversion, GIL release, error
 //! mapping and panic containment; no logic of its own.
 
+mod optim;
 use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};
@@ -492,5 +493,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(take_pin_warning, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_class::<Engine>()?;
+    optim::register(m)?;
     Ok(())
 }

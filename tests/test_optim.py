@@ -1,0 +1,282 @@
+"""ramtorch.optim against torch.optim on the same model: offloaded training, overlap with backward,
+micro-batches, clipping, schedulers, state, precision modes, recompute mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ramtorch
+import ramtorch.optim as ropt
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, p_drop: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(p_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 16, layers: int = 4, p_drop: float = 0.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(Block(d, p_drop) for _ in range(layers))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def pair(device: str, dtype: torch.dtype = torch.float32, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    ref = Net(**kw).to(dtype)
+    ours = copy.deepcopy(ref)
+    ref.to(device)
+    ramtorch.offload(ours, device=device)
+    return ref, ours
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().square().mean()
+
+
+def assert_params_close(ref: nn.Module, ours: nn.Module, rtol: float, atol: float) -> None:
+    for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
+        torch.testing.assert_close(
+            q.detach().cpu().float(), p.detach().cpu().float(), rtol=rtol, atol=atol, msg=name
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ten_adamw_steps_equal_torch(device, overlap):
+    ref, ours = pair(device)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap)
+    for _ in range(10):
+        x = torch.randn(5, 8, device=device)
+        for model, opt in ((ref, o_ref), (ours, o_ours)):
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+        assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+    streamed = [p for p in ours.parameters() if p.device.type == "cpu"]
+    assert streamed and all(not o_ours.state[p]["exp_avg"].is_cuda for p in streamed)
+
+
+def test_updates_happen_during_backward():
+    _, ours = pair("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    loss_of(ours, x).backward()  # first backward: nothing learned, every gradient node counted
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in ours.blocks[0].parameters()]
+    loss_of(ours, x).backward()
+    # The block's weights changed before step() was called.
+    assert any(not torch.equal(b, p) for b, p in zip(before, ours.blocks[0].parameters()))
+    opt.step()
+
+
+def test_micro_batches_equal_one_big_batch():
+    ref, ours = pair("cpu")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2)
+    for _ in range(3):
+        xs = [torch.randn(4, 8) for _ in range(3)]
+        loss_of(ref, torch.cat(xs)).backward()
+        o_ref.step()
+        o_ref.zero_grad()
+        for i, x in enumerate(xs):
+            if i < len(xs) - 1:
+                with o_ours.accumulate():
+                    (loss_of(ours, x) / len(xs)).backward()
+            else:
+                (loss_of(ours, x) / len(xs)).backward()
+        o_ours.step()
+        o_ours.zero_grad()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_max_grad_norm_equals_torch_clipping():
+    ref, ours = pair("cpu")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, max_grad_norm=0.05)
+    for _ in range(4):
+        x = torch.randn(6, 8) * 3
+        loss_of(ref, x).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        o_ref.step()
+        o_ref.zero_grad()
+        loss_of(ours, x).backward()
+        o_ours.step()
+        o_ours.zero_grad()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_after_an_overlapped_update_is_an_error():
+    _, ours = pair("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    loss_of(ours, x).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_of(ours, x).backward()
+    torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="changed or replaced after backward"):
+        opt.step()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "nesterov", "lion"])
+def test_sgd_and_lion_equal_their_references(kind):
+    ref, ours = pair("cpu")
+    if kind == "lion":
+        o_ours = ropt.Lion(ours.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+        o_ref = None  # torch has no Lion: the reference is written out below
+        m = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    else:
+        nesterov = kind == "nesterov"
+        o_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=nesterov)
+        o_ours = ropt.SGD(ours.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=nesterov)
+    for _ in range(5):
+        x = torch.randn(5, 8)
+        loss_of(ref, x).backward()
+        if o_ref is None:
+            with torch.no_grad():
+                for n, p in ref.named_parameters():
+                    g = p.grad
+                    p.mul_(1 - 1e-3 * 0.1)
+                    p.add_(torch.sign(m[n] * 0.9 + g * 0.1), alpha=-1e-3)
+                    m[n].mul_(0.99).add_(g, alpha=0.01)
+                    p.grad = None
+        else:
+            o_ref.step()
+            o_ref.zero_grad()
+        loss_of(ours, x).backward()
+        o_ours.step()
+        o_ours.zero_grad()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_scheduler_state_dict_and_resume():
+    ref, ours = pair("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    xs = [torch.randn(4, 8) for _ in range(6)]
+    for x in xs[:3]:
+        loss_of(ours, x).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    snap_model = copy.deepcopy(ours.state_dict())
+    snap_opt = copy.deepcopy(opt.state_dict())
+    snap_sched = sched.state_dict()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
+    after = []
+    for x in xs[3:]:
+        after.append(loss_of(ours, x).item())
+        loss_of(ours, x).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    _, fresh = pair("cpu", seed=1)
+    fresh.load_state_dict(snap_model)
+    opt2 = ropt.AdamW(fresh.parameters(), lr=1e-2)
+    opt2.load_state_dict(snap_opt)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    sched2.load_state_dict(snap_sched)
+    again = []
+    for x in xs[3:]:
+        again.append(loss_of(fresh, x).item())
+        loss_of(fresh, x).backward()
+        opt2.step()
+        opt2.zero_grad()
+        sched2.step()
+    assert again == after
+    st = opt2.state[next(fresh.blocks[0].parameters())]
+    assert st["exp_avg"].dtype == torch.float32
+
+
+def test_fp32_master_for_bf16_weights():
+    ref, ours = pair("cpu")
+    ours.to(torch.float32)
+    torch.manual_seed(0)
+    low = copy.deepcopy(Net()).to(torch.bfloat16)
+    low.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
+    master_ref = copy.deepcopy(low).float()  # fp32 master starts from the bf16 values
+    ramtorch.offload(low, device="cpu")
+    o_low = ropt.AdamW(low.parameters(), lr=1e-2)
+    o_ref = torch.optim.AdamW(master_ref.parameters(), lr=1e-2)
+    for _ in range(5):
+        x = torch.randn(4, 8)
+        # Same gradients for both: computed by the bf16 model, copied to the fp32 reference.
+        loss_of(low, x.bfloat16()).backward()
+        for p, q in zip(master_ref.parameters(), low.parameters()):
+            p.grad = q.grad.float()
+        o_ref.step()
+        o_ref.zero_grad()
+        o_low.step()
+        o_low.zero_grad()
+    for p, q in zip(master_ref.parameters(), low.parameters()):
+        master = o_low.state[q]["master"]
+        torch.testing.assert_close(master, p.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(q.detach(), master.to(torch.bfloat16))
+
+
+def test_bf16_precision_tracks_fp32_training():
+    ref, ours = pair("cpu")
+    low = copy.deepcopy(ref).bfloat16()
+    ramtorch.offload(low, device="cpu")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_low = ropt.AdamW(low.parameters(), lr=1e-2, precision="bf16")
+    for _ in range(8):
+        x = torch.randn(8, 8)
+        loss_of(ref, x).backward()
+        o_ref.step()
+        o_ref.zero_grad()
+        loss_of(low, x.bfloat16()).backward()
+        o_low.step()
+        o_low.zero_grad()
+    p = next(low.blocks[0].parameters())
+    assert o_low.state[p]["exp_avg"].dtype == torch.bfloat16 and "master" not in o_low.state[p]
+    assert_params_close(ref, low, rtol=5e-2, atol=3e-2)  # bf16 weights: about 3 significant digits
+
+
+def test_recompute_mode_equals_keep_mode_with_dropout():
+    torch.manual_seed(0)
+    keep = Net(p_drop=0.3)
+    again = copy.deepcopy(keep)
+    ramtorch.offload(keep, device="cpu")
+    ramtorch.offload(again, device="cpu", recompute=True)
+    x = torch.randn(6, 8)
+    for model in (keep, again):
+        torch.manual_seed(123)
+        loss_of(model, x).backward()
+    for (name, p), (_, q) in zip(keep.named_parameters(), again.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_bad_arguments():
+    _, ours = pair("cpu")
+    with pytest.raises(ValueError, match="precision"):
+        ropt.AdamW(ours.parameters(), precision="fp8")
+    with pytest.raises(ValueError, match="betas"):
+        ropt.AdamW(ours.parameters(), betas=(1.5, 0.9))
+    with pytest.raises(ValueError, match="nesterov"):
+        ropt.SGD(ours.parameters(), nesterov=True)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        ropt.AdamW(ours.parameters(), max_grad_norm=-1.0)
