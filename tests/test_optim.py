@@ -280,3 +280,32 @@ def test_bad_arguments():
         ropt.SGD(ours.parameters(), nesterov=True)
     with pytest.raises(ValueError, match="max_grad_norm"):
         ropt.AdamW(ours.parameters(), max_grad_norm=-1.0)
+
+
+def test_grad_scaler_with_overlap_off_matches_torch():
+    ref, ours = pair("cpu")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, overlap=False)
+    s_ref = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    s_ours = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for i in range(4):
+        x = torch.randn(4, 8)
+        if i == 2:
+            x[0, 0] = float("inf")  # this step's gradients overflow: both scalers skip it
+        for model, opt, scaler in ((ref, o_ref, s_ref), (ours, o_ours, s_ours)):
+            scaler.scale(loss_of(model, x)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert s_ref.get_scale() == s_ours.get_scale()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_scaler_with_overlap_on_is_refused():
+    _, ours = pair("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.randn(4, 8)
+    scaler.scale(loss_of(ours, x)).backward()
+    with pytest.raises(RuntimeError, match="Pass overlap=False with a GradScaler"):
+        scaler.step(opt)

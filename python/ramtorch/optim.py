@@ -16,7 +16,7 @@ gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``
 unscaling them), an update made during backward would have used the unchanged ones: ``step()``
 detects it and raises. Use ``max_grad_norm=`` for clipping (global-norm clipping needs every
 gradient, so the updates then run in ``step()``: the overlap is lost) and ``overlap=False`` with a
-``GradScaler``.
+``GradScaler``, whose unscaling and inf check are then folded into the kernels.
 
 **Precision.** Parameters in fp32 are updated in place with fp32 states. bf16/fp16 parameters get
 an fp32 master copy in host RAM (``precision="fp32-master"``, the default; 16 bytes a parameter with
@@ -48,6 +48,10 @@ def _is_host(p: torch.Tensor) -> bool:
 
 class _HostOptimizer(torch.optim.Optimizer):
     """Shared machinery: host parameters through Rust kernels, the rest through torch."""
+
+    #: torch.amp.GradScaler passes its scale and inf flag to step() (as ``grad_scale`` and
+    #: ``found_inf`` attributes) instead of unscaling every gradient in a pass of its own.
+    _step_supports_amp_scaling = True
 
     _state_names: tuple[str, ...] = ()
 
@@ -212,6 +216,18 @@ class _HostOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.drain()
         done, self._done = self._done, {}
+        # torch.amp.GradScaler hands us its scale and inf flag instead of unscaling the gradients
+        # itself (see _step_supports_amp_scaling): unscaling is folded into the kernels.
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        self.grad_scale = self.found_inf = None
+        if (grad_scale is not None or found_inf is not None) and done:
+            raise RuntimeError(
+                f"{type(self).__name__}: a GradScaler is in use, but {len(done)} parameters were "
+                "already updated during backward with the scaled gradients; this step's update is "
+                "wrong (reload the weights from a checkpoint). Pass overlap=False with a GradScaler."
+            )
+        if found_inf is not None and float(found_inf) > 0:
+            return loss  # GradScaler: inf/nan in the gradients, the step is skipped
         owned = self._param_ids()
         for pid, (grad, version) in done.items():
             p = owned[pid][0] if pid in owned else None
@@ -223,9 +239,9 @@ class _HostOptimizer(torch.optim.Optimizer):
                     "max_grad_norm= for clipping, overlap=False with a GradScaler, and accumulate() "
                     "around the backward passes of micro-batches."
                 )
-        scale = 1.0
+        scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         if self.max_grad_norm is not None:
-            scale = self._clip_scale()
+            scale *= self._clip_scale(scale)
         t = time.perf_counter()
         for group in self.param_groups:
             dev_params = []
@@ -250,7 +266,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.timings["in_step_seconds"] += time.perf_counter() - t
         return loss
 
-    def _clip_scale(self) -> float:
+    def _clip_scale(self, unscale: float = 1.0) -> float:
         total = 0.0
         for group in self.param_groups:
             for p in group["params"]:
@@ -262,7 +278,7 @@ class _HostOptimizer(torch.optim.Optimizer):
                     total += sq
                 else:
                     total += float(g.detach().float().square().sum())
-        norm = total**0.5
+        norm = total**0.5 * unscale
         self.last_grad_norm = norm
         return min(1.0, self.max_grad_norm / (norm + 1e-6)) if self.max_grad_norm is not None else 1.0
 
