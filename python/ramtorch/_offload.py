@@ -811,6 +811,8 @@ def offload(
         gpu_budget: bytes ramtorch may hold on the device (resident units plus streaming slots),
             as an int or a string such as ``"24GiB"``. Units that fit stay resident, the rest
             stream. ``None``: stream every unit, with ``max_inflight + 1`` slots of the largest.
+            ``"auto"``: the device's free memory less a reserve for activations (a fifth, at
+            least 2 GiB); the chosen plan and its predicted times are printed.
         unit: the block classes (types or class-name patterns) that form units; default: each
             child of the model's largest ``nn.ModuleList``. Modules outside the blocks that hold
             parameters are units of their own.
@@ -831,11 +833,12 @@ def offload(
         raise TypeError(f"ramtorch.offload: model must be an nn.Module, got {type(model).__name__}")
     if getattr(model, "_ramtorch_streamer", None) is not None:
         raise RuntimeError("ramtorch.offload: this model is already offloaded")
-    budget = parse_bytes(gpu_budget)
     inflight = _config.max_inflight(max_inflight)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = _engine.normalize_device(device)
+    auto = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
+    budget = _auto_budget(dev) if auto else parse_bytes(gpu_budget)
     for name, p in model.named_parameters():
         if p.device.type == "meta":
             raise ValueError(f"ramtorch.offload: parameter {name!r} is on the meta device (no data to keep)")
@@ -893,6 +896,8 @@ def offload(
     if bar is not None:
         bar.close()
 
+    if auto:
+        _report_auto_plan(model, units, pl, budget, dev)
     if recompute:
         wants = recompute if callable(recompute) else (lambda name: True)
         for u in units:
@@ -923,6 +928,33 @@ def offload(
         model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
     _STREAMERS.add(streamer)
     return model
+
+
+def _auto_budget(dev: torch.device) -> int:
+    """``gpu_budget="auto"``: the device's free memory, less a reserve for activations and the
+    caching allocator's slack (a fifth of it, at least 2 GiB)."""
+    if dev.type != "cuda":
+        raise ValueError("gpu_budget='auto' needs a CUDA device (on CPU there is nothing to budget)")
+    free, _ = torch.cuda.mem_get_info(dev)
+    return max(0, free - max(2 * _GIB, free // 5))
+
+
+def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: int, dev: torch.device) -> None:
+    """Prints the plan ``gpu_budget="auto"`` chose, with the predicted pass time (``ramtorch.plan``)."""
+    import sys
+
+    from . import plan as _plan
+
+    pred = _plan.predict(model, budget, 4096)
+    resident = sum(1 for u in units if u.resident)
+    print(
+        f"ramtorch.offload(gpu_budget='auto') on {dev}: budget {_fmt(budget)}, {resident} of {len(units)} "
+        f"units resident ({_fmt(pl.resident_bytes)}), {pl.slots} slots of {_fmt(pl.slot_bytes)}, "
+        f"{_fmt(pl.streamed_bytes)} streamed per pass; predicted at 4096 tokens: forward "
+        f"{pred.forward_seconds * 1e3:.0f} ms, forward+backward {pred.forward_backward_seconds * 1e3:.0f} ms "
+        "(python -m ramtorch plan for other shapes)",
+        file=sys.stderr,
+    )
 
 
 def _checkpoint_forward(module: nn.Module) -> None:

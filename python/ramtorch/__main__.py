@@ -1,0 +1,50 @@
+"""``python -m ramtorch plan``: predict placement and step time without running the model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import plan as _plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python -m ramtorch", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="which units stay resident, and the predicted times")
+    p.add_argument("--model", required=True, help="transformers config.json, or package.module:factory")
+    p.add_argument("--budget", default=None, help="GPU budget, e.g. 24GiB (default: stream everything)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per pass (batch x sequence)")
+    p.add_argument(
+        "--unit", default=None, help="block class name (default: children of the largest ModuleList)"
+    )
+    p.add_argument("--max-inflight", type=int, default=None)
+    c = _plan.Ceilings()
+    p.add_argument("--h2d-gbps", type=float, default=c.h2d_gbps, help="pinned host->device GB/s")
+    p.add_argument("--d2h-gbps", type=float, default=c.d2h_gbps, help="device->host GB/s")
+    p.add_argument("--tflops", type=float, default=c.tflops, help="GPU matmul TFLOP/s (peak)")
+    p.add_argument("--efficiency", type=float, default=c.efficiency, help="fraction of the peak reached")
+    p.add_argument("--host-gbps", type=float, default=c.host_gbps, help="optimizer host memory GB/s")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    a = ap.parse_args(argv)
+    try:
+        model = _plan.build_meta_model(a.model)
+        pred = _plan.predict(
+            model,
+            a.budget,
+            a.tokens,
+            _plan.Ceilings(a.h2d_gbps, a.d2h_gbps, a.tflops, a.efficiency, a.host_gbps),
+            unit=a.unit,
+            max_inflight=a.max_inflight,
+        )
+    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as e:
+        print(f"ramtorch plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(pred.as_dict(), indent=1) if a.json else pred.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Placement and a cost model: which units stay resident, and the predicted time of a pass.
+
+``predict(model, budget, tokens, ceilings)`` groups ``model`` into units exactly as
+:func:`ramtorch.offload` would (it works on a model built on the ``meta`` device: nothing is
+allocated), runs the same planner, then simulates the streaming pipeline unit by unit:
+
+- a streamed unit's copy takes ``bytes / h2d``, copies run back to back on one link, and a copy
+  needs a free slot (the unit ``slots`` places earlier must have finished computing);
+- a unit's compute takes ``2 * params * tokens / (flop_rate * efficiency)`` (matrix products
+  dominate) and starts when its copy is done and the previous unit has finished;
+- training adds the backward pass (twice the forward's compute; streamed units copied again, in
+  reverse order) and the optimizer (``optimizer_bytes_per_param * params / host`` per unit, started
+  when the unit's backward is done, one unit at a time).
+
+``python -m ramtorch plan --model config.json --budget 24GiB --tokens 4096`` prints the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _config, _offload
+
+
+@dataclass
+class Ceilings:
+    """Measured limits of the machine (defaults: one H200 on PCIe gen5, 16 host cores)."""
+
+    h2d_gbps: float = 55.0
+    d2h_gbps: float = 55.0
+    tflops: float = 790.0
+    efficiency: float = 0.85
+    host_gbps: float = 120.0
+
+
+@dataclass
+class UnitPlan:
+    name: str
+    bytes: int
+    params: int
+    resident: bool
+
+
+@dataclass
+class Prediction:
+    """The plan and its predicted times."""
+
+    budget: int | None
+    slots: int
+    slot_bytes: int
+    resident_bytes: int
+    streamed_bytes_per_pass: int
+    forward_seconds: float
+    forward_backward_seconds: float
+    step_seconds: float
+    units: list[UnitPlan] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        gib = 1 << 30
+        resident = [u.name for u in self.units if u.resident]
+        n, held = len(self.units), self.resident_bytes + self.slots * self.slot_bytes
+        lines = [
+            f"units: {n} ({len(resident)} resident, {n - len(resident)} streamed)",
+            f"device memory held by ramtorch: {held / gib:.2f} GiB "
+            f"({self.resident_bytes / gib:.2f} resident + {self.slots} slots x {self.slot_bytes / gib:.3f})",
+            f"streamed per pass: {self.streamed_bytes_per_pass / gib:.2f} GiB",
+            f"predicted forward: {self.forward_seconds * 1e3:.1f} ms, forward+backward: "
+            f"{self.forward_backward_seconds * 1e3:.1f} ms, training step (AdamW, fp32 master): "
+            f"{self.step_seconds * 1e3:.1f} ms",
+        ]
+        if resident:
+            shown = ", ".join(resident[:12]) + (" ..." if len(resident) > 12 else "")
+            lines.append(f"resident: {shown}")
+        return "\n".join(lines)
+
+
+def _simulate(
+    copies: Sequence[float], computes: Sequence[float], slots: int, start: float = 0.0
+) -> tuple[float, list[float]]:
+    """One pass: returns (end time, per-unit compute end times). ``copies[i]`` is 0 for a
+    resident unit."""
+    link = start
+    ends: list[float] = []
+    streamed_ends: list[float] = []
+    prev = start
+    for copy, comp in zip(copies, computes):
+        ready = prev
+        if copy > 0:
+            free = streamed_ends[-slots] if slots and len(streamed_ends) >= slots else start
+            link = max(link, free) + copy
+            ready = max(prev, link)
+        prev = ready + comp
+        ends.append(prev)
+        if copy > 0:
+            streamed_ends.append(prev)
+    return prev, ends
+
+
+def predict(
+    model: nn.Module,
+    budget: int | str | None,
+    tokens: int,
+    ceilings: Ceilings | None = None,
+    *,
+    unit: Any = None,
+    max_inflight: int | None = None,
+    optimizer_bytes_per_param: int = 28,
+) -> Prediction:
+    """The plan :func:`ramtorch.offload` would make for ``model`` and its predicted times."""
+    c = ceilings or Ceilings()
+    inflight = _config.max_inflight(max_inflight)
+    raw, shared = _offload.collect_units(model, unit)
+    units = [_offload._Unit(k, name, m, entries) for k, (name, m, entries, _) in enumerate(raw)]
+    shared_ids = {id(p) for p in shared}
+    for u in units:
+        u.params = [p for p in u.params if id(p) not in shared_ids]
+        u.nbytes = _offload._packed_bytes(u.params)
+    fixed = sum(p.numel() * p.element_size() for p in shared)
+    fixed += sum(b.numel() * b.element_size() for b in model.buffers())
+    forced = [k for k, r in enumerate(raw) if r[3]]
+    sizes = [u.nbytes for u in units]
+    pl = _offload.plan(sizes, forced, _offload.parse_bytes(budget), inflight, fixed)
+    resident = _offload.spread_resident(sizes, set(pl.resident), set(forced))
+    rate = c.tflops * 1e12 * c.efficiency
+    counts = [sum(p.numel() for p in u.params) for u in units]
+    copies = [0.0 if k in resident else sizes[k] / (c.h2d_gbps * 1e9) for k in range(len(units))]
+    fwd_comp = [2 * n * tokens / rate for n in counts]
+    fwd, _ = _simulate(copies, fwd_comp, pl.slots)
+    # Backward: reverse order, twice the compute, streamed units copied again (the last ones of
+    # the forward pass are still in their slots), gradients leave on the other direction.
+    bwd_copies = list(reversed(copies))
+    for i in range(min(pl.slots - 1, len(bwd_copies))):
+        bwd_copies[i] = 0.0
+    bwd_comp = [2 * x for x in reversed(fwd_comp)]
+    fb, bwd_ends = _simulate(bwd_copies, bwd_comp, pl.slots, start=fwd)
+    grad_bytes = [sizes[k] for k in reversed(range(len(units)))]
+    link_back = fwd
+    opt_end = fwd
+    for end, nbytes, n in zip(bwd_ends, grad_bytes, reversed(counts)):
+        link_back = max(link_back, end) + nbytes / (c.d2h_gbps * 1e9)
+        opt_end = max(opt_end, link_back) + optimizer_bytes_per_param * n / (c.host_gbps * 1e9)
+    fb_end = max(fb, link_back)
+    return Prediction(
+        budget=_offload.parse_bytes(budget),
+        slots=pl.slots,
+        slot_bytes=pl.slot_bytes,
+        resident_bytes=pl.resident_bytes,
+        streamed_bytes_per_pass=pl.streamed_bytes,
+        forward_seconds=fwd,
+        forward_backward_seconds=fb_end,
+        step_seconds=max(fb_end, opt_end),
+        units=[UnitPlan(u.name, u.nbytes, n, k in resident) for k, (u, n) in enumerate(zip(units, counts))],
+    )
+
+
+def build_meta_model(spec: str) -> nn.Module:
+    """A model on the ``meta`` device from a transformers ``config.json`` path or a
+    ``package.module:factory`` callable."""
+    with torch.device("meta"):
+        if spec.endswith(".json"):
+            try:
+                from transformers import AutoConfig, AutoModelForCausalLM
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise RuntimeError("--model config.json needs the transformers package") from e
+            config = AutoConfig.from_pretrained(spec)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        module, _, attr = spec.partition(":")
+        if not attr:
+            raise ValueError(f"--model {spec!r}: give a config.json path or package.module:factory")
+        import importlib
+
+        factory = getattr(importlib.import_module(module), attr)
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
+        return model

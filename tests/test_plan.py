@@ -1,0 +1,129 @@
+"""The planner and cost model: same plan as offload, sensible predictions, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import ramtorch
+import torch
+from ramtorch.plan import Ceilings, build_meta_model, predict
+from torch import nn
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int = 6, d: int = 64, f: int = 256) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, f, bias=False), nn.GELU(), nn.Linear(f, d, bias=False))
+            for _ in range(blocks)
+        )
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x)
+
+
+def meta_stack(**kw) -> nn.Module:
+    with torch.device("meta"):
+        return Stack(**kw)
+
+
+@pytest.mark.parametrize("budget", [None, 300_000, 700_000, 10_000_000])
+def test_plan_on_meta_equals_what_offload_does(budget):
+    pred = predict(meta_stack(), budget, 128)
+    real = Stack()
+    ramtorch.offload(real, gpu_budget=budget, device="cpu")
+    s = real._ramtorch_streamer.stats()
+    assert sorted(u.name for u in pred.units if u.resident) == sorted(s["resident_units"])
+    assert (pred.slots, pred.slot_bytes) == (s["slot_count"], s["slot_bytes"])
+    assert pred.streamed_bytes_per_pass == s["streamed_bytes_per_pass"]
+
+
+def test_predictions_follow_bytes_and_compute():
+    c = Ceilings(h2d_gbps=10.0, tflops=1.0, efficiency=1.0)
+    m = meta_stack(blocks=8, d=256, f=1024)
+    none = predict(m, None, 16, c)
+    more = predict(m, 9_000_000, 16, c)
+    # Link-bound: the forward takes the streamed bytes over the link, plus the last compute.
+    assert none.forward_seconds == pytest.approx(none.streamed_bytes_per_pass / 10e9, rel=0.1)
+    assert more.streamed_bytes_per_pass < none.streamed_bytes_per_pass
+    assert more.forward_seconds < none.forward_seconds
+    # Compute-bound: many tokens, the forward approaches 2 * params * tokens / rate.
+    big = predict(m, None, 1 << 16, c)
+    params = sum(p.numel() for p in m.parameters())
+    assert big.forward_seconds == pytest.approx(2 * params * (1 << 16) / 1e12, rel=0.1)
+    assert big.forward_backward_seconds > 2.5 * big.forward_seconds
+    assert big.step_seconds >= big.forward_backward_seconds
+
+
+def test_prediction_against_a_small_measured_run_on_cpu():
+    """A sanity check of the model on this machine: ceilings measured here, then an offloaded CPU
+    forward timed. The CPU shares its cores between copies and compute, so only the order of
+    magnitude is checked here; the GPU validation is in BENCHMARKS.md."""
+    torch.manual_seed(0)
+    model = Stack(blocks=6, d=512, f=2048)
+    a = torch.randn(2048, 2048)
+    t = time.perf_counter()
+    for _ in range(3):
+        a @ a
+    tflops = 3 * 2 * 2048**3 / (time.perf_counter() - t) / 1e12
+    src = torch.empty(1 << 26, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    t = time.perf_counter()
+    dst.copy_(src)
+    gbps = src.numel() / (time.perf_counter() - t) / 1e9
+    with torch.device("meta"):
+        meta = Stack(blocks=6, d=512, f=2048)
+    pred = predict(meta, None, 1024, Ceilings(h2d_gbps=gbps, tflops=tflops, efficiency=1.0))
+    ramtorch.offload(model, device="cpu")
+    x = torch.randn(1024, 512)
+    with torch.no_grad():
+        model(x)
+        t = time.perf_counter()
+        for _ in range(3):
+            model(x)
+        measured = (time.perf_counter() - t) / 3
+    assert pred.forward_seconds / 4 < measured < pred.forward_seconds * 4
+
+
+def test_cli_prints_the_plan_and_rejects_bad_models(tmp_path):
+    (tmp_path / "factory.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def make():\n"
+        "    return nn.ModuleDict({'blocks': nn.ModuleList(nn.Linear(64, 64) for _ in range(4))})\n"
+        "def bad():\n    return 3\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "ramtorch", "plan", "--model"]
+    ok = subprocess.run(
+        [*cmd, "factory:make", "--budget", "60KB", "--tokens", "8"], capture_output=True, text=True, env=env
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "predicted forward" in ok.stdout and "resident" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "ramtorch", "plan", "--model", "factory:bad"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert bad.returncode == 2 and "not an nn.Module" in bad.stderr
+    small = subprocess.run([*cmd, "factory:make", "--budget", "1KB"], capture_output=True, text=True, env=env)
+    assert small.returncode == 2 and "at least" in small.stderr
+
+
+def test_auto_budget_needs_cuda():
+    with pytest.raises(ValueError, match="auto"):
+        ramtorch.offload(Stack(), gpu_budget="auto", device="cpu")
+
+
+def test_build_meta_model_errors():
+    with pytest.raises(ValueError, match="config.json"):
+        build_meta_model("no_colon_here")
