@@ -441,3 +441,18 @@ def test_progress_bar_when_moving_into_host_ram(capsys):
     ramtorch.offload(m, device="cpu", progress=True)
     err = capsys.readouterr().err
     assert "ramtorch.offload" in err
+
+
+def test_several_offloaded_models_share_the_device_slots():
+    """Slots belong to the device's engine: models (and per-layer prefetches) that hold speculative
+    prefetches must give them back to whoever needs a slot."""
+    pairs = [twins(lambda: TinyLM(layers=3), "cpu", seed=s) for s in range(3)]
+    ids = torch.randint(0, 37, (2, 5))
+    for _ in range(3):
+        for ref, ours in pairs:
+            with torch.no_grad():
+                close(ref(ids), ours(ids))  # inference passes leave prefetches for the next one
+        for ref, ours in pairs:
+            ref(ids).square().mean().backward()
+            ours(ids).square().mean().backward()
+            compare_grads(ref, ours)

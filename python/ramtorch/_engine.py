@@ -131,6 +131,14 @@ class DeviceEngine:
 
     # -- keyed per-layer acquisition with a learned successor itinerary ------------------------
 
+    def reclaim(self) -> None:
+        """Asks every holder of a speculative prefetch on this device (offloaded models, the
+        per-layer prefetch) to release it: slots are shared between them."""
+        for s in _offload_streamers():
+            if s.eng is self:
+                s.drop_prefetched()
+        self.drop_ahead()
+
     def drop_ahead(self) -> None:
         """Releases slots prefetched for layers that were not used."""
         with self._lock:
@@ -143,7 +151,13 @@ class DeviceEngine:
         if len(self._slots) - self._held - len(self._ahead) <= 0:
             self.drop_ahead()
         flat, layout = layer._flat, layer._layout
-        slot, _ = self.prefetch(layer._stream_key(), flat, layout.nbytes, max_inflight, keep, 0)
+        try:
+            slot, _ = self.prefetch(layer._stream_key(), flat, layout.nbytes, max_inflight, keep, 0)
+        except RuntimeError as e:
+            if "slots are held" not in str(e):
+                raise
+            self.reclaim()
+            slot, _ = self.prefetch(layer._stream_key(), flat, layout.nbytes, max_inflight, keep, 0)
         return slot
 
     @contextmanager
@@ -183,7 +197,13 @@ class DeviceEngine:
                         continue
                     if len(self._slots) - self._held - len(self._ahead) <= 0:
                         break
-                    self._ahead[k] = self._layer_prefetch(nxt, max_inflight, [k])
+                    try:
+                        lay = nxt._layout
+                        self._ahead[k], _ = self.prefetch(k, nxt._flat, lay.nbytes, max_inflight, [k], 0)
+                    except RuntimeError as e:
+                        if "slots are held" in str(e):
+                            break  # speculative: never worth an error
+                        raise
                     self.layer_counters["prefetches"] += 1
             except BaseException:
                 self._held -= 1

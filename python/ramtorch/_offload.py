@@ -383,6 +383,16 @@ class Streamer:
         with self.lock:
             self._drop_ahead()
 
+    def __del__(self) -> None:
+        # Slots belong to the device's engine, shared with other models: give back what this
+        # model's prefetches still hold.
+        try:
+            for slot, _ in self.ahead.values():
+                self.eng.release(slot)
+            self.ahead.clear()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     def _drop_ahead(self, uid: int | None = None) -> None:
         items = list(self.ahead.items()) if uid is None else [(uid, self.ahead[uid])]
         for k, (slot, _) in items:
@@ -400,7 +410,15 @@ class Streamer:
                 "needs one (units nested deeper than the slots allow); raise gpu_budget or "
                 "max_inflight"
             )
-        slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
+        try:
+            slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
+        except RuntimeError as e:
+            if "slots are held" not in str(e):
+                raise
+            # The device's slots are shared with other models and layers: ask every holder of a
+            # speculative prefetch to give it back, then try once more.
+            self.eng.reclaim()
+            slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
         return slot
 
     def _take(self, u: _Unit, keep: list[int]) -> int:
@@ -447,7 +465,12 @@ class Streamer:
             if self._free_slots() <= 0 or not u.is_home():
                 break
             key = u.key()
-            slot = self._prefetch(u, key, keep)
+            try:
+                slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
+            except RuntimeError as e:
+                if "slots are held" in str(e):
+                    break  # speculative: never worth an error
+                raise
             self.ahead[u.uid] = (slot, key)
             self.counters["prefetches"] += 1
 
