@@ -18,6 +18,8 @@ from ._offload import offload
 from ._trace import trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from .convert import replace_linear
+from .io import load
+from .io import save as save_pretrained
 
 try:
     __version__ = version("ramtorch")
@@ -27,12 +29,14 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "CudaError",
     "empty_cache",
+    "load",
     "load_checkpoint",
     "nn",
     "offload",
     "optim",
     "replace_linear",
     "save_checkpoint",
+    "save_pretrained",
     "stats",
     "synchronize",
     "trace",

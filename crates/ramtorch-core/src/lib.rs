@@ -27,6 +27,7 @@ pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod io;
 pub mod optim;
 
 pub use error::{Error, Result};

@@ -1,6 +1,7 @@
 //! `ramtorch._core`: the PyO3 layer over `ramtorch-core`. Argument conversion, GIL release, error
 //! mapping and panic containment; no logic of its own.
 
+mod io;
 mod optim;
 use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -494,5 +495,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_class::<Engine>()?;
     optim::register(m)?;
+    io::register(m)?;
     Ok(())
 }
