@@ -12,25 +12,7 @@ use pyo3::types::PyDict;
 use ramtorch_core::io::{self, OpenError};
 use ramtorch_core::Error;
 
-/// Runs `f`, mapping an invalid argument to `ValueError`, any other error to `RuntimeError` and a
-/// panic to `RuntimeError`, each naming `op`.
-fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResult<T> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(Error::InvalidArgument(m))) => Err(PyValueError::new_err(format!("{op}: {m}"))),
-        Ok(Err(e)) => Err(PyRuntimeError::new_err(format!("{op}: {e}"))),
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(PyRuntimeError::new_err(format!(
-                "{op}: internal error in the ramtorch safetensors reader: {msg}"
-            )))
-        }
-    }
-}
+use crate::guard;
 
 /// A memory-mapped, validated `.safetensors` file.
 #[pyclass(module = "ramtorch._core", frozen)]

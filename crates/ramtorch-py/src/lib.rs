@@ -34,7 +34,7 @@ fn to_py(op: &str, e: Error) -> PyErr {
 }
 
 /// Runs `f`, turning an engine error or a Rust panic into a Python exception naming `op`.
-fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResult<T> {
+pub(crate) fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResult<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(to_py(op, e)),

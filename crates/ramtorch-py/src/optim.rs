@@ -5,33 +5,12 @@
 //! overlapping buffers, unknown dtypes, mismatched modes, bad hyperparameters) is checked and
 //! raises `ValueError`. The GIL is released while the kernels run.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use ramtorch_core::optim::{self, bf16, f16, Dtype, Tensor, TensorMut};
 use ramtorch_core::Error;
 
-/// Runs `f`, mapping an invalid argument to `ValueError`, any other error to `RuntimeError` and a
-/// panic to `RuntimeError`, each naming `op`.
-fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResult<T> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(Error::InvalidArgument(m))) => Err(PyValueError::new_err(format!("{op}: {m}"))),
-        Ok(Err(e)) => Err(PyRuntimeError::new_err(format!("{op}: {e}"))),
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(PyRuntimeError::new_err(format!(
-                "{op}: internal error in the ramtorch optimizer kernels: {msg}"
-            )))
-        }
-    }
-}
+use crate::guard;
 
 fn invalid(msg: String) -> Error {
     Error::InvalidArgument(msg)
