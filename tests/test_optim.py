@@ -309,3 +309,21 @@ def test_grad_scaler_with_overlap_on_is_refused():
     scaler.scale(loss_of(ours, x)).backward()
     with pytest.raises(RuntimeError, match="Pass overlap=False with a GradScaler"):
         scaler.step(opt)
+
+
+def test_per_layer_linear_model_with_ramtorch_adamw():
+    import ramtorch.nn as rnn
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
+    ours = nn.Sequential(rnn.Linear.from_linear(ref[0]), nn.GELU(), rnn.Linear.from_linear(ref[2]))
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2)
+    for _ in range(5):
+        x = torch.randn(4, 8)
+        for model, opt in ((ref, o_ref), (ours, o_ours)):
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+    assert ours[0]._is_home() and ours[2]._is_home()  # updated in place, in the host arena
