@@ -78,6 +78,7 @@ class DeviceEngine:
         self._held = 0
         self.layer_counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.tracing = False  # set by ramtorch.trace
         # Gradient copies in flight: their device sources, oldest first, freed as they complete.
         self._grad_sources: deque[torch.Tensor] = deque()
         # Host buffers receiving gradients this backward: id(param) -> (param, [buffers]).
@@ -241,7 +242,10 @@ class DeviceEngine:
         self._core.release(index, self._stream())
 
     def mark(self, tag: int, code: int) -> None:
-        self._core.mark(self._stream(), tag, code)
+        """A trace instant on the current stream; nothing (not even a call into the engine)
+        while no trace is on."""
+        if self.tracing:
+            self._core.mark(self._stream(), tag, code)
 
     # -- gradients ----------------------------------------------------------------------------
 

@@ -85,6 +85,7 @@ def trace(path: str | os.PathLike[str]) -> Iterator[None]:
     engines = _engine.engines()
     for e in engines:
         e._core.trace_start(e._stream())
+        e.tracing = True
     started = set(id(e) for e in engines)
     try:
         yield
@@ -96,6 +97,7 @@ def trace(path: str | os.PathLike[str]) -> Iterator[None]:
             if id(e) not in started:
                 e._core.trace_start(e._stream())  # created inside the block: nothing earlier to keep
             records = e._core.trace_stop()
+            e.tracing = False
             events += _events(str(e.device), records, pid)
         folder = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace-", suffix=".json")
