@@ -81,6 +81,8 @@ class _HostOptimizer(torch.optim.Optimizer):
         # the last backward (checked in step(): the gradient must not have changed since).
         self._done: dict[int, tuple[torch.Tensor, int]] = {}
         self._error: BaseException | None = None
+        self._group: Any = None
+        self._owner: dict[int, int] | None = None  # id(param) -> rank updating it (ZeRO-1)
         if self.overlap:
             for e in _engine.engines():
                 e.add_listener(self)
@@ -94,6 +96,68 @@ class _HostOptimizer(torch.optim.Optimizer):
         }
 
     # -- user API ----------------------------------------------------------------------------------
+
+    def shard(self, group: Any = None) -> _HostOptimizer:
+        """ZeRO-1 over ``torch.distributed`` (``group``: a process group, default the world):
+        each rank keeps optimizer state for, and updates, only its share of the parameters
+        (balanced by size). In ``step()`` each gradient is averaged onto its owner (``reduce``),
+        the owner updates the parameter, and the new value reaches the other ranks: for free when
+        the parameters are in shared host memory (``ramtorch.distributed.share_parameters``),
+        else by ``broadcast`` from the owner. Updates then run in ``step()`` (no overlap with
+        backward). Returns the optimizer."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__}.shard(): torch.distributed is not initialised")
+        world = dist.get_world_size(group)
+        loads = [0] * world
+        owner: dict[int, int] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                r = min(range(world), key=lambda k: (loads[k], k))
+                owner[id(p)] = r
+                loads[r] += p.numel()
+        self._group, self._owner = group, owner
+        self.overlap = False
+        return self
+
+    def _zero_reduce(self) -> None:
+        import torch.distributed as dist
+
+        assert self._owner is not None
+        world = dist.get_world_size(self._group)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                dst = (
+                    dist.get_global_rank(self._group, self._owner[id(p)])
+                    if self._group is not None
+                    else self._owner[id(p)]
+                )
+                dist.reduce(p.grad, dst=dst, op=dist.ReduceOp.SUM, group=self._group)
+                if self._owner[id(p)] == dist.get_rank(self._group):
+                    p.grad.div_(world)
+
+    def _zero_publish(self) -> None:
+        import torch.distributed as dist
+
+        assert self._owner is not None
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None or getattr(p, "_ramtorch_shared", False):
+                    continue
+                src = self._owner[id(p)]
+                src = dist.get_global_rank(self._group, src) if self._group is not None else src
+                dist.broadcast(p.data, src=src, group=self._group)
+        dist.barrier(group=self._group)
+
+    def _owns(self, p: torch.Tensor) -> bool:
+        if self._owner is None:
+            return True
+        import torch.distributed as dist
+
+        return self._owner[id(p)] == dist.get_rank(self._group)
 
     @contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -239,6 +303,8 @@ class _HostOptimizer(torch.optim.Optimizer):
                     "max_grad_norm= for clipping, overlap=False with a GradScaler, and accumulate() "
                     "around the backward passes of micro-batches."
                 )
+        if self._owner is not None:
+            self._zero_reduce()
         scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         if self.max_grad_norm is not None:
             scale *= self._clip_scale(scale)
@@ -246,7 +312,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             dev_params = []
             for p in group["params"]:
-                if p.grad is None or id(p) in done:
+                if p.grad is None or id(p) in done or not self._owns(p):
                     continue
                 if _is_host(p):
                     self._update_host(p, p.grad, group, scale)
@@ -264,6 +330,8 @@ class _HostOptimizer(torch.optim.Optimizer):
                     # engine (which keys device copies on version counters) that p changed.
                     torch.autograd.graph.increment_version(p)
         self.timings["in_step_seconds"] += time.perf_counter() - t
+        if self._owner is not None:
+            self._zero_publish()
         return loss
 
     def _clip_scale(self, unscale: float = 1.0) -> float:
@@ -271,13 +339,19 @@ class _HostOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is None:
+                if g is None or not self._owns(p):
                     continue
                 if g.device.type == "cpu" and g.dtype in _DTYPES and g.is_contiguous():
                     sq, _ = _core.grad_stats(g.data_ptr(), _DTYPES[g.dtype], g.numel())
                     total += sq
                 else:
                     total += float(g.detach().float().square().sum())
+        if self._owner is not None:
+            import torch.distributed as dist
+
+            t = torch.tensor([total], dtype=torch.float64)
+            dist.all_reduce(t, group=self._group)
+            total = float(t.item())
         norm = total**0.5 * unscale
         self.last_grad_norm = norm
         return min(1.0, self.max_grad_norm / (norm + 1e-6)) if self.max_grad_norm is not None else 1.0

@@ -1,0 +1,105 @@
+"""ZeRO-1 on torch.distributed (gloo, CPU): two and three ranks training an offloaded model with
+ramtorch.optim sharded across them equal one process training on the global batch."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+
+import pytest
+import ramtorch
+import ramtorch.optim as ropt
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+STEPS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+        self.out = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(12, 8, generator=g) for _ in range(STEPS)]
+
+
+def reference() -> list[torch.Tensor]:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x in batches():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def worker(rank: int, world: int, port: int, out: str, clip: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = ramtorch.offload(Net(), device="cpu")
+        opt = ropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1e9 if clip else None)
+        opt.shard()
+        for x in batches():
+            mine = x.chunk(world)[rank]
+            # Each rank's loss is its share of the global mean: the averaged gradients are the
+            # gradients of the global batch.
+            (model(mine).square().mean() * mine.shape[0] * world / x.shape[0]).backward()
+            opt.step()
+            opt.zero_grad()
+        owned = sum(1 for p in model.parameters() if opt.state.get(p))
+        torch.save(
+            {"params": [p.detach().clone() for p in model.parameters()], "owned": owned}, f"{out}.{rank}"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero1_equals_one_process_on_the_global_batch(tmp_path, world):
+    out = str(tmp_path / "r")
+    mp.spawn(worker, args=(world, free_port(), out, False), nprocs=world, join=True)
+    ref = reference()
+    results = [torch.load(f"{out}.{r}") for r in range(world)]
+    for res in results:
+        for a, b in zip(ref, res["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    owned = [r["owned"] for r in results]
+    assert sum(owned) == len(ref) and all(n > 0 for n in owned)  # states are partitioned
+
+
+def test_zero1_with_global_norm_clipping_runs_everywhere(tmp_path):
+    out = str(tmp_path / "c")
+    mp.spawn(worker, args=(2, free_port(), out, True), nprocs=2, join=True)
+    ref = reference()  # a clip threshold this large changes nothing
+    for r in range(2):
+        for a, b in zip(ref, torch.load(f"{out}.{r}")["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_needs_an_initialised_process_group():
+    model = copy.deepcopy(Net())
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ropt.AdamW(model.parameters()).shard()
