@@ -1,4 +1,4 @@
-"""ZeRO-1 on torch.distributed (gloo, CPU): two and three ranks training an offloaded model with
+"""ZeRO-1 and ZeRO-2 on torch.distributed (gloo, CPU): two and three ranks training an offloaded model with
 ramtorch.optim sharded across them equal one process training on the global batch."""
 
 from __future__ import annotations
@@ -55,32 +55,33 @@ def reference() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def worker(rank: int, world: int, port: int, out: str, clip: bool) -> None:
+def worker(rank: int, world: int, port: int, out: str, clip: bool, stage: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         model = ramtorch.offload(Net(), device="cpu")
         opt = ropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1e9 if clip else None)
-        opt.shard()
+        opt.shard(stage=stage)
+        kept = []
         for x in batches():
             mine = x.chunk(world)[rank]
             # Each rank's loss is its share of the global mean: the averaged gradients are the
             # gradients of the global batch.
             (model(mine).square().mean() * mine.shape[0] * world / x.shape[0]).backward()
+            kept.append(sum(p.grad is not None for p in model.parameters()))
             opt.step()
             opt.zero_grad()
         owned = sum(1 for p in model.parameters() if opt.state.get(p))
-        torch.save(
-            {"params": [p.detach().clone() for p in model.parameters()], "owned": owned}, f"{out}.{rank}"
-        )
+        params = [p.detach().clone() for p in model.parameters()]
+        torch.save({"params": params, "owned": owned, "kept": kept}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_zero1_equals_one_process_on_the_global_batch(tmp_path, world):
+@pytest.mark.parametrize(("world", "stage"), [(2, 1), (3, 1), (2, 2), (3, 2)])
+def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage):
     out = str(tmp_path / "r")
-    mp.spawn(worker, args=(world, free_port(), out, False), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), out, False, stage), nprocs=world, join=True)
     ref = reference()
     results = [torch.load(f"{out}.{r}") for r in range(world)]
     for res in results:
@@ -88,6 +89,11 @@ def test_zero1_equals_one_process_on_the_global_batch(tmp_path, world):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     owned = [r["owned"] for r in results]
     assert sum(owned) == len(ref) and all(n > 0 for n in owned)  # states are partitioned
+    if stage == 2:
+        # After backward a rank keeps the gradients it owns (the others went to their owners),
+        # except those of units that were not streamed (updated in step()).
+        for r in results:
+            assert all(k < len(ref) for k in r["kept"])
 
 
 def test_zero1_with_global_norm_clipping_runs_everywhere(tmp_path):

@@ -82,7 +82,8 @@ class _HostOptimizer(torch.optim.Optimizer):
         self._done: dict[int, tuple[torch.Tensor, int]] = {}
         self._error: BaseException | None = None
         self._group: Any = None
-        self._owner: dict[int, int] | None = None  # id(param) -> rank updating it (ZeRO-1)
+        self._owner: dict[int, int] | None = None  # id(param) -> rank updating it (ZeRO)
+        self._reduced: set[int] = set()  # ZeRO-2: ids of others' parameters reduced in backward
         if self.overlap:
             for e in _engine.engines():
                 e.add_listener(self)
@@ -97,14 +98,19 @@ class _HostOptimizer(torch.optim.Optimizer):
 
     # -- user API ----------------------------------------------------------------------------------
 
-    def shard(self, group: Any = None) -> _HostOptimizer:
-        """ZeRO-1 over ``torch.distributed`` (``group``: a process group, default the world):
-        each rank keeps optimizer state for, and updates, only its share of the parameters
-        (balanced by size). In ``step()`` each gradient is averaged onto its owner (``reduce``),
-        the owner updates the parameter, and the new value reaches the other ranks: for free when
-        the parameters are in shared host memory (``ramtorch.distributed.share_parameters``),
-        else by ``broadcast`` from the owner. Updates then run in ``step()`` (no overlap with
-        backward). Returns the optimizer."""
+    def shard(self, group: Any = None, stage: int = 1) -> _HostOptimizer:
+        """ZeRO over ``torch.distributed`` (``group``: a process group, default the world): each
+        rank keeps optimizer state for, and updates, only its share of the parameters (balanced
+        by size). Each gradient is averaged onto its owner (``reduce``), the owner updates the
+        parameter, and the new value reaches the other ranks in ``step()``: for free when the
+        parameters are in shared host memory (``ramtorch.distributed.share_parameters``), else by
+        ``broadcast`` from the owner.
+
+        ``stage=1`` reduces and updates in ``step()``. ``stage=2`` reduces each unit's gradients
+        as soon as they have landed, during backward (the owner updates right away, as without
+        ZeRO), and a rank keeps only the gradients it owns. Returns the optimizer."""
+        if stage not in (1, 2):
+            raise ValueError(f"{type(self).__name__}.shard(): stage must be 1 or 2, got {stage!r}")
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -118,26 +124,30 @@ class _HostOptimizer(torch.optim.Optimizer):
                 owner[id(p)] = r
                 loads[r] += p.numel()
         self._group, self._owner = group, owner
-        self.overlap = False
+        self.zero_stage = stage
+        if stage == 1:
+            self.overlap = False
+        elif self.overlap:
+            for e in _engine.engines():
+                e.add_listener(self)
+            _LISTENING.add(self)
         return self
 
-    def _zero_reduce(self) -> None:
+    def _reduce_one(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         import torch.distributed as dist
 
         assert self._owner is not None
-        world = dist.get_world_size(self._group)
+        owner = self._owner[id(p)]
+        dst = dist.get_global_rank(self._group, owner) if self._group is not None else owner
+        dist.reduce(grad, dst=dst, op=dist.ReduceOp.SUM, group=self._group)
+        if owner == dist.get_rank(self._group):
+            grad.div_(dist.get_world_size(self._group))
+
+    def _zero_reduce(self, skip: set[int]) -> None:
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is None:
-                    continue
-                dst = (
-                    dist.get_global_rank(self._group, self._owner[id(p)])
-                    if self._group is not None
-                    else self._owner[id(p)]
-                )
-                dist.reduce(p.grad, dst=dst, op=dist.ReduceOp.SUM, group=self._group)
-                if self._owner[id(p)] == dist.get_rank(self._group):
-                    p.grad.div_(world)
+                if p.grad is not None and id(p) not in skip:
+                    self._reduce_one(p, p.grad)
 
     def _zero_publish(self) -> None:
         import torch.distributed as dist
@@ -145,7 +155,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         assert self._owner is not None
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is None or getattr(p, "_ramtorch_shared", False):
+                if not p.requires_grad or getattr(p, "_ramtorch_shared", False):
                     continue
                 src = self._owner[id(p)]
                 src = dist.get_global_rank(self._group, src) if self._group is not None else src
@@ -186,7 +196,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         work = []
         for p in params:
             entry = owned.get(id(p))
-            if entry is None or not _is_host(p) or id(p) in self._done:
+            if entry is None or not _is_host(p) or id(p) in self._done or id(p) in self._reduced:
                 continue
             bufs = eng.pending_buffers(p)
             if len(bufs) != 1:
@@ -196,7 +206,10 @@ class _HostOptimizer(torch.optim.Optimizer):
             return
         marker = eng._core.marker()
         for p, _, _ in work:
-            self._done[id(p)] = (None, -1)  # the gradient it becomes is known after backward
+            if self._owns(p):
+                self._done[id(p)] = (None, -1)  # the gradient it becomes is known after backward
+            else:
+                self._reduced.add(id(p))  # ZeRO-2: reduced to its owner during backward
         fut = self._pool.submit(self._run_job, eng, marker, work)
         with self._jobs_lock:
             self._jobs.append(fut)
@@ -207,6 +220,11 @@ class _HostOptimizer(torch.optim.Optimizer):
             t = time.perf_counter()
             for p, group, buf in work:
                 grad = buf if p.grad is None else p.grad + buf
+                if self._owner is not None:
+                    # ZeRO-2: this unit's gradients go to their owners now, while backward runs on.
+                    self._reduce_one(p, grad)
+                    if not self._owns(p):
+                        continue
                 self._update_host(p, grad, group, 1.0)
             self.timings["in_backward_seconds"] += time.perf_counter() - t
             self.timings["in_backward_updates"] += len(work)
@@ -223,8 +241,9 @@ class _HostOptimizer(torch.optim.Optimizer):
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"{type(self).__name__}: an update during backward failed: {err}") from err
-        if interrupted and self._done:
+        if interrupted:
             self._done.clear()
+            self._reduced.clear()
 
     def after_finish(self) -> None:
         """Called by the engine once backward has written ``.grad``: remembers each gradient the
@@ -234,6 +253,10 @@ class _HostOptimizer(torch.optim.Optimizer):
             if entry is not None and entry[0].grad is not None:
                 g = entry[0].grad
                 self._done[pid] = (g, g._version)
+        for pid in self._reduced:
+            entry = self._param_ids().get(pid)
+            if entry is not None:
+                entry[0].grad = None  # ZeRO-2: another rank owns it; its gradient was sent there
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but states of host parameters keep their
@@ -303,8 +326,9 @@ class _HostOptimizer(torch.optim.Optimizer):
                     "max_grad_norm= for clipping, overlap=False with a GradScaler, and accumulate() "
                     "around the backward passes of micro-batches."
                 )
+        reduced, self._reduced = self._reduced, set()
         if self._owner is not None:
-            self._zero_reduce()
+            self._zero_reduce(reduced | set(done))
         scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         if self.max_grad_norm is not None:
             scale *= self._clip_scale(scale)
