@@ -109,3 +109,33 @@ def test_shard_needs_an_initialised_process_group():
     model = copy.deepcopy(Net())
     with pytest.raises(RuntimeError, match="not initialised"):
         ropt.AdamW(model.parameters()).shard()
+
+
+def dying_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    model = ramtorch.offload(Net(), device="cpu")
+    opt = ropt.AdamW(model.parameters(), lr=1e-2).shard()
+    model(torch.randn(4, 8)).square().mean().backward()
+    if rank == 1:
+        os._exit(3)  # dies mid-step, before its share of the reduction
+    try:
+        opt.step()
+        msg = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        msg = f"{type(e).__name__}: {e}"
+    with open(f"{out}.{rank}", "w") as fh:
+        fh.write(msg)
+    os._exit(0)
+
+
+def test_a_rank_dying_mid_step_is_an_error_not_a_hang(tmp_path):
+    out = str(tmp_path / "d")
+    ctx = mp.start_processes(
+        dying_worker, args=(2, free_port(), out), nprocs=2, join=False, start_method="spawn"
+    )
+    for p in ctx.processes:
+        p.join(timeout=90)
+        assert not p.is_alive(), "a rank hung"
+    msg = open(f"{out}.0").read()
+    assert msg != "no error" and ("Connection" in msg or "closed" in msg or "timed out" in msg.lower()), msg
