@@ -55,11 +55,17 @@ def reference() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def worker(rank: int, world: int, port: int, out: str, clip: bool, stage: int = 1) -> None:
+def worker(
+    rank: int, world: int, port: int, out: str, clip: bool, stage: int = 1, share: bool = False
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         model = ramtorch.offload(Net(), device="cpu")
+        if share:
+            from ramtorch.distributed import share_parameters
+
+            share_parameters(model)  # one copy of the weights for all ranks: no broadcasts
         opt = ropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=1e9 if clip else None)
         opt.shard(stage=stage)
         kept = []
@@ -73,20 +79,25 @@ def worker(rank: int, world: int, port: int, out: str, clip: bool, stage: int = 
             opt.zero_grad()
         owned = sum(1 for p in model.parameters() if opt.state.get(p))
         params = [p.detach().clone() for p in model.parameters()]
-        torch.save({"params": params, "owned": owned, "kept": kept}, f"{out}.{rank}")
+        home = all(u.is_home() for u in model._ramtorch_streamer.streamed)  # never repacked
+        torch.save({"params": params, "owned": owned, "kept": kept, "home": home}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("world", "stage"), [(2, 1), (3, 1), (2, 2), (3, 2)])
-def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage):
+@pytest.mark.parametrize(
+    ("world", "stage", "share"),
+    [(2, 1, False), (3, 1, False), (2, 2, False), (3, 2, False), (2, 1, True), (3, 2, True)],
+)
+def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage, share):
     out = str(tmp_path / "r")
-    mp.spawn(worker, args=(world, free_port(), out, False, stage), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), out, False, stage, share), nprocs=world, join=True)
     ref = reference()
     results = [torch.load(f"{out}.{r}") for r in range(world)]
     for res in results:
         for a, b in zip(ref, res["params"]):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert all(r["home"] for r in results)
     owned = [r["owned"] for r in results]
     assert sum(owned) == len(ref) and all(n > 0 for n in owned)  # states are partitioned
     if stage == 2:

@@ -65,3 +65,24 @@ def in_region(t: torch.Tensor, flat: torch.Tensor | None) -> bool:
         return False
     start, p = flat.data_ptr(), t.data_ptr()
     return start <= p and p + t.numel() * t.element_size() <= start + flat.numel()
+
+
+def shared_bytes(nbytes: int) -> tuple[torch.Tensor, str]:
+    """A 1-D ``uint8`` CPU tensor of exactly ``nbytes`` zero bytes that other processes of this node
+    (same user) can map too, and its name for :func:`attach_shared`. The memory is an anonymous
+    ``memfd`` (nothing is left in ``/dev/shm``), page-locked in this process when a GPU is present;
+    the kernel frees it once every process has dropped its views (or exited, crashes included).
+    The name is valid while this process keeps the tensor (or a view of it) alive."""
+    capsule, name = _core.shared_alloc(int(nbytes))
+    flat = torch.from_dlpack(capsule)
+    _warn_if_unpinned()
+    return flat, name
+
+
+def attach_shared(name: str, nbytes: int) -> torch.Tensor:
+    """Maps the shared region ``name`` (from :func:`shared_bytes` in a live process of this node)
+    into this process, page-locked when a GPU is present; it must hold exactly ``nbytes`` bytes.
+    Writes through the returned tensor are seen by every process mapping the region."""
+    flat = torch.from_dlpack(_core.shared_attach(str(name), int(nbytes)))
+    _warn_if_unpinned()
+    return flat

@@ -263,6 +263,22 @@ class _Unit:
         self.home = [v.data_ptr() for v in views]
         self.gen = next(_GENERATIONS)  # unique across models: slot keys of one engine never collide
 
+    def adopt(self, flat: torch.Tensor, copy: bool) -> None:
+        """Moves the unit into ``flat`` (a ``uint8`` region of at least ``nbytes``, e.g. shared
+        host memory), with the same layout; ``copy`` writes the current values there first."""
+        assert self.layout is not None
+        views = self.layout.views(flat)
+        with torch.no_grad():
+            for p, v in zip(self.params, views):
+                assert v is not None
+                if copy:
+                    v.copy_(p.detach())
+                p.data = v
+        self.flat = flat
+        self.layout = _engine.Layout(flat, views)
+        self.home = [v.data_ptr() for v in views if v is not None]
+        self.gen = next(_GENERATIONS)
+
     def is_home(self) -> bool:
         lay = self.layout
         if lay is None:

@@ -294,6 +294,58 @@ impl Arena {
     }
 }
 
+impl Arena {
+    /// Pins `len` bytes at `ptr`, memory this arena did not map (a [`crate::shared::SharedRegion`]),
+    /// with this arena's pinner. Returns whether the range is now pinned: `false` without a pinner,
+    /// after an earlier refusal, or on a refusal, which turns pinning off and leaves the one-time
+    /// warning exactly as for arena regions. The arena's byte counts are not affected.
+    ///
+    /// # Safety
+    /// `ptr` must be page-aligned and `len` bytes from it a live mapping that stays mapped until
+    /// [`Arena::unpin_external`] is called on it.
+    pub unsafe fn pin_external(&self, ptr: *mut u8, len: usize) -> bool {
+        let inner = &self.inner;
+        let Some(pinner) = &inner.pinner else {
+            return false;
+        };
+        if !inner.pin_enabled.load(Ordering::Relaxed) {
+            return false;
+        }
+        // SAFETY: forwarded from the caller's contract.
+        match unsafe { pinner.pin(ptr, len) } {
+            Ok(()) => true,
+            Err(e) => {
+                inner.pin_enabled.store(false, Ordering::Relaxed);
+                if let Ok(mut w) = inner.pin_warning.lock() {
+                    *w = Some(format!(
+                        "page-locking host memory was refused ({e}); ramtorch falls back to \
+                         pageable memory: copies to and from the GPU are staged by the driver, \
+                         synchronous and typically 2-3x slower (raise `ulimit -l` to fix)"
+                    ));
+                }
+                false
+            }
+        }
+    }
+
+    /// Unpins a range pinned by [`Arena::pin_external`].
+    ///
+    /// # Safety
+    /// `ptr`/`len` must have been pinned by `pin_external` of this arena (it returned `true`) and not
+    /// unpinned since.
+    pub unsafe fn unpin_external(&self, ptr: *mut u8, len: usize) {
+        if let Some(pinner) = &self.inner.pinner {
+            // SAFETY: forwarded from the caller's contract.
+            unsafe { pinner.unpin(ptr, len) };
+        }
+    }
+
+    /// The host page size the arena rounds mappings to.
+    pub fn page_size(&self) -> usize {
+        self.inner.page
+    }
+}
+
 /// Host memory of an exact size. Dropping it returns the mapping to its arena's pool.
 pub struct Region {
     block: Option<Block>,

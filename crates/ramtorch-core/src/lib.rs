@@ -5,6 +5,7 @@
 //! - [`engine`]: device slots, the copy throttle and the gradient write-back;
 //! - [`cuda`]: thin safe wrappers over the CUDA driver API, loaded at run time;
 //! - [`optim`]: CPU optimizer kernels (AdamW, SGD, Lion) over host memory, all cores, SIMD.
+//! - [`shared`]: host memory mapped once by several processes of a node (a memfd), each pinning it.
 //!
 //! ```
 //! use ramtorch_core::{arena::Arena, device::HostDevice, engine::Engine};
@@ -29,5 +30,6 @@ pub mod engine;
 pub mod error;
 pub mod io;
 pub mod optim;
+pub mod shared;
 
 pub use error::{Error, Result};

@@ -15,6 +15,7 @@ use pyo3::types::PyDict;
 use ramtorch_core::arena::{Arena, CudaPinner, Region};
 use ramtorch_core::device::{CudaDevice, Device, HostDevice, Lane};
 use ramtorch_core::engine::{Engine as CoreEngine, EngineStats};
+use ramtorch_core::shared::SharedRegion;
 use ramtorch_core::{cuda, Error};
 
 create_exception!(
@@ -198,6 +199,108 @@ fn export(py: Python<'_>, region: Region) -> PyResult<Py<PyAny>> {
 fn arena_alloc(py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Py<PyAny>> {
     let region = py.detach(|| guard("arena_alloc", || arena()?.alloc(nbytes, zeroed)))?;
     export(py, region)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host memory shared by the processes of one node, exported like arena regions.
+
+/// What a capsule of a shared region owns.
+struct ExportShared {
+    _region: SharedRegion,
+    shape: [i64; 1],
+}
+
+unsafe extern "C" fn dl_deleter_shared(m: *mut DLManagedTensor) {
+    if m.is_null() {
+        return;
+    }
+    // SAFETY: `m` and its context were made by `Box::into_raw` in `export_shared` and are released
+    // once, by whoever owns the tensor last. Dropping the region (unpin, unmap, close) needs no GIL.
+    unsafe {
+        let m = Box::from_raw(m);
+        drop(Box::from_raw(m.manager_ctx as *mut ExportShared));
+    }
+}
+
+unsafe extern "C" fn capsule_destructor_shared(cap: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with a live capsule. A consumed capsule was renamed by its consumer
+    // ("used_dltensor") and must not be freed here.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) == 1 {
+            let m = pyo3::ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) as *mut DLManagedTensor;
+            dl_deleter_shared(m);
+        }
+    }
+}
+
+/// As `export`, for a shared region: a DLPack capsule of a 1-D uint8 CPU tensor.
+fn export_shared(py: Python<'_>, region: SharedRegion) -> PyResult<Py<PyAny>> {
+    let ptr = region.as_ptr();
+    let mut ctx = Box::new(ExportShared {
+        shape: [region.len() as i64],
+        _region: region,
+    });
+    let shape = ctx.shape.as_mut_ptr();
+    let managed = Box::new(DLManagedTensor {
+        dl_tensor: DLTensor {
+            data: ptr as *mut c_void,
+            device: DLDevice {
+                device_type: K_DL_CPU,
+                device_id: 0,
+            },
+            ndim: 1,
+            dtype: DLDataType {
+                code: K_DL_UINT,
+                bits: 8,
+                lanes: 1,
+            },
+            shape,
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+        manager_ctx: Box::into_raw(ctx) as *mut c_void,
+        deleter: Some(dl_deleter_shared),
+    });
+    let raw = Box::into_raw(managed);
+    // SAFETY: `raw` is a valid DLManagedTensor; the capsule owns it until a consumer renames it.
+    let cap = unsafe {
+        pyo3::ffi::PyCapsule_New(
+            raw as *mut c_void,
+            DLTENSOR.as_ptr() as *const c_char,
+            Some(capsule_destructor_shared),
+        )
+    };
+    if cap.is_null() {
+        // SAFETY: the capsule was not created, so we still own `raw`.
+        unsafe { dl_deleter_shared(raw) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: `cap` is a new, owned reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+}
+
+/// Allocates `nbytes` (zero-filled) of host memory other local processes can map too (a memfd,
+/// page-locked in this process when a GPU is present). Returns `(capsule, name)`: a DLPack capsule
+/// of a 1-D uint8 CPU tensor, and the name (`/proc/<pid>/fd/<fd>`) to pass to `shared_attach` in
+/// another process of the same user while this one keeps the region alive. The kernel frees the
+/// memory once every process has dropped it (or exited, crashes included).
+#[pyfunction]
+fn shared_alloc(py: Python<'_>, nbytes: usize) -> PyResult<(Py<PyAny>, String)> {
+    let region = py.detach(|| guard("shared_alloc", || SharedRegion::create(arena()?, nbytes)))?;
+    let name = region.name().to_owned();
+    Ok((export_shared(py, region)?, name))
+}
+
+/// Maps the shared region `name` (from `shared_alloc` in a live local process), checking it holds
+/// exactly `nbytes`; returns a DLPack capsule of a 1-D uint8 CPU tensor over it.
+#[pyfunction]
+fn shared_attach(py: Python<'_>, name: &str, nbytes: usize) -> PyResult<Py<PyAny>> {
+    let region = py.detach(|| {
+        guard("shared_attach", || {
+            SharedRegion::attach(arena()?, name, nbytes)
+        })
+    })?;
+    export_shared(py, region)
 }
 
 /// Byte counts of the host arena.
@@ -493,6 +596,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(arena_empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(take_pin_warning, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(shared_alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(shared_attach, m)?)?;
     m.add_class::<Engine>()?;
     optim::register(m)?;
     io::register(m)?;

@@ -1,0 +1,426 @@
+//! Host memory mapped once by several processes of one node.
+//!
+//! A [`SharedRegion`] is a `memfd` (anonymous shared memory, no file system entry) of an exact size,
+//! mapped `MAP_SHARED`, faulted in from all cores and pinned through the arena's [`Pinner`]
+//! (each process pins its own mapping of the same physical pages). Other local processes of the
+//! same user open it by its [name](SharedRegion::name), `/proc/<creator pid>/fd/<fd>`, while the
+//! creator is alive, with [`SharedRegion::attach`]. Nothing is ever left in `/dev/shm`: the kernel
+//! frees the memory when the last process closes and unmaps it, even after a crash.
+//!
+//! The size is sealed (`F_SEAL_SHRINK | F_SEAL_GROW`) right after creation, so no process can
+//! truncate the file under the others' mappings (which would turn their accesses into `SIGBUS`).
+//!
+//! [`Pinner`]: crate::arena::Pinner
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+use rayon::prelude::*;
+
+use crate::arena::Arena;
+use crate::error::{Error, Result};
+
+/// Bytes faulted in per parallel task.
+const TOUCH_CHUNK: usize = 16 << 20;
+
+/// Host memory of an exact size shared with other processes of the node.
+pub struct SharedRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    cap: usize,
+    /// Held open for the region's life: other processes open it through `/proc/<pid>/fd/<fd>`.
+    _fd: OwnedFd,
+    name: String,
+    pinned: bool,
+    arena: Arena,
+}
+
+// SAFETY: the region is plain memory owned by this value (the mapping) and the kernel (the pages);
+// concurrent access to its bytes is the user's business, as for any tensor storage.
+unsafe impl Send for SharedRegion {}
+// SAFETY: as above; `&SharedRegion` only hands out the pointer and plain fields.
+unsafe impl Sync for SharedRegion {}
+
+fn os_err() -> String {
+    std::io::Error::last_os_error().to_string()
+}
+
+/// Whether `name` has the shape `/proc/<pid>/fd/<fd>`.
+fn valid_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("/proc/") else {
+        return false;
+    };
+    let parts: Vec<&str> = rest.split('/').collect();
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    parts.len() == 3 && digits(parts[0]) && parts[1] == "fd" && digits(parts[2])
+}
+
+/// Faults every page of the mapping in, from all cores: by writing zero when the memory is fresh
+/// (`write`), by reading otherwise.
+fn touch(ptr: NonNull<u8>, cap: usize, page: usize, write: bool) {
+    let base = ptr.as_ptr() as usize;
+    (0..cap.div_ceil(TOUCH_CHUNK))
+        .into_par_iter()
+        .for_each(|c| {
+            let start = c * TOUCH_CHUNK;
+            let end = (start + TOUCH_CHUNK).min(cap);
+            let mut off = start;
+            while off < end {
+                let p = (base + off) as *mut u8;
+                if write {
+                    // SAFETY: `p` lies inside the live, writable mapping of `cap` bytes, backed by
+                    // the file up to its last page; the memory is fresh (all zero) and not yet
+                    // visible to any other process, so writing zero changes nothing.
+                    unsafe { std::ptr::write_volatile(p, 0) };
+                } else {
+                    // SAFETY: `p` lies inside the live, readable mapping of `cap` bytes.
+                    unsafe { std::ptr::read_volatile(p) };
+                }
+                off += page;
+            }
+        });
+}
+
+impl SharedRegion {
+    /// A new shared region of exactly `len` bytes (zero-filled), pinned with `arena`'s pinner when
+    /// it pins (pageable otherwise, with the arena's one-time warning on a refusal).
+    pub fn create(arena: &Arena, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "a shared region must hold at least one byte".into(),
+            ));
+        }
+        let alloc_err = |what: &str| Error::HostAlloc {
+            bytes: len,
+            reason: format!("{what}: {}", os_err()),
+        };
+        let size = libc::off_t::try_from(len).map_err(|_| {
+            Error::InvalidArgument(format!("shared region of {len} bytes is too large"))
+        })?;
+        let label = CString::new("ramtorch-shared").map_err(|_| alloc_err("memfd name"))?;
+        // SAFETY: `label` is a valid NUL-terminated string; the flags are valid.
+        let raw = unsafe {
+            libc::memfd_create(label.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        if raw < 0 {
+            return Err(alloc_err("memfd_create"));
+        }
+        // SAFETY: `raw` is a fresh file descriptor owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: `fd` is a valid memfd; `size` is non-negative.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(alloc_err("ftruncate"));
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: `fd` is a valid memfd created with MFD_ALLOW_SEALING.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(alloc_err("sealing the memfd"));
+        }
+        let name = format!("/proc/{}/fd/{}", std::process::id(), fd.as_raw_fd());
+        Self::map(arena, fd, name, len, true)
+    }
+
+    /// Opens the shared region `name` (as returned by [`SharedRegion::name`] in a live process of
+    /// the same user), checks that it holds exactly `len` bytes, maps it and pins this mapping.
+    pub fn attach(arena: &Arena, name: &str, len: usize) -> Result<Self> {
+        if !valid_name(name) {
+            return Err(Error::InvalidArgument(format!(
+                "{name:?} is not a shared region name (expected \"/proc/<pid>/fd/<fd>\", as \
+                 returned by shared_alloc)"
+            )));
+        }
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "a shared region must hold at least one byte".into(),
+            ));
+        }
+        let path = CString::new(name)
+            .map_err(|_| Error::InvalidArgument(format!("{name:?} contains a NUL byte")))?;
+        // SAFETY: `path` is a valid NUL-terminated string; the flags are valid.
+        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Err(Error::InvalidArgument(format!(
+                "cannot open shared region {name}: {} (has the creating process exited, or does \
+                 it belong to another user?)",
+                os_err()
+            )));
+        }
+        // SAFETY: `raw` is a fresh file descriptor owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: `fd` is a valid descriptor; F_GET_SEALS takes no argument.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let want = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        if seals < 0 || seals & want != want {
+            return Err(Error::InvalidArgument(format!(
+                "{name} is not a ramtorch shared region (not a size-sealed memfd)"
+            )));
+        }
+        // SAFETY: an all-zero `stat` is a valid value for fstat to overwrite.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is valid and `st` is a writable stat.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "cannot stat shared region {name}: {}",
+                os_err()
+            )));
+        }
+        if u64::try_from(st.st_size).ok() != u64::try_from(len).ok() {
+            return Err(Error::InvalidArgument(format!(
+                "shared region {name} holds {} bytes, expected {len}",
+                st.st_size
+            )));
+        }
+        Self::map(arena, fd, name.to_owned(), len, false)
+    }
+
+    fn map(arena: &Arena, fd: OwnedFd, name: String, len: usize, fresh: bool) -> Result<Self> {
+        let page = arena.page_size();
+        let cap = len.div_ceil(page) * page;
+        // SAFETY: a shared mapping of a file of `len` bytes with no address hint; the last page is
+        // partly backed by the file, so every byte of `cap` is accessible.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::HostAlloc {
+                bytes: cap,
+                reason: format!("mmap of shared region {name}: {}", os_err()),
+            });
+        }
+        let ptr = NonNull::new(p as *mut u8).ok_or(Error::HostAlloc {
+            bytes: cap,
+            reason: "mmap returned null".into(),
+        })?;
+        touch(ptr, cap, page, fresh);
+        // SAFETY: the mapping was just made, is page-aligned and lives until `drop`, which unpins
+        // it before unmapping.
+        let pinned = unsafe { arena.pin_external(ptr.as_ptr(), cap) };
+        Ok(Self {
+            ptr,
+            len,
+            cap,
+            _fd: fd,
+            name,
+            pinned,
+            arena: arena.clone(),
+        })
+    }
+
+    /// Start of this process's mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    /// Bytes of the region.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the region holds no bytes (never: a shared region holds at least one).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The name other processes attach with: `/proc/<creator pid>/fd/<fd>` (for an attached
+    /// region, the name it was attached with).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Whether this process's mapping is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
+    }
+    /// The bytes, for tests and host-side kernels.
+    ///
+    /// # Safety
+    /// No code, in this process or another, may write the region while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is `cap >= len` readable bytes, live while `self` is.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+    }
+}
+
+impl std::fmt::Debug for SharedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SharedRegion({}, {} bytes, pinned: {})",
+            self.name, self.len, self.pinned
+        )
+    }
+}
+
+impl Drop for SharedRegion {
+    fn drop(&mut self) {
+        if self.pinned {
+            // SAFETY: pinned by `pin_external` of this arena in `map`, unpinned once here.
+            unsafe { self.arena.unpin_external(self.ptr.as_ptr(), self.cap) };
+        }
+        // SAFETY: the mapping of `cap` bytes made in `map`, unmapped once here. The fd closes
+        // when `self._fd` drops.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.cap);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::arena::Pinner;
+
+    #[derive(Default)]
+    struct Counting {
+        pins: AtomicUsize,
+        unpins: AtomicUsize,
+    }
+    impl Pinner for Arc<Counting> {
+        unsafe fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
+            self.pins.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        unsafe fn unpin(&self, _: *mut u8, _: usize) {
+            self.unpins.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    struct Refuse;
+    impl Pinner for Refuse {
+        unsafe fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
+            Err(Error::Cuda {
+                op: "cuMemHostRegister",
+                detail: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+            })
+        }
+        unsafe fn unpin(&self, _: *mut u8, _: usize) {
+            unreachable!("nothing was pinned")
+        }
+    }
+
+    fn is_invalid(e: &Error, needle: &str) -> bool {
+        matches!(e, Error::InvalidArgument(m) if m.contains(needle))
+    }
+
+    #[test]
+    fn create_attach_and_see_writes_both_ways() {
+        let a = Arena::new(None);
+        let len = 3 * 4096 + 17;
+        let r = SharedRegion::create(&a, len).expect("create");
+        assert_eq!(r.len(), len);
+        assert!(!r.is_pinned());
+        assert!(r
+            .name()
+            .starts_with(&format!("/proc/{}/fd/", std::process::id())));
+        // SAFETY: nobody writes while the slice lives.
+        assert!(unsafe { r.as_slice() }.iter().all(|&b| b == 0));
+        // SAFETY: `len` writable bytes; no slice of the region is alive.
+        unsafe { std::ptr::write_bytes(r.as_ptr(), 7, len) };
+
+        let b = SharedRegion::attach(&a, r.name(), len).expect("attach");
+        assert_ne!(b.as_ptr(), r.as_ptr(), "a second mapping");
+        // SAFETY: nobody writes while the slice lives.
+        assert!(unsafe { b.as_slice() }.iter().all(|&x| x == 7));
+        // SAFETY: the last byte is inside the region; no slice is alive.
+        unsafe { *b.as_ptr().add(len - 1) = 42 };
+        // SAFETY: as above.
+        unsafe { *r.as_ptr() = 9 };
+        // SAFETY: nobody writes while the slices live.
+        let (rs, bs) = unsafe { (r.as_slice(), b.as_slice()) };
+        assert_eq!((rs[len - 1], bs[0]), (42, 9));
+
+        // The region outlives its creator's handle while an attached one lives.
+        drop(r);
+        // SAFETY: nobody writes while the slice lives.
+        assert_eq!(unsafe { b.as_slice() }[len - 1], 42);
+    }
+
+    #[test]
+    fn big_regions_are_touched_in_parallel() {
+        let a = Arena::new(None);
+        let len = 3 * TOUCH_CHUNK + 5;
+        let r = SharedRegion::create(&a, len).expect("create");
+        let b = SharedRegion::attach(&a, r.name(), len).expect("attach");
+        // SAFETY: nobody writes while the slice lives.
+        assert!(unsafe { b.as_slice() }
+            .iter()
+            .step_by(4096)
+            .all(|&x| x == 0));
+    }
+
+    #[test]
+    fn size_mismatch_is_a_clear_error() {
+        let a = Arena::new(None);
+        let r = SharedRegion::create(&a, 10_000).expect("create");
+        let e = SharedRegion::attach(&a, r.name(), 10_001).expect_err("wrong size");
+        assert!(is_invalid(&e, "holds 10000 bytes, expected 10001"), "{e}");
+    }
+
+    #[test]
+    fn bad_names_are_clear_errors() {
+        let a = Arena::new(None);
+        for name in [
+            "",
+            "/dev/shm/x",
+            "/proc/self/fd/3",
+            "/proc/1/fd/",
+            "/proc/1/fd/3/x",
+        ] {
+            let e = SharedRegion::attach(&a, name, 10).expect_err(name);
+            assert!(is_invalid(&e, "is not a shared region name"), "{e}");
+        }
+        let gone = format!("/proc/{}/fd/999999", std::process::id());
+        let e = SharedRegion::attach(&a, &gone, 10).expect_err("no such fd");
+        assert!(is_invalid(&e, "cannot open shared region"), "{e}");
+
+        // An ordinary file is refused even at the right size.
+        let path =
+            std::env::temp_dir().join(format!("ramtorch-shared-test-{}", std::process::id()));
+        let mut f = std::fs::File::create(&path).expect("temp file");
+        f.write_all(&[0u8; 10]).expect("write");
+        let name = format!("/proc/{}/fd/{}", std::process::id(), f.as_raw_fd());
+        let e = SharedRegion::attach(&a, &name, 10).expect_err("not a memfd");
+        drop(f);
+        let _ = std::fs::remove_file(&path);
+        assert!(is_invalid(&e, "not a ramtorch shared region"), "{e}");
+
+        let e = SharedRegion::create(&a, 0).expect_err("empty");
+        assert!(is_invalid(&e, "at least one byte"), "{e}");
+    }
+
+    #[test]
+    fn each_mapping_is_pinned_and_unpinned() {
+        let c = Arc::new(Counting::default());
+        let a = Arena::new(Some(Box::new(c.clone())));
+        let r = SharedRegion::create(&a, 5000).expect("create");
+        let b = SharedRegion::attach(&a, r.name(), 5000).expect("attach");
+        assert!(r.is_pinned() && b.is_pinned());
+        assert_eq!(c.pins.load(Ordering::Relaxed), 2);
+        drop((r, b));
+        assert_eq!(c.unpins.load(Ordering::Relaxed), 2);
+        assert_eq!(a.stats().reserved_bytes, 0, "arena counts untouched");
+    }
+
+    #[test]
+    fn refused_pinning_falls_back_once_with_a_reason() {
+        let a = Arena::new(Some(Box::new(Refuse)));
+        let r = SharedRegion::create(&a, 4096).expect("pageable fallback");
+        assert!(!r.is_pinned() && !a.pins());
+        let w = a.take_pin_warning().expect("a warning");
+        assert!(
+            w.contains("pageable") && w.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+            "{w}"
+        );
+        let b = SharedRegion::attach(&a, r.name(), 4096).expect("attach");
+        assert!(!b.is_pinned());
+        assert!(a.take_pin_warning().is_none(), "warned once");
+    }
+}

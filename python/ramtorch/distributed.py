@@ -1,0 +1,168 @@
+"""Several processes of one node sharing one copy of a model's host parameters.
+
+:func:`share_parameters` puts every CPU floating-point parameter of a model into one host region that
+all ranks of a ``torch.distributed`` group on this node map (a ``memfd``: one copy in RAM, each process
+pinning its own mapping when a GPU is present). After it returns, the ranks' parameters are views of
+the same memory: **a write by any rank (an in-place optimizer step, ``p.data.copy_(...)``) is seen by
+every rank**, with no broadcast; ranks must order such writes with their reads themselves (for
+instance with a barrier, or by each rank updating a disjoint shard, as ZeRO-1 does).
+
+Nothing is left in ``/dev/shm``: the kernel frees the region once the last process drops its views or
+exits, crashes included.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _arena
+
+__all__ = ["share_parameters"]
+
+_ALIGN = 64
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters to share: CPU, floating point, each once (tied weights share one entry)."""
+    return [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.device.type == "cpu" and p.dtype.is_floating_point
+    ]
+
+
+def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], ref: list) -> str | None:
+    """Describes the first parameter where ``mine`` and ``ref`` (the source's) differ, or None."""
+    for i in range(max(len(mine), len(ref))):
+        a = mine[i] if i < len(mine) else None
+        b = ref[i] if i < len(ref) else None
+        if a == b:
+            continue
+        if a is None:
+            return f"parameter {b[0]!r} (shape {list(b[1])}, {b[2]}) is missing"
+        if b is None:
+            return f"parameter {a[0]!r} (shape {list(a[1])}, {a[2]}) is extra"
+        if a[0] != b[0]:
+            return f"parameter #{i} is {a[0]!r} where the source has {b[0]!r}"
+        return (
+            f"parameter {a[0]!r} has shape {list(a[1])}, {a[2]} where the source has shape "
+            f"{list(b[1])}, {b[2]}"
+        )
+    return None
+
+
+def share_parameters(
+    model: nn.Module, *, src_rank: int = 0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor | None:
+    """Makes every rank of ``group`` (all processes on this node) use one shared host copy of
+    ``model``'s CPU floating-point parameters, the values of rank ``src_rank`` (a global rank).
+
+    Collective: every rank of ``group`` must call it, with a model of identical parameter names,
+    shapes and dtypes (checked first: a :class:`ValueError` naming the first difference is raised on
+    every rank, before any parameter is touched). The source rank copies its parameters into one new
+    shared region (64-byte aligned, in ``named_parameters()`` order), the others map it, and every
+    rank points its parameters' ``.data`` at views of it; then a barrier. Gradients, buffers and
+    parameters not on the CPU or not floating point are left alone.
+
+    After this, a write to a shared parameter by any rank is seen by all ranks (order writes and
+    reads across ranks yourself, e.g. with a barrier). Returns the flat ``uint8`` region (``None``
+    when there is nothing to share); the parameters keep it alive, so it may be dropped.
+
+    ``torch.distributed`` must be initialised by the caller (gloo or nccl; with nccl, set the
+    current CUDA device first, as for any object collective). Every rank must run on this node as
+    the same user, and the source rank's region must stay alive until the other ranks have mapped
+    it, which the function ensures before returning.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("share_parameters: torch.distributed is not initialised")
+    world = dist.get_world_size(group)
+    rank = dist.get_rank()
+    src_index = dist.get_group_rank(group, src_rank) if group is not None else src_rank
+    if not 0 <= src_index < world:
+        raise ValueError(f"share_parameters: src_rank {src_rank} is not in the group")
+
+    params = _candidates(model)
+    fingerprint = [(name, tuple(p.shape), str(p.dtype)) for name, p in params]
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (socket.gethostname(), rank, fingerprint), group=group)
+
+    src_host, _, ref = gathered[src_index]
+    for host, r, fp in gathered:
+        if host != src_host:
+            raise RuntimeError(
+                f"share_parameters: rank {r} runs on host {host!r}, the source rank {src_rank} on "
+                f"{src_host!r}; shared parameters need every rank on one node"
+            )
+        diff = _first_difference(fp, ref)
+        if diff is not None:
+            raise ValueError(
+                f"share_parameters: the model of rank {r} differs from that of source rank {src_rank}: {diff}"
+            )
+    if not params:
+        dist.barrier(group=group)
+        return None
+
+    # An offloaded model's streamed units keep their packed layout: each unit is one slice of the
+    # region, so it still crosses the link in one copy. Other CPU parameters follow.
+    streamer = getattr(model, "_ramtorch_streamer", None)
+    units = list(streamer.streamed) if streamer is not None else []
+    in_units = {id(p) for u in units for p in u.params}
+    unit_offsets, total = [], 0
+    for u in units:
+        total = -(-total // _ALIGN) * _ALIGN
+        unit_offsets.append(total)
+        total += u.nbytes
+    rest = [(n, p) for n, p in params if id(p) not in in_units]
+    offsets = []
+    for _, p in rest:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += p.numel() * p.element_size()
+
+    flat: torch.Tensor | None = None
+    error = ""
+    msg: list = [None]
+    if rank == src_rank:
+        try:
+            flat, name = _arena.shared_bytes(total)
+            msg = [name]
+        except Exception as e:  # reported to every rank below
+            error = f"rank {rank} could not create the shared region: {e}"
+            msg = [""]
+    dist.broadcast_object_list(msg, src=src_rank, group=group)
+    if rank != src_rank:
+        if not msg[0]:
+            error = "the source rank could not create the shared region"
+        else:
+            try:
+                flat = _arena.attach_shared(msg[0], total)
+            except Exception as e:  # reported to every rank below
+                error = f"rank {rank} could not map the shared region: {e}"
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    failed = [e for e in errors if e]
+    if failed:
+        raise RuntimeError("share_parameters: " + "; ".join(failed))
+    assert flat is not None
+
+    views = [
+        flat[off : off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        for off, (_, p) in zip(offsets, rest)
+    ]
+    with torch.no_grad():
+        for u, off in zip(units, unit_offsets):
+            u.adopt(flat[off : off + u.nbytes], copy=rank == src_rank)
+        if rank == src_rank:
+            for (_, p), v in zip(rest, views):
+                v.copy_(p.detach())
+        for (_, p), v in zip(rest, views):
+            p.data = v
+    for _, p in params:
+        p._ramtorch_shared = True  # ZeRO: the owner's update reaches every rank without a broadcast
+    # Every rank has mapped the region and the source has filled it before anyone returns.
+    dist.barrier(group=group)
+    return flat
