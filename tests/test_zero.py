@@ -150,3 +150,39 @@ def test_a_rank_dying_mid_step_is_an_error_not_a_hang(tmp_path):
         assert not p.is_alive(), "a rank hung"
     msg = open(f"{out}.0").read()
     assert msg != "no error" and ("Connection" in msg or "closed" in msg or "timed out" in msg.lower()), msg
+
+
+def mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    from ramtorch.distributed import init
+
+    init(backend="gloo", timeout_seconds=30)
+    try:
+        model = ramtorch.offload(Net(), device="cpu")
+        lr = 1e-2 if rank == 0 else 2e-2  # rank 1 was launched with another learning rate
+        try:
+            ropt.AdamW(model.parameters(), lr=lr).shard()
+            msg = "no error"
+        except ValueError as e:
+            msg = str(e)
+        with open(f"{out}.{rank}", "w") as fh:
+            fh.write(msg)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mismatched_settings_are_detected_at_setup(tmp_path):
+    out = str(tmp_path / "m")
+    mp.spawn(mismatch_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    for r in range(2):
+        msg = open(f"{out}.{r}").read()
+        assert "rank 1 has different parameters or settings" in msg and "lr" in msg, msg
+
+
+def test_init_needs_the_launcher_environment(monkeypatch):
+    from ramtorch.distributed import init
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        init()

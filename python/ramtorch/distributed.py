@@ -13,6 +13,8 @@ exits, crashes included.
 
 from __future__ import annotations
 
+import datetime
+import os
 import socket
 
 import torch
@@ -21,9 +23,32 @@ from torch import nn
 
 from . import _arena
 
-__all__ = ["share_parameters"]
+__all__ = ["init", "share_parameters"]
 
 _ALIGN = 64
+
+
+def init(backend: str | None = None, timeout_seconds: float = 300.0) -> tuple[int, int]:
+    """Initialises ``torch.distributed`` from the environment that ``torchrun`` (or a launcher
+    setting ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) provides;
+    returns ``(rank, world_size)``. The backend defaults to NCCL when CUDA is available (and the
+    current device becomes ``cuda:LOCAL_RANK``), else gloo. ``timeout_seconds`` bounds every
+    collective: a rank that dies mid-step makes the others raise after it instead of hanging.
+    Already initialised: returns the current rank and size."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"ramtorch.distributed.init: environment variables {', '.join(missing)} are not set "
+            "(launch with torchrun, or call torch.distributed.init_process_group yourself)"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

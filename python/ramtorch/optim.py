@@ -116,6 +116,27 @@ class _HostOptimizer(torch.optim.Optimizer):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__}.shard(): torch.distributed is not initialised")
         world = dist.get_world_size(group)
+        # Every rank must shard the same parameters with the same settings: compare before any
+        # collective of a step could pair up wrong tensors.
+        mine = (
+            type(self).__name__,
+            stage,
+            self.precision,
+            [
+                (tuple(p.shape), str(p.dtype), {k: v for k, v in g.items() if k != "params"})
+                for g in self.param_groups
+                for p in g["params"]
+            ],
+        )
+        theirs: list[Any] = [None] * world
+        dist.all_gather_object(theirs, repr(mine), group=group)
+        for r, other in enumerate(theirs):
+            if other != theirs[0]:
+                raise ValueError(
+                    f"{type(self).__name__}.shard(): rank {r} has different parameters or settings "
+                    f"than rank 0 (optimizer, stage, precision, shapes, dtypes, hyperparameters): "
+                    f"{_first_diff(theirs[0], other)}"
+                )
         loads = [0] * world
         owner: dict[int, int] = {}
         for g in self.param_groups:
@@ -448,6 +469,12 @@ class _HostOptimizer(torch.optim.Optimizer):
 
 
 _LISTENING: Any = __import__("weakref").WeakSet()
+
+
+def _first_diff(a: str, b: str) -> str:
+    """Where two settings descriptions part, with some context."""
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"rank 0 has ...{a[max(0, i - 40) : i + 40]}... where it has ...{b[max(0, i - 40) : i + 40]}..."
 
 
 def listen_on(eng: _engine.DeviceEngine) -> None:
