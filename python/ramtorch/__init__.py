@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import _core, _engine, _offload, nn, optim
+from . import _core, _engine, _offload, distributed, nn, optim
 from ._core import CudaError
 from ._offload import offload
 from ._trace import trace
@@ -28,6 +28,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "CudaError",
+    "distributed",
     "empty_cache",
     "load",
     "load_checkpoint",
