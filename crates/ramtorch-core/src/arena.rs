@@ -122,36 +122,49 @@ impl Inner {
             reason: "mmap returned null".into(),
         })?;
         if cap >= PARALLEL_TOUCH_BYTES {
-            touch_pages(ptr, cap, self.page);
+            touch_pages(ptr, cap, self.page, true);
         }
         let mut block = Block {
             ptr,
             cap,
             pinned: false,
         };
-        if let Some(pinner) = &self.pinner {
-            if self.pin_enabled.load(Ordering::Relaxed) {
-                // SAFETY: the mapping was just created and lives until `unmap`.
-                match unsafe { pinner.pin(ptr.as_ptr(), cap) } {
-                    Ok(()) => block.pinned = true,
-                    Err(e) => {
-                        self.pin_enabled.store(false, Ordering::Relaxed);
-                        if let Ok(mut w) = self.pin_warning.lock() {
-                            *w = Some(format!(
-                                "page-locking host memory was refused ({e}); ramtorch falls back to \
-                                 pageable memory: copies to and from the GPU are staged by the driver, \
-                                 synchronous and typically 2-3x slower (raise `ulimit -l` to fix)"
-                            ));
-                        }
-                    }
-                }
-            }
-        }
+        // SAFETY: the mapping was just created and lives until `unmap`.
+        block.pinned = unsafe { self.try_pin(ptr.as_ptr(), cap) };
         self.reserved.fetch_add(cap, Ordering::Relaxed);
         if block.pinned {
             self.pinned.fetch_add(cap, Ordering::Relaxed);
         }
         Ok(block)
+    }
+
+    /// Pins `len` bytes at `ptr` unless pinning is off or was refused before; on a refusal,
+    /// pinning is turned off for good and the reason kept for one warning. Returns whether pinned.
+    ///
+    /// # Safety
+    /// As for [`Pinner::pin`].
+    unsafe fn try_pin(&self, ptr: *mut u8, len: usize) -> bool {
+        let Some(pinner) = &self.pinner else {
+            return false;
+        };
+        if !self.pin_enabled.load(Ordering::Relaxed) {
+            return false;
+        }
+        // SAFETY: forwarded from the caller's contract.
+        match unsafe { pinner.pin(ptr, len) } {
+            Ok(()) => true,
+            Err(e) => {
+                self.pin_enabled.store(false, Ordering::Relaxed);
+                if let Ok(mut w) = self.pin_warning.lock() {
+                    *w = Some(format!(
+                        "page-locking host memory was refused ({e}); ramtorch falls back to \
+                         pageable memory: copies to and from the GPU are staged by the driver, \
+                         synchronous and typically 2-3x slower (raise `ulimit -l` to fix)"
+                    ));
+                }
+                false
+            }
+        }
     }
 
     fn unmap(&self, block: Block) {
@@ -170,8 +183,10 @@ impl Inner {
     }
 }
 
-/// Faults every page of a fresh mapping in, from all cores.
-fn touch_pages(ptr: NonNull<u8>, cap: usize, page: usize) {
+/// Faults every page of a mapping in, from all cores: by writing zero when the memory is fresh
+/// (`write`: anonymous or newly created memory, all zero and seen by nobody else yet), by reading
+/// otherwise (memory that already holds data, e.g. a shared region mapped by another process).
+pub(crate) fn touch_pages(ptr: NonNull<u8>, cap: usize, page: usize, write: bool) {
     let base = ptr.as_ptr() as usize;
     let chunk = 16 << 20;
     (0..cap.div_ceil(chunk)).into_par_iter().for_each(|c| {
@@ -179,9 +194,15 @@ fn touch_pages(ptr: NonNull<u8>, cap: usize, page: usize) {
         let end = (start + chunk).min(cap);
         let mut off = start;
         while off < end {
-            // SAFETY: `base + off` lies inside the live, writable mapping of `cap` bytes; writing
-            // zero to fresh anonymous memory does not change its contents.
-            unsafe { std::ptr::write_volatile((base + off) as *mut u8, 0) };
+            let p = (base + off) as *mut u8;
+            if write {
+                // SAFETY: `p` lies inside the live, writable mapping of `cap` bytes; the memory is
+                // fresh (all zero) and not visible to anyone else, so writing zero changes nothing.
+                unsafe { std::ptr::write_volatile(p, 0) };
+            } else {
+                // SAFETY: `p` lies inside the live, readable mapping of `cap` bytes.
+                unsafe { std::ptr::read_volatile(p) };
+            }
             off += page;
         }
     });
@@ -304,28 +325,8 @@ impl Arena {
     /// `ptr` must be page-aligned and `len` bytes from it a live mapping that stays mapped until
     /// [`Arena::unpin_external`] is called on it.
     pub unsafe fn pin_external(&self, ptr: *mut u8, len: usize) -> bool {
-        let inner = &self.inner;
-        let Some(pinner) = &inner.pinner else {
-            return false;
-        };
-        if !inner.pin_enabled.load(Ordering::Relaxed) {
-            return false;
-        }
         // SAFETY: forwarded from the caller's contract.
-        match unsafe { pinner.pin(ptr, len) } {
-            Ok(()) => true,
-            Err(e) => {
-                inner.pin_enabled.store(false, Ordering::Relaxed);
-                if let Ok(mut w) = inner.pin_warning.lock() {
-                    *w = Some(format!(
-                        "page-locking host memory was refused ({e}); ramtorch falls back to \
-                         pageable memory: copies to and from the GPU are staged by the driver, \
-                         synchronous and typically 2-3x slower (raise `ulimit -l` to fix)"
-                    ));
-                }
-                false
-            }
-        }
+        unsafe { self.inner.try_pin(ptr, len) }
     }
 
     /// Unpins a range pinned by [`Arena::pin_external`].
@@ -417,11 +418,16 @@ impl Drop for Region {
     }
 }
 
+/// Pinners for tests: one that refuses, one that counts.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod test_pinners {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
 
-    struct Refuse;
+    use super::Pinner;
+    use crate::error::{Error, Result};
+
+    pub(crate) struct Refuse;
     impl Pinner for Refuse {
         unsafe fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
             Err(Error::Cuda {
@@ -436,9 +442,9 @@ mod tests {
 
     /// Counts pins and unpins, to check the pool keeps memory pinned between uses.
     #[derive(Default)]
-    struct Counting {
-        pins: AtomicUsize,
-        unpins: AtomicUsize,
+    pub(crate) struct Counting {
+        pub(crate) pins: AtomicUsize,
+        pub(crate) unpins: AtomicUsize,
     }
     impl Pinner for Arc<Counting> {
         unsafe fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
@@ -449,6 +455,12 @@ mod tests {
             self.unpins.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_pinners::{Counting, Refuse};
+    use super::*;
 
     #[test]
     fn exact_sizes_and_page_rounding() {

@@ -16,13 +16,8 @@ use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
-use rayon::prelude::*;
-
 use crate::arena::Arena;
 use crate::error::{Error, Result};
-
-/// Bytes faulted in per parallel task.
-const TOUCH_CHUNK: usize = 16 << 20;
 
 /// Host memory of an exact size shared with other processes of the node.
 pub struct SharedRegion {
@@ -54,32 +49,6 @@ fn valid_name(name: &str) -> bool {
     let parts: Vec<&str> = rest.split('/').collect();
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     parts.len() == 3 && digits(parts[0]) && parts[1] == "fd" && digits(parts[2])
-}
-
-/// Faults every page of the mapping in, from all cores: by writing zero when the memory is fresh
-/// (`write`), by reading otherwise.
-fn touch(ptr: NonNull<u8>, cap: usize, page: usize, write: bool) {
-    let base = ptr.as_ptr() as usize;
-    (0..cap.div_ceil(TOUCH_CHUNK))
-        .into_par_iter()
-        .for_each(|c| {
-            let start = c * TOUCH_CHUNK;
-            let end = (start + TOUCH_CHUNK).min(cap);
-            let mut off = start;
-            while off < end {
-                let p = (base + off) as *mut u8;
-                if write {
-                    // SAFETY: `p` lies inside the live, writable mapping of `cap` bytes, backed by
-                    // the file up to its last page; the memory is fresh (all zero) and not yet
-                    // visible to any other process, so writing zero changes nothing.
-                    unsafe { std::ptr::write_volatile(p, 0) };
-                } else {
-                    // SAFETY: `p` lies inside the live, readable mapping of `cap` bytes.
-                    unsafe { std::ptr::read_volatile(p) };
-                }
-                off += page;
-            }
-        });
 }
 
 impl SharedRegion {
@@ -199,7 +168,7 @@ impl SharedRegion {
             bytes: cap,
             reason: "mmap returned null".into(),
         })?;
-        touch(ptr, cap, page, fresh);
+        crate::arena::touch_pages(ptr, cap, page, fresh);
         // SAFETY: the mapping was just made, is page-aligned and lives until `drop`, which unpins
         // it before unmapping.
         let pinned = unsafe { arena.pin_external(ptr.as_ptr(), cap) };
@@ -272,39 +241,11 @@ impl Drop for SharedRegion {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
     use super::*;
-    use crate::arena::Pinner;
-
-    #[derive(Default)]
-    struct Counting {
-        pins: AtomicUsize,
-        unpins: AtomicUsize,
-    }
-    impl Pinner for Arc<Counting> {
-        unsafe fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
-            self.pins.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        }
-        unsafe fn unpin(&self, _: *mut u8, _: usize) {
-            self.unpins.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    struct Refuse;
-    impl Pinner for Refuse {
-        unsafe fn pin(&self, _: *mut u8, _: usize) -> Result<()> {
-            Err(Error::Cuda {
-                op: "cuMemHostRegister",
-                detail: "CUDA_ERROR_OUT_OF_MEMORY".into(),
-            })
-        }
-        unsafe fn unpin(&self, _: *mut u8, _: usize) {
-            unreachable!("nothing was pinned")
-        }
-    }
+    use crate::arena::test_pinners::{Counting, Refuse};
 
     fn is_invalid(e: &Error, needle: &str) -> bool {
         matches!(e, Error::InvalidArgument(m) if m.contains(needle))
@@ -346,7 +287,7 @@ mod tests {
     #[test]
     fn big_regions_are_touched_in_parallel() {
         let a = Arena::new(None);
-        let len = 3 * TOUCH_CHUNK + 5;
+        let len = 3 * (16 << 20) + 5; // several chunks of the parallel fault-in
         let r = SharedRegion::create(&a, len).expect("create");
         let b = SharedRegion::attach(&a, r.name(), len).expect("attach");
         // SAFETY: nobody writes while the slice lives.

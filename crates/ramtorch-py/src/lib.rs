@@ -112,9 +112,30 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-/// What a capsule owns: the region and the shape array the DLTensor points into.
+/// Host memory a capsule keeps alive: an arena region or a region shared between processes.
+enum Memory {
+    Arena(Region),
+    Shared(SharedRegion),
+}
+
+impl Memory {
+    fn as_ptr(&self) -> *mut u8 {
+        match self {
+            Memory::Arena(r) => r.as_ptr(),
+            Memory::Shared(r) => r.as_ptr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Memory::Arena(r) => r.len(),
+            Memory::Shared(r) => r.len(),
+        }
+    }
+}
+
+/// What a capsule owns: the memory and the shape array the DLTensor points into.
 struct Export {
-    _region: Region,
+    _memory: Memory,
     shape: [i64; 1],
 }
 
@@ -146,11 +167,12 @@ unsafe extern "C" fn capsule_destructor(cap: *mut pyo3::ffi::PyObject) {
     }
 }
 
-fn export(py: Python<'_>, region: Region) -> PyResult<Py<PyAny>> {
-    let ptr = region.as_ptr();
+/// A DLPack capsule of a 1-D uint8 CPU tensor over `memory`, which it keeps alive.
+fn export(py: Python<'_>, memory: Memory) -> PyResult<Py<PyAny>> {
+    let ptr = memory.as_ptr();
     let mut ctx = Box::new(Export {
-        shape: [region.len() as i64],
-        _region: region,
+        shape: [memory.len() as i64],
+        _memory: memory,
     });
     let shape = ctx.shape.as_mut_ptr();
     let managed = Box::new(DLManagedTensor {
@@ -198,86 +220,11 @@ fn export(py: Python<'_>, region: Region) -> PyResult<Py<PyAny>> {
 #[pyo3(signature = (nbytes, zeroed = false))]
 fn arena_alloc(py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Py<PyAny>> {
     let region = py.detach(|| guard("arena_alloc", || arena()?.alloc(nbytes, zeroed)))?;
-    export(py, region)
+    export(py, Memory::Arena(region))
 }
 
 // ---------------------------------------------------------------------------------------------
 // Host memory shared by the processes of one node, exported like arena regions.
-
-/// What a capsule of a shared region owns.
-struct ExportShared {
-    _region: SharedRegion,
-    shape: [i64; 1],
-}
-
-unsafe extern "C" fn dl_deleter_shared(m: *mut DLManagedTensor) {
-    if m.is_null() {
-        return;
-    }
-    // SAFETY: `m` and its context were made by `Box::into_raw` in `export_shared` and are released
-    // once, by whoever owns the tensor last. Dropping the region (unpin, unmap, close) needs no GIL.
-    unsafe {
-        let m = Box::from_raw(m);
-        drop(Box::from_raw(m.manager_ctx as *mut ExportShared));
-    }
-}
-
-unsafe extern "C" fn capsule_destructor_shared(cap: *mut pyo3::ffi::PyObject) {
-    // SAFETY: called by Python with a live capsule. A consumed capsule was renamed by its consumer
-    // ("used_dltensor") and must not be freed here.
-    unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) == 1 {
-            let m = pyo3::ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) as *mut DLManagedTensor;
-            dl_deleter_shared(m);
-        }
-    }
-}
-
-/// As `export`, for a shared region: a DLPack capsule of a 1-D uint8 CPU tensor.
-fn export_shared(py: Python<'_>, region: SharedRegion) -> PyResult<Py<PyAny>> {
-    let ptr = region.as_ptr();
-    let mut ctx = Box::new(ExportShared {
-        shape: [region.len() as i64],
-        _region: region,
-    });
-    let shape = ctx.shape.as_mut_ptr();
-    let managed = Box::new(DLManagedTensor {
-        dl_tensor: DLTensor {
-            data: ptr as *mut c_void,
-            device: DLDevice {
-                device_type: K_DL_CPU,
-                device_id: 0,
-            },
-            ndim: 1,
-            dtype: DLDataType {
-                code: K_DL_UINT,
-                bits: 8,
-                lanes: 1,
-            },
-            shape,
-            strides: std::ptr::null_mut(),
-            byte_offset: 0,
-        },
-        manager_ctx: Box::into_raw(ctx) as *mut c_void,
-        deleter: Some(dl_deleter_shared),
-    });
-    let raw = Box::into_raw(managed);
-    // SAFETY: `raw` is a valid DLManagedTensor; the capsule owns it until a consumer renames it.
-    let cap = unsafe {
-        pyo3::ffi::PyCapsule_New(
-            raw as *mut c_void,
-            DLTENSOR.as_ptr() as *const c_char,
-            Some(capsule_destructor_shared),
-        )
-    };
-    if cap.is_null() {
-        // SAFETY: the capsule was not created, so we still own `raw`.
-        unsafe { dl_deleter_shared(raw) };
-        return Err(PyErr::fetch(py));
-    }
-    // SAFETY: `cap` is a new, owned reference.
-    Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
-}
 
 /// Allocates `nbytes` (zero-filled) of host memory other local processes can map too (a memfd,
 /// page-locked in this process when a GPU is present). Returns `(capsule, name)`: a DLPack capsule
@@ -288,7 +235,7 @@ fn export_shared(py: Python<'_>, region: SharedRegion) -> PyResult<Py<PyAny>> {
 fn shared_alloc(py: Python<'_>, nbytes: usize) -> PyResult<(Py<PyAny>, String)> {
     let region = py.detach(|| guard("shared_alloc", || SharedRegion::create(arena()?, nbytes)))?;
     let name = region.name().to_owned();
-    Ok((export_shared(py, region)?, name))
+    Ok((export(py, Memory::Shared(region))?, name))
 }
 
 /// Maps the shared region `name` (from `shared_alloc` in a live local process), checking it holds
@@ -300,7 +247,7 @@ fn shared_attach(py: Python<'_>, name: &str, nbytes: usize) -> PyResult<Py<PyAny
             SharedRegion::attach(arena()?, name, nbytes)
         })
     })?;
-    export_shared(py, region)
+    export(py, Memory::Shared(region))
 }
 
 /// Byte counts of the host arena.
