@@ -154,9 +154,7 @@ class DeviceEngine:
         flat, layout = layer._flat, layer._layout
         try:
             slot, _ = self.prefetch(layer._stream_key(), flat, layout.nbytes, max_inflight, keep, 0)
-        except RuntimeError as e:
-            if "slots are held" not in str(e):
-                raise
+        except _core.SlotsExhausted:
             self.reclaim()
             slot, _ = self.prefetch(layer._stream_key(), flat, layout.nbytes, max_inflight, keep, 0)
         return slot
@@ -201,10 +199,8 @@ class DeviceEngine:
                     try:
                         lay = nxt._layout
                         self._ahead[k], _ = self.prefetch(k, nxt._flat, lay.nbytes, max_inflight, [k], 0)
-                    except RuntimeError as e:
-                        if "slots are held" in str(e):
-                            break  # speculative: never worth an error
-                        raise
+                    except _core.SlotsExhausted:
+                        break  # speculative: never worth an error
                     self.layer_counters["prefetches"] += 1
             except BaseException:
                 self._held -= 1

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import _arena, _config, _engine
+from . import _arena, _config, _core, _engine
 
 _GIB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
@@ -428,9 +428,7 @@ class Streamer:
             )
         try:
             slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
-        except RuntimeError as e:
-            if "slots are held" not in str(e):
-                raise
+        except _core.SlotsExhausted:
             # The device's slots are shared with other models and layers: ask every holder of a
             # speculative prefetch to give it back, then try once more.
             self.eng.reclaim()
@@ -483,10 +481,8 @@ class Streamer:
             key = u.key()
             try:
                 slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
-            except RuntimeError as e:
-                if "slots are held" in str(e):
-                    break  # speculative: never worth an error
-                raise
+            except _core.SlotsExhausted:
+                break  # speculative: never worth an error
             self.ahead[u.uid] = (slot, key)
             self.counters["prefetches"] += 1
 

@@ -24,12 +24,19 @@ create_exception!(
     PyRuntimeError,
     "A CUDA driver call made by ramtorch failed."
 );
+create_exception!(
+    _core,
+    SlotsExhausted,
+    PyRuntimeError,
+    "Every device slot is held: nothing can be copied to the device until one is released."
+);
 
 fn to_py(op: &str, e: Error) -> PyErr {
     match e {
         Error::InvalidArgument(m) => PyValueError::new_err(format!("{op}: {m}")),
         Error::HostAlloc { .. } => PyMemoryError::new_err(format!("{op}: {e}")),
         Error::Cuda { .. } | Error::CudaUnavailable(_) => CudaError::new_err(format!("{op}: {e}")),
+        Error::SlotsExhausted { .. } => SlotsExhausted::new_err(format!("{op}: {e}")),
         _ => PyRuntimeError::new_err(format!("{op}: {e}")),
     }
 }
@@ -533,6 +540,7 @@ impl Engine {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CudaError", m.py().get_type::<CudaError>())?;
+    m.add("SlotsExhausted", m.py().get_type::<SlotsExhausted>())?;
     m.add(
         "DEFAULT_MAX_INFLIGHT",
         ramtorch_core::engine::DEFAULT_MAX_INFLIGHT,

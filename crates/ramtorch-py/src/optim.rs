@@ -150,6 +150,24 @@ fn disjoint(bufs: &[Buf]) -> Result<(), Error> {
     Ok(())
 }
 
+/// The buffers of one step: `named` as `(name, address, dtype)`, then the float32 master weights
+/// when `master` is non-zero; each checked, and checked pairwise disjoint.
+fn step_buffers(
+    named: &[(&'static str, usize, &str)],
+    master: usize,
+    numel: usize,
+) -> Result<Vec<Buf>, Error> {
+    let mut b = named
+        .iter()
+        .map(|&(name, addr, dtype)| Buf::new(name, addr, dtype, numel))
+        .collect::<Result<Vec<_>, Error>>()?;
+    if master != 0 {
+        b.push(Buf::new("master", master, "float32", numel)?);
+    }
+    disjoint(&b)?;
+    Ok(b)
+}
+
 /// One AdamW step (torch.optim.AdamW semantics) over one tensor of `numel` elements.
 ///
 /// Modes: `param_dtype="float32"` (updated in place); `"bfloat16"` without `master` (stochastic
@@ -197,19 +215,13 @@ fn adamw_step(
         step,
         seed,
     };
-    let bufs = guard(op, || {
-        let mut b = vec![
-            Buf::new("param", param, param_dtype, numel)?,
-            Buf::new("grad", grad, grad_dtype, numel)?,
-            Buf::new("exp_avg", exp_avg, state_dtype, numel)?,
-            Buf::new("exp_avg_sq", exp_avg_sq, state_dtype, numel)?,
-        ];
-        if master != 0 {
-            b.push(Buf::new("master", master, "float32", numel)?);
-        }
-        disjoint(&b)?;
-        Ok(b)
-    })?;
+    let named = [
+        ("param", param, param_dtype),
+        ("grad", grad, grad_dtype),
+        ("exp_avg", exp_avg, state_dtype),
+        ("exp_avg_sq", exp_avg_sq, state_dtype),
+    ];
+    let bufs = guard(op, || step_buffers(&named, master, numel))?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
@@ -278,28 +290,16 @@ fn sgd_step(
         step,
         seed,
     };
-    let (bufs, has_buf, has_master) = guard(op, || {
-        let mut b = vec![
-            Buf::new("param", param, param_dtype, numel)?,
-            Buf::new("grad", grad, grad_dtype, numel)?,
-        ];
-        let has_buf = momentum_buffer != 0;
+    let (has_buf, has_master) = (momentum_buffer != 0, master != 0);
+    let bufs = guard(op, || {
+        let mut named = vec![("param", param, param_dtype), ("grad", grad, grad_dtype)];
         if has_buf {
-            b.push(Buf::new(
-                "momentum_buffer",
-                momentum_buffer,
-                state_dtype,
-                numel,
-            )?);
+            named.push(("momentum_buffer", momentum_buffer, state_dtype));
         } else {
             // Checked even without a buffer, so that a typo is not silently ignored.
             Dtype::parse(state_dtype)?;
         }
-        if master != 0 {
-            b.push(Buf::new("master", master, "float32", numel)?);
-        }
-        disjoint(&b)?;
-        Ok((b, has_buf, master != 0))
+        step_buffers(&named, master, numel)
     })?;
     py.detach(|| {
         guard(op, || {
@@ -362,18 +362,12 @@ fn lion_step(
         step,
         seed,
     };
-    let bufs = guard(op, || {
-        let mut b = vec![
-            Buf::new("param", param, param_dtype, numel)?,
-            Buf::new("grad", grad, grad_dtype, numel)?,
-            Buf::new("exp_avg", exp_avg, state_dtype, numel)?,
-        ];
-        if master != 0 {
-            b.push(Buf::new("master", master, "float32", numel)?);
-        }
-        disjoint(&b)?;
-        Ok(b)
-    })?;
+    let named = [
+        ("param", param, param_dtype),
+        ("grad", grad, grad_dtype),
+        ("exp_avg", exp_avg, state_dtype),
+    ];
+    let bufs = guard(op, || step_buffers(&named, master, numel))?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
