@@ -67,3 +67,26 @@ def test_generation_with_weights_and_kv_cache_in_host_ram():
     seq_ref, _ = greedy(ref, ids)
     seq, _ = greedy(ours, ids, cache_implementation="offloaded")
     assert torch.equal(seq, seq_ref)
+
+
+def test_an_offloaded_transformers_model_reports_its_compute_device():
+    """``PreTrainedModel.device`` reads the first parameter, which lives in host RAM once
+    offloaded; generate() would move its inputs there. The offloaded model reports the device it
+    computes on instead, stays an instance of its class, and gets the class back when detached."""
+    from ramtorch._offload import detach_streamer
+
+    model = tiny_llama()
+    cls = type(model)
+    ramtorch.offload(model, device="cpu")
+    assert isinstance(model, cls) and type(model).__name__ == cls.__name__
+    streamer = model._ramtorch_streamer
+    real = streamer.device
+    streamer.device = torch.device("meta")  # stands in for a GPU: what model.device reports
+    try:
+        assert model.device == torch.device("meta")
+    finally:
+        streamer.device = real
+    assert next(model.parameters()).device.type == "cpu"
+    detach_streamer(model)
+    assert type(model) is cls
+    assert model.device == torch.device("cpu")

@@ -4,6 +4,7 @@ micro-batches, clipping, schedulers, state, precision modes, recompute mode."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import ramtorch
@@ -62,17 +63,20 @@ def assert_params_close(ref: nn.Module, ours: nn.Module, rtol: float, atol: floa
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("overlap", [True, False])
-def test_ten_adamw_steps_equal_torch(device, overlap):
+@pytest.mark.parametrize("mode", ["overlap", "sync", "pipeline"])
+def test_ten_adamw_steps_equal_torch(device, mode):
     ref, ours = pair(device)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap)
+    kw = {"overlap": mode != "sync", "pipeline": mode == "pipeline"}
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, **kw)
     for _ in range(10):
         x = torch.randn(5, 8, device=device)
         for model, opt in ((ref, o_ref), (ours, o_ours)):
             loss_of(model, x).backward()
             opt.step()
             opt.zero_grad()
+        if mode == "pipeline":
+            o_ours.synchronize()  # reading host weights directly: wait for the last updates
         assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
     streamed = [p for p in ours.parameters() if p.device.type == "cpu"]
     assert streamed and all(not o_ours.state[p]["exp_avg"].is_cuda for p in streamed)
@@ -327,3 +331,119 @@ def test_per_layer_linear_model_with_ramtorch_adamw():
             opt.zero_grad()
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
     assert ours[0]._is_home() and ours[2]._is_home()  # updated in place, in the host arena
+
+
+# -- pipelined steps -----------------------------------------------------------------------------
+
+
+def slow_updates(
+    opt: ropt.AdamW,
+    seconds: float,
+    log: list | None = None,
+    fail: object = None,
+    gate: object = None,
+):
+    """Makes every host update of ``opt`` take ``seconds`` longer (and optionally record the
+    parameter, raise for one, or hold the first update until ``gate`` is set), so that the
+    updates of a step outlast its backward."""
+    import time
+
+    inner = opt._update_host
+
+    def update(p, grad, group, scale):
+        if gate is not None:
+            gate.wait()
+        time.sleep(seconds)
+        if log is not None:
+            log.append(id(p))
+        if p is fail:
+            raise ValueError("injected failure")
+        inner(p, grad, group, scale)
+
+    opt._update_host = update  # type: ignore[method-assign]
+
+
+def test_pipelined_step_returns_early_and_the_next_forward_waits():
+    from ramtorch import _engine
+
+    ref, ours = pair("cpu")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, pipeline=True)
+    slow_updates(o_ours, 0.02)
+    host = [p for p in ours.parameters() if p.device.type == "cpu"]
+    pending_after_step = 0
+    for _ in range(4):
+        x = torch.randn(5, 8)
+        for model, opt in ((ref, o_ref), (ours, o_ours)):
+            loss_of(model, x).backward()
+            opt.step()
+            if opt is o_ours:
+                pending_after_step += _engine.updating(host)
+            opt.zero_grad()
+        # The next forward (through the streamer) sees exactly the updated weights.
+        y = torch.randn(3, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(y), ref(y), rtol=1e-5, atol=1e-6)
+    # Updates were still running when step() returned (every step but the first, which learns
+    # the gradient nodes during its backward and updates in step()).
+    assert pending_after_step >= 3
+    ramtorch.synchronize()
+    assert not _engine.updating(host)
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_pipelined_updates_run_in_the_order_the_next_forward_needs():
+    _, ours = pair("cpu", layers=4)
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=True)
+    x = torch.randn(4, 8)
+    loss_of(ours, x).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()
+    log: list[int] = []
+    gate = threading.Event()
+    slow_updates(opt, 0.0, log, gate=gate)
+    loss_of(ours, x).backward()  # the first job waits for the gate: every other one queues
+    gate.set()
+    opt.step()
+    opt.synchronize()
+    unit_of = {id(p): i for i, m in enumerate([ours.inp, *ours.blocks, ours.out]) for p in m.parameters()}
+    units = [unit_of[i] for i in log]
+    order = [u for k, u in enumerate(units) if k == 0 or units[k - 1] != u]
+    # The first job is the unit whose gradients landed first (the output layer, unless the worker
+    # was slow to wake); the rest were queued behind it and run newest first: the forward order.
+    assert sorted(order) == [0, 1, 2, 3, 4, 5]
+    assert order[1:] == sorted(order[1:]) and order[0] in (4, 5)
+
+
+def test_readers_wait_for_pipelined_updates():
+    from ramtorch import _engine
+
+    _, ours = pair("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=True)
+    host = [p for p in ours.parameters() if p.device.type == "cpu"]
+    x = torch.randn(4, 8)
+    slow_updates(opt, 0.02)
+    for reader in (lambda: ours.state_dict(), lambda: opt.state_dict(), lambda: opt.zero_grad(False)):
+        loss_of(ours, x).backward()
+        opt.step()
+        reader()
+        assert not _engine.updating(host)
+        opt.zero_grad()
+
+
+def test_a_failed_pipelined_update_is_raised_by_its_readers():
+    _, ours = pair("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=True)
+    x = torch.randn(4, 8)
+    loss_of(ours, x).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()
+    slow_updates(opt, 0.0, fail=ours.blocks[1].up.weight)
+    loss_of(ours, x).backward()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        opt.step()
+        ours(x)  # the forward reaches the unit whose update failed
+    with pytest.raises(RuntimeError, match="optimizer update of parameters of shapes"):
+        ours(x)  # its weights stay refused

@@ -72,9 +72,17 @@ def synchronize() -> None:
     right after a forward whose results you have not read (its copies run asynchronously).
     Optimizer steps, ``load_state_dict`` and in-place edits of the parameters themselves need
     nothing: each backward pass ends by forgetting what the slots hold, and versions cover the rest.
+
+    It also waits for the updates that pipelined optimizers (``ramtorch.optim.AdamW(...,
+    pipeline=True)``) still run after ``step()``: read weights yourself only after this.
     """
     for e in _engine.engines():
         e.synchronize()
+    from . import optim
+
+    for opt in list(optim._LISTENING):
+        opt.synchronize()
+    _engine.wait_updates()
 
 
 def empty_cache() -> None:

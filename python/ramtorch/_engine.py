@@ -38,6 +38,64 @@ def normalize_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device("cuda", index)
 
 
+class Update:
+    """A pending optimizer update of some host parameters (pipelined steps: ``step()`` returns
+    while the updates of the last units run on; whatever reads those weights waits here first)."""
+
+    __slots__ = ("done", "error", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+_UPDATES: dict[int, Update] = {}  # id(param) -> its pending update
+_UPDATES_LOCK = threading.Lock()
+
+
+def updates_begin(params: Sequence[torch.Tensor], update: Update) -> None:
+    """``params`` are being rewritten by ``update`` until :func:`updates_end`."""
+    with _UPDATES_LOCK:
+        for p in params:
+            _UPDATES[id(p)] = update
+
+
+def updates_end(params: Sequence[torch.Tensor], update: Update, error: BaseException | None = None) -> None:
+    """``update`` is over. A failed one stays registered: its weights are half written, and every
+    later reader gets the error rather than those weights."""
+    with _UPDATES_LOCK:
+        update.error = error
+        if error is None:
+            for p in params:
+                if _UPDATES.get(id(p)) is update:
+                    del _UPDATES[id(p)]
+    update.done.set()
+
+
+def updating(params: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> bool:
+    """Whether an update of any of ``params`` is still running (cheap when none is)."""
+    return bool(_UPDATES) and any(id(p) in _UPDATES for p in params)
+
+
+def wait_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor] | None = None) -> None:
+    """Waits for the pending updates of ``params`` (of every parameter with ``None``); raises if
+    one failed, naming it."""
+    if not _UPDATES:
+        return
+    with _UPDATES_LOCK:
+        if params is None:
+            pending = set(_UPDATES.values())
+        else:
+            pending = {u for u in (_UPDATES.get(id(p)) for p in params) if u is not None}
+    for u in pending:
+        u.done.wait()
+        if u.error is not None:
+            raise RuntimeError(
+                f"ramtorch: the optimizer update of {u.name} failed, so its weights are not valid: {u.error}"
+            ) from u.error
+
+
 class Layout:
     """Where a unit's tensors sit in its host region: ``(offset, shape, dtype)`` per tensor."""
 
@@ -165,6 +223,7 @@ class DeviceEngine:
         still holding the layer's current weights is reused without a copy, and the layers that
         followed this one last time (in this phase: forward or backward) are prefetched."""
         backward = torch._C._current_graph_task_id() != -1
+        wait_updates(layer._parameters.values())  # a pipelined optimizer step may still write them
         with self._lock:
             self._ensure_slots()
             key = layer._stream_key()
@@ -190,6 +249,8 @@ class DeviceEngine:
                         break
                     seen.add(id(nxt))
                     if not nxt._is_home() or nxt.compute_device != self.device:
+                        break
+                    if updating(nxt._parameters.values()):
                         break
                     k = nxt._stream_key()
                     if k in self._ahead:
@@ -282,7 +343,7 @@ class DeviceEngine:
         self.drop_ahead()
         self._core.invalidate()
         for listener in list(self._listeners):
-            listener.drain()
+            listener.before_finish()
         if not self._pending and not self._grad_sources:
             return
         self._core.synchronize()
@@ -322,8 +383,8 @@ class DeviceEngine:
 
     def add_listener(self, listener: Any) -> None:
         """``listener.on_grads(engine, params)`` is called during backward when every gradient of
-        ``params`` for this backward is on its way to the host; ``listener.drain()`` before the
-        gradients are written to ``.grad``."""
+        ``params`` for this backward is on its way to the host; ``listener.before_finish()`` before
+        the gradients are written to ``.grad``."""
         self._listeners.add(listener)
 
     def grads_complete(self, params: list[torch.nn.Parameter]) -> None:

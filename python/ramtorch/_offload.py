@@ -29,6 +29,7 @@ slot holds anything else; the itinerary is then relearned.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import itertools
 import math
 import re
@@ -437,6 +438,8 @@ class Streamer:
 
     def _take(self, u: _Unit, keep: list[int]) -> int:
         """A claimed slot holding ``u``'s current weights."""
+        # A pipelined optimizer step may still be writing these weights.
+        _engine.wait_updates(u.params)
         if not u.is_home():
             self._drop_ahead()
             u.pack()
@@ -476,7 +479,7 @@ class Streamer:
         for u in nxt:
             if u is current or u.uid in self.ahead or u.fwd or u.bwd is not None:
                 continue
-            if self._free_slots() <= 0 or not u.is_home():
+            if self._free_slots() <= 0 or not u.is_home() or _engine.updating(u.params):
                 break
             key = u.key()
             try:
@@ -958,11 +961,43 @@ def offload(
                 always_call=True,
             )
         )
+    # A pipelined optimizer step may still be writing the weights that state_dict() hands out.
+    handles.append(model.register_state_dict_pre_hook(lambda *_: _engine.wait_updates()))
     model._ramtorch_streamer = streamer  # type: ignore[assignment]
     if type(model)._apply is nn.Module._apply:
         model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
+    _report_compute_device(model)
     _STREAMERS.add(streamer)
     return model
+
+
+_DEVICE_VIEWS: dict[type, type] = {}
+
+
+def _report_compute_device(model: nn.Module) -> None:
+    """Models with a ``device`` property that reads their first parameter (transformers'
+    ``PreTrainedModel``) would report "cpu" once the weights live in host RAM, and
+    ``generate()`` would then move its inputs there. Such a model gets a subclass of its own class
+    whose ``device`` is the compute device (``detach_streamer`` restores the class)."""
+    cls = type(model)
+    if not isinstance(inspect.getattr_static(cls, "device", None), property):
+        return
+    view = _DEVICE_VIEWS.get(cls)
+    if view is None:
+        base = inspect.getattr_static(cls, "device")
+
+        def device(self: nn.Module) -> torch.device:
+            streamer = self.__dict__.get("_ramtorch_streamer")
+            return streamer.device if streamer is not None else base.fget(self)
+
+        view = type(
+            cls.__name__,
+            (cls,),
+            {"device": property(device), "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+        view._ramtorch_base_class = cls  # type: ignore[attr-defined]
+        _DEVICE_VIEWS[cls] = view
+    model.__class__ = view
 
 
 def _auto_budget(dev: torch.device) -> int:
@@ -1045,6 +1080,9 @@ def detach_streamer(model: nn.Module) -> None:
             del u.module._ramtorch_unit
     _STREAMERS.discard(streamer)
     model._ramtorch_streamer = None
+    base = type(model).__dict__.get("_ramtorch_base_class")
+    if base is not None:
+        model.__class__ = base
 
 
 _STREAMERS: weakref.WeakSet[Streamer] = weakref.WeakSet()

@@ -37,6 +37,8 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from . import _engine
+
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
 #: Version of the layout described above; written as the ``ramtorch.checkpoint`` metadata entry.
@@ -288,6 +290,7 @@ def save_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
     enc = _Encoder(tensors)
+    _engine.wait_updates()  # updates a pipelined optimizer step still runs
     sd = model.state_dict()
     for k, v in sd.items():
         if isinstance(v, torch.Tensor):

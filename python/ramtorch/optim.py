@@ -18,6 +18,18 @@ detects it and raises. Use ``max_grad_norm=`` for clipping (global-norm clipping
 gradient, so the updates then run in ``step()``: the overlap is lost) and ``overlap=False`` with a
 ``GradScaler``, whose unscaling and inf check are then folded into the kernels.
 
+**Pipelined steps** (``pipeline=True``). The optimizer work of a step (reading and writing
+every state in host RAM) usually takes longer than the backward it overlaps, and the first unit's
+gradient arrives last. With ``pipeline=True``, ``backward()`` and ``step()`` return without waiting
+for the updates still queued: they run on while the next forward starts, in the order that forward
+needs them (the newest gradients first), and the forward waits for each unit's update before
+streaming its weights. What reads the weights through ramtorch waits the same way:
+``model.state_dict()``, ``opt.state_dict()``, ``ramtorch.save_checkpoint``,
+``ramtorch.synchronize()`` and ``opt.synchronize()``. Code of yours that reads host parameters
+directly between ``step()`` and the next forward (an EMA of the weights, logging their norms) must
+call ``opt.synchronize()`` first, or it may see a mix of old and new weights. Not with ZeRO
+(``shard()``), where ``step()`` publishes the new weights to the other ranks.
+
 **Precision.** Parameters in fp32 are updated in place with fp32 states. bf16/fp16 parameters get
 an fp32 master copy in host RAM (``precision="fp32-master"``, the default; 16 bytes a parameter with
 the bf16 weight and gradient) and the weight is rewritten from it, rounded to nearest. With
@@ -30,7 +42,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,6 +55,60 @@ _PRECISIONS = ("fp32-master", "bf16")
 
 def _is_host(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype in _DTYPES
+
+
+class _Jobs:
+    """The optimizer's update jobs, run one at a time on a thread of their own (each kernel uses
+    every core). Without ZeRO the newest job runs first: once updates fall behind the backward,
+    the units whose gradients came last are the ones the next forward needs first. With ZeRO jobs
+    run in submission order, so that every rank issues its collectives in the same order."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: list[Callable[[], None]] = []
+        self._unfinished = 0
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.lifo = True
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="ramtorch-optim", daemon=True)
+                self._thread.start()
+            self._queue.append(job)
+            self._unfinished += 1
+            self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.pop() if self.lifo else self._queue.pop(0)
+            try:
+                job()  # jobs record their own errors
+            finally:
+                with self._cv:
+                    self._unfinished -= 1
+                    self._cv.notify_all()
+
+    def wait(self) -> None:
+        """Until every job submitted so far has finished."""
+        with self._cv:
+            while self._unfinished:
+                self._cv.wait()
+
+    def busy(self) -> bool:
+        return self._unfinished > 0
+
+    def close(self) -> None:
+        self.wait()
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
 
 
 class _HostOptimizer(torch.optim.Optimizer):
@@ -62,6 +127,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         *,
         precision: str = "fp32-master",
         overlap: bool = True,
+        pipeline: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
         if precision not in _PRECISIONS:
@@ -72,11 +138,10 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.precision = precision
         self.max_grad_norm = max_grad_norm
         self.overlap = overlap and max_grad_norm is None
+        self.pipeline = pipeline and self.overlap
         self._accumulating = 0
         self._seed = 0x5EED
-        self._jobs: list[Future[None]] = []
-        self._jobs_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ramtorch-optim")
+        self._jobs = _Jobs()
         # id(param) -> version of the gradient buffer the update used, for params updated during
         # the last backward (checked in step(): the gradient must not have changed since).
         self._done: dict[int, tuple[torch.Tensor, int]] = {}
@@ -144,8 +209,11 @@ class _HostOptimizer(torch.optim.Optimizer):
                 r = min(range(world), key=lambda k: (loads[k], k))
                 owner[id(p)] = r
                 loads[r] += p.numel()
+        self.drain()
         self._group, self._owner = group, owner
         self.zero_stage = stage
+        self._jobs.lifo = False  # collectives in the same order on every rank
+        self.pipeline = False  # step() publishes the new weights to the other ranks
         if stage == 1:
             self.overlap = False
         elif self.overlap:
@@ -222,49 +290,81 @@ class _HostOptimizer(torch.optim.Optimizer):
             bufs = eng.pending_buffers(p)
             if len(bufs) != 1:
                 continue  # several contributions: summed at the end of backward, updated in step()
-            work.append((p, entry[1], bufs[0]))
+            # The gradient accumulated before this backward, read now: by the time the job runs
+            # (pipelined steps) the end of backward may have made ``.grad`` this very buffer.
+            work.append((p, entry[1], bufs[0], p.grad))
         if not work:
             return
         marker = eng._core.marker()
-        for p, _, _ in work:
+        updated = []
+        for p, *_ in work:
             if self._owns(p):
                 self._done[id(p)] = (None, -1)  # the gradient it becomes is known after backward
+                updated.append(p)
             else:
                 self._reduced.add(id(p))  # ZeRO-2: reduced to its owner during backward
-        fut = self._pool.submit(self._run_job, eng, marker, work)
-        with self._jobs_lock:
-            self._jobs.append(fut)
+        update = _engine.Update(_describe(updated))
+        _engine.updates_begin(updated, update)
+        self._jobs.submit(lambda: self._run_job(eng, marker, work, updated, update))
 
-    def _run_job(self, eng: _engine.DeviceEngine, marker: int, work: list[Any]) -> None:
+    def _run_job(
+        self,
+        eng: _engine.DeviceEngine,
+        marker: int,
+        work: list[Any],
+        updated: list[torch.nn.Parameter],
+        update: _engine.Update,
+    ) -> None:
+        error: BaseException | None = None
         try:
-            eng._core.wait_marker(marker)
-            t = time.perf_counter()
-            for p, group, buf in work:
-                grad = buf if p.grad is None else p.grad + buf
-                if self._owner is not None:
-                    # ZeRO-2: this unit's gradients go to their owners now, while backward runs on.
-                    self._reduce_one(p, grad)
-                    if not self._owns(p):
-                        continue
-                self._update_host(p, grad, group, 1.0)
-            self.timings["in_backward_seconds"] += time.perf_counter() - t
-            self.timings["in_backward_updates"] += len(work)
-        except BaseException as e:  # noqa: BLE001 - surfaced by drain()/step()
-            self._error = e
+            self._update_job(eng, marker, work)
+        except BaseException as e:  # noqa: BLE001 - surfaced by drain()/step() and by readers
+            error = self._error = e
+        finally:
+            _engine.updates_end(updated, update, error)
+
+    def _update_job(self, eng: _engine.DeviceEngine, marker: int, work: list[Any]) -> None:
+        eng._core.wait_marker(marker)
+        t = time.perf_counter()
+        for p, group, buf, prior in work:
+            grad = buf if prior is None else prior + buf
+            if self._owner is not None:
+                # ZeRO-2: this unit's gradients go to their owners now, while backward runs on.
+                self._reduce_one(p, grad)
+                if not self._owns(p):
+                    continue
+            self._update_host(p, grad, group, 1.0)
+        self.timings["in_backward_seconds"] += time.perf_counter() - t
+        self.timings["in_backward_updates"] += len(work)
+
+    def synchronize(self) -> None:
+        """Waits for every update queued so far (see ``pipeline``); raises if one failed."""
+        self.drain()
+
+    def before_finish(self) -> None:
+        """Called by the engine at the end of backward, before it writes ``.grad``. Without
+        ``pipeline`` the updates made during backward are waited for (``backward()`` returns with
+        them done); with it they run on, unless a gradient they read is about to be added to."""
+        if not self.pipeline or self._owner is not None:
+            self.drain()
+            return
+        owned = self._param_ids()
+        if any(owned[pid][0].grad is not None for pid in self._done if pid in owned):
+            self.drain()
 
     def drain(self, interrupted: bool = False) -> None:
         """Waits for the updates queued during backward. After an interrupted backward the
         parameters already updated stay updated (the step is partly done; the error says so)."""
-        with self._jobs_lock:
-            jobs, self._jobs = self._jobs, []
-        for f in jobs:
-            f.result()
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"{type(self).__name__}: an update during backward failed: {err}") from err
+        self._jobs.wait()
+        self._raise_failed()
         if interrupted:
             self._done.clear()
             self._reduced.clear()
+
+    def _raise_failed(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"{type(self).__name__}: an update during backward failed: {err}") from err
 
     def after_finish(self) -> None:
         """Called by the engine once backward has written ``.grad``: remembers each gradient the
@@ -322,12 +422,15 @@ class _HostOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.drain()
-        done, self._done = self._done, {}
         # torch.amp.GradScaler hands us its scale and inf flag instead of unscaling the gradients
         # itself (see _step_supports_amp_scaling): unscaling is folded into the kernels.
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         self.grad_scale = self.found_inf = None
+        if self.pipeline and grad_scale is None and found_inf is None:
+            self._raise_failed()  # the updates of this step run on; the next forward waits for them
+        else:
+            self.drain()
+        done, self._done = self._done, {}
         if (grad_scale is not None or found_inf is not None) and done:
             raise RuntimeError(
                 f"{type(self).__name__}: a GradScaler is in use, but {len(done)} parameters were "
@@ -462,13 +565,32 @@ class _HostOptimizer(torch.optim.Optimizer):
     def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; zeroing gradients in place first waits for the
+        updates still reading them (``pipeline``)."""
+        if not set_to_none and self._jobs.busy():
+            self._jobs.wait()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``, once the pending updates are done."""
+        self.drain()
+        return super().state_dict()
+
     def __del__(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+        jobs = getattr(self, "_jobs", None)
+        if jobs is not None:
+            jobs.close()
 
 
 _LISTENING: Any = __import__("weakref").WeakSet()
+
+
+def _describe(params: list[torch.nn.Parameter]) -> str:
+    """Names a unit's parameters in messages: their count and shapes."""
+    shapes = ", ".join(str(tuple(p.shape)) for p in params[:4])
+    more = f", ... ({len(params)} in all)" if len(params) > 4 else ""
+    return f"parameters of shapes {shapes}{more}"
 
 
 def _first_diff(a: str, b: str) -> str:
@@ -492,6 +614,8 @@ class AdamW(_HostOptimizer):
         lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW``.
         precision: ``"fp32-master"`` (default) or ``"bf16"`` (bf16 states, stochastic rounding).
         overlap: update units during backward as their gradients land.
+        pipeline: let ``step()`` return while the last updates run on; the next forward waits
+            for each unit's update before streaming it (see the module documentation).
         max_grad_norm: clip the global gradient norm to this (disables the overlap).
     """
 
@@ -508,6 +632,7 @@ class AdamW(_HostOptimizer):
         maximize: bool = False,
         precision: str = "fp32-master",
         overlap: bool = True,
+        pipeline: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
@@ -515,7 +640,14 @@ class AdamW(_HostOptimizer):
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"AdamW: betas must be in [0, 1), got {betas}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
-        super().__init__(params, defaults, precision=precision, overlap=overlap, max_grad_norm=max_grad_norm)
+        super().__init__(
+            params,
+            defaults,
+            precision=precision,
+            overlap=overlap,
+            pipeline=pipeline,
+            max_grad_norm=max_grad_norm,
+        )
 
     def _kernel(
         self,
@@ -581,7 +713,7 @@ class AdamW(_HostOptimizer):
 class SGD(_HostOptimizer):
     """SGD with momentum (as :class:`torch.optim.SGD`), host parameters updated by Rust kernels,
     overlapped with backward. Arguments as ``torch.optim.SGD`` plus ``precision``, ``overlap``,
-    ``max_grad_norm`` (see :class:`AdamW`)."""
+    ``pipeline``, ``max_grad_norm`` (see :class:`AdamW`)."""
 
     _state_names = ("momentum_buffer",)
 
@@ -597,6 +729,7 @@ class SGD(_HostOptimizer):
         maximize: bool = False,
         precision: str = "fp32-master",
         overlap: bool = True,
+        pipeline: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
         if not lr >= 0 or not momentum >= 0 or not weight_decay >= 0:
@@ -613,7 +746,14 @@ class SGD(_HostOptimizer):
             "nesterov": nesterov,
             "maximize": maximize,
         }
-        super().__init__(params, defaults, precision=precision, overlap=overlap, max_grad_norm=max_grad_norm)
+        super().__init__(
+            params,
+            defaults,
+            precision=precision,
+            overlap=overlap,
+            pipeline=pipeline,
+            max_grad_norm=max_grad_norm,
+        )
 
     def _kernel(
         self,
@@ -667,7 +807,7 @@ class SGD(_HostOptimizer):
 class Lion(_HostOptimizer):
     """Lion (Chen et al., 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``, then
     ``m = b2*m + (1-b2)*g``. Host parameters through Rust kernels, overlapped with backward;
-    ``precision``, ``overlap``, ``max_grad_norm`` as in :class:`AdamW`."""
+    ``precision``, ``overlap``, ``pipeline``, ``max_grad_norm`` as in :class:`AdamW`."""
 
     _state_names = ("exp_avg",)
 
@@ -681,6 +821,7 @@ class Lion(_HostOptimizer):
         maximize: bool = False,
         precision: str = "fp32-master",
         overlap: bool = True,
+        pipeline: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
         if not lr >= 0 or not weight_decay >= 0:
@@ -688,7 +829,14 @@ class Lion(_HostOptimizer):
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"Lion: betas must be in [0, 1), got {betas}")
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
-        super().__init__(params, defaults, precision=precision, overlap=overlap, max_grad_norm=max_grad_norm)
+        super().__init__(
+            params,
+            defaults,
+            precision=precision,
+            overlap=overlap,
+            pipeline=pipeline,
+            max_grad_norm=max_grad_norm,
+        )
 
     def _kernel(
         self,
