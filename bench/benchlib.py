@@ -182,20 +182,38 @@ def measure(
     weight_bytes: int,
     params: int,
     fields: dict,
+    consecutive: Callable[[], object] | None = None,
 ) -> dict:
     """Warms ``fn`` up, times it and returns the record: ``fields`` (workload, tokens, …) plus the
-    common measurements, and ramtorch's own figures when ``system`` is ``ramtorch``."""
+    common measurements, and ramtorch's own figures when ``system`` is ``ramtorch``.
+
+    With ``consecutive`` (a function that waits for all of ``fn``'s work, e.g. an optimizer's
+    pending updates), the ``reps`` calls run back to back, as in a training loop, and the record's
+    time is their total (ended by ``consecutive`` and a device synchronize) over ``reps``: work a
+    call leaves running overlaps the next call, as it would in training."""
     warm(fn, warmup, device)
+    if consecutive is not None:
+        consecutive()
+        sync(device)
     reset_peak(device)
     base = gpu_allocated(device)
     before = ramtorch_stats() if system == "ramtorch" else {}
-    s, times = timeit(fn, reps, device)
+    if consecutive is None:
+        s, times = timeit(fn, reps, device)
+    else:
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        consecutive()
+        sync(device)
+        s, times = (time.perf_counter() - t) / reps, []
     rec = {
         **fields,
         "phase": phase,
         "system": system,
         "seconds": s,
         "seconds_all": times,
+        "timing": "per call" if consecutive is None else "consecutive calls",
         "gpu_peak_bytes": gpu_peak(device),
         "gpu_peak_above_base_bytes": gpu_peak(device) - base,
         "host_rss_bytes": rss(),

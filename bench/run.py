@@ -32,11 +32,19 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = {
-    "w1": ["resident", "ramtorch", "ramtorch-linear", "ramtorch-1.11", "ramtorch-1.11-linear", "accelerate"],
+    "w1": [
+        "resident",
+        "ramtorch",
+        "ramtorch-linear",
+        "ramtorch-1.11",
+        "ramtorch-1.11-linear",
+        "accelerate",
+        "fsdp2",
+    ],
     "w2": ["resident", "ramtorch", "accelerate", "ramtorch-1.11"],
 }
 BASELINE = ("ramtorch-1.11", "ramtorch-1.11-linear")  # run with PYTHONPATH=--baseline
-PEERS = ("resident", "accelerate", "ramtorch-1.11", "ramtorch-1.11-linear", "ramtorch-linear")
+PEERS = ("resident", "accelerate", "ramtorch-1.11", "ramtorch-1.11-linear", "ramtorch-linear", "fsdp2")
 
 
 def bandwidth(device: str = "cuda") -> dict[str, float]:
@@ -72,13 +80,15 @@ def bandwidth(device: str = "cuda") -> dict[str, float]:
             h2.copy_(d2, non_blocking=True)
 
     duplex = 2 * n / run(both) / 1e9
-    return {"h2d_gbps": h2d, "d2h_gbps": d2h, "duplex_gbps": duplex, "host_gbps": host_bandwidth()}
+    host = host_bandwidths()
+    return {"h2d_gbps": h2d, "d2h_gbps": d2h, "duplex_gbps": duplex, "host_gbps": max(host.values()), **host}
 
 
-def host_bandwidth() -> float:
-    """Host memory bandwidth in GB/s: the best of a 4 GiB copy (read + write), an in-place add
-    (``a += b``: two reads, one write, no write-allocate) and a read-only sum, all on every core.
-    An optimizer streams mostly in place, so a plain copy alone would understate what it can reach."""
+def host_bandwidths() -> dict[str, float]:
+    """Host memory bandwidth in GB/s of a 4 GiB copy (read + write), an in-place add (``a += b``:
+    two reads, one write, no write-allocate) and a read-only sum, all on every core. The limit
+    uses the best of them: an optimizer streams mostly in place, so a plain copy alone would
+    understate what it can reach."""
     a = torch.ones(1 << 30, dtype=torch.float32)
     b = torch.empty_like(a)
 
@@ -92,7 +102,11 @@ def host_bandwidth() -> float:
         return nbytes / min(t) / 1e9
 
     n = a.numel() * 4
-    return max(best(lambda: b.copy_(a), 2 * n), best(lambda: b.add_(a), 3 * n), best(lambda: a.sum(), n))
+    return {
+        "host_copy_gbps": best(lambda: b.copy_(a), 2 * n),
+        "host_add_gbps": best(lambda: b.add_(a), 3 * n),
+        "host_sum_gbps": best(lambda: a.sum(), n),
+    }
 
 
 def run_system(
@@ -192,7 +206,8 @@ def main() -> None:
         "--optimizers",
         nargs="+",
         default=["rust"],
-        help="W1 phase 'step' of ramtorch: rust, rust-bf16, torch-fused (one run each)",
+        help="W1 phase 'step' of ramtorch: rust, rust-pipeline, rust-bf16, rust-bf16-pipeline, "
+        "torch-fused (one run each)",
     )
     ap.add_argument("--seq", type=int, default=2048, help="W2 sequence length (batch 1)")
     ap.add_argument("--w2-gpu-cap", default=None, help="GPU memory cap of W2's offloading systems")

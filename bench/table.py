@@ -17,11 +17,13 @@ SYSTEM_ORDER = (
     "ramtorch-1.11",
     "ramtorch-1.11-linear",
     "accelerate",
+    "fsdp2",
     "resident",
 )
 PHASE_ORDER = ("forward", "forward_backward", "step")
 PEER_NAMES = {  # vs_<key> field → short name in the table
     "accelerate": "accelerate",
+    "fsdp2": "fsdp2",
     "ramtorch_1_11": "1.11",
     "ramtorch_1_11_linear": "1.11-linear",
     "ramtorch_linear": "linear",

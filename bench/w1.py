@@ -10,7 +10,17 @@ The model is ``layers`` blocks of ``Linear(d, f) → GELU → Linear(f, d)`` (no
 - ``ramtorch-1.11``: the original RamTorch 1.11 ``OffloadModel``, one chunk per block, ``window=2``
   (run with that package first on ``PYTHONPATH``);
 - ``ramtorch-1.11-linear``: the original RamTorch's per-layer ``ramtorch.Linear`` (same);
-- ``accelerate``: ``accelerate.cpu_offload(model, execution_device="cuda")``, forward only.
+- ``accelerate``: ``accelerate.cpu_offload(model, execution_device="cuda")``, forward only;
+- ``fsdp2``: PyTorch FSDP2 in this one process at world size 1 (a process group is started if none
+  is: NCCL on CUDA, gloo on the CPU): ``fully_shard(block, offload_policy=CPUOffloadPolicy(),
+  mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))`` on every block, then on
+  the root. The usual FSDP2 CPU-offload training recipe: each block is cast to fp32 before it is
+  sharded, so the sharded parameters in (pinned) host RAM are fp32 masters, as in ramtorch's
+  fp32-master mode, and compute runs in bf16. Host RAM holds 4 B/param of weights (16 with the
+  fp32 gradients and AdamW moments of phase ``step``); every all-gather copies the fp32 shard to
+  the GPU before casting it, and the gradients come back in fp32. Phase ``step`` uses
+  ``torch.optim.AdamW(fused=True)`` on the host DTensor parameters (``foreach`` if a fused probe
+  step fails; the record's ``optimizer`` says which).
 
 Weights are filled on the compute device and copied to the host where a system needs them there
 (initialising 3.8e9 parameters on the host would take minutes).
@@ -21,6 +31,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import socket
 import sys
 import time
 
@@ -32,7 +44,15 @@ from benchlib import (
 )
 from torch import nn
 
-SYSTEMS = ("resident", "ramtorch", "ramtorch-linear", "ramtorch-1.11", "ramtorch-1.11-linear", "accelerate")
+SYSTEMS = (
+    "resident",
+    "ramtorch",
+    "ramtorch-linear",
+    "ramtorch-1.11",
+    "ramtorch-1.11-linear",
+    "accelerate",
+    "fsdp2",
+)
 INFERENCE_ONLY = ("accelerate",)
 
 
@@ -86,6 +106,56 @@ def to_host(model: nn.Module) -> None:
         torch.cuda.empty_cache()
 
 
+def init_world_size_1(device: str) -> str | None:
+    """Starts a process group of world size 1 in this process when none is running (NCCL on CUDA,
+    gloo on the CPU); returns its backend, or None when one was already running."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return None
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1)
+    return backend
+
+
+def fsdp2(model: Stack, device: str) -> dict:
+    """Applies FSDP2 with CPU offload to every block and then to the root, in place; returns the
+    record's extra fields. Blocks are cast to fp32 one at a time on the compute device before
+    ``fully_shard`` (which moves the fp32 shard to host RAM), so the GPU never holds an fp32 copy
+    of the whole model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    backend = init_world_size_1(device)
+    mesh = init_device_mesh(torch.device(device).type, (1,))
+    # Pinning needs a CUDA driver; a CPU smoke run shards into pageable memory.
+    pin = device.startswith("cuda")
+    offload = CPUOffloadPolicy(pin_memory=pin)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        block.float()
+        fully_shard(block, mesh=mesh, offload_policy=offload, mp_policy=mp)
+    fully_shard(model, mesh=mesh, offload_policy=offload, mp_policy=mp)
+    n = sum(p.numel() for p in model.parameters())
+    return {
+        "process_group": backend or "existing",
+        "master_dtype": "float32",
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "pin_memory": pin,
+        "host_param_bytes": 4 * n,  # the fp32 sharded parameters (gradients: 4 more, AdamW: 8)
+        # Copies of the recipe, computed (not measured): each all-gather copies the fp32 shard to
+        # the GPU; blocks reshard after forward, so backward gathers them again; fp32 gradients.
+        "h2d_bytes_forward": 4 * n,
+        "h2d_bytes_forward_backward": 8 * n,
+        "d2h_bytes_backward": 4 * n,
+    }
+
+
 def wrap(system: str, model: Stack, device: str, budget: int | str | None) -> tuple[nn.Module, dict]:
     """Applies the system's offloading to the built model; returns the model to call and extra fields."""
     extra: dict = {}
@@ -107,10 +177,28 @@ def wrap(system: str, model: Stack, device: str, budget: int | str | None) -> tu
 
         to_host(model)
         model = accelerate.cpu_offload(model, execution_device=torch.device(device))
+    elif system == "fsdp2":
+        extra.update(fsdp2(model, device))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return model, extra
+
+
+def fused_adamw_works(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW steps these (FSDP2: host DTensor) parameters: one step of a
+    throwaway optimizer with ``lr=0`` and no weight decay on the smallest of them, which leaves the
+    weight unchanged."""
+    p = min(params, key=lambda t: t.numel())
+    try:
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p], lr=0.0, weight_decay=0.0, fused=True).step()
+        return True
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        print(f"fused AdamW unsupported here ({e!r:.200}); using foreach", file=sys.stderr)
+        return False
+    finally:
+        p.grad = None
 
 
 def make_optimizer(system: str, kind: str, params: list[torch.Tensor]) -> tuple[object, str, int]:
@@ -122,11 +210,19 @@ def make_optimizer(system: str, kind: str, params: list[torch.Tensor]) -> tuple[
     if system == "ramtorch" and kind.startswith("rust"):
         import ramtorch.optim as ropt
 
-        if kind == "rust-bf16":
-            return ropt.AdamW(params, lr=1e-5, precision="bf16"), "ramtorch.optim.AdamW(bf16)", 14 * nh
-        return ropt.AdamW(params, lr=1e-5), "ramtorch.optim.AdamW(fp32 master)", 28 * nh
+        pipe = kind.endswith("-pipeline")
+        tail = ", pipelined" if pipe else ""
+        if kind.startswith("rust-bf16"):
+            opt = ropt.AdamW(params, lr=1e-5, precision="bf16", pipeline=pipe)
+            return opt, f"ramtorch.optim.AdamW(bf16{tail})", 14 * nh
+        opt = ropt.AdamW(params, lr=1e-5, pipeline=pipe)
+        return opt, f"ramtorch.optim.AdamW(fp32 master{tail})", 28 * nh
     if system == "resident":
         return torch.optim.AdamW(params, lr=1e-5, fused=True), "torch.optim.AdamW(fused, GPU)", 0
+    if system == "fsdp2":  # fp32 sharded parameters, gradients and moments, all on the host
+        impl = "fused" if fused_adamw_works(params) else "foreach"
+        opt = torch.optim.AdamW(params, lr=1e-5, **{impl: True})
+        return opt, f"torch.optim.AdamW({impl}, CPU, fp32 FSDP2 shards)", 28 * nh
     # ramtorch-1.11 (its CPU parameters) and ramtorch with torch's optimizer: fused CPU AdamW on
     # the bf16 host weights (bf16 states).
     del n
@@ -147,8 +243,9 @@ def main() -> None:
     ap.add_argument(
         "--optimizer",
         default="rust",
-        choices=["rust", "rust-bf16", "torch-fused"],
-        help="phase 'step' of ramtorch: ramtorch.optim.AdamW (fp32 master, bf16 states) or torch's fused",
+        choices=["rust", "rust-pipeline", "rust-bf16", "rust-bf16-pipeline", "torch-fused"],
+        help="phase 'step' of ramtorch: ramtorch.optim.AdamW (fp32 master, bf16 states; -pipeline: "
+        "pipeline=True) or torch's fused",
     )
     # Hidden: run on the CPU with a tiny model, to check the harness without a GPU.
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -218,6 +315,9 @@ def main() -> None:
                 weight_bytes=wbytes,
                 params=nparams,
                 fields={"workload": "W1", "tokens": t, **extra},
+                # Training steps run back to back (a pipelined optimizer's updates overlap the
+                # next forward), ended by waiting for every update.
+                consecutive=(getattr(opt, "synchronize", lambda: None) if phase == "step" else None),
             )
             if a.system == "ramtorch-linear":
                 import ramtorch
@@ -230,6 +330,10 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
     if a.system == "ramtorch-1.11":
         model.close()
+    elif a.system == "fsdp2" and extra.get("process_group") != "existing":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
