@@ -456,3 +456,21 @@ def test_several_offloaded_models_share_the_device_slots():
             ref(ids).square().mean().backward()
             ours(ids).square().mean().backward()
             compare_grads(ref, ours)
+
+
+def test_a_larger_model_after_an_idle_one_gets_new_slots():
+    """An inference pass ends by prefetching the next pass's first units, which holds slots. A
+    second model with larger units makes the device's slots grow: the idle model's prefetches are
+    given back instead of the larger model failing (``cannot replace device slots``)."""
+    small = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    ramtorch.offload(small, device="cpu", unit=nn.Linear)
+    with torch.no_grad():
+        small(torch.randn(2, 8))
+    assert small._ramtorch_streamer.ahead  # the next pass's first unit is on its way
+    big = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+    ref = copy.deepcopy(big)
+    ramtorch.offload(big, device="cpu", unit=nn.Linear)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(big(x), ref(x))
+        assert small(torch.ones(2, 8)).shape == (2, 8)

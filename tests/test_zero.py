@@ -80,7 +80,14 @@ def worker(
         owned = sum(1 for p in model.parameters() if opt.state.get(p))
         params = [p.detach().clone() for p in model.parameters()]
         home = all(u.is_home() for u in model._ramtorch_streamer.streamed)  # never repacked
-        torch.save({"params": params, "owned": owned, "kept": kept, "home": home}, f"{out}.{rank}")
+        streamed = sum(
+            p.numel() * p.element_size() for u in model._ramtorch_streamer.streamed for p in u.params
+        )
+        d2h = ramtorch.stats()["devices"]["cpu"]["d2h_bytes"]
+        torch.save(
+            {"params": params, "owned": owned, "kept": kept, "home": home, "d2h": d2h, "streamed": streamed},
+            f"{out}.{rank}",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -105,6 +112,11 @@ def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage, sha
         # except those of units that were not streamed (updated in step()).
         for r in results:
             assert all(k < len(ref) for k in r["kept"])
+        # Gradients were reduced before they left the compute device: only their owner copied
+        # them to the host, so the ranks together copied each gradient once a step.
+        assert sum(r["d2h"] for r in results) == len(batches()) * results[0]["streamed"]
+    else:
+        assert all(r["d2h"] == len(batches()) * r["streamed"] for r in results)
 
 
 def test_zero1_with_global_norm_clipping_runs_everywhere(tmp_path):

@@ -153,7 +153,9 @@ class DeviceEngine:
     def _ensure_slots(self) -> None:
         if self._slot_bytes >= self._want_bytes and len(self._slots) >= self._want_count:
             return
-        self.drop_ahead()
+        # Speculative prefetches (of offloaded models that may not run again) hold slots: the
+        # slots are replaced, so every holder gives them back.
+        self.reclaim()
         if self._slots:
             # Kernels may still read the old slots: let them finish before torch reuses the memory.
             self.synchronize_compute()
@@ -318,6 +320,9 @@ class DeviceEngine:
                 if out is not None:
                     grad = out
         grad = grad.to(dtype=param.dtype).contiguous()
+        for listener in list(self._listeners):
+            if listener.reduce_grad(param, grad) is False:
+                return  # ZeRO-2: reduced onto the rank that owns it, which keeps it
         dst = _arena.host_empty(param.shape, param.dtype)
         nbytes = grad.numel() * grad.element_size()
         retired = self._core.copy_to_host(

@@ -31,8 +31,10 @@ _ALIGN = 64
 def init(backend: str | None = None, timeout_seconds: float = 300.0) -> tuple[int, int]:
     """Initialises ``torch.distributed`` from the environment that ``torchrun`` (or a launcher
     setting ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) provides;
-    returns ``(rank, world_size)``. The backend defaults to NCCL when CUDA is available (and the
-    current device becomes ``cuda:LOCAL_RANK``), else gloo. ``timeout_seconds`` bounds every
+    returns ``(rank, world_size)``. With CUDA the backend defaults to NCCL for CUDA tensors and
+    gloo for host tensors (``"cpu:gloo,cuda:nccl"``: ZeRO reduces gradients on the GPUs, and a few
+    host tensors, such as the global gradient norm, go through gloo), and the current device
+    becomes ``cuda:LOCAL_RANK``; without CUDA, gloo. ``timeout_seconds`` bounds every
     collective: a rank that dies mid-step makes the others raise after it instead of hanging.
     Already initialised: returns the current rank and size."""
     if dist.is_initialized():
@@ -44,8 +46,8 @@ def init(backend: str | None = None, timeout_seconds: float = 300.0) -> tuple[in
             "(launch with torchrun, or call torch.distributed.init_process_group yourself)"
         )
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
     return dist.get_rank(), dist.get_world_size()

@@ -149,6 +149,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self._group: Any = None
         self._owner: dict[int, int] | None = None  # id(param) -> rank updating it (ZeRO)
         self._reduced: set[int] = set()  # ZeRO-2: ids of others' parameters reduced in backward
+        self._reduced_dev: set[int] = set()  # ZeRO-2: ids of parameters reduced on the device
         if self.overlap:
             for e in _engine.engines():
                 e.add_listener(self)
@@ -221,6 +222,16 @@ class _HostOptimizer(torch.optim.Optimizer):
                 e.add_listener(self)
             _LISTENING.add(self)
         return self
+
+    def reduce_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool | None:
+        """Called by the engine with each gradient of a streamed parameter on the compute device,
+        before it leaves for the host. ZeRO-2 reduces it there, onto its owner (over NVLink/PCIe
+        with NCCL, not through host RAM); returns whether this rank keeps it (None: not ours)."""
+        if self._owner is None or self.zero_stage != 2 or id(p) not in self._owner:
+            return None
+        self._reduce_one(p, grad)
+        self._reduced_dev.add(id(p))
+        return self._owns(p)
 
     def _reduce_one(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -328,7 +339,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         t = time.perf_counter()
         for p, group, buf, prior in work:
             grad = buf if prior is None else prior + buf
-            if self._owner is not None:
+            if self._owner is not None and id(p) not in self._reduced_dev:
                 # ZeRO-2: this unit's gradients go to their owners now, while backward runs on.
                 self._reduce_one(p, grad)
                 if not self._owns(p):
@@ -360,6 +371,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         if interrupted:
             self._done.clear()
             self._reduced.clear()
+            self._reduced_dev.clear()
 
     def _raise_failed(self) -> None:
         if self._error is not None:
@@ -451,8 +463,9 @@ class _HostOptimizer(torch.optim.Optimizer):
                     "around the backward passes of micro-batches."
                 )
         reduced, self._reduced = self._reduced, set()
+        reduced_dev, self._reduced_dev = self._reduced_dev, set()
         if self._owner is not None:
-            self._zero_reduce(reduced | set(done))
+            self._zero_reduce(reduced | reduced_dev | set(done))
         scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         if self.max_grad_norm is not None:
             scale *= self._clip_scale(scale)
