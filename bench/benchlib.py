@@ -188,32 +188,39 @@ def measure(
     common measurements, and ramtorch's own figures when ``system`` is ``ramtorch``.
 
     With ``consecutive`` (a function that waits for all of ``fn``'s work, e.g. an optimizer's
-    pending updates), the ``reps`` calls run back to back, as in a training loop, and the record's
-    time is their total (ended by ``consecutive`` and a device synchronize) over ``reps``: work a
-    call leaves running overlaps the next call, as it would in training."""
+    pending updates), the calls run back to back, as in a training loop, and the record's time is
+    the steady-state time of one: the clock starts when the last warm-up call returns and stops
+    when the last timed call returns (each time after a device synchronize), so both ends are at
+    the same point of the loop: work a call leaves running (a pipelined optimizer's last updates)
+    is inside the window once, from the warm-up call, and the last timed call's is outside. Then
+    ``consecutive`` waits for it, untimed."""
     warm(fn, warmup, device)
-    if consecutive is not None:
-        consecutive()
-        sync(device)
+    if consecutive is not None and warmup < 1:
+        raise ValueError("consecutive timing needs a warm-up call (the loop's steady state)")
     reset_peak(device)
     base = gpu_allocated(device)
     before = ramtorch_stats() if system == "ramtorch" else {}
     if consecutive is None:
         s, times = timeit(fn, reps, device)
     else:
+        sync(device)
         t = time.perf_counter()
+        ends = []
         for _ in range(reps):
             fn()
+            sync(device)
+            ends.append(time.perf_counter() - t)
         consecutive()
         sync(device)
-        s, times = (time.perf_counter() - t) / reps, []
+        s = ends[-1] / reps
+        times = [b - a for a, b in zip([0.0, *ends[:-1]], ends)]
     rec = {
         **fields,
         "phase": phase,
         "system": system,
         "seconds": s,
         "seconds_all": times,
-        "timing": "per call" if consecutive is None else "consecutive calls",
+        "timing": "per call" if consecutive is None else "steady state of consecutive calls",
         "gpu_peak_bytes": gpu_peak(device),
         "gpu_peak_above_base_bytes": gpu_peak(device) - base,
         "host_rss_bytes": rss(),

@@ -29,6 +29,7 @@ Weights are filled on the compute device and copied to the host where a system n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -285,7 +286,11 @@ def main() -> None:
                     model.step(x, loss_fn=loss_of)
                     model.flush_grads()  # accumulated gradients to .grad (host, for streamed chunks)
                     return
-                loss_of(model(x)).backward()
+                # With ramtorch's optimizer built for phase step, backward would update weights as
+                # their gradients land: accumulate() keeps this phase forward+backward alone.
+                acc = getattr(opt, "accumulate", None)
+                with acc() if acc is not None else contextlib.nullcontext():
+                    loss_of(model(x)).backward()
                 if a.system == "ramtorch":
                     import ramtorch
 
