@@ -4,6 +4,9 @@ Writes a checkpoint of about ``--gib`` GiB (sharded, Hugging Face layout) to a t
 then times each method in a fresh subprocess (so peak RSS, from ``VmHWM``, is per method; it is
 reset just before the timed part). Prints one JSON line per method. The files are read from the page
 cache after the first run (warm), so this measures copying and conversion, not the disk.
+Peak memory is reported as VmHWM and, sampled every 5 ms, as its two parts: anonymous memory
+(``peak_anon_gib``: the process's own copies) and mapped file pages (``peak_file_mapped_gib``: page
+cache, shared and reclaimable).
 
     python bench/load.py --gib 0.2
     python bench/load.py --gib 8 --dtype bf16 --file-dtype f32 --keep /tmp/ckpt
@@ -17,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +61,30 @@ def reset_peak() -> None:
         pass
 
 
+class PeakSampler:
+    """Samples RssAnon (the process's own memory) and RssFile (mapped file pages, which live in the
+    page cache) every few milliseconds; VmHWM alone counts both together."""
+
+    def __init__(self) -> None:
+        self.peak = {"RssAnon": 0.0, "RssFile": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for k in self.peak:
+                self.peak[k] = max(self.peak[k], rss_gib(k))
+            self._stop.wait(0.005)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def child(args: argparse.Namespace) -> None:
     ckpt = Path(args.dir)
     result: dict[str, object] = {"method": args.child, "gib": args.gib}
@@ -65,10 +93,12 @@ def child(args: argparse.Namespace) -> None:
 
         model = ramtorch.offload(build(args.layers, args.d, DTYPES[args.dtype]), device="cpu", progress=False)
         result["rss_before_gib"] = rss_gib("VmRSS")
+        result["anon_before_gib"] = rss_gib("RssAnon")
         reset_peak()
-        t0 = time.perf_counter()
-        res = ramtorch.load(model, ckpt, progress=False)
-        seconds = time.perf_counter() - t0
+        with PeakSampler() as peaks:
+            t0 = time.perf_counter()
+            res = ramtorch.load(model, ckpt, progress=False)
+            seconds = time.perf_counter() - t0
         nbytes = res["bytes"]
     else:
         from safetensors.torch import load_file
@@ -76,16 +106,18 @@ def child(args: argparse.Namespace) -> None:
         pin = torch.cuda.is_available()
         dtype = DTYPES[args.dtype]
         result["rss_before_gib"] = rss_gib("VmRSS")
+        result["anon_before_gib"] = rss_gib("RssAnon")
         reset_peak()
-        t0 = time.perf_counter()
-        state: dict[str, torch.Tensor] = {}
-        nbytes = 0
-        for f in sorted(ckpt.glob("*.safetensors")):
-            for k, v in load_file(f).items():
-                nbytes += v.numel() * v.element_size()
-                v = v.to(dtype)
-                state[k] = v.pin_memory() if pin else v.clone()
-        seconds = time.perf_counter() - t0
+        with PeakSampler() as peaks:
+            t0 = time.perf_counter()
+            state: dict[str, torch.Tensor] = {}
+            nbytes = 0
+            for f in sorted(ckpt.glob("*.safetensors")):
+                for k, v in load_file(f).items():
+                    nbytes += v.numel() * v.element_size()
+                    v = v.to(dtype)
+                    state[k] = v.pin_memory() if pin else v.clone()
+            seconds = time.perf_counter() - t0
         result["pinned"] = pin
         if not pin:
             result["note"] = "no CUDA: .clone() stands in for .pin_memory()"
@@ -94,6 +126,8 @@ def child(args: argparse.Namespace) -> None:
         file_bytes=nbytes,
         gbps=round(nbytes / seconds / 1e9, 3),
         peak_rss_gib=round(rss_gib("VmHWM"), 3),
+        peak_anon_gib=round(peaks.peak["RssAnon"], 3),
+        peak_file_mapped_gib=round(peaks.peak["RssFile"], 3),
     )
     print(json.dumps(result), flush=True)
 

@@ -398,6 +398,7 @@ impl SafetensorsFile {
                 )));
             }
             copy_bytes(src, dst);
+            self.drop_pages(t.start, t.end);
             return Ok(());
         }
         let (Some(from), Some(to)) = (Float::of(t.dtype), Float::of(dst_dtype)) else {
@@ -419,7 +420,22 @@ impl SafetensorsFile {
             )));
         }
         convert(src, from, dst, to);
+        self.drop_pages(t.start, t.end);
         Ok(())
+    }
+
+    /// Unmaps the pages of `start..end` from this process once they are copied, so a load of
+    /// many tensors holds at most one tensor's worth of mapped file pages (the resident set stays
+    /// at one copy of the model); the page cache keeps them, and a later read maps them again.
+    fn drop_pages(&self, start: usize, end: usize) {
+        // SAFETY: the mapping is read-only and backed by the file: a page dropped here is mapped
+        // again from the page cache on the next access, with the same contents, so no reference
+        // into the map (this thread's or another's, on a shared boundary page) sees a change.
+        // Failure only leaves the pages mapped.
+        let _ = unsafe {
+            self.map
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
     }
 }
 
