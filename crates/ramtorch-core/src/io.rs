@@ -287,6 +287,7 @@ fn tensor_info(
 /// A memory-mapped, validated `.safetensors` file.
 pub struct SafetensorsFile {
     path: PathBuf,
+    file: File,
     map: Mmap,
     header: Header,
     index: HashMap<String, usize>,
@@ -345,6 +346,7 @@ impl SafetensorsFile {
             .collect();
         Ok(Self {
             path,
+            file,
             map,
             header,
             index,
@@ -397,9 +399,19 @@ impl SafetensorsFile {
                     src.len()
                 )));
             }
-            copy_bytes(src, dst);
-            self.drop_pages(t.start, t.end);
-            return Ok(());
+            if src.len() < PARALLEL_BYTES {
+                dst.copy_from_slice(src);
+                self.drop_pages(t.start, t.end);
+                return Ok(());
+            }
+            // Large tensors are read from the page cache straight into `dst` by all cores
+            // (positioned reads: no page-table work for the file's pages, which mapped reads pay
+            // one page fault at a time).
+            let ch = CHUNK_ELEMS * 4;
+            return dst
+                .par_chunks_mut(ch)
+                .enumerate()
+                .try_for_each(|(i, d)| self.read_at(d, t.start + i * ch, &what));
         }
         let (Some(from), Some(to)) = (Float::of(t.dtype), Float::of(dst_dtype)) else {
             return Err(Error::InvalidArgument(format!(
@@ -419,9 +431,30 @@ impl SafetensorsFile {
                 t.numel
             )));
         }
-        convert(src, from, dst, to);
-        self.drop_pages(t.start, t.end);
-        Ok(())
+        let (ss, ds) = (from.size(), to.size());
+        if src.len().max(dst.len()) < PARALLEL_BYTES {
+            convert_chunk(src, from, dst, to);
+            self.drop_pages(t.start, t.end);
+            return Ok(());
+        }
+        // Each core reads a chunk from the page cache into a buffer of its own and converts it.
+        dst.par_chunks_mut(CHUNK_ELEMS * ds)
+            .enumerate()
+            .try_for_each_init(Vec::new, |buf: &mut Vec<u8>, (i, d)| {
+                buf.resize(d.len() / ds * ss, 0);
+                self.read_at(buf, t.start + i * CHUNK_ELEMS * ss, &what)?;
+                convert_chunk(buf, from, d, to);
+                Ok(())
+            })
+    }
+
+    /// Reads `buf.len()` bytes of the file at `offset` (a file cut short since it was validated
+    /// is an error, where a mapped read would crash the process).
+    fn read_at(&self, buf: &mut [u8], offset: usize, what: &dyn Fn() -> String) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file.read_exact_at(buf, offset as u64).map_err(|e| {
+            Error::InvalidArgument(format!("{}: reading the file failed: {e}", what()))
+        })
     }
 
     /// Unmaps the pages of `start..end` from this process once they are copied, so a load of
@@ -462,28 +495,6 @@ impl Float {
             Float::F32 => 4,
             Float::BF16 | Float::F16 => 2,
         }
-    }
-}
-
-fn copy_bytes(src: &[u8], dst: &mut [u8]) {
-    if src.len() < PARALLEL_BYTES {
-        dst.copy_from_slice(src);
-    } else {
-        let ch = CHUNK_ELEMS * 4;
-        dst.par_chunks_mut(ch)
-            .zip(src.par_chunks(ch))
-            .for_each(|(d, s)| d.copy_from_slice(s));
-    }
-}
-
-fn convert(src: &[u8], from: Float, dst: &mut [u8], to: Float) {
-    let (ss, ds) = (from.size(), to.size());
-    if src.len().max(dst.len()) < PARALLEL_BYTES {
-        convert_chunk(src, from, dst, to);
-    } else {
-        dst.par_chunks_mut(CHUNK_ELEMS * ds)
-            .zip(src.par_chunks(CHUNK_ELEMS * ss))
-            .for_each(|(d, s)| convert_chunk(s, from, d, to));
     }
 }
 
@@ -677,6 +688,31 @@ mod tests {
         let mut o2 = vec![0u8; n * 4];
         f.copy_tensor("w", &mut o2, Dtype::F32).unwrap();
         assert_eq!(o2, a);
+    }
+
+    #[test]
+    fn file_cut_short_after_opening_is_an_error() {
+        let n = 2 * CHUNK_ELEMS;
+        let a = f32_bytes(&vec![1.5f32; n]);
+        let bytes = safetensors::tensor::serialize(
+            [("w", TensorView::new(Dtype::F32, vec![n], &a).unwrap())],
+            None,
+        )
+        .unwrap();
+        let t = Tmp::new(&bytes);
+        let f = SafetensorsFile::open(&t.0).unwrap();
+        // Another process truncates the file after it was validated.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&t.0)
+            .unwrap()
+            .set_len((bytes.len() - a.len() / 2) as u64)
+            .unwrap();
+        for (dtype, size) in [(Dtype::F32, 4), (Dtype::BF16, 2)] {
+            let mut o = vec![0u8; n * size];
+            let e = f.copy_tensor("w", &mut o, dtype).unwrap_err().to_string();
+            assert!(e.contains("reading the file failed"), "{e}");
+        }
     }
 
     #[test]
