@@ -29,20 +29,11 @@ import sys
 import time
 
 import torch
+import w1
+import w2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = {
-    "w1": [
-        "resident",
-        "ramtorch",
-        "ramtorch-linear",
-        "ramtorch-1.11",
-        "ramtorch-1.11-linear",
-        "accelerate",
-        "fsdp2",
-    ],
-    "w2": ["resident", "ramtorch", "accelerate", "ramtorch-1.11"],
-}
+SYSTEMS = {"w1": list(w1.SYSTEMS), "w2": list(w2.SYSTEMS)}
 BASELINE = ("ramtorch-1.11", "ramtorch-1.11-linear")  # run with PYTHONPATH=--baseline
 PEERS = ("resident", "accelerate", "ramtorch-1.11", "ramtorch-1.11-linear", "ramtorch-linear", "fsdp2")
 
