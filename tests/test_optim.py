@@ -447,3 +447,23 @@ def test_a_failed_pipelined_update_is_raised_by_its_readers():
         ours(x)  # the forward reaches the unit whose update failed
     with pytest.raises(RuntimeError, match="optimizer update of parameters of shapes"):
         ours(x)  # its weights stay refused
+
+
+def test_pipelined_updates_use_the_learning_rate_of_their_step():
+    """A scheduler stepping right after opt.step() must not change the learning rate of the
+    updates of that step still queued (pipelined)."""
+    ref, ours = pair("cpu")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=True)
+    s_ref = torch.optim.lr_scheduler.LambdaLR(o_ref, lambda k: 0.5**k)
+    s_ours = torch.optim.lr_scheduler.LambdaLR(o_ours, lambda k: 0.5**k)
+    slow_updates(o_ours, 0.01)
+    for _ in range(4):
+        x = torch.randn(5, 8)
+        for model, opt, sched in ((ref, o_ref, s_ref), (ours, o_ours, s_ours)):
+            loss_of(model, x).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    ramtorch.synchronize()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)

@@ -303,7 +303,10 @@ class _HostOptimizer(torch.optim.Optimizer):
                 continue  # several contributions: summed at the end of backward, updated in step()
             # The gradient accumulated before this backward, read now: by the time the job runs
             # (pipelined steps) the end of backward may have made ``.grad`` this very buffer.
-            work.append((p, entry[1], bufs[0], p.grad))
+            # The group's hyperparameters as they are for this step: with pipelined steps a
+            # scheduler may change them (scheduler.step() after opt.step()) before the job runs.
+            hyper = {k: v for k, v in entry[1].items() if k != "params"}
+            work.append((p, hyper, bufs[0], p.grad))
         if not work:
             return
         marker = eng._core.marker()
