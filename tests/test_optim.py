@@ -432,7 +432,7 @@ def test_readers_wait_for_pipelined_updates():
         opt.zero_grad()
 
 
-def test_a_failed_pipelined_update_is_raised_by_its_readers():
+def test_a_failed_pipelined_update_is_raised_by_its_readers(tmp_path):
     _, ours = pair("cpu")
     opt = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=True)
     x = torch.randn(4, 8)
@@ -440,6 +440,9 @@ def test_a_failed_pipelined_update_is_raised_by_its_readers():
     opt.step()
     opt.zero_grad()
     opt.synchronize()
+    ramtorch.save_checkpoint(tmp_path / "ckpt.safetensors", ours, opt)
+    with torch.no_grad():
+        expected = ours(x)
     slow_updates(opt, 0.0, fail=ours.blocks[1].up.weight)
     loss_of(ours, x).backward()
     with pytest.raises(RuntimeError, match="injected failure"):
@@ -447,6 +450,10 @@ def test_a_failed_pipelined_update_is_raised_by_its_readers():
         ours(x)  # the forward reaches the unit whose update failed
     with pytest.raises(RuntimeError, match="optimizer update of parameters of shapes"):
         ours(x)  # its weights stay refused
+    # Loading the weights again clears the failure.
+    ramtorch.load_checkpoint(tmp_path / "ckpt.safetensors", ours, opt)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), expected)
 
 
 def test_pipelined_updates_use_the_learning_rate_of_their_step():

@@ -179,6 +179,8 @@ def mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
             msg = str(e)
         with open(f"{out}.{rank}", "w") as fh:
             fh.write(msg)
+        # Rank 0 hosts the rendezvous store: no rank tears down while another still uses it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -73,6 +73,25 @@ def updates_end(params: Sequence[torch.Tensor], update: Update, error: BaseExcep
     update.done.set()
 
 
+def discard_failed_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> dict[int, Update]:
+    """Forgets failed updates of ``params``, whose weights are about to be overwritten (a load);
+    returns them for :func:`restore_failed_updates` should the load fail."""
+    out = {}
+    with _UPDATES_LOCK:
+        for p in params:
+            u = _UPDATES.get(id(p))
+            if u is not None and u.done.is_set() and u.error is not None:
+                out[id(p)] = _UPDATES.pop(id(p))
+    return out
+
+
+def restore_failed_updates(failed: dict[int, Update]) -> None:
+    """Flags again weights a failed load did not replace (see :func:`discard_failed_updates`)."""
+    with _UPDATES_LOCK:
+        for pid, u in failed.items():
+            _UPDATES.setdefault(pid, u)
+
+
 def updating(params: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> bool:
     """Whether an update of any of ``params`` is still running (cheap when none is)."""
     return bool(_UPDATES) and any(id(p) in _UPDATES for p in params)
@@ -92,7 +111,8 @@ def wait_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor] | None 
         u.done.wait()
         if u.error is not None:
             raise RuntimeError(
-                f"ramtorch: the optimizer update of {u.name} failed, so its weights are not valid: {u.error}"
+                f"ramtorch: the optimizer update of {u.name} failed, so its weights are not valid "
+                f"(load them again: ramtorch.load_checkpoint or ramtorch.load): {u.error}"
             ) from u.error
 
 

@@ -457,8 +457,15 @@ def load_checkpoint(
         raise CheckpointError(
             f"{path} is not a readable safetensors checkpoint (truncated or corrupt?): {e}"
         ) from e
-    with handle as f:
-        return _load(path, f, model, optimizer, map_rng=map_rng, strict=strict, progress=progress)
+    # Weights a failed optimizer update left half written are about to be replaced; they stay
+    # flagged if the load fails.
+    failed = _engine.discard_failed_updates(model.parameters())
+    try:
+        with handle as f:
+            return _load(path, f, model, optimizer, map_rng=map_rng, strict=strict, progress=progress)
+    except BaseException:
+        _engine.restore_failed_updates(failed)
+        raise
 
 
 def _load(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _arena, _core
+from . import _arena, _core, _engine
 
 __all__ = ["load", "save"]
 
@@ -142,9 +142,22 @@ def load(
     Tensors that several names share (tied weights) are filled once. Floating tensors are
     converted to each target's dtype (F32/BF16/F16 while copying; other pairs through torch).
     """
+    t0 = time.perf_counter()
+    # Weights a failed optimizer update left half written are about to be replaced; they stay
+    # flagged if the load fails.
+    failed = _engine.discard_failed_updates(model.parameters())
+    try:
+        return _load_into(model, path_or_dir, strict, progress, t0)
+    except BaseException:
+        _engine.restore_failed_updates(failed)
+        raise
+
+
+def _load_into(
+    model: nn.Module, path_or_dir: str | os.PathLike[str], strict: bool, progress: bool | None, t0: float
+) -> dict[str, Any]:
     from . import synchronize  # here, not at the top: ramtorch/__init__ imports this module
 
-    t0 = time.perf_counter()
     synchronize()  # weights may be in flight to a device
     targets, groups = _targets(model)
 
