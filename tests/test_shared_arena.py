@@ -160,6 +160,7 @@ def _worker(scenario: str, rank: int, world: int, port: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     result = SCENARIOS[scenario](rank, world)
     Path(out, f"{scenario}-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # rank 0 hosts the rendezvous store: nobody tears down while it is in use
     dist.destroy_process_group()
 
 

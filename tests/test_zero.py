@@ -88,6 +88,7 @@ def worker(
             {"params": params, "owned": owned, "kept": kept, "home": home, "d2h": d2h, "streamed": streamed},
             f"{out}.{rank}",
         )
+        dist.barrier()  # rank 0 hosts the rendezvous store: nobody tears down while it is in use
     finally:
         dist.destroy_process_group()
 
