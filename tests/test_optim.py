@@ -474,3 +474,30 @@ def test_pipelined_updates_use_the_learning_rate_of_their_step():
             opt.zero_grad()
     ramtorch.synchronize()
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_dropped_with_pipelined_updates_pending_is_freed():
+    import gc
+    import weakref
+
+    _, ours = pair("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=True)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        loss_of(ours, x).backward()
+        opt.step()
+        opt.zero_grad()
+    slow_updates(opt, 0.01)
+    loss_of(ours, x).backward()
+    opt.step()
+    worker = opt._jobs._thread
+    ref = weakref.ref(opt)
+    del opt
+    ours(x)  # the forward waits for the pending updates, which held the optimizer
+    for _ in range(100):
+        gc.collect()
+        if ref() is None and not worker.is_alive():
+            break
+        worker.join(timeout=0.05)
+    assert ref() is None  # its states (host RAM) are freed
+    assert not worker.is_alive()  # and its thread is gone

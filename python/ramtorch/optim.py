@@ -94,6 +94,9 @@ class _Jobs:
                 with self._cv:
                     self._unfinished -= 1
                     self._cv.notify_all()
+            # A job holds its optimizer: dropped now, not when the next job comes (an optimizer
+            # deleted with updates pending is freed, and closes this thread, right here).
+            del job
 
     def wait(self) -> None:
         """Until every job submitted so far has finished."""
