@@ -50,15 +50,27 @@ class Update:
         self.error: BaseException | None = None
 
 
-_UPDATES: dict[int, Update] = {}  # id(param) -> its pending update
+# id(param) -> (the parameter, weakly, and its pending or failed update). The weak reference
+# tells a parameter from a later tensor that got the same id after it was freed.
+_UPDATES: dict[int, tuple[weakref.ref[torch.Tensor], Update]] = {}
 _UPDATES_LOCK = threading.Lock()
+
+
+def _lookup(p: torch.Tensor) -> Update | None:
+    entry = _UPDATES.get(id(p))
+    if entry is None:
+        return None
+    if entry[0]() is not p:  # a freed parameter's entry
+        _UPDATES.pop(id(p), None)
+        return None
+    return entry[1]
 
 
 def updates_begin(params: Sequence[torch.Tensor], update: Update) -> None:
     """``params`` are being rewritten by ``update`` until :func:`updates_end`."""
     with _UPDATES_LOCK:
         for p in params:
-            _UPDATES[id(p)] = update
+            _UPDATES[id(p)] = (weakref.ref(p), update)
 
 
 def updates_end(params: Sequence[torch.Tensor], update: Update, error: BaseException | None = None) -> None:
@@ -68,33 +80,36 @@ def updates_end(params: Sequence[torch.Tensor], update: Update, error: BaseExcep
         update.error = error
         if error is None:
             for p in params:
-                if _UPDATES.get(id(p)) is update:
+                if _lookup(p) is update:
                     del _UPDATES[id(p)]
     update.done.set()
 
 
-def discard_failed_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> dict[int, Update]:
+def discard_failed_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> dict[int, Any]:
     """Forgets failed updates of ``params``, whose weights are about to be overwritten (a load);
     returns them for :func:`restore_failed_updates` should the load fail."""
     out = {}
     with _UPDATES_LOCK:
         for p in params:
-            u = _UPDATES.get(id(p))
+            u = _lookup(p)
             if u is not None and u.done.is_set() and u.error is not None:
                 out[id(p)] = _UPDATES.pop(id(p))
     return out
 
 
-def restore_failed_updates(failed: dict[int, Update]) -> None:
+def restore_failed_updates(failed: dict[int, Any]) -> None:
     """Flags again weights a failed load did not replace (see :func:`discard_failed_updates`)."""
     with _UPDATES_LOCK:
-        for pid, u in failed.items():
-            _UPDATES.setdefault(pid, u)
+        for pid, entry in failed.items():
+            _UPDATES.setdefault(pid, entry)
 
 
 def updating(params: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> bool:
     """Whether an update of any of ``params`` is still running (cheap when none is)."""
-    return bool(_UPDATES) and any(id(p) in _UPDATES for p in params)
+    if not _UPDATES:
+        return False
+    with _UPDATES_LOCK:
+        return any(_lookup(p) is not None for p in params)
 
 
 def wait_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor] | None = None) -> None:
@@ -104,9 +119,9 @@ def wait_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor] | None 
         return
     with _UPDATES_LOCK:
         if params is None:
-            pending = set(_UPDATES.values())
+            pending = {u for ref, u in _UPDATES.values() if ref() is not None}
         else:
-            pending = {u for u in (_UPDATES.get(id(p)) for p in params) if u is not None}
+            pending = {u for u in (_lookup(p) for p in params) if u is not None}
     for u in pending:
         u.done.wait()
         if u.error is not None:
