@@ -171,6 +171,10 @@ class DeviceEngine:
         self._held = 0
         self.layer_counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Per-layer Linear: id(layer) -> [layer (weakly), forwards that will push gradients,
+        # backwards that pushed them] since the last end of backward. Equal counts: every
+        # gradient of the layer for this backward is on its way (see grads_complete).
+        self._layer_counts: dict[int, list[Any]] = {}
         self.tracing = False  # set by ramtorch.trace
         # Gradient copies in flight: their device sources, oldest first, freed as they complete.
         self._grad_sources: deque[torch.Tensor] = deque()
@@ -382,6 +386,7 @@ class DeviceEngine:
         # The optimizer step comes next: weights may change in ways no version counter sees.
         self.drop_ahead()
         self._core.invalidate()
+        self._layer_counts.clear()
         for listener in list(self._listeners):
             listener.before_finish()
         if not self._pending and not self._grad_sources:
@@ -416,6 +421,7 @@ class DeviceEngine:
             self._core.synchronize()
             self._grad_sources.clear()
             self._pending.clear()
+            self._layer_counts.clear()
             return True
         return False
 
@@ -426,6 +432,23 @@ class DeviceEngine:
         ``params`` for this backward is on its way to the host; ``listener.before_finish()`` before
         the gradients are written to ``.grad``."""
         self._listeners.add(listener)
+
+    def count_forward(self, layer: Any) -> None:
+        """A per-layer Linear ran a forward whose backward will push its gradients."""
+        entry = self._layer_counts.get(id(layer))
+        if entry is None or entry[0]() is not layer:
+            entry = self._layer_counts[id(layer)] = [weakref.ref(layer), 0, 0]
+        entry[1] += 1
+
+    def count_backward(self, layer: Any, params: list[torch.nn.Parameter]) -> None:
+        """A per-layer Linear's backward pushed its gradients; once every forward counted since
+        the last end of backward has had its backward, the optimizers may update the layer."""
+        entry = self._layer_counts.get(id(layer))
+        if entry is None or entry[0]() is not layer:
+            return  # its forward was not counted (it ran before the last end of backward)
+        entry[2] += 1
+        if entry[2] == entry[1] and params:
+            self.grads_complete(params)
 
     def grads_complete(self, params: list[torch.nn.Parameter]) -> None:
         for listener in list(self._listeners):

@@ -460,6 +460,9 @@ def load_checkpoint(
     # Weights a failed optimizer update left half written are about to be replaced; they stay
     # flagged if the load fails.
     failed = _engine.discard_failed_updates(model.parameters())
+    forget = getattr(optimizer, "_forget_failed", None)
+    if forget is not None:
+        forget()  # the optimizer state is replaced too
     try:
         with handle as f:
             return _load(path, f, model, optimizer, map_rng=map_rng, strict=strict, progress=progress)

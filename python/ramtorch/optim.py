@@ -379,6 +379,12 @@ class _HostOptimizer(torch.optim.Optimizer):
             self._reduced.clear()
             self._reduced_dev.clear()
 
+    def _forget_failed(self) -> None:
+        """Waits for the queued updates and drops the error of a failed one (a load replaces
+        what it left)."""
+        self._jobs.wait()
+        self._error = None
+
     def _raise_failed(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
@@ -399,8 +405,9 @@ class _HostOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but states of host parameters keep their
-        own dtype (fp32 master and moments of a bf16 parameter stay fp32) and live in host RAM."""
-        self.drain()
+        own dtype (fp32 master and moments of a bf16 parameter stay fp32) and live in host RAM.
+        A failed update of this optimizer is forgotten: the loaded state replaces what it left."""
+        self._forget_failed()
         original = state_dict["state"]
         super().load_state_dict(state_dict)
         self.__dict__.pop("_ids_cache", None)

@@ -52,8 +52,12 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
-        x, weight, bias = ctx.saved_tensors
+        # The saved parameters only let autograd detect in-place changes since forward; under
+        # activation checkpointing they come back as other tensor objects, so the gradients go
+        # to the layer's own parameters.
+        x, _, _ = ctx.saved_tensors
         layer: Linear = ctx.layer
+        weight, bias = layer.weight, layer.bias
         cdtype: torch.dtype = ctx.cdtype
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.need_w, ctx.need_b
         eng = _engine.engine_for(layer.compute_device)
@@ -71,6 +75,7 @@ class _LinearFn(torch.autograd.Function):
                 # Reduce over the leading dims as nn.Linear's backward does (same summation order).
                 gb = g if g.dim() == 1 else g.sum(dim=tuple(range(g.dim() - 1)))
                 eng.push_grad(bias, gb, layer.max_inflight)
+            eng.count_backward(layer, [p for p, need in ((weight, need_w), (bias, need_b)) if need])
             eng.queue_finish()
         return gx, None, None
 
@@ -238,6 +243,11 @@ class Linear(nn.Linear):
             self._rehome()
         b = self.bias
         wants_grad = self.weight.requires_grad or (b is not None and b.requires_grad)
+        if wants_grad and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            # Counted so that optimizers can update this layer during backward, as soon as the
+            # backward of every such forward has pushed its gradients (a recomputation inside
+            # backward is not counted: its backward is the original forward's).
+            _engine.engine_for(self.compute_device).count_forward(self)
         return _LinearFn.apply(input, self._anchor if wants_grad else None, self)
 
     def extra_repr(self) -> str:
