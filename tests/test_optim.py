@@ -306,11 +306,33 @@ def test_grad_scaler_with_overlap_off_matches_torch():
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
 
 
-def test_grad_scaler_with_overlap_on_is_refused():
+@pytest.mark.parametrize("linear", [False, True], ids=["offload", "per-layer"])
+def test_grad_scaler_from_the_first_step_turns_overlap_off(linear):
+    ref, ours = linear_pair() if linear else pair("cpu")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2)  # overlap on by default
+    s_ref = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    s_ours = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for model, opt, scaler in ((ref, o_ref, s_ref), (ours, o_ours, s_ours)):
+            scaler.scale(loss_of(model, x)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+    assert not o_ours.overlap and o_ours.timings["in_backward_updates"] == 0
+
+
+def test_grad_scaler_after_overlapped_steps_is_refused():
     _, ours = pair("cpu")
     opt = ropt.AdamW(ours.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     x = torch.randn(4, 8)
+    for _ in range(2):  # the second step's updates run during backward
+        loss_of(ours, x).backward()
+        opt.step()
+        opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(loss_of(ours, x)).backward()
     with pytest.raises(RuntimeError, match="Pass overlap=False with a GradScaler"):
         scaler.step(opt)
@@ -543,6 +565,9 @@ def test_per_layer_linear_weights_are_updated_during_backward():
     _, ours = linear_pair()
     opt = ropt.AdamW(ours.parameters(), lr=1e-2)
     x = torch.randn(4, 8)
+    loss_of(ours, x).backward()  # the first step updates in step()
+    opt.step()
+    opt.zero_grad()
     before = ours.a.weight.detach().clone()
     loss_of(ours, x).backward()
     assert not torch.equal(before, ours.a.weight)  # changed before step() was called

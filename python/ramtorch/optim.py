@@ -15,8 +15,11 @@ accumulation over micro-batches: the update then happens in the final, unwrapped
 gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a ``GradScaler``
 unscaling them), an update made during backward would have used the unchanged ones: ``step()``
 detects it and raises. Use ``max_grad_norm=`` for clipping (global-norm clipping needs every
-gradient, so the updates then run in ``step()``: the overlap is lost) and ``overlap=False`` with a
-``GradScaler``, whose unscaling and inf check are then folded into the kernels.
+gradient, so the updates then run in ``step()``: the overlap is lost). The first step's updates
+always run in ``step()``: a ``torch.amp.GradScaler`` shows itself there (its gradients are scaled
+until ``step()`` unscales them), and the optimizer then updates in ``step()`` from then on, with the
+unscaling and the inf check folded into the kernels. A scaler that appears only after overlapped
+steps is an error; pass ``overlap=False`` for that.
 
 **Pipelined steps** (``pipeline=True``). The optimizer work of a step (reading and writing
 every state in host RAM) usually takes longer than the backward it overlaps, and the first unit's
@@ -143,6 +146,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.overlap = overlap and max_grad_norm is None
         self.pipeline = pipeline and self.overlap
         self._accumulating = 0
+        self._stepped = False
         self._seed = 0x5EED
         self._jobs = _Jobs()
         # id(param) -> version of the gradient buffer the update used, for params updated during
@@ -293,7 +297,9 @@ class _HostOptimizer(torch.optim.Optimizer):
 
     def on_grads(self, eng: _engine.DeviceEngine, params: list[torch.nn.Parameter]) -> None:
         """Called by the engine during backward once every gradient of ``params`` is queued."""
-        if not self.overlap or self._accumulating:
+        if not self.overlap or self._accumulating or not self._stepped:
+            # The first step's updates run in step(), which learns whether a GradScaler hands it
+            # scaled gradients (overlap is then turned off before any update used them).
             return
         owned = self._param_ids()
         work = []
@@ -449,8 +455,12 @@ class _HostOptimizer(torch.optim.Optimizer):
                 loss = closure()
         # torch.amp.GradScaler hands us its scale and inf flag instead of unscaling the gradients
         # itself (see _step_supports_amp_scaling): unscaling is folded into the kernels.
+        # (The scaler sets both attributes for this call and deletes them after it.)
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        self.grad_scale = self.found_inf = None
+        self._stepped = True
+        if (grad_scale is not None or found_inf is not None) and self.overlap:
+            # Gradients are scaled until step() unscales them: updates cannot run in backward.
+            self.overlap = self.pipeline = False
         if self.pipeline and grad_scale is None and found_inf is None:
             self._raise_failed()  # the updates of this step run on; the next forward waits for them
         else:
