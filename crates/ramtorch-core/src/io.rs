@@ -597,6 +597,12 @@ mod tests {
         safetensors::tensor::serialize(views, Some(meta)).unwrap()
     }
 
+    /// A file holding one F32 tensor "w" of `n` elements with bytes `a`.
+    fn one_tensor_file(a: &[u8], n: usize) -> Vec<u8> {
+        let view = TensorView::new(Dtype::F32, vec![n], a).unwrap();
+        safetensors::tensor::serialize([("w", view)], None).unwrap()
+    }
+
     /// A file made of a raw JSON header and `data_len` zero bytes.
     fn raw(header: &str, data_len: usize) -> Vec<u8> {
         let mut v = (header.len() as u64).to_le_bytes().to_vec();
@@ -675,11 +681,7 @@ mod tests {
         let n = 3 * CHUNK_ELEMS + 17;
         let vals: Vec<f32> = (0..n).map(|i| (i as f32) * 0.37 - 1000.0).collect();
         let a = f32_bytes(&vals);
-        let bytes = safetensors::tensor::serialize(
-            [("w", TensorView::new(Dtype::F32, vec![n], &a).unwrap())],
-            None,
-        )
-        .unwrap();
+        let bytes = one_tensor_file(&a, n);
         let t = Tmp::new(&bytes);
         let f = SafetensorsFile::open(&t.0).unwrap();
         let mut o = vec![0u8; n * 2];
@@ -696,11 +698,7 @@ mod tests {
     fn file_cut_short_after_opening_is_an_error() {
         let n = 2 * CHUNK_ELEMS;
         let a = f32_bytes(&vec![1.5f32; n]);
-        let bytes = safetensors::tensor::serialize(
-            [("w", TensorView::new(Dtype::F32, vec![n], &a).unwrap())],
-            None,
-        )
-        .unwrap();
+        let bytes = one_tensor_file(&a, n);
         let t = Tmp::new(&bytes);
         let f = SafetensorsFile::open(&t.0).unwrap();
         // Another process truncates the file after it was validated.
