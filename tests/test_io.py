@@ -288,3 +288,32 @@ def test_hostile_files_do_not_crash_the_interpreter(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "survived" in r.stdout
+
+
+def test_copy_many_fills_every_destination_and_refuses_overlaps(tmp_path):
+    """The batched copy puts each tensor where it belongs, converting where asked; destinations
+    that overlap are refused before anything is written."""
+    a = torch.randn(300, 7)
+    b = torch.randn(1 << 19)  # 2 MiB: several pieces
+    c = torch.arange(10, dtype=torch.int64)
+    path = tmp_path / "m.safetensors"
+    save_file({"a": a, "b": b, "c": c}, str(path))
+    f = _core.SafetensorsFile(str(path))
+    oa = torch.empty(300, 7, dtype=torch.bfloat16)
+    ob = torch.empty_like(b)
+    oc = torch.empty_like(c)
+    f.copy_many(
+        [
+            ("a", oa.data_ptr(), oa.numel() * 2, "BF16"),
+            ("b", ob.data_ptr(), ob.numel() * 4, "F32"),
+            ("c", oc.data_ptr(), oc.numel() * 8, "I64"),
+        ]
+    )
+    assert torch.equal(oa, a.to(torch.bfloat16))
+    assert torch.equal(ob, b)
+    assert torch.equal(oc, c)
+
+    out = torch.full((300 * 7 + 8,), 7.0)
+    with pytest.raises(ValueError, match="destinations overlap"):
+        f.copy_many([("a", out.data_ptr(), 300 * 7 * 4, "F32"), ("c", out.data_ptr() + 32, 80, "I64")])
+    assert torch.all(out == 7.0)

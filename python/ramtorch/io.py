@@ -31,6 +31,8 @@ __all__ = ["load", "save"]
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _GIB = 1 << 30
+#: Bytes of the file copied per batch of tensors (the progress bar moves once a batch).
+_BATCH_BYTES = 256 << 20
 
 _TORCH_TO_ST: dict[torch.dtype, str] = {
     torch.float32: "F32",
@@ -208,7 +210,28 @@ def _load_into(
 
     total = sum(f.nbytes(name) for name, _, f, _ in plan)
     bar = _progress_bar(total, progress)
+    # Tensors that go straight into host memory are copied in batches per file, which all cores
+    # share (one tensor at a time leaves most of them idle); the rest go through a staging buffer.
+    order = {id(f): i for i, (_, f, _) in enumerate(files)}
+    plan.sort(key=lambda e: order[id(e[2])])
     staging: torch.Tensor | None = None
+    batch: list[tuple[str, int, int, str]] = []
+    batched: list[torch.Tensor] = []
+    batch_file: Any = None
+    batch_bytes = 0
+
+    def flush() -> None:
+        nonlocal batch_bytes
+        if batch:
+            batch_file.copy_many(batch)
+            for t in batched:
+                torch.autograd.graph.increment_version(t)  # slot caches key on versions
+            if bar is not None:
+                bar.update(batch_bytes)
+        batch.clear()
+        batched.clear()
+        batch_bytes = 0
+
     try:
         for name, t, f, dtype in plan:
             nbytes = f.nbytes(name)
@@ -217,8 +240,15 @@ def _load_into(
             if t.numel() == 0:
                 pass
             elif native and t.device.type == "cpu" and t.is_contiguous():
-                f.copy_into(name, t.data_ptr(), t.numel() * t.element_size(), want)
-                torch.autograd.graph.increment_version(t)  # slot caches key on versions
+                if f is not batch_file:
+                    flush()
+                    batch_file = f
+                batch.append((name, t.data_ptr(), t.numel() * t.element_size(), want))
+                batched.append(t)
+                batch_bytes += nbytes
+                if batch_bytes >= _BATCH_BYTES:
+                    flush()
+                continue
             else:
                 # Through the staging buffer: converted by Rust when it can, else by torch.
                 sdtype = t.dtype if native else _ST_TO_TORCH[dtype]
@@ -229,6 +259,7 @@ def _load_into(
                 t.copy_(staging[:n].view(sdtype).view(t.shape))
             if bar is not None:
                 bar.update(nbytes)
+        flush()
     finally:
         if bar is not None:
             bar.close()

@@ -6,16 +6,19 @@
 //! size has been checked against the file's length; a file that breaks any rule is an
 //! [`Error::InvalidArgument`], never a panic.
 //!
-//! [`SafetensorsFile::copy_tensor`] then copies one tensor into a caller's buffer, converting among
-//! F32, BF16 and F16 on the way (any dtype may be copied unchanged), in parallel for large tensors.
+//! [`SafetensorsFile::copy_many`] then copies tensors into a caller's buffers, converting among
+//! F32, BF16 and F16 on the way (any dtype may be copied unchanged), on all cores. It reads with
+//! positioned reads, not through the mapping: a file cut short meanwhile is an error, not a crash.
 //!
-//! The mapping is read-only and private; a file truncated by another process *while* it is mapped
-//! can still fault (SIGBUS) on access, as with any memory-mapped reader.
+//! The mapping (for [`SafetensorsFile::bytes`]) is read-only and private; a file truncated by
+//! another process *while* it is mapped can still fault (SIGBUS) on access, as with any
+//! memory-mapped reader.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use memmap2::Mmap;
 use rayon::prelude::*;
@@ -29,12 +32,30 @@ use crate::error::{Error, Result};
 pub const MAX_HEADER_BYTES: usize = 100 * 1024 * 1024;
 /// Most dimensions a tensor may have.
 pub const MAX_NDIM: usize = 64;
-/// Tensors larger than this are copied by several threads.
-const PARALLEL_BYTES: usize = 4 << 20;
-/// Elements per parallel chunk.
-const CHUNK_ELEMS: usize = 1 << 20;
-/// Elements per conversion chunk: the buffer a core reads into stays in its L2 cache.
-const CONVERT_ELEMS: usize = 1 << 16;
+/// Most bytes of the destination one piece of a copy writes (the unit of parallel work).
+const PIECE_BYTES: usize = 1 << 20;
+/// Most bytes of the file one piece of a conversion reads: the buffer a core reads into stays in
+/// its L2 cache.
+const CONVERT_BYTES: usize = 256 << 10;
+
+/// One tensor to copy with [`SafetensorsFile::copy_many`].
+pub struct CopyJob<'a> {
+    /// The tensor's name in the file.
+    pub name: &'a str,
+    /// Where it goes: exactly the tensor's bytes once converted to `dtype`.
+    pub dst: &'a mut [u8],
+    /// The destination's element type: the tensor's own, or among F32, BF16 and F16.
+    pub dtype: Dtype,
+}
+
+/// A part of a [`CopyJob`] that one thread does.
+struct Piece<'a> {
+    name: &'a str,
+    dst: &'a mut [u8],
+    /// Where its source bytes start in the file.
+    offset: usize,
+    conv: Option<(Float, Float)>,
+}
 
 /// One tensor of a file, as validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -389,63 +410,79 @@ impl SafetensorsFile {
     /// Copies tensor `name` into `dst`, converting to `dst_dtype`: any dtype to itself (a plain
     /// copy), or among F32, BF16 and F16. `dst` must hold exactly the converted tensor.
     pub fn copy_tensor(&self, name: &str, dst: &mut [u8], dst_dtype: Dtype) -> Result<()> {
-        let t = self.info(name)?;
-        let src = &self.map[t.start..t.end];
-        let what = || format!("{}: tensor {name:?}", self.path.display());
-        if t.dtype == dst_dtype {
-            if dst.len() != src.len() {
+        self.copy_many(vec![CopyJob {
+            name,
+            dst,
+            dtype: dst_dtype,
+        }])
+    }
+
+    /// Copies several tensors at once, as [`copy_tensor`](Self::copy_tensor) each. Every job is
+    /// checked before any byte is written. The work is cut into pieces of at most 1 MiB across
+    /// all the jobs, which all cores then read from the page cache (positioned reads: the file's
+    /// pages are never mapped into the process, so the resident set stays at the destinations)
+    /// and convert in their own cache. Many small or mid-sized tensors keep every core busy,
+    /// where one tensor at a time would leave most of them idle.
+    pub fn copy_many(&self, jobs: Vec<CopyJob<'_>>) -> Result<()> {
+        let mut pieces: Vec<Piece<'_>> = Vec::new();
+        for job in jobs {
+            let t = self.info(job.name)?;
+            let what = || format!("{}: tensor {:?}", self.path.display(), job.name);
+            let conv = if t.dtype == job.dtype {
+                None
+            } else {
+                match (Float::of(t.dtype), Float::of(job.dtype)) {
+                    (Some(from), Some(to)) => Some((from, to)),
+                    _ => {
+                        return Err(Error::InvalidArgument(format!(
+                            "{}: cannot convert {} to {} (conversions are among F32, BF16 and F16)",
+                            what(),
+                            t.dtype,
+                            job.dtype
+                        )))
+                    }
+                }
+            };
+            let (ss, ds) = conv.map_or((1, 1), |(f, t)| (f.size(), t.size()));
+            let need = (t.nbytes() / ss).checked_mul(ds).ok_or_else(|| {
+                Error::InvalidArgument(format!("{}: destination size overflows", what()))
+            })?;
+            if job.dst.len() != need {
                 return Err(Error::InvalidArgument(format!(
-                    "{}: destination holds {} bytes, the tensor has {}",
+                    "{}: destination holds {} bytes, {} of {} needs {need}",
                     what(),
-                    dst.len(),
-                    src.len()
+                    job.dst.len(),
+                    t.numel,
+                    job.dtype
                 )));
             }
-            if src.len() < PARALLEL_BYTES {
-                dst.copy_from_slice(src);
-                self.drop_pages(t.start, t.end);
-                return Ok(());
+            // A piece that converts is read into the thread's buffer, which stays in its cache.
+            let elems = if conv.is_some() {
+                CONVERT_BYTES / ss
+            } else {
+                PIECE_BYTES
+            };
+            for (i, dst) in job.dst.chunks_mut(elems * ds).enumerate() {
+                pieces.push(Piece {
+                    name: job.name,
+                    dst,
+                    offset: t.start + i * elems * ss,
+                    conv,
+                });
             }
-            // Large tensors are read from the page cache straight into `dst` by all cores
-            // (positioned reads: no page-table work for the file's pages, which mapped reads pay
-            // one page fault at a time).
-            let ch = CHUNK_ELEMS * 4;
-            return dst
-                .par_chunks_mut(ch)
-                .enumerate()
-                .try_for_each(|(i, d)| self.read_at(d, t.start + i * ch, &what));
         }
-        let (Some(from), Some(to)) = (Float::of(t.dtype), Float::of(dst_dtype)) else {
-            return Err(Error::InvalidArgument(format!(
-                "{}: cannot convert {} to {dst_dtype} (conversions are among F32, BF16 and F16)",
-                what(),
-                t.dtype
-            )));
-        };
-        let need = t.numel.checked_mul(to.size()).ok_or_else(|| {
-            Error::InvalidArgument(format!("{}: destination size overflows", what()))
-        })?;
-        if dst.len() != need {
-            return Err(Error::InvalidArgument(format!(
-                "{}: destination holds {} bytes, {} of {dst_dtype} needs {need}",
-                what(),
-                dst.len(),
-                t.numel
-            )));
-        }
-        let (ss, ds) = (from.size(), to.size());
-        if src.len().max(dst.len()) < PARALLEL_BYTES {
-            convert_chunk(src, from, dst, to);
-            self.drop_pages(t.start, t.end);
-            return Ok(());
-        }
-        // Each core reads a chunk from the page cache into a buffer of its own and converts it.
-        dst.par_chunks_mut(CONVERT_ELEMS * ds)
-            .enumerate()
-            .try_for_each_init(Vec::new, |buf: &mut Vec<u8>, (i, d)| {
-                buf.resize(d.len() / ds * ss, 0);
-                self.read_at(buf, t.start + i * CONVERT_ELEMS * ss, &what)?;
-                convert_chunk(buf, from, d, to);
+        pieces
+            .into_par_iter()
+            .try_for_each_init(Vec::<u32>::new, |buf, p| {
+                let what = || format!("{}: tensor {:?}", self.path.display(), p.name);
+                let Some((from, to)) = p.conv else {
+                    return self.read_at(p.dst, p.offset, &what);
+                };
+                let n = p.dst.len() / to.size() * from.size();
+                buf.resize(n.div_ceil(4), 0);
+                let src = &mut as_bytes_mut(buf)[..n];
+                self.read_at(src, p.offset, &what)?;
+                convert_chunk(src, from, p.dst, to);
                 Ok(())
             })
     }
@@ -457,20 +494,6 @@ impl SafetensorsFile {
         self.file.read_exact_at(buf, offset as u64).map_err(|e| {
             Error::InvalidArgument(format!("{}: reading the file failed: {e}", what()))
         })
-    }
-
-    /// Unmaps the pages of `start..end` from this process once they are copied, so a load of
-    /// many tensors holds at most one tensor's worth of mapped file pages (the resident set stays
-    /// at one copy of the model); the page cache keeps them, and a later read maps them again.
-    fn drop_pages(&self, start: usize, end: usize) {
-        // SAFETY: the mapping is read-only and backed by the file: a page dropped here is mapped
-        // again from the page cache on the next access, with the same contents, so no reference
-        // into the map (this thread's or another's, on a shared boundary page) sees a change.
-        // Failure only leaves the pages mapped.
-        let _ = unsafe {
-            self.map
-                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
-        };
     }
 }
 
@@ -505,26 +528,92 @@ fn load16(b: &[u8]) -> u16 {
     u16::from_le_bytes([b[0], b[1]])
 }
 
+/// bf16 bits of the f32 with bits `x`, rounded to nearest even; NaNs stay NaN (quiet), as
+/// `half::bf16::from_f32`. Branch-free, so loops over it vectorize.
+#[inline]
+fn f32_to_bf16_bits(x: u32) -> u16 {
+    let nan = x & 0x7fff_ffff > 0x7f80_0000;
+    let rounded = (x + 0x7fff + ((x >> 16) & 1)) >> 16;
+    (if nan { (x >> 16) | 0x40 } else { rounded }) as u16
+}
+
+/// Plain-old-data element types a byte buffer may be viewed as.
+trait Pod: Copy {}
+impl Pod for u16 {}
+impl Pod for u32 {}
+impl Pod for f16 {}
+impl Pod for f32 {}
+
+/// `bytes` as a slice of `T`, when aligned for `T` and a whole number of them (little-endian
+/// targets only: the file's bytes are little-endian).
+fn view<T: Pod>(bytes: &[u8]) -> Option<&[T]> {
+    if cfg!(target_endian = "big") {
+        return None;
+    }
+    // SAFETY: `T` is one of the `Pod` types above, for which every bit pattern is a valid value.
+    let (pre, mid, post) = unsafe { bytes.align_to::<T>() };
+    (pre.is_empty() && post.is_empty()).then_some(mid)
+}
+
+/// As [`view`], mutably.
+fn view_mut<T: Pod>(bytes: &mut [u8]) -> Option<&mut [T]> {
+    if cfg!(target_endian = "big") {
+        return None;
+    }
+    // SAFETY: as in `view`; any value written through the slice is a valid byte pattern.
+    let (pre, mid, post) = unsafe { bytes.align_to_mut::<T>() };
+    (pre.is_empty() && post.is_empty()).then_some(mid)
+}
+
+/// The bytes of a `u32` buffer.
+fn as_bytes_mut(buf: &mut [u32]) -> &mut [u8] {
+    // SAFETY: u8 has no alignment requirement and every byte of a u32 is initialized; the
+    // length covers exactly the buffer.
+    unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<u8>(), buf.len() * 4) }
+}
+
+/// Converts the elements of `src` into `dst`. Aligned buffers take loops over whole elements
+/// (vectorized by the compiler, or F16C in `half`); others go byte by byte.
 fn convert_chunk(src: &[u8], from: Float, dst: &mut [u8], to: Float) {
     use Float::*;
     match (from, to) {
+        (F32, BF16) => {
+            if let (Some(s), Some(d)) = (view::<u32>(src), view_mut::<u16>(dst)) {
+                for (d, &x) in d.iter_mut().zip(s) {
+                    *d = f32_to_bf16_bits(x);
+                }
+                return;
+            }
+            for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
+                let x = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                d.copy_from_slice(&f32_to_bf16_bits(x).to_le_bytes());
+            }
+        }
         (BF16, F32) => {
+            if let (Some(s), Some(d)) = (view::<u16>(src), view_mut::<u32>(dst)) {
+                for (d, &x) in d.iter_mut().zip(s) {
+                    *d = (x as u32) << 16;
+                }
+                return;
+            }
             for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
                 d.copy_from_slice(&((load16(s) as u32) << 16).to_le_bytes());
             }
         }
         (F16, F32) => {
+            if let (Some(s), Some(d)) = (view::<f16>(src), view_mut::<f32>(dst)) {
+                s.convert_to_f32_slice(d);
+                return;
+            }
             for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
                 d.copy_from_slice(&f16::from_bits(load16(s)).to_f32().to_bits().to_le_bytes());
             }
         }
-        (F32, BF16) => {
-            for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
-                let x = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                d.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
-            }
-        }
         (F32, F16) => {
+            if let (Some(s), Some(d)) = (view::<f32>(src), view_mut::<f16>(dst)) {
+                d.convert_from_f32_slice(s);
+                return;
+            }
             for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
                 let x = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
                 d.copy_from_slice(&f16::from_f32(x).to_bits().to_le_bytes());
@@ -678,7 +767,7 @@ mod tests {
 
     #[test]
     fn large_parallel_conversion() {
-        let n = 3 * CHUNK_ELEMS + 17;
+        let n = 3 * PIECE_BYTES / 4 + 17;
         let vals: Vec<f32> = (0..n).map(|i| (i as f32) * 0.37 - 1000.0).collect();
         let a = f32_bytes(&vals);
         let bytes = one_tensor_file(&a, n);
@@ -686,17 +775,171 @@ mod tests {
         let f = SafetensorsFile::open(&t.0).unwrap();
         let mut o = vec![0u8; n * 2];
         f.copy_tensor("w", &mut o, Dtype::BF16).unwrap();
-        for (i, c) in o.chunks_exact(2).enumerate().step_by(9973) {
-            assert_eq!(load16(c), bf16::from_f32(vals[i]).to_bits());
+        for (i, c) in o.chunks_exact(2).enumerate() {
+            assert_eq!(load16(c), bf16::from_f32(vals[i]).to_bits(), "element {i}");
         }
         let mut o2 = vec![0u8; n * 4];
         f.copy_tensor("w", &mut o2, Dtype::F32).unwrap();
         assert_eq!(o2, a);
     }
 
+    /// The element loops (aligned buffers) and the byte-wise loops (misaligned ones) give the
+    /// bits of `half`'s scalar conversions, on random bit patterns (NaNs, infinities,
+    /// subnormals and rounding ties included).
+    #[test]
+    fn conversions_match_half_aligned_or_not() {
+        use Float::*;
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let n = 4099;
+        let mut words: Vec<u32> = (0..n).map(|_| rng.next() as u32).collect();
+        let specials = [
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0000,
+            0x7f80_0001,
+            0xffff_ffff,
+            0x0000_0001,
+            0x8000_0000,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x7f7f_ffff,
+            0x4780_0000,
+            0x3380_0000,
+        ];
+        words[..specials.len()].copy_from_slice(&specials);
+        let f32_src: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let h16_src: Vec<u8> = words
+            .iter()
+            .flat_map(|w| (*w as u16).to_le_bytes())
+            .collect();
+        let want = |from: Float, to: Float, i: usize| -> u32 {
+            let x = match from {
+                F32 => f32::from_bits(words[i]),
+                BF16 => bf16::from_bits(words[i] as u16).to_f32(),
+                F16 => f16::from_bits(words[i] as u16).to_f32(),
+            };
+            match to {
+                F32 => x.to_bits(),
+                BF16 => bf16::from_f32(x).to_bits() as u32,
+                F16 => f16::from_f32(x).to_bits() as u32,
+            }
+        };
+        for (from, to) in [
+            (F32, BF16),
+            (BF16, F32),
+            (F16, F32),
+            (F32, F16),
+            (BF16, F16),
+            (F16, BF16),
+        ] {
+            let src = if from == F32 { &f32_src } else { &h16_src };
+            // Sources aligned (a u32 buffer) and misaligned (shifted by one byte), likewise the
+            // destination.
+            let mut sbuf = vec![0u32; src.len() / 4 + 2];
+            for shift in [0usize, 1] {
+                let s = &mut as_bytes_mut(&mut sbuf)[shift..shift + src.len()];
+                s.copy_from_slice(src);
+                let mut dbuf = vec![0u32; n * to.size() / 4 + 2];
+                let d = &mut as_bytes_mut(&mut dbuf)[shift..shift + n * to.size()];
+                convert_chunk(s, from, d, to);
+                for i in 0..n {
+                    let got = match to {
+                        F32 => u32::from_le_bytes(d[4 * i..4 * i + 4].try_into().unwrap()),
+                        _ => load16(&d[2 * i..2 * i + 2]) as u32,
+                    };
+                    let w = want(from, to, i);
+                    // A NaN may come out with a different payload (quieted or not).
+                    let nan = |b: u32| match to {
+                        F32 => f32::from_bits(b).is_nan(),
+                        BF16 => bf16::from_bits(b as u16).is_nan(),
+                        F16 => f16::from_bits(b as u16).is_nan(),
+                    };
+                    let both_nan = nan(got) && nan(w);
+                    assert!(
+                        got == w || both_nan,
+                        "{from:?}->{to:?} shift {shift} element {i} (bits {:#x}): {got:#x} != {w:#x}",
+                        words[i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// Several tensors in one call land where each belongs; a bad job anywhere fails the call
+    /// before any destination is written.
+    #[test]
+    fn copy_many_checks_every_job_first() {
+        let t = Tmp::new(&sample());
+        let f = SafetensorsFile::open(&t.0).unwrap();
+        let (mut a, mut b, mut c) = (vec![0u8; 12], vec![0u8; 12], vec![0u8; 80]);
+        f.copy_many(vec![
+            CopyJob {
+                name: "a",
+                dst: &mut a,
+                dtype: Dtype::BF16,
+            },
+            CopyJob {
+                name: "b",
+                dst: &mut b,
+                dtype: Dtype::F32,
+            },
+            CopyJob {
+                name: "c",
+                dst: &mut c,
+                dtype: Dtype::I64,
+            },
+        ])
+        .unwrap();
+        let mut a1 = vec![0u8; 12];
+        f.copy_tensor("a", &mut a1, Dtype::BF16).unwrap();
+        assert_eq!(a, a1);
+        assert_eq!(b, f32_bytes(&[1.5, -7.0, bf16::from_f32(0.1).to_f32()]));
+        assert_eq!(&c[8..16], &1i64.to_le_bytes());
+
+        let (mut a, mut b) = (vec![7u8; 12], vec![7u8; 11]);
+        let e = f
+            .copy_many(vec![
+                CopyJob {
+                    name: "a",
+                    dst: &mut a,
+                    dtype: Dtype::BF16,
+                },
+                CopyJob {
+                    name: "b",
+                    dst: &mut b,
+                    dtype: Dtype::F32,
+                },
+            ])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("destination holds 11 bytes"), "{e}");
+        assert!(
+            a.iter().all(|&x| x == 7),
+            "a job was written before all were checked"
+        );
+        let mut c = vec![0u8; 40];
+        let e = f
+            .copy_many(vec![
+                CopyJob {
+                    name: "a",
+                    dst: &mut a,
+                    dtype: Dtype::BF16,
+                },
+                CopyJob {
+                    name: "c",
+                    dst: &mut c,
+                    dtype: Dtype::F32,
+                },
+            ])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot convert I64"), "{e}");
+        assert!(a.iter().all(|&x| x == 7));
+    }
+
     #[test]
     fn file_cut_short_after_opening_is_an_error() {
-        let n = 2 * CHUNK_ELEMS;
+        let n = PIECE_BYTES / 2;
         let a = f32_bytes(&vec![1.5f32; n]);
         let bytes = one_tensor_file(&a, n);
         let t = Tmp::new(&bytes);

@@ -1,7 +1,8 @@
 //! Bindings of the safetensors reader (`ramtorch_core::io`): `SafetensorsFile(path)` maps and
-//! validates a file; `copy_into` copies one tensor to a caller's address (converting among F32,
-//! BF16 and F16) without the GIL. A file that cannot be opened raises `OSError`; a file that is not
-//! valid safetensors raises `ValueError`, naming the path (and the tensor).
+//! validates a file; `copy_into` copies one tensor to a caller's address and `copy_many` several
+//! at once on all cores (converting among F32, BF16 and F16), without the GIL. A file that cannot
+//! be opened raises `OSError`; a file that is not valid safetensors raises `ValueError`, naming the
+//! path (and the tensor).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -94,25 +95,71 @@ impl SafetensorsFile {
         dst_nbytes: usize,
         dst_dtype: &str,
     ) -> PyResult<()> {
+        self.copy_many(
+            py,
+            vec![(name.to_string(), dst_ptr, dst_nbytes, dst_dtype.to_string())],
+        )
+    }
+
+    /// Copies several tensors in one call, each as `copy_into`: a list of `(name, dst_ptr,
+    /// dst_nbytes, dst_dtype)`. All cores share the work of all of them. Every entry is checked
+    /// before anything is written. The GIL is released.
+    ///
+    /// The caller promises that each `dst_ptr` is the start of a live, writable host buffer of
+    /// `dst_nbytes` bytes that nothing else uses during the call, and that the buffers do not
+    /// overlap (checked).
+    fn copy_many(
+        &self,
+        py: Python<'_>,
+        items: Vec<(String, usize, usize, String)>,
+    ) -> PyResult<()> {
         py.detach(|| {
-            guard("copy_into", || {
-                let dtype = io::parse_dtype(dst_dtype)?;
-                if dst_nbytes > 0 && dst_ptr == 0 {
-                    return Err(Error::InvalidArgument(format!(
-                        "null destination address for {dst_nbytes} bytes"
-                    )));
+            guard("copy_many", || {
+                let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(items.len());
+                let mut dtypes = Vec::with_capacity(items.len());
+                for (name, ptr, nbytes, dtype) in &items {
+                    dtypes.push(io::parse_dtype(dtype)?);
+                    if *nbytes > 0 && *ptr == 0 {
+                        return Err(Error::InvalidArgument(format!(
+                            "tensor {name:?}: null destination address for {nbytes} bytes"
+                        )));
+                    }
+                    if ptr.checked_add(*nbytes).is_none() || *nbytes > isize::MAX as usize {
+                        return Err(Error::InvalidArgument(format!(
+                            "tensor {name:?}: destination range overflows"
+                        )));
+                    }
+                    if *nbytes > 0 {
+                        ranges.push((*ptr, *nbytes));
+                    }
                 }
-                if dst_ptr.checked_add(dst_nbytes).is_none() || dst_nbytes > isize::MAX as usize {
-                    return Err(Error::InvalidArgument("destination range overflows".into()));
+                ranges.sort_unstable();
+                if ranges.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+                    return Err(Error::InvalidArgument(
+                        "destinations overlap: two tensors would be written to the same memory"
+                            .into(),
+                    ));
                 }
-                let dst: &mut [u8] = if dst_nbytes == 0 {
-                    &mut []
-                } else {
-                    // SAFETY: the caller promises a live, writable, unaliased buffer (see above);
-                    // u8 has no alignment requirement.
-                    unsafe { std::slice::from_raw_parts_mut(dst_ptr as *mut u8, dst_nbytes) }
-                };
-                self.inner.copy_tensor(name, dst, dtype)
+                let jobs = items
+                    .iter()
+                    .zip(dtypes)
+                    .map(|((name, ptr, nbytes, _), dtype)| {
+                        let dst: &mut [u8] = if *nbytes == 0 {
+                            &mut []
+                        } else {
+                            // SAFETY: the caller promises a live, writable buffer that nothing
+                            // else uses (see above); the ranges were checked not to overlap, so
+                            // no two slices alias; u8 has no alignment requirement.
+                            unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *nbytes) }
+                        };
+                        io::CopyJob {
+                            name: name.as_str(),
+                            dst,
+                            dtype,
+                        }
+                    })
+                    .collect();
+                self.inner.copy_many(jobs)
             })
         })
     }
