@@ -58,6 +58,11 @@ and bytes, the engine's H2D bytes per prefill/decode step, and whether the token
 model's (informational). A (B, cache) that runs out of GPU memory gives records with ``"error"`` and
 the run goes on.
 
+``--logits``: the resident model and then each (B, cache) also run prefill and N − 1 decode steps
+teacher-forced with the resident model's greedy tokens (so both see the same inputs) and compare the
+last-position logits: bitwise equality, largest difference against the logits' spread, greedy
+picks that differ and the resident top-two margin where they do (``logits_vs_resident``).
+
 ``--check``: first generates with a tiny Llama (resident vs. offloaded copies, budgets "stream
 everything" and half the weights, each KV cache available) and compares the tokens; the benchmark
 still runs, and the exit status is 1 on a mismatch (also on an error other than out-of-memory).
@@ -413,6 +418,51 @@ def check(device: str, kv_modes: list[str]) -> bool:
     return ok
 
 
+# -- logits, teacher-forced -----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def forced_logits(model: nn.Module, ids: torch.Tensor, tokens: torch.Tensor, kv: str) -> torch.Tensor:
+    """Last-position logits of the prefill of ``ids`` and of one decode step per column of
+    ``tokens`` (fed in, whatever the model would pick), on a KV cache: [steps + 1, B, vocab] fp32 on
+    the host. Two models given the same ``ids`` and ``tokens`` get exactly the same inputs."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    if kv == "offloaded":
+        from transformers.cache_utils import OffloadedCache
+
+        cache = OffloadedCache()
+    out = model(ids, past_key_values=cache, use_cache=True)
+    rows = [out.logits[:, -1].float().cpu()]
+    for k in range(tokens.shape[1]):
+        out = model(tokens[:, k : k + 1], past_key_values=out.past_key_values, use_cache=True)
+        rows.append(out.logits[:, -1].float().cpu())
+    return torch.stack(rows)
+
+
+def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    """How far ``got`` is from ``ref`` ([steps, B, vocab]): bitwise equality, the largest
+    difference against the logits' spread, the greedy picks that differ, and how close the
+    resident model's top two logits were where they do (a near tie flips on rounding noise; a
+    wrong weight would move logits by their whole spread)."""
+    diff = (got - ref).abs()
+    top2 = ref.topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    flips = ref.argmax(-1) != got.argmax(-1)
+    return {
+        "bitwise_equal": bool(torch.equal(ref, got)),
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "logit_std": float(ref.std()),
+        "max_abs_diff_per_step": [round(float(x), 5) for x in diff.amax(dim=(1, 2))],
+        "greedy_flips": int(flips.sum()),
+        "positions": int(flips.numel()),
+        "max_margin_where_flipped": float(margin[flips].max()) if flips.any() else None,
+        "median_margin": float(margin.median()),
+    }
+
+
 # -- main -----------------------------------------------------------------------------------------
 
 
@@ -444,6 +494,11 @@ def parse() -> argparse.Namespace:
         "--check", action="store_true", help="greedy tokens of a tiny offloaded Llama vs resident"
     )
     ap.add_argument("--no-resident", action="store_true", help="skip the resident model's generations")
+    ap.add_argument(
+        "--logits",
+        action="store_true",
+        help="also compare teacher-forced logits (prefill and --new decode steps) with the resident model's",
+    )
     ap.add_argument(
         "--deadline", type=float, default=None, help="start no (B, cache) after this many seconds"
     )
@@ -513,6 +568,7 @@ def main() -> int:
     # The resident model: compute floor and reference tokens (dynamic cache).
     floor: dict[int, dict] = {}
     ref_tokens: dict[int, torch.Tensor] = {}
+    ref_logits: dict[int, torch.Tensor] = {}
     if not a.no_resident:
         for b in a.batch:
             if expired():
@@ -529,6 +585,8 @@ def main() -> int:
             recs = records(s, "resident", "dynamic", b, first, full, None, {})
             floor[b] = {r["phase"]: r["seconds"] for r in recs}
             ref_tokens[b] = full.tokens.cpu()
+            if a.logits:
+                ref_logits[b] = forced_logits(model, ids, full.tokens[:, a.prompt :], "dynamic")
             emit(recs)
             log(
                 f"resident B={b}: prefill {floor[b]['prefill'] * 1e3:.1f} ms, "
@@ -585,6 +643,11 @@ def main() -> int:
         first, full = done
         if b in ref_tokens:
             more["tokens_match_resident"] = torch.equal(full.tokens.cpu(), ref_tokens[b])
+        if b in ref_logits:
+            forced = ref_tokens[b][:, a.prompt :].to(dev)
+            cmp = compare_logits(ref_logits[b], forced_logits(model, ids, forced, kv))
+            more["logits_vs_resident"] = cmp
+            log(f"ramtorch B={b} kv={kv}: teacher-forced logits vs resident: {json.dumps(cmp)}")
         recs = records(s, "ramtorch", kv, b, first, full, floor.get(b), more)
         emit(recs)
         pre, dec = recs
