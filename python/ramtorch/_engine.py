@@ -9,15 +9,23 @@ module only passes torch's current stream to it.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _arena, _core
+
+if TYPE_CHECKING:
+    from ._trace import HostSpans
+
+#: The host spans of the trace being recorded (``ramtorch.trace``), ``None`` while none is: the
+#: optimizer and :func:`wait_updates` check it, and record nothing when it is ``None``.
+host_spans: HostSpans | None = None
 
 
 def normalize_device(device: torch.device | str | int | None) -> torch.device:
@@ -117,18 +125,39 @@ def wait_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor] | None 
     one failed, naming it."""
     if not _UPDATES:
         return
+    spans = host_spans
+    if spans is not None and params is not None:
+        params = list(params)  # read twice: here, and to name the reader in the trace
     with _UPDATES_LOCK:
         if params is None:
             pending = {u for ref, u in _UPDATES.values() if ref() is not None}
         else:
             pending = {u for u in (_lookup(p) for p in params) if u is not None}
-    for u in pending:
-        u.done.wait()
-        if u.error is not None:
-            raise RuntimeError(
-                f"ramtorch: the optimizer update of {u.name} failed, so its weights are not valid "
-                f"(load them again: ramtorch.load_checkpoint or ramtorch.load): {u.error}"
-            ) from u.error
+    if spans is None:
+        for u in pending:
+            _wait_update(u)
+        return
+    start, blocked = 0.0, []
+    try:
+        for u in pending:
+            if not u.done.is_set():
+                if not blocked:
+                    start = time.perf_counter()  # this reader blocks: a span for the trace
+                blocked.append(u.name)
+            _wait_update(u)
+    finally:
+        if blocked:
+            end = time.perf_counter()
+            spans.add(spans.WAITS, "wait for update", start, end, params or (), None, {"updates": blocked})
+
+
+def _wait_update(u: Update) -> None:
+    u.done.wait()
+    if u.error is not None:
+        raise RuntimeError(
+            f"ramtorch: the optimizer update of {u.name} failed, so its weights are not valid "
+            f"(load them again: ramtorch.load_checkpoint or ramtorch.load): {u.error}"
+        ) from u.error
 
 
 class Layout:

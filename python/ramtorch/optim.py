@@ -33,6 +33,10 @@ directly between ``step()`` and the next forward (an EMA of the weights, logging
 call ``opt.synchronize()`` first, or it may see a mix of old and new weights. Not with ZeRO
 (``shard()``), where ``step()`` publishes the new weights to the other ranks.
 
+:func:`ramtorch.trace` shows where a step's optimizer time goes: each update, on the worker
+thread (during backward, pipelined) or in ``step()``, and each wait of a forward or another reader
+for a pipelined update, on the timeline of the device's copies and compute.
+
 **Precision.** Parameters in fp32 are updated in place with fp32 states. bf16/fp16 parameters get
 an fp32 master copy in host RAM (``precision="fp32-master"``, the default; 16 bytes a parameter with
 the bf16 weight and gradient) and the weight is rewritten from it, rounded to nearest. With
@@ -347,6 +351,8 @@ class _HostOptimizer(torch.optim.Optimizer):
             _engine.updates_end(updated, update, error)
 
     def _update_job(self, eng: _engine.DeviceEngine, marker: int, work: list[Any]) -> None:
+        spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
+        begin = time.perf_counter() if spans is not None else 0.0
         eng._core.wait_marker(marker)
         t = time.perf_counter()
         for p, group, buf, prior in work:
@@ -357,8 +363,16 @@ class _HostOptimizer(torch.optim.Optimizer):
                 if not self._owns(p):
                     continue
             self._update_host(p, grad, group, 1.0)
-        self.timings["in_backward_seconds"] += time.perf_counter() - t
+        end = time.perf_counter()
+        self.timings["in_backward_seconds"] += end - t
         self.timings["in_backward_updates"] += len(work)
+        if spans is not None:
+            params = [w[0] for w in work]
+            spans.add(spans.WORKER, "wait for gradients of", begin, t, params, eng.device)
+            owned = [p for p in params if self._owns(p)]
+            # ZeRO-2: a job of parameters that other ranks own only reduces their gradients.
+            label = "update" if owned else "reduce gradients of"
+            spans.add(spans.WORKER, label, t, end, owned or params, eng.device)
 
     def synchronize(self) -> None:
         """Waits for every update queued so far (see ``pipeline``); raises if one failed."""
@@ -492,21 +506,33 @@ class _HostOptimizer(torch.optim.Optimizer):
         scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         if self.max_grad_norm is not None:
             scale *= self._clip_scale(scale)
+        spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
         t = time.perf_counter()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             dev_params = []
             for p in group["params"]:
                 if p.grad is None or id(p) in done or not self._owns(p):
                     continue
                 if _is_host(p):
+                    start = time.perf_counter() if spans is not None else 0.0
                     self._update_host(p, p.grad, group, scale)
                     self.timings["in_step_updates"] += 1
+                    if spans is not None:  # one parameter; the trace joins those of a unit
+                        end = time.perf_counter()
+                        spans.add(spans.CALLER, "update", start, end, (p,), None, {"param_group": index})
                 else:
                     dev_params.append(p)
             if dev_params:
+                start = time.perf_counter() if spans is not None else 0.0
                 if scale != 1.0:
                     torch._foreach_mul_([p.grad for p in dev_params], scale)
                 self._update_torch(dev_params, group)
+                if spans is not None:  # on a GPU: the time to launch the kernels
+                    end = time.perf_counter()
+                    where = dev_params[0].device
+                    spans.add(
+                        spans.CALLER, "torch update", start, end, dev_params, where, {"param_group": index}
+                    )
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and _is_host(p):
