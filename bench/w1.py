@@ -36,6 +36,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from benchlib import (
@@ -230,6 +232,59 @@ def make_optimizer(system: str, kind: str, params: list[torch.Tensor]) -> tuple[
     return torch.optim.AdamW(params, lr=1e-5, fused=True), "torch.optim.AdamW(fused, CPU)", 14 * nh
 
 
+def busy_summary(path: str) -> dict:
+    """Per track of a Chrome trace, and per kind of span in it ("track: kind"): spans, summed
+    duration and busy time (the union of its spans), in ms, over the window from the first span's
+    start to the last one's end."""
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in json.loads(Path(path).read_text())["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    if not events:
+        return {}
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e["dur"] for e in events)
+    tracks: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        track = names.get((e["pid"], e["tid"]), str(e["tid"]))
+        # Kinds of span within a track, without the unit's name: "update", "wait for gradients".
+        kind = e["name"].split(" of ")[0] if " of " in e["name"] else e["name"].split(" ")[0]
+        for key in (track, f"{track}: {kind}"):
+            tracks.setdefault(key, []).append((e["ts"], e["ts"] + e["dur"]))
+    out: dict = {"window_ms": (t1 - t0) / 1e3, "tracks": {}}
+    for name, spans in tracks.items():
+        spans.sort()
+        busy, end = 0.0, -float("inf")
+        for s, e in spans:
+            if e > end:
+                busy += e - max(s, end)
+                end = e
+        out["tracks"][name] = {
+            "spans": len(spans),
+            "sum_ms": round(sum(e - s for s, e in spans) / 1e3, 3),
+            "busy_ms": round(busy / 1e3, 3),
+        }
+    return out
+
+
+def traced_steps(fn: Callable[[], None], opt: object, path: str, device: str) -> dict:
+    """Two training steps under ``ramtorch.trace(path)`` (after the timed ones: steady state),
+    ended by waiting for their updates; the trace's per-track busy times."""
+    import ramtorch
+
+    with ramtorch.trace(path):
+        for _ in range(2):
+            fn()
+        getattr(opt, "synchronize", lambda: None)()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    summary = busy_summary(path)
+    print(f"trace {path}: {json.dumps(summary)}", file=sys.stderr, flush=True)
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--system", required=True, choices=SYSTEMS)
@@ -247,6 +302,12 @@ def main() -> None:
         choices=["rust", "rust-pipeline", "rust-bf16", "rust-bf16-pipeline", "torch-fused"],
         help="phase 'step' of ramtorch: ramtorch.optim.AdamW (fp32 master, bf16 states; -pipeline: "
         "pipeline=True) or torch's fused",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="ramtorch, phase step: after the timed steps, run two more under ramtorch.trace(TRACE) "
+        "and add each track's busy time to the record (trace_summary); {tokens} in TRACE is replaced",
     )
     # Hidden: run on the CPU with a tiny model, to check the harness without a GPU.
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -324,6 +385,9 @@ def main() -> None:
                 # next forward), ended by waiting for every update.
                 consecutive=(getattr(opt, "synchronize", lambda: None) if phase == "step" else None),
             )
+            ours = a.system in ("ramtorch", "ramtorch-linear")
+            if a.trace and phase == "step" and ours:
+                rec["trace_summary"] = traced_steps(fn, opt, a.trace.format(tokens=t), dev)
             if a.system == "ramtorch-linear":
                 import ramtorch
 
