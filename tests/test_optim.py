@@ -614,3 +614,35 @@ def test_per_layer_linear_micro_batches_equal_one_big_batch():
         o_ours.step()
         o_ours.zero_grad()
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_pipelined_jobs_run_the_newest_ready_job_first() -> None:
+    """The worker takes the newest job whose gradients have landed; a newer job still waiting for
+    its copy does not hold it up; with none ready it takes the oldest (copies land in order)."""
+    import threading
+
+    from ramtorch.optim import _Jobs
+
+    jobs = _Jobs()
+    gate = threading.Event()
+    ran: list[str] = []
+    jobs.submit(gate.wait)  # holds the worker while the queue fills
+    for name, ready in [("a", True), ("b", False), ("c", True), ("d", False)]:
+        jobs.submit(lambda name=name: ran.append(name), lambda ready=ready: ready)
+    gate.set()
+    jobs.wait()
+    assert ran == ["c", "a", "b", "d"]
+
+    gate.clear()
+    ran.clear()
+    jobs.submit(gate.wait)
+
+    def broken() -> bool:
+        raise RuntimeError("query failed")
+
+    jobs.submit(lambda: ran.append("x"), lambda: False)
+    jobs.submit(lambda: ran.append("y"), broken)  # the job runs and meets the error itself
+    gate.set()
+    jobs.wait()
+    assert ran == ["y", "x"]
+    jobs.close()

@@ -218,6 +218,24 @@ impl<D: Device> Engine<D> {
         Ok(())
     }
 
+    /// Whether the copies captured by marker `id` are done, without blocking (the marker stays:
+    /// [`wait_marker`](Self::wait_marker) forgets it). An unknown marker is an error.
+    pub fn marker_done(&self, id: u64) -> Result<bool> {
+        let markers = self
+            .markers
+            .lock()
+            .map_err(|_| Error::Worker("marker lock poisoned".into()))?;
+        let evs = markers.get(&id).ok_or_else(|| {
+            Error::InvalidArgument(format!("no marker {id} (already waited for?)"))
+        })?;
+        for e in evs {
+            if !self.dev.is_complete(e)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// The device.
     pub fn device(&self) -> &D {
         &self.dev

@@ -355,9 +355,16 @@ fn markers_wait_for_the_copies_queued_before_them() {
     // SAFETY: `dst` lives until the marker below has been waited for.
     unsafe { e.copy_to_host(dst.as_mut_ptr(), ptr, 1 << 16, 2, 0) }.expect("d2h");
     let m = e.marker().expect("marker");
+    // Polled until done (the host device's copy thread finishes it), then waited for.
+    let t = std::time::Instant::now();
+    while !e.marker_done(m).expect("query") {
+        assert!(t.elapsed().as_secs() < 10, "marker never done");
+        std::thread::yield_now();
+    }
     e.wait_marker(m).expect("wait");
     assert_eq!(dst, src);
     assert!(matches!(e.wait_marker(m), Err(Error::InvalidArgument(_))));
+    assert!(matches!(e.marker_done(m), Err(Error::InvalidArgument(_))));
     e.release(i, 0).expect("release");
     e.synchronize().expect("sync");
 }

@@ -430,6 +430,16 @@ impl Engine {
         })
     }
 
+    /// Whether the copies captured by `marker` are done, without blocking.
+    fn marker_done(&self, py: Python<'_>, marker: u64) -> PyResult<bool> {
+        py.detach(|| {
+            guard(
+                "marker_done",
+                || with_engine!(self, e => e.marker_done(marker)),
+            )
+        })
+    }
+
     /// Makes `stream` wait for the copy into held slot `slot`.
     #[pyo3(signature = (slot, stream, tag = 0))]
     fn claim(&self, py: Python<'_>, slot: usize, stream: u64, tag: u64) -> PyResult<()> {
