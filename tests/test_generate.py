@@ -5,6 +5,9 @@ in host RAM on a GPU."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import ramtorch
@@ -67,6 +70,52 @@ def test_generation_with_weights_and_kv_cache_in_host_ram():
     seq_ref, _ = greedy(ref, ids)
     seq, _ = greedy(ours, ids, cache_implementation="offloaded")
     assert torch.equal(seq, seq_ref)
+
+
+_BITWISE = """
+import copy, torch, transformers, ramtorch
+torch.use_deterministic_algorithms(True)
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+torch.manual_seed(0)
+cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
+    num_attention_heads=16, num_key_value_heads=4, vocab_size=4096, max_position_embeddings=256)
+ref = transformers.LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+ours = copy.deepcopy(ref)
+ref.cuda()
+per_layer = sum(p.numel() * 2 for p in ref.model.layers[0].parameters())
+fixed = sum(p.numel() * 2 for n, p in ref.named_parameters() if ".layers." not in n)
+ramtorch.offload(ours, gpu_budget=fixed + 4 * per_layer, device="cuda", progress=False)
+st = ours._ramtorch_streamer.stats()
+assert st["streamed_units"] >= 3, st
+ids = torch.randint(3, 4096, (4, 100), device="cuda")
+
+@torch.no_grad()
+def forced(model, tokens):
+    out = model(ids, past_key_values=transformers.DynamicCache(), use_cache=True)
+    rows = [out.logits[:, -1]]
+    for k in range(tokens.shape[1]):
+        out = model(tokens[:, k : k + 1], past_key_values=out.past_key_values, use_cache=True)
+        rows.append(out.logits[:, -1])
+    return torch.stack(rows).cpu()
+
+tokens = torch.randint(3, 4096, (4, 12), device="cuda")
+want = forced(ref, tokens)
+for _ in range(2):
+    got = forced(ours, tokens)
+    assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
+print("bitwise equal")
+"""
+
+
+@pytest.mark.gpu
+def test_streamed_logits_are_bitwise_the_resident_models_with_deterministic_kernels():
+    """With deterministic kernels, an offloaded model that streams part of its layers computes
+    exactly the resident model's logits, prefill and decode steps (the same inputs: teacher
+    forcing). Without them, cuBLAS and attention kernels may round differently from run to run."""
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    r = subprocess.run([sys.executable, "-c", _BITWISE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "bitwise equal" in r.stdout
 
 
 def test_an_offloaded_transformers_model_reports_its_compute_device():
