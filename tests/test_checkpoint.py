@@ -546,3 +546,128 @@ def test_round_trip_on_gpu(tmp_path):
     load_checkpoint(path, m2, opt2)
     assert_state_equal(m.state_dict(), m2.state_dict())
     assert_optim_equal(opt, opt2)
+
+
+# -- reading in place -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32-master", "bf16"])
+def test_ramtorch_optimizer_resumes_from_states_read_in_place(tmp_path, precision):
+    """An offloaded bf16 model with ramtorch's AdamW: the load replaces the optimizer's states
+    (which it had from a step of its own) with the saved ones, and training goes on exactly as
+    without stopping."""
+    torch.manual_seed(0)
+    src = ramtorch.offload(Tiny(d=16).to(torch.bfloat16), device="cpu")
+    opt = ramtorch.optim.AdamW(src.parameters(), lr=1e-2, precision=precision)
+    data = tokens(6)
+    for x, y in data[:2]:
+        train_step(src, opt, x, y)
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, src, opt)
+
+    torch.manual_seed(1)
+    dst = ramtorch.offload(Tiny(d=16).to(torch.bfloat16), device="cpu")
+    dst_opt = ramtorch.optim.AdamW(dst.parameters(), lr=1e-2, precision=precision)
+    train_step(dst, dst_opt, *data[5])  # states of its own, replaced by the load
+    ptrs = [p.data_ptr() for p in dst.parameters()]
+    load_checkpoint(path, dst, dst_opt)
+    assert [p.data_ptr() for p in dst.parameters()] == ptrs
+    assert_state_equal(src.state_dict(), dst.state_dict())
+    assert_optim_equal(opt, dst_opt)
+    for x, y in data[2:5]:
+        assert train_step(src, opt, x, y) == train_step(dst, dst_opt, x, y)
+    assert_state_equal(src.state_dict(), dst.state_dict())
+
+
+def test_load_state_dict_copies_the_given_tensors():
+    """The public load_state_dict gives the optimizer tensors of its own: stepping it leaves the
+    dict it was loaded from unchanged."""
+    torch.manual_seed(0)
+    model = ramtorch.offload(Tiny().to(torch.bfloat16), device="cpu")
+    opt = ramtorch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt, *tokens(1)[0])
+    sd = opt.state_dict()
+    snapshot = {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()}
+    opt.load_state_dict(sd)
+    train_step(model, opt, *tokens(1, seed=2)[0])
+    for i, s in sd["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, snapshot[i][k]), (i, k)
+
+
+class Doubling(nn.Linear):
+    """Loads its weight doubled: a module with its own loading, which must still be called."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002
+        state_dict = dict(state_dict)
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def test_modules_with_their_own_loading_or_hooks_still_get_it(tmp_path):
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(4, 4), Doubling(4, 4), nn.Linear(4, 4))
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, src)
+    dst = ramtorch.offload(nn.Sequential(nn.Linear(4, 4), Doubling(4, 4), nn.Linear(4, 4)), device="cpu")
+    seen = []
+    dst[2].register_load_state_dict_pre_hook(lambda module, sd, prefix, *a: seen.append(prefix))
+    load_checkpoint(path, dst)
+    assert torch.equal(dst[0].weight, src[0].weight)
+    assert torch.equal(dst[1].weight, src[1].weight * 2)
+    assert torch.equal(dst[1].bias, src[1].bias)
+    assert torch.equal(dst[2].weight, src[2].weight)
+    assert seen == ["2."]
+
+
+_PEAK = """
+import sys, threading, time
+from pathlib import Path
+import torch, ramtorch
+from torch import nn
+
+def rss(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+torch.manual_seed(0)
+m = ramtorch.offload(nn.Sequential(*[nn.Linear(1024, 1024, bias=False, dtype=torch.bfloat16)
+                                     for _ in range(48)]), device="cpu", progress=False)
+opt = ramtorch.optim.AdamW(m.parameters(), lr=1e-3)
+x = torch.randn(4, 1024, dtype=torch.bfloat16)
+for _ in range(2):
+    m(x).float().pow(2).mean().backward(); opt.step(); opt.zero_grad()
+path = sys.argv[1]
+ramtorch.save_checkpoint(path, m, opt, progress=False)
+want = {k: v.clone() for k, v in m.state_dict().items()}
+want_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+state_bytes = sum(v.numel() * v.element_size() for s in want_opt.values() for v in s.values())
+with torch.no_grad():
+    for p in m.parameters():
+        p.zero_()
+before = rss("RssAnon")
+peak = [before]
+stop = threading.Event()
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], rss("RssAnon")); stop.wait(0.001)
+th = threading.Thread(target=sample); th.start()
+ramtorch.load_checkpoint(path, m, opt, progress=False)
+stop.set(); th.join()
+assert all(torch.equal(m.state_dict()[k], v) for k, v in want.items())
+got = opt.state_dict()["state"]
+assert all(torch.equal(got[i][k], v) for i, s in want_opt.items() for k, v in s.items())
+print(f"state {state_bytes} grew {peak[0] - before}")
+"""
+
+
+def test_resuming_holds_one_copy_of_the_optimizer_state(tmp_path):
+    """Loading a checkpoint into a model and ramtorch optimizer that already hold state does not
+    hold the old and new optimizer states (let alone temporary copies) at once."""
+    cmd = [sys.executable, "-c", _PEAK, str(tmp_path / "c.safetensors")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    words = r.stdout.split()
+    state, grew = int(words[1]), int(words[3])
+    assert state > 500 << 20, r.stdout  # 48 x 1M bf16 parameters: fp32 master + moments
+    assert grew < 0.15 * state, r.stdout

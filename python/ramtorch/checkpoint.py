@@ -17,6 +17,14 @@ Saving never holds a second copy of the model: tensors are written one by one, s
 memory (device tensors pass through host memory in chunks). The file is written under a temporary
 name in the target's directory, flushed, ``fsync``-ed and renamed over the target, so a crash at any
 point leaves the previous checkpoint intact.
+
+Loading does not hold a second copy either. Host tensors of modules that load the standard way
+(no ``_load_from_state_dict`` of their own, no load hooks) are read straight into place by ramtorch's
+reader, on all cores. A ``ramtorch.optim`` optimizer frees its host states before the new ones are
+read into fresh host memory, which it then keeps as they are. Everything else goes through
+``load_state_dict``. If reading fails part way (after the file was validated), load again: the
+model and optimizer may hold a mix of old and new values, and the optimizer's host states may be
+gone.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from . import _engine
+from . import _arena, _engine
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
@@ -615,17 +623,35 @@ def _load(
         from . import synchronize
 
         synchronize()  # queued copies of the weights finish before we overwrite them
+        reader = _DirectReader(path, f, bar)
+        # Host tensors of modules that load the standard way are read straight into place, on all
+        # cores; the rest go through load_state_dict.
+        direct = reader.plan_model(model, {k: resolve(f"model.{k}") for k in load_keys if k not in objects})
         state: dict[str, Any] = {}
         for k in load_keys:
+            if k in direct:
+                continue
             if k in objects:
                 state[k] = _decode(objects[k], clone)
             else:  # zero-copy views of the file: load_state_dict copies them into the parameters
                 state[k] = f.get_tensor(resolve(f"model.{k}"))
-        with _ModelProgress(model, bar, model_bytes):
-            model.load_state_dict(state, strict=strict)
+        # ramtorch's optimizers take their host states as read here, into fresh host memory, once
+        # the old ones are gone: the process holds one copy of the optimizer state, not three.
+        adopt = getattr(optimizer, "_load_state_dict_adopting", None)
+        optim_state = None
+        if optimizer is not None and optim_meta is not None and adopt is not None:
+            optimizer._drop_host_states()  # type: ignore[union-attr]
+            optim_state = _decode(optim_meta, lambda key: reader.fresh(resolve(key)))
+        reader.run()
+        for t in direct.values():
+            torch.autograd.graph.increment_version(t)  # slot caches key on versions
+        with _ModelProgress(model, bar, {k: v for k, v in model_bytes.items() if k not in direct}):
+            model.load_state_dict(state, strict=strict and not direct)
         del state
 
-        if optimizer is not None and optim_meta is not None:
+        if optim_state is not None:
+            adopt(optim_state)
+        elif optimizer is not None and optim_meta is not None:
             optimizer.load_state_dict(_decode(optim_meta, clone))
         extra = _decode(extra_meta, clone)
         if rng_meta is not None:
@@ -634,6 +660,116 @@ def _load(
         if bar is not None:
             bar.close()
     return extra if isinstance(extra, dict) else {}
+
+
+def _loads_plainly(module: nn.Module) -> bool:
+    """Whether ``load_state_dict`` would only copy values into ``module``'s own parameters and
+    buffers: the default ``_load_from_state_dict`` and no load hooks."""
+    return (
+        type(module)._load_from_state_dict is nn.Module._load_from_state_dict
+        and not module._load_state_dict_pre_hooks
+        and not module._load_state_dict_post_hooks
+    )
+
+
+class _DirectReader:
+    """Reads checkpoint tensors straight into host memory with ramtorch's reader: positioned reads
+    on all cores, batched; no mapping of the file, no intermediate copy."""
+
+    _BATCH = 256 << 20
+
+    def __init__(self, path: str, f: Any, bar: Any) -> None:
+        from . import _core
+
+        self.f, self.bar = f, bar
+        self.file: Any = None
+        try:
+            self.file = _core.SafetensorsFile(path)
+        except (OSError, ValueError):
+            pass  # read by safetensors' reader only (load_state_dict and clones)
+        self.jobs: list[tuple[str, int, int, str]] = []
+        self.fresh_cache: dict[str, torch.Tensor] = {}
+
+    def _dtype(self, key: str) -> tuple[str, torch.dtype | None]:
+        from .io import _ST_TO_TORCH
+
+        st = self.f.get_slice(key).get_dtype()
+        return st, _ST_TO_TORCH.get(st)
+
+    def plan_model(self, model: nn.Module, keys: dict[str, str]) -> dict[str, torch.Tensor]:
+        """Queues the tensors of ``keys`` (state-dict key → file key) that can be read straight into
+        the model: contiguous host tensors of plain type and the file's dtype, of modules that load
+        plainly, not overlapping another destination. Returns them by state-dict key."""
+        if self.file is None or type(model).load_state_dict is not nn.Module.load_state_dict:
+            return {}
+        dests: dict[str, torch.Tensor] = {}
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            if not _loads_plainly(module):
+                continue
+            dot = prefix + "." if prefix else ""
+            for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
+                key = dot + name
+                if t is None or key not in keys or type(t) not in (torch.Tensor, nn.Parameter):
+                    continue
+                if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+                    continue
+                if self._dtype(keys[key])[1] != t.dtype:
+                    continue
+                dests[key] = t
+        # One read per memory range (tied weights share one); ranges that partly overlap another
+        # are left to load_state_dict.
+        ranges: dict[tuple[int, int], list[str]] = {}
+        for key, t in dests.items():
+            ranges.setdefault((t.data_ptr(), t.numel() * t.element_size()), []).append(key)
+        spans = sorted(ranges)
+        clash: set[tuple[int, int]] = set()
+        for a, b in zip(spans, spans[1:]):
+            if a[0] + a[1] > b[0]:
+                clash.update((a, b))
+        out: dict[str, torch.Tensor] = {}
+        for span, group in ranges.items():
+            if span in clash:
+                continue
+            key = group[0]
+            self.jobs.append((keys[key], span[0], span[1], self._dtype(keys[key])[0]))
+            for k in group:
+                out[k] = dests[k]
+        return out
+
+    def fresh(self, key: str) -> torch.Tensor:
+        """A new host tensor holding file tensor ``key`` once :meth:`run` has run (the same tensor
+        for every reference to one key)."""
+        t = self.fresh_cache.get(key)
+        if t is not None:
+            return t
+        st, dtype = self._dtype(key)
+        if self.file is None or dtype is None:
+            t = self.f.get_tensor(key).clone()
+            if self.bar is not None:
+                self.bar.update(t.numel() * t.element_size())
+        else:
+            shape = tuple(self.f.get_slice(key).get_shape())
+            n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            t = _arena.host_empty(shape, dtype) if n >= 1 << 20 else torch.empty(shape, dtype=dtype)
+            if n:
+                self.jobs.append((key, t.data_ptr(), n, st))
+        self.fresh_cache[key] = t
+        return t
+
+    def run(self) -> None:
+        """Reads every queued tensor, in batches that all cores share."""
+        batch: list[tuple[str, int, int, str]] = []
+        size = 0
+        for job in self.jobs + [None]:  # type: ignore[list-item]
+            if job is not None:
+                batch.append(job)
+                size += job[2]
+            if batch and (job is None or size >= self._BATCH):
+                self.file.copy_many(batch)
+                if self.bar is not None:
+                    self.bar.update(size)
+                batch, size = [], 0
+        self.jobs.clear()
 
 
 class _ModelProgress:

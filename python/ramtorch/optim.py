@@ -444,24 +444,50 @@ class _HostOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but states of host parameters keep their
-        own dtype (fp32 master and moments of a bf16 parameter stay fp32) and live in host RAM.
-        A failed update of this optimizer is forgotten: the loaded state replaces what it left."""
+        own dtype (fp32 master and moments of a bf16 parameter stay fp32) and live in host RAM, in
+        tensors of their own (``state_dict``'s tensors are copied, not shared). A failed update of
+        this optimizer is forgotten: the loaded state replaces what it left."""
+        self._load_states(state_dict, adopt=False)
+
+    def _load_state_dict_adopting(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`load_state_dict`, but host states become ``state_dict``'s own tensors, with
+        no copy: for a loader that has just read them into fresh host memory for this optimizer."""
+        self._load_states(state_dict, adopt=True)
+
+    def _drop_host_states(self) -> None:
+        """Frees the states of host parameters (before a load reads new ones: one copy at a time)."""
+        self.synchronize()
+        for p in [p for p in self.state if _is_host(p)]:
+            del self.state[p]
+
+    def _load_states(self, state_dict: dict[str, Any], adopt: bool) -> None:
         self._forget_failed()
-        original = state_dict["state"]
-        super().load_state_dict(state_dict)
-        self.__dict__.pop("_ids_cache", None)
         params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+        original = state_dict.get("state", {})
+        host: dict[Any, torch.nn.Parameter] = {}
+        if len(saved_ids) == len(params):  # else torch's load_state_dict raises on the sizes
+            host = {i: p for i, p in zip(saved_ids, params) if _is_host(p)}
+        # torch's own loading for the rest: it would cast host states to the parameter's dtype.
+        rest = dict(state_dict)
+        rest["state"] = {i: v for i, v in original.items() if i not in host}
+        super().load_state_dict(rest)
+        self.__dict__.pop("_ids_cache", None)
         with torch.no_grad():
-            for index, p in enumerate(params):
-                saved = original.get(index)
-                if saved is None or not _is_host(p):
+            for i, p in host.items():
+                saved = original.get(i)
+                if saved is None:
                     continue
                 st = self.state[p]
                 for k, v in saved.items():
-                    if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
-                        t = _arena.host_empty(tuple(v.shape), v.dtype)
-                        t.copy_(v)
-                        st[k] = t
+                    if isinstance(v, torch.Tensor) and not adopt:
+                        if k != "step" and v.is_floating_point():
+                            t = _arena.host_empty(tuple(v.shape), v.dtype)
+                            t.copy_(v)
+                            v = t
+                        else:
+                            v = v.clone()
+                    st[k] = v
 
     def _index_of(self, p: torch.nn.Parameter) -> int:
         """Position of ``p`` among the optimizer's parameters (seeds its stochastic rounding)."""
