@@ -429,10 +429,13 @@ def forced_logits(model: nn.Module, ids: torch.Tensor, tokens: torch.Tensor, kv:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    if kv == "offloaded":
-        from transformers.cache_utils import OffloadedCache
+    if kv == "offloaded":  # what cache_implementation="offloaded" builds
+        try:
+            cache = DynamicCache(offloading=True)
+        except TypeError:  # transformers 4.x
+            from transformers.cache_utils import OffloadedCache
 
-        cache = OffloadedCache()
+            cache = OffloadedCache()
     out = model(ids, past_key_values=cache, use_cache=True)
     rows = [out.logits[:, -1].float().cpu()]
     for k in range(tokens.shape[1]):
@@ -495,6 +498,12 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--no-resident", action="store_true", help="skip the resident model's generations")
     ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels (torch.use_deterministic_algorithms, no reduced-precision bf16 "
+        "reductions; set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment): equal inputs give equal bits",
+    )
+    ap.add_argument(
         "--logits",
         action="store_true",
         help="also compare teacher-forced logits (prefill and --new decode steps) with the resident model's",
@@ -519,6 +528,9 @@ def main() -> int:
     import ramtorch
 
     a = parse()
+    if a.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     dev = a.device
     cuda = dev.startswith("cuda")
     kv_modes = list(dict.fromkeys(a.kv))
