@@ -60,16 +60,59 @@ def test_greedy_generation_matches_the_resident_model(budget):
     assert s["prefetch_hits"] > 0  # decode steps follow the learned itinerary
 
 
+def _transformers_version() -> tuple[int, int]:
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2])  # type: ignore[return-value]
+
+
 @pytest.mark.gpu
 def test_generation_with_weights_and_kv_cache_in_host_ram():
+    """Same tokens as the resident model with the KV cache in host RAM, where transformers' cache
+    is sound (5.20 on); before, ramtorch refuses it with a clear error."""
     ref = tiny_llama().to(torch.bfloat16)
     ours = copy.deepcopy(ref)
     ref.cuda()
     ramtorch.offload(ours, device="cuda")
     ids = torch.randint(0, 97, (2, 9), device="cuda")
     seq_ref, _ = greedy(ref, ids)
+    if _transformers_version() < (5, 20):
+        with pytest.raises(RuntimeError, match="stream race"):
+            greedy(ours, ids, cache_implementation="offloaded")
+        return
     seq, _ = greedy(ours, ids, cache_implementation="offloaded")
     assert torch.equal(seq, seq_ref)
+
+
+class _FakeOffloadedCache:
+    offloading = True
+    prefetch_stream = None
+
+
+class _TakesCache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, past_key_values: object = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("version, refused", [("4.57.6", True), ("5.17.0", True), ("5.20.0", False)])
+def test_a_kv_cache_in_host_ram_that_streaming_would_corrupt_is_refused(monkeypatch, version, refused):
+    """transformers before 5.20 prefetches host-RAM KV cache layers without waiting for earlier
+    copies back to the host: under streaming that corrupts the cache silently, so it is refused."""
+    # transformers may have replaced its module object in sys.modules, where ramtorch looks
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    model = ramtorch.offload(_TakesCache(), device="cpu")
+    x = torch.randn(2, 4)
+    if refused:
+        with pytest.raises(RuntimeError, match=r"transformers .* 5\.20"):
+            model(x, past_key_values=_FakeOffloadedCache())
+    else:
+        model(x, past_key_values=_FakeOffloadedCache())
+    model(x, past_key_values=object())  # any other cache, or none, is left alone
+    model(x)
 
 
 _BITWISE = """

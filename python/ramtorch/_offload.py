@@ -33,6 +33,7 @@ import inspect
 import itertools
 import math
 import re
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -943,7 +944,11 @@ def offload(
                 _checkpoint_forward(u.module)
     streamer = Streamer(model, units, dev, inflight, pl.slots, pl.slot_bytes, budget, pl.resident_bytes)
     handles = streamer.hook_handles
-    handles.append(model.register_forward_pre_hook(lambda m, a: streamer.begin_pass()))
+    handles.append(
+        model.register_forward_pre_hook(
+            lambda m, a, k: _check_kv_cache(k) or streamer.begin_pass(), with_kwargs=True
+        )
+    )
     handles.append(model.register_forward_hook(lambda m, a, o: streamer.end_pass(), always_call=True))
     for u in units:
         if u.resident:
@@ -973,6 +978,37 @@ def offload(
 
 
 _DEVICE_VIEWS: dict[type, type] = {}
+
+
+def _racy_offloaded_cache(cache: Any) -> bool:
+    """Whether ``cache`` is a transformers KV cache that lives in host RAM (``offloading``, as
+    ``cache_implementation="offloaded"`` makes) from a transformers release before 5.20. Those
+    prefetch a layer's keys and values on a side stream without waiting for the copies of an
+    earlier layer back to the host, whose device memory the prefetch may then reuse: when the
+    GPU runs behind the host, as it does while weights stream in, the cache is silently
+    corrupted (transformers 5.20 added the wait)."""
+    if getattr(cache, "offloading", False) is not True or not hasattr(cache, "prefetch_stream"):
+        return False
+    module = sys.modules.get("transformers")
+    version = getattr(module, "__version__", "")
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) < (5, 20)
+
+
+def _check_kv_cache(kwargs: dict[str, Any]) -> None:
+    """Refuses a KV cache that streaming would corrupt (see :func:`_racy_offloaded_cache`)."""
+    for key in ("past_key_values", "cache"):
+        if _racy_offloaded_cache(kwargs.get(key)):
+            version = getattr(sys.modules.get("transformers"), "__version__", "?")
+            raise RuntimeError(
+                f"ramtorch: the KV cache in host RAM of transformers {version} "
+                '(cache_implementation="offloaded") has a stream race that corrupts the cache '
+                "when the GPU runs behind the host, as it does while weights stream: upgrade to "
+                "transformers 5.20 or later, or keep the KV cache on the GPU"
+            )
 
 
 def _report_compute_device(model: nn.Module) -> None:
