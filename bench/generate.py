@@ -512,6 +512,7 @@ def parse() -> argparse.Namespace:
         "--deadline", type=float, default=None, help="start no (B, cache) after this many seconds"
     )
     ap.add_argument("--tflops", type=float, default=790e12, help="FLOP/s of the prefill compute estimate")
+    ap.add_argument("--commit", default=None, help="commit recorded (default: git's HEAD of this checkout)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small Llama instead of W2")
     # Hidden: limits on a machine without CUDA (smoke runs of the limit arithmetic).
@@ -564,7 +565,7 @@ def main() -> int:
         "weight_bytes": wbytes,
         "device": torch.cuda.get_device_name() if cuda else dev,
         "gpus": 1 if cuda else 0,
-        "commit": commit(),
+        "commit": a.commit or commit(),
         "command": "python3 bench/generate.py " + " ".join(sys.argv[1:]),
         **(bw or {}),
     }
