@@ -201,3 +201,69 @@ def test_init_needs_the_launcher_environment(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         init()
+
+
+def resume_worker(rank: int, world: int, port: int, out: str, stage: int) -> None:
+    """Two sharded steps, a checkpoint saved on rank 0 from the consolidated state, then fresh
+    model and optimizer on every rank loaded from it, and the last two steps."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        data = batches()
+
+        def train(model: nn.Module, opt: ropt.AdamW, xs: list[torch.Tensor]) -> None:
+            for x in xs:
+                mine = x.chunk(world)[rank]
+                (model(mine).square().mean() * mine.shape[0] * world / x.shape[0]).backward()
+                opt.step()
+                opt.zero_grad()
+
+        model = ramtorch.offload(Net(), device="cpu")
+        opt = ropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).shard(stage=stage)
+        train(model, opt, data[:2])
+        result: dict = {}
+        try:
+            opt.state_dict()
+        except RuntimeError as e:
+            result["unconsolidated"] = str(e)
+        opt.consolidate_state_dict(to=0)
+        path = f"{out}.ckpt"
+        if rank == 0:
+            result["states"] = len(opt.state_dict()["state"])
+            ramtorch.save_checkpoint(path, model, opt)
+        else:
+            try:
+                opt.state_dict()
+            except RuntimeError as e:
+                result["not_on_this_rank"] = str(e)
+        dist.barrier()
+
+        model = ramtorch.offload(Net(), device="cpu")
+        opt = ropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).shard(stage=stage)
+        ramtorch.load_checkpoint(path, model, opt)
+        result["owned_after_load"] = sum(1 for p in model.parameters() if opt.state.get(p))
+        train(model, opt, data[2:])
+        result["params"] = [p.detach().clone() for p in model.parameters()]
+        torch.save(result, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("world", "stage"), [(2, 1), (3, 2)])
+def test_sharded_training_resumes_from_a_consolidated_checkpoint(tmp_path, world, stage):
+    """The state dict of a sharded optimizer is the whole optimizer's once consolidated (and an
+    error before, rather than one rank's share passed off as the optimizer); a checkpoint of it,
+    loaded on every rank, continues training as if it had not stopped."""
+    out = str(tmp_path / "r")
+    mp.spawn(resume_worker, args=(world, free_port(), out, stage), nprocs=world, join=True)
+    ref = reference()
+    results = [torch.load(f"{out}.{r}") for r in range(world)]
+    for res in results:
+        assert "consolidate_state_dict" in res["unconsolidated"]
+        for a, b in zip(ref, res["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert results[0]["states"] == len(ref)  # every parameter's state, not rank 0's share
+    assert all("consolidate_state_dict" in r["not_on_this_rank"] for r in results[1:])
+    owned = [r["owned_after_load"] for r in results]
+    assert sum(owned) == len(ref) and all(n > 0 for n in owned)  # each rank kept its share

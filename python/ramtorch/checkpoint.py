@@ -641,7 +641,17 @@ def _load(
         optim_state = None
         if optimizer is not None and optim_meta is not None and adopt is not None:
             optimizer._drop_host_states()  # type: ignore[union-attr]
-            optim_state = _decode(optim_meta, lambda key: reader.fresh(resolve(key)))
+            kept = optimizer._kept_state_indices()  # type: ignore[union-attr]
+
+            def optim_tensor(key: str) -> torch.Tensor:
+                # A sharded optimizer keeps its own share: the others' states are not read.
+                parts = key.split(".")
+                if kept is not None and parts[:2] == ["optim", "state"] and parts[2].isdigit():
+                    if int(parts[2]) not in kept:
+                        return torch.empty(0)
+                return reader.fresh(resolve(key))
+
+            optim_state = _decode(optim_meta, optim_tensor)
         reader.run()
         for t in direct.values():
             torch.autograd.graph.increment_version(t)  # slot caches key on versions

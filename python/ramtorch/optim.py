@@ -178,6 +178,9 @@ class _HostOptimizer(torch.optim.Optimizer):
         self._owner: dict[int, int] | None = None  # id(param) -> rank updating it (ZeRO)
         self._reduced: set[int] = set()  # ZeRO-2: ids of others' parameters reduced in backward
         self._reduced_dev: set[int] = set()  # ZeRO-2: ids of parameters reduced on the device
+        # ZeRO: the other ranks' states gathered here by consolidate_state_dict(), by parameter
+        # index, until the next update.
+        self._consolidated: dict[int, dict[str, Any]] | None = None
         if self.overlap:
             for e in _engine.engines():
                 e.add_listener(self)
@@ -454,6 +457,14 @@ class _HostOptimizer(torch.optim.Optimizer):
         no copy: for a loader that has just read them into fresh host memory for this optimizer."""
         self._load_states(state_dict, adopt=True)
 
+    def _kept_state_indices(self) -> set[int] | None:
+        """Indices of the parameters whose state a load keeps: a sharded optimizer keeps its own
+        share only (None: all)."""
+        if self._owner is None:
+            return None
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {i for i, p in enumerate(params) if self._owns(p)}
+
     def _drop_host_states(self) -> None:
         """Frees the states of host parameters (before a load reads new ones: one copy at a time)."""
         self.synchronize()
@@ -488,6 +499,10 @@ class _HostOptimizer(torch.optim.Optimizer):
                         else:
                             v = v.clone()
                     st[k] = v
+        if self._owner is not None:  # ZeRO: a whole optimizer's state; this rank keeps its share
+            for p in [p for p in self.state if not self._owns(p)]:
+                del self.state[p]
+        self._consolidated = None
 
     def _index_of(self, p: torch.nn.Parameter) -> int:
         """Position of ``p`` among the optimizer's parameters (seeds its stochastic rounding)."""
@@ -508,6 +523,7 @@ class _HostOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Finishes the step: waits for the updates made during backward, checks their gradients
         were not changed since, and updates every other parameter that has a gradient."""
+        self._consolidated = None  # the state changes
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -637,6 +653,7 @@ class _HostOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
         if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
             grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
+        self._consolidated = None  # the state changes
         state = self._host_state(p)
         state["step"] += 1
         step = int(state["step"].item())
@@ -680,9 +697,86 @@ class _HostOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """As ``torch.optim.Optimizer.state_dict``, once the pending updates are done."""
+        """As ``torch.optim.Optimizer.state_dict``, once the pending updates are done.
+
+        A sharded optimizer (``shard()`` over several ranks) holds the state of its share of the
+        parameters only: its state dict is the whole optimizer's on the rank that
+        :meth:`consolidate_state_dict` gathered it on, until the next update; elsewhere this
+        raises (a shard saved as if it were the optimizer would lose the other ranks' state)."""
         self.drain()
-        return super().state_dict()
+        sd = super().state_dict()
+        if self._owner is None or self._world() == 1:
+            return sd
+        if self._consolidated is None:
+            import torch.distributed as dist
+
+            raise RuntimeError(
+                f"{type(self).__name__} is sharded over {self._world()} ranks (ZeRO): rank "
+                f"{dist.get_rank(self._group)} holds the state of its share of the parameters only. "
+                "Call opt.consolidate_state_dict(to=0) on every rank, then opt.state_dict() or "
+                "ramtorch.save_checkpoint(...) on rank 0 (before the next step)"
+            )
+        sd["state"] = dict(sorted({**sd["state"], **self._consolidated}.items()))
+        return sd
+
+    def _world(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self._group)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """ZeRO: gathers every rank's optimizer state on rank ``to`` of the group, where
+        :meth:`state_dict` then returns the state of every parameter, as one unsharded optimizer
+        would (save it there: ``ramtorch.save_checkpoint``). A collective: every rank of the group
+        calls it. Rank ``to`` holds a copy of the other ranks' state until the next update.
+        Loading that state dict into the sharded optimizer on every rank (``load_state_dict`` or
+        ``ramtorch.load_checkpoint``) keeps each rank's share."""
+        if self._owner is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.consolidate_state_dict(): the optimizer is not sharded"
+            )
+        import torch.distributed as dist
+
+        world, me = self._world(), dist.get_rank(self._group)
+        if not 0 <= to < world:
+            raise ValueError(f"consolidate_state_dict(to={to!r}): the group has ranks 0..{world - 1}")
+        self.drain()
+        local = super().state_dict()["state"]
+        # What each rank holds, by parameter index: tensors by shape and dtype, other values as is.
+        mine = {
+            i: {
+                k: ("tensor", tuple(v.shape), str(v.dtype)) if torch.is_tensor(v) else ("value", v)
+                for k, v in st.items()
+            }
+            for i, st in local.items()
+        }
+        described: list[Any] = [None] * world
+        dist.all_gather_object(described, mine, group=self._group)
+
+        def global_rank(r: int) -> int:
+            return dist.get_global_rank(self._group, r) if self._group is not None else r
+
+        gathered: dict[int, dict[str, Any]] = {}
+        for r in range(world):
+            if r == to:
+                continue
+            for i in sorted(described[r]):
+                if me == r:
+                    for k in sorted(local[i]):
+                        if torch.is_tensor(local[i][k]):
+                            dist.send(local[i][k].contiguous(), dst=global_rank(to), group=self._group)
+                elif me == to:
+                    st: dict[str, Any] = {}
+                    for k, d in sorted(described[r][i].items()):
+                        if d[0] == "tensor":
+                            t = torch.empty(d[1], dtype=getattr(torch, d[2].removeprefix("torch.")))
+                            dist.recv(t, src=global_rank(r), group=self._group)
+                            st[k] = t
+                        else:
+                            st[k] = d[1]
+                    gathered[i] = st
+        self._consolidated = gathered if me == to else None
+        dist.barrier(group=self._group)
 
     def __del__(self) -> None:
         jobs = getattr(self, "_jobs", None)
