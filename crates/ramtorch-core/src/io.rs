@@ -865,6 +865,10 @@ mod tests {
         }
     }
 
+    fn job<'a>(name: &'a str, dst: &'a mut [u8], dtype: Dtype) -> CopyJob<'a> {
+        CopyJob { name, dst, dtype }
+    }
+
     /// Several tensors in one call land where each belongs; a bad job anywhere fails the call
     /// before any destination is written.
     #[test]
@@ -873,21 +877,9 @@ mod tests {
         let f = SafetensorsFile::open(&t.0).unwrap();
         let (mut a, mut b, mut c) = (vec![0u8; 12], vec![0u8; 12], vec![0u8; 80]);
         f.copy_many(vec![
-            CopyJob {
-                name: "a",
-                dst: &mut a,
-                dtype: Dtype::BF16,
-            },
-            CopyJob {
-                name: "b",
-                dst: &mut b,
-                dtype: Dtype::F32,
-            },
-            CopyJob {
-                name: "c",
-                dst: &mut c,
-                dtype: Dtype::I64,
-            },
+            job("a", &mut a, Dtype::BF16),
+            job("b", &mut b, Dtype::F32),
+            job("c", &mut c, Dtype::I64),
         ])
         .unwrap();
         let mut a1 = vec![0u8; 12];
@@ -899,16 +891,8 @@ mod tests {
         let (mut a, mut b) = (vec![7u8; 12], vec![7u8; 11]);
         let e = f
             .copy_many(vec![
-                CopyJob {
-                    name: "a",
-                    dst: &mut a,
-                    dtype: Dtype::BF16,
-                },
-                CopyJob {
-                    name: "b",
-                    dst: &mut b,
-                    dtype: Dtype::F32,
-                },
+                job("a", &mut a, Dtype::BF16),
+                job("b", &mut b, Dtype::F32),
             ])
             .unwrap_err()
             .to_string();
@@ -920,16 +904,8 @@ mod tests {
         let mut c = vec![0u8; 40];
         let e = f
             .copy_many(vec![
-                CopyJob {
-                    name: "a",
-                    dst: &mut a,
-                    dtype: Dtype::BF16,
-                },
-                CopyJob {
-                    name: "c",
-                    dst: &mut c,
-                    dtype: Dtype::F32,
-                },
+                job("a", &mut a, Dtype::BF16),
+                job("c", &mut c, Dtype::F32),
             ])
             .unwrap_err()
             .to_string();
