@@ -620,6 +620,24 @@ def test_modules_with_their_own_loading_or_hooks_still_get_it(tmp_path):
     assert seen == ["2."]
 
 
+def test_a_load_hook_above_a_module_still_sees_its_keys(tmp_path):
+    """A load hook on the root may rewrite any key: the whole model then loads through
+    load_state_dict, as torch would."""
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, src)
+    dst = ramtorch.offload(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), device="cpu")
+
+    def negate_first(module, state_dict, prefix, *args):  # noqa: ANN001, ANN002
+        state_dict[prefix + "0.weight"] = -state_dict[prefix + "0.weight"]
+
+    dst.register_load_state_dict_pre_hook(negate_first)
+    load_checkpoint(path, dst)
+    assert torch.equal(dst[0].weight, -src[0].weight)
+    assert torch.equal(dst[1].weight, src[1].weight)
+
+
 _PEAK = """
 import sys, threading, time
 from pathlib import Path

@@ -674,7 +674,8 @@ def _load(
 
 def _loads_plainly(module: nn.Module) -> bool:
     """Whether ``load_state_dict`` would only copy values into ``module``'s own parameters and
-    buffers: the default ``_load_from_state_dict`` and no load hooks."""
+    buffers: the default ``_load_from_state_dict`` and no load hooks (which could also change
+    the keys of its submodules)."""
     return (
         type(module)._load_from_state_dict is nn.Module._load_from_state_dict
         and not module._load_state_dict_pre_hooks
@@ -713,8 +714,11 @@ class _DirectReader:
         if self.file is None or type(model).load_state_dict is not nn.Module.load_state_dict:
             return {}
         dests: dict[str, torch.Tensor] = {}
+        # A module with its own loading or load hooks may touch any key below it: its subtree is
+        # left to load_state_dict.
+        fancy = [p for p, m in model.named_modules(remove_duplicate=False) if not _loads_plainly(m)]
         for prefix, module in model.named_modules(remove_duplicate=False):
-            if not _loads_plainly(module):
+            if any(f == "" or prefix == f or prefix.startswith(f + ".") for f in fancy):
                 continue
             dot = prefix + "." if prefix else ""
             for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
