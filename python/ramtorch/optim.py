@@ -25,8 +25,8 @@ steps is an error; pass ``overlap=False`` for that.
 every state in host RAM) usually takes longer than the backward it overlaps, and the first unit's
 gradient arrives last. With ``pipeline=True``, ``backward()`` and ``step()`` return without waiting
 for the updates still queued: they run on while the next forward starts, in the order that forward
-needs them (the newest gradients first), and the forward waits for each unit's update before
-streaming its weights. What reads the weights through ramtorch waits the same way:
+needs them (the newest gradients that have landed first), and the forward waits for each unit's
+update before streaming its weights. What reads the weights through ramtorch waits the same way:
 ``model.state_dict()``, ``opt.state_dict()``, ``ramtorch.save_checkpoint``,
 ``ramtorch.synchronize()`` and ``opt.synchronize()``. Code of yours that reads host parameters
 directly between ``step()`` and the next forward (an EMA of the weights, logging their norms) must
