@@ -19,10 +19,11 @@ def _warn_if_unpinned() -> None:
         warnings.warn(msg, ResourceWarning, stacklevel=3)
 
 
-def host_bytes(nbytes: int, zeroed: bool = False) -> torch.Tensor:
+def host_bytes(nbytes: int, zeroed: bool = False, pin: bool = True) -> torch.Tensor:
     """A 1-D ``uint8`` CPU tensor of exactly ``nbytes`` bytes of arena memory (page-locked when a
-    GPU is present). The memory goes back to the arena when the last view of it dies."""
-    flat = torch.from_dlpack(_core.arena_alloc(int(nbytes), zeroed))
+    GPU is present, unless ``pin`` is false: memory only the CPU touches). The memory goes back to
+    the arena when the last view of it dies."""
+    flat = torch.from_dlpack(_core.arena_alloc(int(nbytes), zeroed, pin))
     _warn_if_unpinned()
     return flat
 
@@ -31,9 +32,11 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
 
 
-def host_empty(shape: Sequence[int], dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
-    """An arena tensor of ``shape`` and ``dtype``."""
-    return host_bytes(_nbytes(shape, dtype), zeroed).view(dtype).view(tuple(shape))
+def host_empty(
+    shape: Sequence[int], dtype: torch.dtype, zeroed: bool = False, pin: bool = True
+) -> torch.Tensor:
+    """An arena tensor of ``shape`` and ``dtype`` (see :func:`host_bytes`)."""
+    return host_bytes(_nbytes(shape, dtype), zeroed, pin).view(dtype).view(tuple(shape))
 
 
 def pack(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -764,7 +764,9 @@ class _DirectReader:
         else:
             shape = tuple(self.f.get_slice(key).get_shape())
             n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            t = _arena.host_empty(shape, dtype) if n >= 1 << 20 else torch.empty(shape, dtype=dtype)
+            # Optimizer states: only the CPU touches them, so they need not be page-locked.
+            big = n >= 1 << 20
+            t = _arena.host_empty(shape, dtype, pin=False) if big else torch.empty(shape, dtype=dtype)
             if n:
                 self.jobs.append((key, t.data_ptr(), n, st))
         self.fresh_cache[key] = t

@@ -493,7 +493,7 @@ class _HostOptimizer(torch.optim.Optimizer):
                 for k, v in saved.items():
                     if isinstance(v, torch.Tensor) and not adopt:
                         if k != "step" and v.is_floating_point():
-                            t = _arena.host_empty(tuple(v.shape), v.dtype)
+                            t = _arena.host_empty(tuple(v.shape), v.dtype, pin=False)
                             t.copy_(v)
                             v = t
                         else:
@@ -639,9 +639,9 @@ class _HostOptimizer(torch.optim.Optimizer):
             sdtype = torch.bfloat16 if bf16_mode else torch.float32
             state["step"] = torch.tensor(0.0)
             for name in self._state_names:
-                state[name] = _arena.host_empty(tuple(p.shape), sdtype, zeroed=True)
+                state[name] = _arena.host_empty(tuple(p.shape), sdtype, zeroed=True, pin=False)
             if low and not bf16_mode:
-                master = _arena.host_empty(tuple(p.shape), torch.float32)
+                master = _arena.host_empty(tuple(p.shape), torch.float32, pin=False)
                 master.copy_(p.detach())
                 state["master"] = master
         return state

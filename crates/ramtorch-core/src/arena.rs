@@ -3,9 +3,10 @@
 //! Each [`Region`] is one anonymous mapping rounded up to whole pages (so 4 KiB at most is lost per
 //! region, unlike a power-of-two caching allocator). Big regions are faulted in from several
 //! threads before they are pinned, which is where most of the cost of pinning goes. When a region
-//! is dropped its mapping goes back to a pool keyed by size, still pinned, so a gradient buffer
-//! freed by `zero_grad()` is handed out again on the next backward without pinning anew.
-//! [`Arena::empty_cache`] returns pooled memory to the OS.
+//! is dropped its mapping goes back to a pool keyed by size (and whether it is pinned), still
+//! pinned, so a gradient buffer freed by `zero_grad()` is handed out again on the next backward
+//! without pinning anew. [`Arena::empty_cache`] returns pooled memory to the OS. Memory that only
+//! the CPU touches (optimizer states) is asked for unpinned ([`Arena::alloc_with`]).
 //!
 //! Pinning is delegated to a [`Pinner`] (CUDA's `cuMemHostRegister` on a GPU machine, none on a
 //! CPU-only one). If the pinner refuses (memlock limit, driver error), the arena keeps going with
@@ -89,7 +90,8 @@ struct Inner {
     pinner: Option<Box<dyn Pinner>>,
     pin_enabled: AtomicBool,
     pin_warning: Mutex<Option<String>>,
-    pool: Mutex<HashMap<usize, Vec<Block>>>,
+    /// Pooled mappings by (size, pinned).
+    pool: Mutex<HashMap<(usize, bool), Vec<Block>>>,
     page: usize,
     reserved: AtomicUsize,
     in_use: AtomicUsize,
@@ -99,7 +101,7 @@ struct Inner {
 }
 
 impl Inner {
-    fn map(&self, cap: usize) -> Result<Block> {
+    fn map(&self, cap: usize, pin: bool) -> Result<Block> {
         // SAFETY: an anonymous private mapping with no address hint has no preconditions.
         let p = unsafe {
             libc::mmap(
@@ -130,7 +132,7 @@ impl Inner {
             pinned: false,
         };
         // SAFETY: the mapping was just created and lives until `unmap`.
-        block.pinned = unsafe { self.try_pin(ptr.as_ptr(), cap) };
+        block.pinned = pin && unsafe { self.try_pin(ptr.as_ptr(), cap) };
         self.reserved.fetch_add(cap, Ordering::Relaxed);
         if block.pinned {
             self.pinned.fetch_add(cap, Ordering::Relaxed);
@@ -249,14 +251,22 @@ impl Arena {
     /// A region of exactly `len` bytes (the mapping is rounded up to whole pages). With `zeroed`,
     /// its contents are zero; otherwise they are unspecified (a recycled region keeps old bytes).
     pub fn alloc(&self, len: usize, zeroed: bool) -> Result<Region> {
+        self.alloc_with(len, zeroed, true)
+    }
+
+    /// As [`alloc`](Self::alloc); with `pin` false the memory is never page-locked: for memory
+    /// only the CPU touches (optimizer states), which then neither pays the pinning nor counts
+    /// against the process's locked-memory limit.
+    pub fn alloc_with(&self, len: usize, zeroed: bool, pin: bool) -> Result<Region> {
         let inner = &self.inner;
         let cap = len.max(1).div_ceil(inner.page) * inner.page;
+        let pinned = pin && self.pins();
         let recycled = {
             let mut pool = inner
                 .pool
                 .lock()
                 .map_err(|_| Error::Worker("arena pool lock poisoned".into()))?;
-            pool.get_mut(&cap).and_then(Vec::pop)
+            pool.get_mut(&(cap, pinned)).and_then(Vec::pop)
         };
         let block = match recycled {
             Some(b) => {
@@ -267,7 +277,7 @@ impl Arena {
                 }
                 b
             }
-            None => inner.map(cap)?,
+            None => inner.map(cap, pin)?,
         };
         inner.in_use.fetch_add(len, Ordering::Relaxed);
         inner.regions.fetch_add(1, Ordering::Relaxed);
@@ -410,7 +420,7 @@ impl Drop for Region {
         let cap = block.cap;
         match self.arena.pool.lock() {
             Ok(mut pool) => {
-                pool.entry(cap).or_default().push(block);
+                pool.entry((cap, block.pinned)).or_default().push(block);
                 self.arena.pooled.fetch_add(cap, Ordering::Relaxed);
             }
             Err(_) => self.arena.unmap(block),
@@ -513,6 +523,36 @@ mod tests {
         a.empty_cache();
         assert_eq!(c.unpins.load(Ordering::Relaxed), 1);
         assert_eq!(a.stats().pinned_bytes, 0);
+    }
+
+    /// Memory asked for unpinned is never pinned, and pinned and unpinned mappings of one size
+    /// are pooled apart: neither kind is handed out for the other.
+    #[test]
+    fn unpinned_regions_stay_unpinned_and_pool_apart() {
+        let c = Arc::new(Counting::default());
+        let a = Arena::new(Some(Box::new(c.clone())));
+        let r = a.alloc_with(1 << 20, true, false).expect("alloc");
+        assert!(!r.is_pinned());
+        drop(r);
+        assert_eq!(c.pins.load(Ordering::Relaxed), 0);
+        let p = a.alloc(1 << 20, false).expect("alloc");
+        assert!(
+            p.is_pinned(),
+            "the pooled unpinned mapping was handed out as pinned memory"
+        );
+        assert_eq!(c.pins.load(Ordering::Relaxed), 1);
+        let u = a.alloc_with(1 << 20, false, false).expect("alloc");
+        assert!(!u.is_pinned());
+        assert_eq!(
+            c.pins.load(Ordering::Relaxed),
+            1,
+            "the unpinned mapping was reused, not pinned"
+        );
+        let s = a.stats();
+        assert_eq!((s.pinned_bytes, s.pageable_bytes), (1 << 20, 1 << 20));
+        drop((p, u));
+        a.empty_cache();
+        assert_eq!(c.unpins.load(Ordering::Relaxed), 1);
     }
 
     #[test]

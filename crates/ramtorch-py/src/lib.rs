@@ -220,13 +220,13 @@ fn export(py: Python<'_>, memory: Memory) -> PyResult<Py<PyAny>> {
     Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
 }
 
-/// Allocates `nbytes` of host arena memory (page-locked when a GPU is present) and returns it as a
-/// DLPack capsule of a 1-D uint8 CPU tensor. The memory returns to the arena's pool when the last
-/// torch view of it dies.
+/// Allocates `nbytes` of host arena memory (page-locked when a GPU is present, unless `pin` is
+/// false) and returns it as a DLPack capsule of a 1-D uint8 CPU tensor. The memory returns to the
+/// arena's pool when the last torch view of it dies.
 #[pyfunction]
-#[pyo3(signature = (nbytes, zeroed = false))]
-fn arena_alloc(py: Python<'_>, nbytes: usize, zeroed: bool) -> PyResult<Py<PyAny>> {
-    let region = py.detach(|| guard("arena_alloc", || arena()?.alloc(nbytes, zeroed)))?;
+#[pyo3(signature = (nbytes, zeroed = false, pin = true))]
+fn arena_alloc(py: Python<'_>, nbytes: usize, zeroed: bool, pin: bool) -> PyResult<Py<PyAny>> {
+    let region = py.detach(|| guard("arena_alloc", || arena()?.alloc_with(nbytes, zeroed, pin)))?;
     export(py, Memory::Arena(region))
 }
 
