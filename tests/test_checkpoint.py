@@ -669,7 +669,7 @@ stop = threading.Event()
 def sample():
     while not stop.is_set():
         peak[0] = max(peak[0], rss("RssAnon")); stop.wait(0.001)
-th = threading.Thread(target=sample); th.start()
+th = threading.Thread(target=sample, daemon=True); th.start()
 ramtorch.load_checkpoint(path, m, opt, progress=False)
 stop.set(); th.join()
 assert all(torch.equal(m.state_dict()[k], v) for k, v in want.items())

@@ -317,3 +317,56 @@ def test_copy_many_fills_every_destination_and_refuses_overlaps(tmp_path):
     with pytest.raises(ValueError, match="destinations overlap"):
         f.copy_many([("a", out.data_ptr(), 300 * 7 * 4, "F32"), ("c", out.data_ptr() + 32, 80, "I64")])
     assert torch.all(out == 7.0)
+
+
+_SAVE_PEAK = """
+import sys, threading
+from pathlib import Path
+import torch, ramtorch
+from torch import nn
+from safetensors.torch import load_file
+
+def anon():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+torch.manual_seed(0)
+# Weight and bias of a layer share one packed region: safetensors' own writer refuses such views.
+m = ramtorch.offload(nn.Sequential(*[nn.Linear(1024, 1024, dtype=torch.bfloat16)
+                                     for _ in range(64)]), device="cpu", progress=False)
+nbytes = sum(p.numel() * p.element_size() for p in m.parameters())
+before = anon()
+peak = [before]
+stop = threading.Event()
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], anon()); stop.wait(0.001)
+th = threading.Thread(target=sample, daemon=True); th.start()
+ramtorch.save_pretrained(m, sys.argv[1], max_shard_size="64MB", progress=False)
+stop.set(); th.join()
+got = {}
+for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    got.update(load_file(f))
+assert all(torch.equal(got[k], v) for k, v in m.state_dict().items())
+print(nbytes, peak[0] - before)
+"""
+
+
+def test_save_pretrained_holds_no_copy_of_a_shard(tmp_path):
+    """An offloaded model's parameters are views into packed units: they are written straight
+    from there, not copied shard by shard first (the files still read back equal)."""
+    r = subprocess.run(
+        [sys.executable, "-c", _SAVE_PEAK, str(tmp_path / "out")], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    nbytes, grew = (int(x) for x in r.stdout.split())
+    assert nbytes == 64 * (1024 + 1) * 1024 * 2
+    assert grew < 0.2 * nbytes, r.stdout
+
+
+def test_save_pretrained_refuses_unstorable_tensors_before_writing(tmp_path):
+    m = nn.Linear(4, 4)
+    m.register_buffer("c", torch.zeros(2, device="meta"))
+    with pytest.raises(TypeError, match="'c' is on the meta device"):
+        ramtorch.save_pretrained(m, tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*"))

@@ -198,6 +198,46 @@ def _write_tensor(f: IO[bytes], t: torch.Tensor, tick: Callable[[int], None]) ->
         tick(_nbytes(chunk))
 
 
+def _header(entries: list[tuple[str, torch.Tensor]], meta: dict[str, str]) -> tuple[bytes, int]:
+    """The safetensors header of ``entries`` (sorted in place: largest elements first, so that
+    every tensor is aligned to its element size), padded to 8 bytes, and the data's length."""
+    entries.sort(key=lambda e: (-e[1].element_size(), e[0]))
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for key, t in entries:
+        n = _nbytes(t)
+        header[key] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return head + b" " * (-len(head) % 8), offset
+
+
+def _write_file(
+    f: IO[bytes], head: bytes, entries: list[tuple[str, torch.Tensor]], tick: Callable[[int], None]
+) -> None:
+    """Writes a safetensors file: ``head`` (from :func:`_header`), then each tensor straight from
+    its memory (device tensors through host memory in chunks): no copy of the whole."""
+    f.write(len(head).to_bytes(8, "little"))
+    f.write(head)
+    with torch.no_grad():
+        for _, t in entries:
+            _write_tensor(f, t, tick)
+
+
+def _check_storable(what: str, key: str, t: torch.Tensor) -> None:
+    """Raises ``TypeError`` naming ``key`` unless safetensors can store ``t``."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{what}: {key!r} is a {t.layout} tensor; only dense tensors can be saved")
+    if t.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"{what}: {key!r} has dtype {t.dtype}, which safetensors cannot store")
+    if t.device.type == "meta":
+        raise TypeError(f"{what}: {key!r} is on the meta device (no data to save)")
+
+
 def _temp_re(name: str) -> re.Pattern[str]:
     return re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
 
@@ -329,14 +369,7 @@ def save_checkpoint(
     aliases: dict[str, str] = {}
     entries: list[tuple[str, torch.Tensor]] = []
     for key, t in tensors.items():
-        if t.layout != torch.strided:
-            raise TypeError(
-                f"save_checkpoint: {key!r} is a {t.layout} tensor; only dense tensors can be saved"
-            )
-        if t.dtype not in _DTYPE_NAMES:
-            raise TypeError(f"save_checkpoint: {key!r} has dtype {t.dtype}, which safetensors cannot store")
-        if t.device.type == "meta":
-            raise TypeError(f"save_checkpoint: {key!r} is on the meta device (no data to save)")
+        _check_storable("save_checkpoint", key, t)
         ak = _alias_key(t)
         if ak in canonical:
             aliases[key] = canonical[ak]
@@ -345,21 +378,8 @@ def save_checkpoint(
             entries.append((key, t))
     meta["ramtorch.aliases"] = json.dumps(aliases)
 
-    # 3. Header: largest elements first, so that every tensor is aligned to its element size.
-    entries.sort(key=lambda e: (-e[1].element_size(), e[0]))
-    header: dict[str, Any] = {"__metadata__": meta}
-    offset = 0
-    for key, t in entries:
-        n = _nbytes(t)
-        header[key] = {
-            "dtype": _DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    total = offset
+    # 3. Header.
+    head, total = _header(entries, meta)
 
     # 4. Temporary file, fsync, rename, fsync the directory.
     directory, name = os.path.split(os.path.abspath(path))
@@ -372,11 +392,7 @@ def save_checkpoint(
     replaced = False
     try:
         with open(tmp, "xb") as f:
-            f.write(len(head).to_bytes(8, "little"))
-            f.write(head)
-            with torch.no_grad():
-                for _, t in entries:
-                    _write_tensor(f, t, tick)
+            _write_file(f, head, entries, tick)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -103,14 +103,14 @@ def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]
     return dict(sd), list(groups.values())
 
 
-def _progress_bar(total: int, progress: bool | None) -> Any:
+def _progress_bar(total: int, progress: bool | None, desc: str = "ramtorch.load") -> Any:
     if progress is False or (progress is None and total <= _GIB):
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="ramtorch.load")
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
 
 
 @torch.no_grad()
@@ -305,7 +305,11 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def save(
-    model: nn.Module, save_dir: str | os.PathLike[str], *, max_shard_size: int | str = "5GB"
+    model: nn.Module,
+    save_dir: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    progress: bool | None = None,
 ) -> list[str]:
     """Writes ``model``'s state dict as Hugging Face style safetensors file(s) in ``save_dir``.
 
@@ -315,8 +319,12 @@ def save(
     reader never sees an index naming incomplete shards. Tensors that several names share (tied
     weights) are written once, under their first name. Shards and an index from an earlier save
     that this one does not rewrite are removed. Returns the names of the files written.
+
+    Tensors are written straight from their memory (device tensors through host memory in
+    chunks), so saving holds no second copy of a shard. ``progress``: a progress bar over bytes
+    (default: when saving more than 1 GiB).
     """
-    from safetensors.torch import save_file
+    from .checkpoint import _check_storable, _header, _write_file
 
     limit = _shard_bytes(max_shard_size)
     out = Path(save_dir)
@@ -332,6 +340,7 @@ def save(
         if key in seen:
             continue  # tied: recorded under its first name only
         seen[key] = name
+        _check_storable("save_pretrained", name, t)
         items.append((name, t))
 
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -351,20 +360,24 @@ def save(
         else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     )
     weight_map: dict[str, str] = {}
-    total = 0
-    for fname, shard in zip(names, shards):
-        tensors: dict[str, torch.Tensor] = {}
-        for name, t in shard:
-            c = t.detach().to("cpu")
-            # safetensors refuses views that share storage (an offloaded unit packs its parameters
-            # into one region): copy those, one shard at a time.
-            if not c.is_contiguous() or c.untyped_storage().nbytes() != c.numel() * c.element_size():
-                c = c.contiguous().clone()
-            tensors[name] = c
-            weight_map[name] = fname
-            total += c.numel() * c.element_size()
-        _write_atomic(out / fname, lambda p, ts=tensors: save_file(ts, str(p), metadata={"format": "pt"}))
-        del tensors
+    total = sum(t.numel() * t.element_size() for _, t in items)
+    bar = _progress_bar(total, progress, "ramtorch.save_pretrained")
+    tick: Callable[[int], None] = bar.update if bar is not None else (lambda n: None)
+    try:
+        for fname, shard in zip(names, shards):
+            entries = [(name, t.detach()) for name, t in shard]
+            head, _ = _header(entries, {"format": "pt"})
+            for name, _ in shard:
+                weight_map[name] = fname
+
+            def write(p: Path, head: bytes = head, entries: list = entries) -> None:
+                with open(p, "wb") as f:
+                    _write_file(f, head, entries, tick)
+
+            _write_atomic(out / fname, write)
+    finally:
+        if bar is not None:
+            bar.close()
 
     stale = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
     if count > 1:
