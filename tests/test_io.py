@@ -370,3 +370,36 @@ def test_save_pretrained_refuses_unstorable_tensors_before_writing(tmp_path):
     with pytest.raises(TypeError, match="'c' is on the meta device"):
         ramtorch.save_pretrained(m, tmp_path / "out")
     assert not list((tmp_path / "out").glob("*"))
+
+
+class _Doubling(nn.Linear):
+    """Loads its weight doubled: a module with loading of its own."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002
+        state_dict = dict(state_dict)
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def test_load_respects_modules_with_their_own_loading(tmp_path):
+    """Their tensors go through load_state_dict (as torch would load them); the others are
+    written in place."""
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(4, 4), _Doubling(4, 4), nn.Sequential(nn.Linear(4, 4)))
+    ramtorch.save_pretrained(src, tmp_path)
+    dst = ramtorch.offload(
+        nn.Sequential(nn.Linear(4, 4), _Doubling(4, 4), nn.Sequential(nn.Linear(4, 4))), device="cpu"
+    )
+
+    def negate(module, state_dict, prefix, *args):  # noqa: ANN001, ANN002
+        state_dict[prefix + "0.weight"] = -state_dict[prefix + "0.weight"]
+
+    dst[2].register_load_state_dict_pre_hook(negate)  # above the layer it changes
+    ptrs = [p.data_ptr() for p in dst.parameters()]
+    ramtorch.load(dst, tmp_path)
+    assert [p.data_ptr() for p in dst.parameters()] == ptrs
+    assert torch.equal(dst[0].weight, src[0].weight)
+    assert torch.equal(dst[1].weight, src[1].weight * 2)
+    assert torch.equal(dst[1].bias, src[1].bias)
+    assert torch.equal(dst[2][0].weight, -src[2][0].weight)
+    assert torch.equal(dst[2][0].bias, src[2][0].bias)

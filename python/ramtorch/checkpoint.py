@@ -688,17 +688,6 @@ def _load(
     return extra if isinstance(extra, dict) else {}
 
 
-def _loads_plainly(module: nn.Module) -> bool:
-    """Whether ``load_state_dict`` would only copy values into ``module``'s own parameters and
-    buffers: the default ``_load_from_state_dict`` and no load hooks (which could also change
-    the keys of its submodules)."""
-    return (
-        type(module)._load_from_state_dict is nn.Module._load_from_state_dict
-        and not module._load_state_dict_pre_hooks
-        and not module._load_state_dict_post_hooks
-    )
-
-
 class _DirectReader:
     """Reads checkpoint tensors straight into host memory with ramtorch's reader: positioned reads
     on all cores, batched; no mapping of the file, no intermediate copy."""
@@ -727,15 +716,15 @@ class _DirectReader:
         """Queues the tensors of ``keys`` (state-dict key → file key) that can be read straight into
         the model: contiguous host tensors of plain type and the file's dtype, of modules that load
         plainly, not overlapping another destination. Returns them by state-dict key."""
-        if self.file is None or type(model).load_state_dict is not nn.Module.load_state_dict:
+        from .io import plain_loading
+
+        if self.file is None:
             return {}
+        plain = plain_loading(model)
         dests: dict[str, torch.Tensor] = {}
-        # A module with its own loading or load hooks may touch any key below it: its subtree is
-        # left to load_state_dict.
-        fancy = [p for p, m in model.named_modules(remove_duplicate=False) if not _loads_plainly(m)]
         for prefix, module in model.named_modules(remove_duplicate=False):
-            if any(f == "" or prefix == f or prefix.startswith(f + ".") for f in fancy):
-                continue
+            if not plain(prefix):
+                continue  # its own loading or load hooks: left to load_state_dict
             dot = prefix + "." if prefix else ""
             for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
                 key = dot + name

@@ -103,6 +103,28 @@ def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]
     return dict(sd), list(groups.values())
 
 
+def plain_loading(model: nn.Module) -> Callable[[str], bool]:
+    """Whether ``model.load_state_dict`` would only copy values into the parameters and buffers
+    of the module at a given prefix ("" for the root), so that a loader may write them directly.
+    Not where that module or one above it has its own ``_load_from_state_dict`` or load hooks,
+    which may change any key below them, nor anywhere when the model overrides
+    ``load_state_dict``."""
+    if type(model).load_state_dict is not nn.Module.load_state_dict:
+        return lambda prefix: False
+    own = [
+        prefix
+        for prefix, m in model.named_modules(remove_duplicate=False)
+        if type(m)._load_from_state_dict is not nn.Module._load_from_state_dict
+        or m._load_state_dict_pre_hooks
+        or m._load_state_dict_post_hooks
+    ]
+
+    def plain(prefix: str) -> bool:
+        return not any(f == "" or prefix == f or prefix.startswith(f + ".") for f in own)
+
+    return plain
+
+
 def _progress_bar(total: int, progress: bool | None, desc: str = "ramtorch.load") -> Any:
     if progress is False or (progress is None and total <= _GIB):
         return None
@@ -143,6 +165,9 @@ def load(
 
     Tensors that several names share (tied weights) are filled once. Floating tensors are
     converted to each target's dtype (F32/BF16/F16 while copying; other pairs through torch).
+    Modules with their own ``_load_from_state_dict`` or load hooks (and those below them) are
+    given their tensors through ``model.load_state_dict``, as torch would: the rest is written
+    in place directly.
     """
     t0 = time.perf_counter()
     # Weights a failed optimizer update left half written are about to be replaced; they stay
@@ -232,9 +257,18 @@ def _load_into(
         batched.clear()
         batch_bytes = 0
 
+    plain = plain_loading(model)
+    routed: dict[str, torch.Tensor] = {}  # for modules with their own loading: load_state_dict
     try:
         for name, t, f, dtype in plan:
             nbytes = f.nbytes(name)
+            if not plain(name.rpartition(".")[0]):
+                tmp = torch.empty(t.shape, dtype=_ST_TO_TORCH[dtype])
+                f.copy_into(name, tmp.data_ptr(), nbytes, dtype)
+                routed[name] = tmp
+                if bar is not None:
+                    bar.update(nbytes)
+                continue
             want = _TORCH_TO_ST.get(t.dtype)
             native = want is not None and (want == dtype or (want in _NATIVE and dtype in _NATIVE))
             if t.numel() == 0:
@@ -260,6 +294,8 @@ def _load_into(
             if bar is not None:
                 bar.update(nbytes)
         flush()
+        if routed:
+            model.load_state_dict(routed, strict=False)
     finally:
         if bar is not None:
             bar.close()
