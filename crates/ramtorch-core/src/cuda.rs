@@ -149,13 +149,13 @@ impl Stream {
         self.raw as u64
     }
 
-    /// Blocks the host until all work on the stream is done.
+    /// Blocks the host until all work on the stream is done. The thread sleeps rather than spins
+    /// (an event with blocking sync recorded at the stream's end; `cuStreamSynchronize` would spin
+    /// under the default scheduling).
     pub fn synchronize(&self) -> Result<()> {
-        self.ctx.bind()?;
-        // SAFETY: `raw` is a live stream of this context.
-        check("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(self.raw)
-        })
+        let ev = Event::new(&self.ctx)?;
+        ev.record(self.raw())?;
+        ev.synchronize()
     }
 }
 
@@ -182,15 +182,25 @@ unsafe impl Send for Event {}
 // SAFETY: as above.
 unsafe impl Sync for Event {}
 
+/// Every event is created with `CU_EVENT_BLOCKING_SYNC`: a host thread waiting on one sleeps
+/// instead of spinning. With one context and more cores than that, CUDA's default is to spin, and a
+/// spinning waiter takes a core from the CPU optimizer, whose speed is bound by how many cores load
+/// from memory: a step-like load of copies and compute cost it 1.5x its time with spinning waits
+/// and 1.05x with sleeping ones (`bench/contention.py`).
+const BLOCKING: u32 = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+
 impl Event {
     /// Creates an event with timing disabled.
     pub fn new(ctx: &Context) -> Result<Self> {
-        Self::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        Self::with_flags(
+            ctx,
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32 | BLOCKING,
+        )
     }
 
     /// Creates an event that records a timestamp (see [`Event::elapsed_ms`]).
     pub fn new_timed(ctx: &Context) -> Result<Self> {
-        Self::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+        Self::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DEFAULT as u32 | BLOCKING)
     }
 
     fn with_flags(ctx: &Context, flags: u32) -> Result<Self> {
