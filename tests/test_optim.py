@@ -646,3 +646,66 @@ def test_pipelined_jobs_run_the_newest_ready_job_first() -> None:
     jobs.wait()
     assert ran == ["y", "x"]
     jobs.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_weights_gradient_leaves_as_soon_as_its_node_has_run(device, monkeypatch):
+    """The second linear layer of a block sends its weight's gradient to the host before the
+    first layer's backward runs, not at the end of the block's backward."""
+    from ramtorch import _engine
+
+    _, ours = pair(device, layers=2)
+    assert "blocks.0" in [u.name for u in ours._ramtorch_streamer.units]  # one unit: norm, up, down
+    block = ours.blocks[0]
+    events: list[str] = []
+    names = {id(p): n for n, p in ours.named_parameters()}
+    eng = _engine.engine_for(torch.device(device))
+    push = eng.push_grad
+
+    def logged_push(param, grad, *args, **kw):
+        events.append(names[id(param)])
+        return push(param, grad, *args, **kw)
+
+    monkeypatch.setattr(eng, "push_grad", logged_push)
+
+    def up_hook(module, args, out):  # the gradient of up's output comes once GELU's backward ran
+        if out.requires_grad:
+            out.register_hook(lambda g: events.append("gradient of up's output"))
+
+    block.up.register_forward_hook(up_hook)
+    x = torch.randn(4, 8, device=device)
+    loss_of(ours, x).backward()
+    mark = events.index("gradient of up's output")
+    assert {"blocks.0.down.weight", "blocks.0.down.bias"} <= set(events[:mark])
+    assert {"blocks.0.up.weight", "blocks.0.up.bias", "blocks.0.norm.weight"} <= set(events[mark:])
+    assert sorted(e for e in events if e != "gradient of up's output") == sorted(names.values())
+
+
+@pytest.mark.parametrize("mode", ["overlap", "pipeline"])
+def test_jobs_of_single_weights_as_they_land_equal_torch(mode, monkeypatch):
+    """With every weight handed to the optimizer alone as its gradient lands (no batching of small
+    ones), ten steps still equal torch's AdamW, and the jobs were of one weight each."""
+    from ramtorch import _offload
+
+    monkeypatch.setattr(_offload, "_READY_BATCH", 1)
+    ref, ours = pair("cpu", p_drop=0.0)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, pipeline=mode == "pipeline")
+    sizes: list[int] = []
+    on_grads = o_ours.on_grads
+
+    def logged(eng, params):
+        sizes.append(len(params))
+        return on_grads(eng, params)
+
+    monkeypatch.setattr(o_ours, "on_grads", logged)
+    for _ in range(10):
+        x = torch.randn(5, 8)
+        for model, opt in ((ref, o_ref), (ours, o_ours)):
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+    o_ours.synchronize()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+    assert sizes and set(sizes) == {1}
+    assert o_ours.timings["in_backward_updates"] >= 9 * len(list(ours.parameters()))

@@ -16,7 +16,11 @@ How a unit runs:
   as done.
 - **forward post-hook** (always called, even if the forward raised): parameters restored, slot
   released after the queued kernels, and a hook on the outputs' gradients prefetches the unit for
-  backward.
+  backward. The unit's autograd graph is walked from its outputs to find, for each weight, the
+  one node that consumes it (``TBackward`` of a linear layer, say); a hook on that node sends the
+  weight's gradient to the host as soon as it is computed, while the rest of the unit's backward
+  runs on, and hands it to the optimizers once every forward of the step has delivered it.
+  Weights used by several nodes wait for :class:`_Fetch`'s backward, at the end of the unit's.
 
 The *itinerary* is the order in which units ran in the last forward (and the last backward); the
 next pass prefetches along it, ``MAX_INFLIGHT`` copies ahead at most, and slots are evicted
@@ -52,6 +56,13 @@ _UNITS.update({"t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib":
 
 #: Trace mark codes (see :mod:`ramtorch._trace`).
 MARK_FWD_BEGIN, MARK_FWD_END, MARK_BWD_BEGIN, MARK_BWD_END = 1, 2, 3, 4
+
+#: A unit's graph walk (see :meth:`Streamer._hook_weight_consumers`) gives up past this many nodes:
+#: its weights' gradients then leave at the end of the unit's backward.
+_WALK_LIMIT = 4096
+#: Gradients handed to the optimizers as they land are batched up to this many elements (small
+#: tensors such as norm weights would otherwise each be a job of their own).
+_READY_BATCH = 1 << 22
 
 
 def parse_bytes(value: int | float | str | None, what: str = "gpu_budget") -> int | None:
@@ -246,7 +257,10 @@ class _Unit:
         # Weight-gradient nodes created since the last backward ended, and how many have run: when
         # they are equal every gradient of this unit for the step is on its way to the host.
         self.fetches = 0
-        self.fetched_back = 0
+        # Per parameter: how many forwards of the step have delivered its gradient; parameters
+        # whose gradients are all delivered, not yet handed to the optimizers.
+        self.delivered = [0] * len(self.params)
+        self.ready: list[nn.Parameter] = []
 
     def pack(self) -> None:
         """Moves the parameters (and their grads) into one arena region."""
@@ -264,6 +278,11 @@ class _Unit:
         self.layout = _engine.Layout(flat, views)
         self.home = [v.data_ptr() for v in views]
         self.gen = next(_GENERATIONS)  # unique across models: slot keys of one engine never collide
+
+    def reset_backward_counts(self) -> None:
+        self.fetches = 0
+        self.delivered = [0] * len(self.params)
+        self.ready = []
 
     def adopt(self, flat: torch.Tensor, copy: bool) -> None:
         """Moves the unit into ``flat`` (a ``uint8`` region of at least ``nbytes``, e.g. shared
@@ -299,16 +318,18 @@ class _Unit:
 
 
 class _Fetch(torch.autograd.Function):
-    """Device views of a unit's parameters; backward sends their gradients to the host."""
+    """Device views of a unit's parameters; backward sends their gradients to the host (those not
+    sent already by a hook on the node that consumed them)."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, unit: _Unit, streamer: Streamer, *views: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.unit, ctx.streamer = unit, streamer
+        ctx.sent = set()  # indices whose gradient of this backward left early
         return tuple(v.detach() for v in views)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
-        ctx.streamer.weights_backward(ctx.unit, grads)
+        ctx.streamer.weights_backward(ctx.unit, grads, ctx.sent)
         return (None, None, None) + (None,) * len(grads)
 
 
@@ -508,7 +529,7 @@ class Streamer:
         with self.lock:
             if self.eng.drop_interrupted():
                 for u in self.streamed:
-                    u.fetches = u.fetched_back = 0
+                    u.reset_backward_counts()
             self._release_backward()
             self.in_pass = True
             self.cur_fwd = []
@@ -557,9 +578,11 @@ class Streamer:
         self.eng.mark(u.tag, MARK_FWD_BEGIN)
         grad = torch.is_grad_enabled()
         wants = grad and not recompute and any(p.requires_grad for p in u.params)
+        fetch = None
         if wants:
             u.fetches += 1
             dev = _Fetch.apply(u.anchor, u, self, *views)
+            fetch = dev[0].grad_fn
             dev = [d if p.requires_grad else d.detach() for d, p in zip(dev, u.params)]
         elif recompute and grad:
             dev = _leaves(views, u.params)
@@ -579,7 +602,7 @@ class Streamer:
                 ctx.__enter__()
             # Under another saved-tensor hook (a checkpointed region) that hook decides; the
             # recomputation in backward runs on the unit's backward slot.
-        u.fwd.append((slot, own, ctx, addr, before))
+        u.fwd.append((slot, own, ctx, addr, before, fetch))
         if grad and not recompute:
             flat_args, _ = tree_flatten((args, kwargs))
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_args):
@@ -603,7 +626,7 @@ class Streamer:
     def post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
-        slot, own, ctx, addr, before = u.fwd.pop()
+        slot, own, ctx, addr, before, fetch = u.fwd.pop()
         if ctx is not None:
             ctx.__exit__(None, None, None)
             self.slot_owner.pop(addr, None)
@@ -614,10 +637,66 @@ class Streamer:
             with self.lock:
                 self._give(slot)
             if torch.is_grad_enabled():
-                flat = tree_flatten(output)[0]
-                for t in [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]:
+                flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in flat:
                     t.register_hook(self._pre_backward_hook(u))
+                if fetch is not None:
+                    self._hook_weight_consumers(u, fetch, [t.grad_fn for t in flat if t.grad_fn is not None])
         return output
+
+    # -- weight gradients as they are computed ------------------------------------------------------
+
+    def _hook_weight_consumers(self, u: _Unit, fetch: Any, roots: list[Any]) -> None:
+        """Walks the unit's graph from its outputs down to ``fetch`` (its :class:`_Fetch` node) and
+        hooks the node that consumes each weight, where exactly one does: that weight's gradient
+        leaves for the host as soon as the node has run, not at the end of the unit's backward.
+        The walk stops at the unit's inputs (:class:`_PostBackward`), at other units' weights and at
+        leaves, and gives up past ``_WALK_LIMIT`` nodes."""
+        stop = (_PostBackward._backward_cls, _Fetch._backward_cls)
+        seen: set[Any] = set()
+        stack = list(roots)
+        found: dict[int, list[tuple[Any, int]]] = {}
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if len(seen) > _WALK_LIMIT:
+                return
+            for j, (nxt, idx) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                if nxt is fetch:
+                    found.setdefault(idx, []).append((node, j))
+                elif not isinstance(nxt, stop) and nxt.next_functions:
+                    stack.append(nxt)
+        for i, edges in found.items():
+            if len(edges) == 1 and u.params[i].requires_grad:
+                node, j = edges[0]
+                node.register_hook(self._early_grad_hook(u, fetch, i, j))
+
+    def _early_grad_hook(self, u: _Unit, fetch: Any, i: int, j: int) -> Callable[..., None]:
+        def hook(grad_inputs: tuple[torch.Tensor | None, ...], _grad_outputs: Any) -> None:
+            g = grad_inputs[j]
+            if g is None:
+                return  # not needed by this backward: _Fetch's backward does not run either
+            fetch.sent.add(i)
+            self.eng.push_grad(u.params[i], g, self.max_inflight, u.tag)
+            self._delivered(u, i)
+
+        return hook
+
+    def _delivered(self, u: _Unit, i: int) -> None:
+        """Parameter ``i`` of ``u`` got its gradient from one more forward of the step; once every
+        forward has delivered it, it goes to the optimizers (batched: see ``_READY_BATCH``)."""
+        u.delivered[i] += 1
+        if u.delivered[i] != u.fetches:
+            return
+        u.ready.append(u.params[i])
+        complete = all(n == u.fetches for n, p in zip(u.delivered, u.params) if p.requires_grad)
+        if complete or sum(p.numel() for p in u.ready) >= _READY_BATCH:
+            ready, u.ready = u.ready, []
+            self.eng.grads_complete(ready)
 
     # -- saved tensors ------------------------------------------------------------------------------
 
@@ -674,14 +753,18 @@ class Streamer:
                 e.owner._parameters[e.name] = views[e.index]  # type: ignore[assignment]
         self._prefetch_along(self.bwd_itin, self.bwd_pos, u)
 
-    def weights_backward(self, u: _Unit, grads: Sequence[torch.Tensor | None]) -> None:
-        """:class:`_Fetch`'s backward: gradients of the unit's weights leave for the host."""
-        for p, g in zip(u.params, grads):
-            if g is not None and p.requires_grad:
+    def weights_backward(self, u: _Unit, grads: Sequence[torch.Tensor | None], sent: set[int]) -> None:
+        """:class:`_Fetch`'s backward: gradients of the unit's weights not ``sent`` already leave for
+        the host."""
+        for i, (p, g) in enumerate(zip(u.params, grads)):
+            if i in sent:
+                sent.discard(i)  # (a graph kept for another backward hooks them again)
+                continue
+            if not p.requires_grad:
+                continue
+            if g is not None:
                 self.eng.push_grad(p, g, self.max_inflight, u.tag)
-        u.fetched_back += 1
-        if u.fetched_back == u.fetches:
-            self.eng.grads_complete([p for p in u.params if p.requires_grad])
+            self._delivered(u, i)
         self.end_backward(u)
 
     def end_backward(self, u: _Unit) -> None:
@@ -715,7 +798,7 @@ class Streamer:
                 self.bwd_itin = self.cur_bwd
             self.cur_bwd = []
             for u in self.streamed:
-                u.fetches = u.fetched_back = 0
+                u.reset_backward_counts()
         self.eng.finish()
 
     # -- reporting --------------------------------------------------------------------------------
