@@ -652,14 +652,13 @@ def test_pipelined_jobs_run_the_newest_ready_job_first() -> None:
 def test_a_weights_gradient_leaves_as_soon_as_its_node_has_run(device, monkeypatch):
     """The second linear layer of a block sends its weight's gradient to the host before the
     first layer's backward runs, not at the end of the block's backward."""
-    from ramtorch import _engine
 
     _, ours = pair(device, layers=2)
     assert "blocks.0" in [u.name for u in ours._ramtorch_streamer.units]  # one unit: norm, up, down
     block = ours.blocks[0]
     events: list[str] = []
     names = {id(p): n for n, p in ours.named_parameters()}
-    eng = _engine.engine_for(torch.device(device))
+    eng = ours._ramtorch_streamer.eng
     push = eng.push_grad
 
     def logged_push(param, grad, *args, **kw):
