@@ -60,23 +60,6 @@ pub const SERIAL_MAX: usize = 1 << 15;
 /// Pieces start at multiples of this many elements (whole cache lines, whole vectors).
 const ALIGN: usize = 1024;
 
-/// `f32` elements in a cache line.
-const LINE: usize = 16;
-/// Elements per block of the prefetching loop.
-const SUB: usize = 512;
-
-/// How many elements ahead of the one being updated the kernels start loading memory (0: they
-/// leave it to the hardware prefetchers). `RAMTORCH_PREFETCH` sets it in bytes of `f32`.
-fn prefetch_distance() -> usize {
-    static AHEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *AHEAD.get_or_init(|| {
-        std::env::var("RAMTORCH_PREFETCH")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .map_or(0, |bytes| bytes / 4)
-    })
-}
-
 /// Size of the rayon pool the kernels run on.
 pub fn threads() -> usize {
     rayon::current_num_threads()
@@ -610,15 +593,12 @@ trait ParamIo: Split {
     fn len(&self) -> usize;
     fn get(&self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32, r: u32);
-    /// Starts loading the memory of element `i` (nothing past the end).
-    fn prefetch(&self, i: usize);
 }
 
 /// Read access to the gradient of element `i`.
 trait GradIo: Split + Copy + Sync {
     fn len(&self) -> usize;
     fn get(&self, i: usize) -> f32;
-    fn prefetch(&self, i: usize);
 }
 
 /// Read/write access to an optimizer state of element `i`; [`NoState`] when absent.
@@ -629,22 +609,6 @@ trait StateIo: Split {
     fn fits(&self, n: usize) -> bool;
     fn get(&self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32, r: u32);
-    fn prefetch(&self, i: usize);
-}
-
-/// Asks the CPU to start loading the cache line of `s[i]` into its caches (nothing when `i` is past
-/// the end, or off x86-64).
-#[inline(always)]
-fn prefetch<T>(s: &[T], i: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if i < s.len() {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: `i` is in bounds, so the address is inside the slice; a prefetch is a hint that
-        // never faults and changes nothing the program can observe.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(s.as_ptr().add(i).cast()) }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (s, i);
 }
 
 /// A `f32` parameter, updated in place.
@@ -672,10 +636,6 @@ impl ParamIo for PF32<'_> {
     fn set(&mut self, i: usize, x: f32, _: u32) {
         self.0[i] = x;
     }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self.0, i);
-    }
 }
 
 impl ParamIo for PBf16Sr<'_> {
@@ -691,10 +651,6 @@ impl ParamIo for PBf16Sr<'_> {
     #[inline(always)]
     fn set(&mut self, i: usize, x: f32, r: u32) {
         self.0[i] = bf16_sr(x, r);
-    }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self.0, i);
     }
 }
 
@@ -713,11 +669,6 @@ impl ParamIo for PMasterBf16<'_> {
         self.0[i] = x;
         self.1[i] = bf16_rne(x);
     }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self.0, i);
-        prefetch(self.1, i);
-    }
 }
 
 impl ParamIo for PMasterF16<'_> {
@@ -735,11 +686,6 @@ impl ParamIo for PMasterF16<'_> {
         self.0[i] = x;
         self.1[i] = f16_rne(x);
     }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self.0, i);
-        prefetch(self.1, i);
-    }
 }
 
 impl GradIo for &[f32] {
@@ -750,10 +696,6 @@ impl GradIo for &[f32] {
     #[inline(always)]
     fn get(&self, i: usize) -> f32 {
         self[i]
-    }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self, i);
     }
 }
 
@@ -766,10 +708,6 @@ impl GradIo for &[bf16] {
     fn get(&self, i: usize) -> f32 {
         bf16_to_f32(self[i])
     }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self, i);
-    }
 }
 
 impl GradIo for &[f16] {
@@ -780,10 +718,6 @@ impl GradIo for &[f16] {
     #[inline(always)]
     fn get(&self, i: usize) -> f32 {
         f16_to_f32(self[i])
-    }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self, i);
     }
 }
 
@@ -801,10 +735,6 @@ impl StateIo for &mut [f32] {
     fn set(&mut self, i: usize, x: f32, _: u32) {
         self[i] = x;
     }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self, i);
-    }
 }
 
 impl StateIo for &mut [bf16] {
@@ -821,10 +751,6 @@ impl StateIo for &mut [bf16] {
     fn set(&mut self, i: usize, x: f32, r: u32) {
         self[i] = bf16_sr(x, r);
     }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self, i);
-    }
 }
 
 impl StateIo for NoState {
@@ -839,10 +765,6 @@ impl StateIo for NoState {
     }
     #[inline(always)]
     fn set(&mut self, _: usize, _: f32, _: u32) {}
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        let _ = i;
-    }
 }
 
 impl Split for PF32<'_> {
@@ -910,43 +832,14 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<((P, G), (A, B
         let (k0, k1) = self.stream.keys(0, hi);
         let (k2, k3) = self.stream.keys(1, hi);
         let rule = self.rule;
-        macro_rules! elem {
-            ($i:expr) => {{
-                let i: usize = $i;
-                let j = lo.wrapping_add(i as u32);
-                let r0 = if P::SR || A::SR { hash32(j, k0, k1) } else { 0 };
-                let r1 = if B::SR { hash32(j, k2, k3) } else { 0 };
-                let (np, na, nb) = rule.elem(p.get(i), g.get(i), a.get(i), b.get(i));
-                p.set(i, np, r0);
-                a.set(i, na, r0 >> 16);
-                b.set(i, nb, r1);
-            }};
-        }
-        let ahead = prefetch_distance();
-        if ahead == 0 {
-            for i in 0..n {
-                elem!(i);
-            }
-            return;
-        }
-        // Blocks of `SUB` elements; before each, the CPU is asked to start loading every operand
-        // of the block `ahead` elements on, so that more of the memory's latency overlaps than the
-        // hardware prefetchers reach on their own.
-        let mut s = 0;
-        while s < n {
-            let e = (s + SUB).min(n);
-            let mut t = s + ahead;
-            while t < e + ahead {
-                p.prefetch(t);
-                g.prefetch(t);
-                a.prefetch(t);
-                b.prefetch(t);
-                t += LINE;
-            }
-            for i in s..e {
-                elem!(i);
-            }
-            s = e;
+        for i in 0..n {
+            let j = lo.wrapping_add(i as u32);
+            let r0 = if P::SR || A::SR { hash32(j, k0, k1) } else { 0 };
+            let r1 = if B::SR { hash32(j, k2, k3) } else { 0 };
+            let (np, na, nb) = rule.elem(p.get(i), g.get(i), a.get(i), b.get(i));
+            p.set(i, np, r0);
+            a.set(i, na, r0 >> 16);
+            b.set(i, nb, r1);
         }
     }
 
