@@ -63,6 +63,16 @@ def assert_params_close(ref: nn.Module, ours: nn.Module, rtol: float, atol: floa
         )
 
 
+def train_side_by_side(pairs: list[tuple[nn.Module, torch.optim.Optimizer]], steps: int) -> None:
+    """``steps`` training steps of every (model, optimizer) pair on the same random batches."""
+    for _ in range(steps):
+        x = torch.randn(5, 8)
+        for model, opt in pairs:
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["overlap", "sync", "pipeline"])
 def test_ten_adamw_steps_equal_torch(device, mode):
@@ -583,12 +593,7 @@ def test_per_layer_linear_overlapped_training_equals_torch(kw, pipeline):
     o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, pipeline=pipeline)
     if pipeline:
         slow_updates(o_ours, 0.005)
-    for _ in range(6):
-        x = torch.randn(5, 8)
-        for model, opt in ((ref, o_ref), (ours, o_ours)):
-            loss_of(model, x).backward()
-            opt.step()
-            opt.zero_grad()
+    train_side_by_side([(ref, o_ref), (ours, o_ours)], 6)
     ramtorch.synchronize()
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
     if kw.get("share"):
@@ -698,12 +703,7 @@ def test_jobs_of_single_weights_as_they_land_equal_torch(mode, monkeypatch):
         return on_grads(eng, params)
 
     monkeypatch.setattr(o_ours, "on_grads", logged)
-    for _ in range(10):
-        x = torch.randn(5, 8)
-        for model, opt in ((ref, o_ref), (ours, o_ours)):
-            loss_of(model, x).backward()
-            opt.step()
-            opt.zero_grad()
+    train_side_by_side([(ref, o_ref), (ours, o_ours)], 10)
     o_ours.synchronize()
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
     assert sizes and set(sizes) == {1}
