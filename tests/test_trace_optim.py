@@ -14,48 +14,12 @@ import ramtorch
 import ramtorch.nn as rnn
 import ramtorch.optim as ropt
 import torch
-import torch.nn.functional as F
 from ramtorch import _engine, _trace
+from test_optim import Net, slow_updates
 from torch import nn
 
 UNITS = ["inp", "blocks.0", "blocks.1", "blocks.2", "out"]
 WORKER, CALLER, WAITS = _trace.HostSpans.WORKER, _trace.HostSpans.CALLER, _trace.HostSpans.WAITS
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, 2 * d)
-        self.down = nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
-        self.out = nn.Linear(d, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
-
-
-def slow_updates(opt: ropt.AdamW, seconds: float) -> None:
-    """Each host update takes ``seconds`` longer: updates have measurable spans, and pipelined ones
-    outlast the backward, so that the next forward waits for them."""
-    inner = opt._update_host
-
-    def update(p, grad, group, scale):
-        time.sleep(seconds)
-        inner(p, grad, group, scale)
-
-    opt._update_host = update  # type: ignore[method-assign]
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> None:
@@ -90,7 +54,7 @@ def unit_bytes(model: nn.Module) -> dict[str, int]:
 @pytest.mark.parametrize("pipeline", [False, True], ids=["backward", "pipeline"])
 def test_trace_shows_optimizer_updates_and_waits_on_the_device_timeline(tmp_path, pipeline):
     torch.manual_seed(0)
-    model = Net()
+    model = Net(layers=3)
     ramtorch.offload(model, device="cpu")
     assert sorted(u.name for u in model._ramtorch_streamer.units) == sorted(UNITS)
     opt = ropt.AdamW(model.parameters(), lr=1e-2, pipeline=pipeline)
@@ -180,7 +144,7 @@ def test_nothing_is_recorded_outside_a_trace(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(_trace.HostSpans, "add", lambda self, *a, **k: calls.append(a[:2]))
     torch.manual_seed(0)
-    model = Net()
+    model = Net(layers=3)
     ramtorch.offload(model, device="cpu")
     opt = ropt.AdamW(model.parameters(), lr=1e-2, pipeline=True)
     slow_updates(opt, 0.002)
