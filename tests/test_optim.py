@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+from collections.abc import Callable
 
 import pytest
 import ramtorch
@@ -63,12 +64,19 @@ def assert_params_close(ref: nn.Module, ours: nn.Module, rtol: float, atol: floa
         )
 
 
-def train_side_by_side(pairs: list[tuple[nn.Module, torch.optim.Optimizer]], steps: int) -> None:
-    """``steps`` training steps of every (model, optimizer) pair on the same random batches."""
+def train_side_by_side(
+    pairs: list[tuple[nn.Module, torch.optim.Optimizer]],
+    steps: int,
+    after_backward: Callable[[nn.Module], None] | None = None,
+) -> None:
+    """``steps`` training steps of every (model, optimizer) pair on the same random batches;
+    ``after_backward(model)`` runs between each backward and its step."""
     for _ in range(steps):
         x = torch.randn(5, 8)
         for model, opt in pairs:
             loss_of(model, x).backward()
+            if after_backward is not None:
+                after_backward(model)
             opt.step()
             opt.zero_grad()
 
@@ -708,3 +716,73 @@ def test_jobs_of_single_weights_as_they_land_equal_torch(mode, monkeypatch):
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
     assert sizes and set(sizes) == {1}
     assert o_ours.timings["in_backward_updates"] >= 9 * len(list(ours.parameters()))
+
+
+class OddBlock(nn.Module):
+    """Weights reached in every way the early-gradient hooks must get right: a layer used twice
+    (two consuming nodes: its gradient waits for the end of the unit's backward), a weight used
+    through a slice, a layer used only on some steps (no gradient then), a frozen weight."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.twice = nn.Linear(d, d)
+        self.sliced = nn.Parameter(torch.randn(d, 2 * d) * d**-0.5)
+        self.sometimes = nn.Linear(d, d)
+        self.frozen = nn.Parameter(torch.randn(d), requires_grad=False)
+        self.use_sometimes = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.twice(F.gelu(self.twice(x)))
+        h = h @ self.sliced[:, : x.shape[-1]] + self.frozen
+        if self.use_sometimes:
+            h = h + self.sometimes(x)
+        return x + h
+
+
+class OddNet(nn.Module):
+    def __init__(self, d: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(OddBlock(d) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["torch", "overlap", "pipeline"])
+def test_weights_reached_in_odd_ways_train_as_torch(mode, monkeypatch):
+    """Also: a weight its unit's forward did not use gets no gradient, as in torch (it used to get
+    zeros, and AdamW then decayed it)."""
+    from ramtorch import _offload
+
+    monkeypatch.setattr(_offload, "_READY_BATCH", 1)  # every weight a job of its own
+    torch.manual_seed(0)
+    ref = OddNet()
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    assert [u.name for u in ours._ramtorch_streamer.units] == ["blocks.0", "blocks.1", "blocks.2"]
+    o_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    trained = [p for p in ours.parameters() if p.requires_grad]
+    if mode == "torch":
+        o_ours = torch.optim.AdamW(trained, lr=1e-2)
+    else:
+        o_ours = ropt.AdamW(trained, lr=1e-2, pipeline=mode == "pipeline")
+    unused_seen = []
+
+    def check(model: nn.Module) -> None:
+        if not model.blocks[0].use_sometimes:  # not used on this step: no gradient
+            grads = [p.grad for b in model.blocks for p in b.sometimes.parameters()]
+            assert grads == [None] * len(grads)
+            unused_seen.append(model)
+
+    for step in range(8):
+        for model in (ref, ours):
+            for b in model.blocks:
+                b.use_sometimes = step % 3 == 1
+        train_side_by_side([(ref, o_ref), (ours, o_ours)], 1, check)
+    assert unused_seen.count(ours) == 5
+    ramtorch.synchronize()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+    if mode != "torch":
+        assert o_ours.timings["in_backward_updates"] > 0

@@ -325,6 +325,9 @@ class _Fetch(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, unit: _Unit, streamer: Streamer, *views: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.unit, ctx.streamer = unit, streamer
         ctx.sent = set()  # indices whose gradient of this backward left early
+        # A weight the forward did not use gets no gradient (None), as in torch, not zeros: the
+        # optimizers then leave it alone instead of decaying it.
+        ctx.set_materialize_grads(False)
         return tuple(v.detach() for v in views)
 
     @staticmethod
