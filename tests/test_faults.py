@@ -80,12 +80,20 @@ def test_max_inflight_precedence(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_interrupt_mid_forward_and_mid_backward_leaves_engine_usable(device):
+@pytest.mark.parametrize("streaming", ["replace_linear", "offload"])
+def test_interrupt_mid_forward_and_mid_backward_leaves_engine_usable(device, streaming):
+    """After a forward or a backward that raised, the next backward's gradients are torch's (an
+    offloaded model used to lose every later gradient: the raised backward's end-of-backward
+    callback never ran, and the next backward queued none)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)]).to(device)
     ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)]).to(device)
     ref.load_state_dict(model.state_dict())
-    ramtorch.replace_linear(model)
+    if streaming == "offload":
+        model.cpu()
+        ramtorch.offload(model, device=device)
+    else:
+        ramtorch.replace_linear(model)
 
     def interrupt(*_):
         raise KeyboardInterrupt

@@ -371,6 +371,31 @@ def test_bad_arguments_are_clear_errors():
         m.double()
     with pytest.raises(ValueError, match="meta"):
         ramtorch.offload(TinyLM().to("meta"), device="cpu")
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"^ramtorch.offload: 0 is an Embedding with sparse=True"):
+        ramtorch.offload(sparse, device="cpu")
+
+
+class SparseLookup(nn.Module):
+    """A table read with ``F.embedding(..., sparse=True)``: its gradient is sparse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return F.embedding(i, self.table, sparse=True)
+
+
+def test_a_sparse_gradient_of_a_streamed_weight_is_a_clear_error():
+    model = nn.Sequential(SparseLookup(), nn.Linear(4, 4))
+    ramtorch.offload(model, device="cpu")
+    with pytest.raises(RuntimeError, match="streamed parameter of shape \\(10, 4\\) got a torch.sparse_coo"):
+        model(torch.tensor([1, 2, 3])).sum().backward()
+    # The model is still usable once the sparse read is gone.
+    model[0].forward = lambda i: F.embedding(i, model[0].table)  # type: ignore[method-assign]
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    assert model[0].table.grad is not None and model[0].table.grad.layout == torch.strided
 
 
 # -- telemetry -------------------------------------------------------------------------------------

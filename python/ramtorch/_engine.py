@@ -387,6 +387,11 @@ class DeviceEngine:
                 out = hook(grad)
                 if out is not None:
                     grad = out
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"ramtorch: a streamed parameter of shape {tuple(param.shape)} got a {grad.layout} "
+                "gradient; streamed weights take dense gradients only"
+            )
         grad = grad.to(dtype=param.dtype).contiguous()
         for listener in list(self._listeners):
             if listener.reduce_grad(param, grad) is False:

@@ -530,9 +530,22 @@ class Streamer:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward
         with self.lock:
-            if self.eng.drop_interrupted():
+            interrupted = self.eng.drop_interrupted()
+            if self.bwd_callback_queued:
+                # A backward raised before its end, so its end-of-backward callback never ran:
+                # without this the next backward would not queue one, and no gradient would
+                # ever reach ``.grad`` again.
+                self.bwd_callback_queued = False
+                self.cur_bwd = []
+                interrupted = True
+            if interrupted:
                 for u in self.streamed:
                     u.reset_backward_counts()
+            for u in reversed(self.streamed):
+                # A forward interrupted by a BaseException (Ctrl-C) skips the post-hooks, which
+                # torch calls on Exceptions only: its units still hold their slots.
+                while u.fwd:
+                    self._end_forward(u, *u.fwd.pop()[:5])
             self._release_backward()
             self.in_pass = True
             self.cur_fwd = []
@@ -630,15 +643,9 @@ class Streamer:
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
         slot, own, ctx, addr, before, fetch = u.fwd.pop()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-            self.slot_owner.pop(addr, None)
-        for e, t in zip(u.entries, before):
-            e.owner._parameters[e.name] = t
+        self._end_forward(u, slot, own, ctx, addr, before)
         self.eng.mark(u.tag, MARK_FWD_END)
         if own:
-            with self.lock:
-                self._give(slot)
             if torch.is_grad_enabled():
                 flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 for t in flat:
@@ -647,8 +654,21 @@ class Streamer:
                     self._hook_weight_consumers(u, fetch, [t.grad_fn for t in flat if t.grad_fn is not None])
         return output
 
+    def _end_forward(self, u: _Unit, slot: int, own: bool, ctx: Any, addr: int, before: list[Any]) -> None:
+        """Undoes a :meth:`pre_forward` of ``u`` (an entry popped from ``u.fwd``): saved-tensor
+        hooks off, parameters back, its slot released (if it took one)."""
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            self.slot_owner.pop(addr, None)
+        for e, t in zip(u.entries, before):
+            e.owner._parameters[e.name] = t
+        if own:
+            with self.lock:
+                self._give(slot)
+
     # -- weight gradients as they are computed ------------------------------------------------------
 
+    @torch.compiler.disable  # a walk over autograd nodes: nothing for a compiler to trace
     def _hook_weight_consumers(self, u: _Unit, fetch: Any, roots: list[Any]) -> None:
         """Walks the unit's graph from its outputs down to ``fetch`` (its :class:`_Fetch` node) and
         hooks the node that consumes each weight, where exactly one does: that weight's gradient
@@ -967,6 +987,12 @@ def offload(
     for name, p in model.named_parameters():
         if p.device.type == "meta":
             raise ValueError(f"ramtorch.offload: parameter {name!r} is on the meta device (no data to keep)")
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise ValueError(
+                f"ramtorch.offload: {name or 'the model'} is an {type(m).__name__} with sparse=True; "
+                "streamed weights take dense gradients only: build it with sparse=False"
+            )
 
     raw_units, shared = collect_units(model, unit)
     units = [_Unit(k, name, m, entries) for k, (name, m, entries, _) in enumerate(raw_units)]
