@@ -135,6 +135,26 @@ def test_micro_batches_equal_one_big_batch():
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_micro_batches_without_accumulate_are_refused(pipeline):
+    """A second backward before step() outside accumulate() adds to gradients that updates during
+    the first already used: step() says so instead of training on the first micro-batch alone."""
+    ref, ours = pair("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=pipeline)
+    x = torch.randn(4, 8)
+    loss_of(ours, x).backward()
+    loss_of(ours, x).backward()  # the first step's updates run in step(): these are summed
+    opt.step()
+    opt.zero_grad()
+    loss_of(ours, x).backward()  # updates run during this backward
+    loss_of(ours, x).backward()
+    with pytest.raises(RuntimeError, match=r"updated during a backward .* opt.accumulate\(\)"):
+        opt.step()
+    opt.zero_grad()
+    loss_of(ours, x).backward()  # one backward per step again: no error
+    opt.step()
+
+
 def test_max_grad_norm_equals_torch_clipping():
     ref, ours = pair("cpu")
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)

@@ -13,13 +13,13 @@ the backward of the units before it. ``loss.backward()`` returns when the update
 backward is followed by a step**, except backwards run inside ``with opt.accumulate():`` (gradient
 accumulation over micro-batches: the update then happens in the final, unwrapped backward). If
 gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a ``GradScaler``
-unscaling them), an update made during backward would have used the unchanged ones: ``step()``
-detects it and raises. Use ``max_grad_norm=`` for clipping (global-norm clipping needs every
-gradient, so the updates then run in ``step()``: the overlap is lost). The first step's updates
-always run in ``step()``: a ``torch.amp.GradScaler`` shows itself there (its gradients are scaled
-until ``step()`` unscales them), and the optimizer then updates in ``step()`` from then on, with the
-unscaling and the inf check folded into the kernels. A scaler that appears only after overlapped
-steps is an error; pass ``overlap=False`` for that.
+unscaling them, a second ``backward()`` outside ``accumulate()``), an update made during backward
+would have used the unchanged ones: ``step()`` detects it and raises. Use ``max_grad_norm=`` for
+clipping (global-norm clipping needs every gradient, so the updates then run in ``step()``: the
+overlap is lost). The first step's updates always run in ``step()``: a ``torch.amp.GradScaler``
+shows itself there (its gradients are scaled until ``step()`` unscales them), and the optimizer then
+updates in ``step()`` from then on, with the unscaling and the inf check folded into the kernels.
+A scaler that appears only after overlapped steps is an error; pass ``overlap=False`` for that.
 
 **Pipelined steps** (``pipeline=True``). The optimizer work of a step (reading and writing
 every state in host RAM) usually takes longer than the backward it overlaps, and the first unit's
@@ -173,6 +173,9 @@ class _HostOptimizer(torch.optim.Optimizer):
         # id(param) -> version of the gradient buffer the update used, for params updated during
         # the last backward (checked in step(): the gradient must not have changed since).
         self._done: dict[int, tuple[torch.Tensor, int]] = {}
+        # Parameters updated during a backward that got gradients again from a later backward of
+        # the same step: micro-batches without accumulate(), which step() refuses.
+        self._late: set[int] = set()
         self._error: BaseException | None = None
         self._group: Any = None
         self._owner: dict[int, int] | None = None  # id(param) -> rank updating it (ZeRO)
@@ -329,7 +332,10 @@ class _HostOptimizer(torch.optim.Optimizer):
         work = []
         for p in params:
             entry = owned.get(id(p))
-            if entry is None or not _is_host(p) or id(p) in self._done or id(p) in self._reduced:
+            if id(p) in self._done:
+                self._late.add(id(p))  # updated during an earlier backward of this step
+                continue
+            if entry is None or not _is_host(p) or id(p) in self._reduced:
                 continue
             bufs = eng.pending_buffers(p)
             if len(bufs) != 1:
@@ -418,6 +424,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         self._raise_failed()
         if interrupted:
             self._done.clear()
+            self._late.clear()
             self._reduced.clear()
             self._reduced_dev.clear()
 
@@ -437,7 +444,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         updates used, to detect later changes to it."""
         for pid in list(self._done):
             entry = self._param_ids().get(pid)
-            if entry is not None and entry[0].grad is not None:
+            if pid not in self._late and entry is not None and entry[0].grad is not None:
                 g = entry[0].grad
                 self._done[pid] = (g, g._version)
         for pid in self._reduced:
@@ -541,6 +548,14 @@ class _HostOptimizer(torch.optim.Optimizer):
         else:
             self.drain()
         done, self._done = self._done, {}
+        late, self._late = self._late, set()
+        if late:
+            raise RuntimeError(
+                f"{type(self).__name__}: {len(late)} parameters were updated during a backward and "
+                "then got gradients from another backward before step(): the update used the first "
+                "backward's gradients only, so this step is wrong. For micro-batches, run every "
+                "backward but the last inside `with opt.accumulate():` (or pass overlap=False)."
+            )
         if (grad_scale is not None or found_inf is not None) and done:
             raise RuntimeError(
                 f"{type(self).__name__}: a GradScaler is in use, but {len(done)} parameters were "
