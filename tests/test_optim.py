@@ -136,19 +136,42 @@ def test_micro_batches_equal_one_big_batch():
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
-def test_micro_batches_without_accumulate_are_refused(pipeline):
-    """A second backward before step() outside accumulate() adds to gradients that updates during
-    the first already used: step() says so instead of training on the first micro-batch alone."""
+def test_micro_batches_in_the_usual_loop_equal_one_big_batch(pipeline):
+    """The usual accumulation loop, with no accumulate(): the optimizer learns from the first
+    step (whose updates run in step()) how many backwards a step has, and updates during the
+    last one only. Fewer backwards in a step (an epoch's last window) update in step()."""
+    ref, ours = pair("cpu")
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=pipeline)
+    for micro in (3, 3, 3, 2, 3):
+        xs = [torch.randn(4, 8) for _ in range(micro)]
+        loss_of(ref, torch.cat(xs)).backward()
+        o_ref.step()
+        o_ref.zero_grad()
+        for x in xs:
+            (loss_of(ours, x) / micro).backward()
+        o_ours.step()
+        o_ours.zero_grad()
+    o_ours.synchronize()
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+    assert o_ours.timings["in_backward_updates"] > 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_more_micro_batches_than_any_step_before_are_refused(pipeline):
+    """A step with more backwards than the optimizer has seen adds gradients to weights that an
+    update during an earlier backward already used: step() says so instead of training on part of
+    the batch."""
     ref, ours = pair("cpu")
     opt = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=pipeline)
     x = torch.randn(4, 8)
-    loss_of(ours, x).backward()
-    loss_of(ours, x).backward()  # the first step's updates run in step(): these are summed
-    opt.step()
-    opt.zero_grad()
+    for _ in range(2):  # one backward a step (the first step's updates run in step())
+        loss_of(ours, x).backward()
+        opt.step()
+        opt.zero_grad()
     loss_of(ours, x).backward()  # updates run during this backward
     loss_of(ours, x).backward()
-    with pytest.raises(RuntimeError, match=r"updated during a backward .* opt.accumulate\(\)"):
+    with pytest.raises(RuntimeError, match=r"had 2 backward passes, more than any step before \(1\)"):
         opt.step()
     opt.zero_grad()
     loss_of(ours, x).backward()  # one backward per step again: no error

@@ -9,17 +9,19 @@ torch's own kernels on their device.
 **Overlap.** In a model streamed by :func:`ramtorch.offload`, a unit's weights are updated as soon
 as the last of its gradients for the step has reached host RAM, on a CPU thread, while the GPU runs
 the backward of the units before it. ``loss.backward()`` returns when the updates are done, and
-``step()`` has only the GPU-resident parameters left. The rule that makes this exact: **every
-backward is followed by a step**, except backwards run inside ``with opt.accumulate():`` (gradient
-accumulation over micro-batches: the update then happens in the final, unwrapped backward). If
-gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a ``GradScaler``
-unscaling them, a second ``backward()`` outside ``accumulate()``), an update made during backward
-would have used the unchanged ones: ``step()`` detects it and raises. Use ``max_grad_norm=`` for
-clipping (global-norm clipping needs every gradient, so the updates then run in ``step()``: the
-overlap is lost). The first step's updates always run in ``step()``: a ``torch.amp.GradScaler``
-shows itself there (its gradients are scaled until ``step()`` unscales them), and the optimizer then
-updates in ``step()`` from then on, with the unscaling and the inf check folded into the kernels.
-A scaler that appears only after overlapped steps is an error; pass ``overlap=False`` for that.
+``step()`` has only the GPU-resident parameters left. Updates run during the last backward before
+``step()``: the optimizer learns from the first step (whose updates run in ``step()``) how many
+backward passes a step has, k, and the first k - 1 of each step only accumulate gradients, as
+inside ``with opt.accumulate():`` (which also works); a step with fewer backwards updates in
+``step()``. If gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a
+``GradScaler`` unscaling them, more backwards than any step before outside ``accumulate()``), an
+update made during backward would have used the unchanged ones: ``step()`` detects it and raises.
+Use ``max_grad_norm=`` for clipping (global-norm clipping needs every gradient, so the updates then
+run in ``step()``: the overlap is lost). The first step's updates always run in ``step()``: a
+``torch.amp.GradScaler`` shows itself there (its gradients are scaled until ``step()`` unscales
+them), and the optimizer then updates in ``step()`` from then on, with the unscaling and the inf
+check folded into the kernels. A scaler that appears only after overlapped steps is an error; pass
+``overlap=False`` for that.
 
 **Pipelined steps** (``pipeline=True``). The optimizer work of a step (reading and writing
 every state in host RAM) usually takes longer than the backward it overlaps, and the first unit's
@@ -168,6 +170,11 @@ class _HostOptimizer(torch.optim.Optimizer):
         self.pipeline = pipeline and self.overlap
         self._accumulating = 0
         self._stepped = False
+        # Backward passes since the last step(), and the most any step has had: with k micro-
+        # batches a step, the first k - 1 backwards only accumulate, as inside accumulate().
+        self._backwards = 0
+        self._micro = 1
+        self._last_backward = -1  # autograd's id of the last backward counted
         self._seed = 0x5EED
         self._jobs = _Jobs()
         # id(param) -> version of the gradient buffer the update used, for params updated during
@@ -324,7 +331,7 @@ class _HostOptimizer(torch.optim.Optimizer):
 
     def on_grads(self, eng: _engine.DeviceEngine, params: list[torch.nn.Parameter]) -> None:
         """Called by the engine during backward once every gradient of ``params`` is queued."""
-        if not self.overlap or self._accumulating or not self._stepped:
+        if not self.overlap or self._accumulating or not self._stepped or self._backwards < self._micro - 1:
             # The first step's updates run in step(), which learns whether a GradScaler hands it
             # scaled gradients (overlap is then turned off before any update used them).
             return
@@ -410,6 +417,10 @@ class _HostOptimizer(torch.optim.Optimizer):
         """Called by the engine at the end of backward, before it writes ``.grad``. Without
         ``pipeline`` the updates made during backward are waited for (``backward()`` returns with
         them done); with it they run on, unless a gradient they read is about to be added to."""
+        task = torch._C._current_graph_task_id()  # once per backward (engines may call it again)
+        if task == -1 or task != self._last_backward:
+            self._backwards += 1
+            self._last_backward = task
         if not self.pipeline or self._owner is not None:
             self.drain()
             return
@@ -549,13 +560,16 @@ class _HostOptimizer(torch.optim.Optimizer):
             self.drain()
         done, self._done = self._done, {}
         late, self._late = self._late, set()
+        backwards, self._backwards = self._backwards, 0
         if late:
             raise RuntimeError(
                 f"{type(self).__name__}: {len(late)} parameters were updated during a backward and "
-                "then got gradients from another backward before step(): the update used the first "
-                "backward's gradients only, so this step is wrong. For micro-batches, run every "
-                "backward but the last inside `with opt.accumulate():` (or pass overlap=False)."
+                f"then got gradients from another backward before step(): this step had {backwards} "
+                f"backward passes, more than any step before ({self._micro}), and the update used "
+                "the gradients of the first ones only, so this step is wrong. Run every backward "
+                "but the last inside `with opt.accumulate():` (or pass overlap=False)."
             )
+        self._micro = max(self._micro, backwards)
         if (grad_scale is not None or found_inf is not None) and done:
             raise RuntimeError(
                 f"{type(self).__name__}: a GradScaler is in use, but {len(done)} parameters were "
