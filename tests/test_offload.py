@@ -499,3 +499,34 @@ def test_a_larger_model_after_an_idle_one_gets_new_slots():
     with torch.no_grad():
         torch.testing.assert_close(big(x), ref(x))
         assert small(torch.ones(2, 8)).shape == (2, 8)
+
+
+class TakesTwo(nn.Module):
+    """A block called with a second input it does not use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TakesTwo() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, y)
+        return x
+
+
+def test_an_input_a_unit_does_not_use_gets_no_gradient():
+    """As in torch: None, not zeros (it used to get zeros through the unit's input wrapper)."""
+    ref, ours = twins(TwoInputs, "cpu")
+    for model in (ref, ours):
+        x, y = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+        model(x, y).sum().backward()
+        assert x.grad is not None and y.grad is None

@@ -342,6 +342,7 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, unit: _Unit, streamer: Streamer, *xs: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.unit, ctx.streamer = unit, streamer
+        ctx.set_materialize_grads(False)  # an input the unit did not use gets no gradient, as in torch
         return xs
 
     @staticmethod
