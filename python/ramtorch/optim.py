@@ -181,7 +181,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         # the last backward (checked in step(): the gradient must not have changed since).
         self._done: dict[int, tuple[torch.Tensor, int]] = {}
         # Parameters updated during a backward that got gradients again from a later backward of
-        # the same step: micro-batches without accumulate(), which step() refuses.
+        # the same step (more backwards than any step before, outside accumulate()): step() raises.
         self._late: set[int] = set()
         self._error: BaseException | None = None
         self._group: Any = None
@@ -333,7 +333,8 @@ class _HostOptimizer(torch.optim.Optimizer):
         """Called by the engine during backward once every gradient of ``params`` is queued."""
         if not self.overlap or self._accumulating or not self._stepped or self._backwards < self._micro - 1:
             # The first step's updates run in step(), which learns whether a GradScaler hands it
-            # scaled gradients (overlap is then turned off before any update used them).
+            # scaled gradients (overlap is then turned off before any update used them) and how
+            # many backwards a step has (all but the last only accumulate).
             return
         owned = self._param_ids()
         work = []
