@@ -56,7 +56,14 @@ def reference() -> list[torch.Tensor]:
 
 
 def worker(
-    rank: int, world: int, port: int, out: str, clip: bool, stage: int = 1, share: bool = False
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    clip: bool,
+    stage: int = 1,
+    share: bool = False,
+    micro: int = 1,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -72,8 +79,10 @@ def worker(
         for x in batches():
             mine = x.chunk(world)[rank]
             # Each rank's loss is its share of the global mean: the averaged gradients are the
-            # gradients of the global batch.
-            (model(mine).square().mean() * mine.shape[0] * world / x.shape[0]).backward()
+            # gradients of the global batch. With micro > 1, in that many backwards (the usual
+            # accumulation loop, no accumulate()).
+            for part in mine.chunk(micro):
+                (model(part).square().mean() * part.shape[0] * world / x.shape[0]).backward()
             kept.append(sum(p.grad is not None for p in model.parameters()))
             opt.step()
             opt.zero_grad()
@@ -94,12 +103,13 @@ def worker(
 
 
 @pytest.mark.parametrize(
-    ("world", "stage", "share"),
-    [(2, 1, False), (3, 1, False), (2, 2, False), (3, 2, False), (2, 1, True), (3, 2, True)],
+    ("world", "stage", "share", "micro"),
+    [(2, 1, False, 1), (3, 1, False, 1), (2, 2, False, 1), (3, 2, False, 1), (2, 1, True, 1), (3, 2, True, 1)]
+    + [(2, 2, False, 2)],
 )
-def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage, share):
+def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage, share, micro):
     out = str(tmp_path / "r")
-    mp.spawn(worker, args=(world, free_port(), out, False, stage, share), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), out, False, stage, share, micro), nprocs=world, join=True)
     ref = reference()
     results = [torch.load(f"{out}.{r}") for r in range(world)]
     for res in results:
@@ -115,9 +125,9 @@ def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage, sha
             assert all(k < len(ref) for k in r["kept"])
         # Gradients were reduced before they left the compute device: only their owner copied
         # them to the host, so the ranks together copied each gradient once a step.
-        assert sum(r["d2h"] for r in results) == len(batches()) * results[0]["streamed"]
+        assert sum(r["d2h"] for r in results) == micro * len(batches()) * results[0]["streamed"]
     else:
-        assert all(r["d2h"] == len(batches()) * r["streamed"] for r in results)
+        assert all(r["d2h"] == micro * len(batches()) * r["streamed"] for r in results)
 
 
 def test_zero1_with_global_norm_clipping_runs_everywhere(tmp_path):
