@@ -192,3 +192,11 @@ def test_cuda_failures_are_python_exceptions_naming_the_operation():
         eng.acquire(0, 64, 2, 0)
     with pytest.raises(ValueError, match="release: no device slot 5"):
         eng.release(5, 0)
+
+
+def test_importing_ramtorch_does_not_load_the_compiler():
+    """``import ramtorch`` stays light: torch's compiler stack (about a second to import) loads
+    only when a user compiles."""
+    r = _run("import sys, ramtorch; print('torch._dynamo' in sys.modules)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

@@ -669,13 +669,15 @@ class Streamer:
 
     # -- weight gradients as they are computed ------------------------------------------------------
 
-    @torch.compiler.disable  # a walk over autograd nodes: nothing for a compiler to trace
     def _hook_weight_consumers(self, u: _Unit, fetch: Any, roots: list[Any]) -> None:
         """Walks the unit's graph from its outputs down to ``fetch`` (its :class:`_Fetch` node) and
         hooks the node that consumes each weight, where exactly one does: that weight's gradient
         leaves for the host as soon as the node has run, not at the end of the unit's backward.
         The walk stops at the unit's inputs (:class:`_PostBackward`), at other units' weights and at
-        leaves, and gives up past ``_WALK_LIMIT`` nodes."""
+        leaves, and gives up past ``_WALK_LIMIT`` nodes. Not under ``torch.compile`` (a walk over
+        autograd nodes is nothing to trace): compiled units send their gradients at their end."""
+        if torch.compiler.is_compiling():
+            return
         stop = (_PostBackward._backward_cls, _Fetch._backward_cls)
         seen: set[Any] = set()
         stack = list(roots)
