@@ -530,3 +530,22 @@ def test_an_input_a_unit_does_not_use_gets_no_gradient():
         x, y = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
         model(x, y).sum().backward()
         assert x.grad is not None and y.grad is None
+
+
+def test_copying_or_pickling_an_offloaded_model_is_a_clear_error(tmp_path):
+    """A copy would share the engine, hooks and units of the model (and deepcopy used to fail on
+    an internal object); the error says how to copy the weights instead."""
+    import pickle
+
+    from ramtorch._offload import detach_streamer
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ramtorch.offload(model, device="cpu")
+    for attempt in (copy.deepcopy, copy.copy, pickle.dumps, lambda m: torch.save(m, tmp_path / "m.pt")):
+        with pytest.raises(TypeError, match="cannot be copied or pickled.*state_dict"):
+            attempt(model)
+    torch.save(model.state_dict(), tmp_path / "sd.pt")  # the weights save as usual
+    detach_streamer(model)
+    twin = copy.deepcopy(model)  # a plain model copies again
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(twin(x), model(x))

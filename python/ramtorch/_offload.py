@@ -1087,6 +1087,14 @@ def offload(
     model._ramtorch_streamer = streamer  # type: ignore[assignment]
     if type(model)._apply is nn.Module._apply:
         model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
+    # Copies would share (deepcopy: fail on) the engine, the hooks and the units of this model;
+    # a class that says how to copy or pickle itself (ramtorch.nn's layers) keeps its way.
+    cls = type(model)
+    if not hasattr(cls, "__deepcopy__"):
+        model.__deepcopy__ = _refuse_copy  # type: ignore[method-assign]
+    pickling = (cls.__reduce_ex__, cls.__reduce__, cls.__getstate__)
+    if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
+        model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
     _report_compute_device(model)
     _STREAMERS.add(streamer)
     return model
@@ -1194,6 +1202,16 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.forward = forward  # type: ignore[method-assign]
 
 
+def _refuse_copy(*_: Any) -> Any:
+    """``copy.deepcopy``, ``copy.copy`` and pickling (``torch.save(model)``) of an offloaded model."""
+    raise TypeError(
+        "ramtorch.offload: an offloaded model cannot be copied or pickled (its hooks and host memory "
+        "belong to this process's streaming engine). Copy its weights instead: build a fresh model, "
+        "load this one's state_dict() into it (or use ramtorch.save_checkpoint / load_checkpoint), "
+        "and offload the copy if it should stream too."
+    )
+
+
 def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:
     """``model.to()``/``.cuda()``/``.half()`` after offload: moving to the compute device is a
     no-op (streamed weights stay in RAM, the rest is there already); anything else is refused
@@ -1224,7 +1242,8 @@ def detach_streamer(model: nn.Module) -> None:
     if streamer is None:
         return
     streamer.eng.synchronize()
-    model.__dict__.pop("_apply", None)
+    for name in ("_apply", "__deepcopy__", "__reduce_ex__"):
+        model.__dict__.pop(name, None)
     for h in streamer.hook_handles:
         h.remove()
     for u in streamer.units:
