@@ -13,6 +13,7 @@ import ramtorch
 import torch
 from ramtorch import _core
 from safetensors.torch import load_file, save_file
+from test_checkpoint import Doubling
 from torch import nn
 
 
@@ -372,23 +373,14 @@ def test_save_pretrained_refuses_unstorable_tensors_before_writing(tmp_path):
     assert not list((tmp_path / "out").glob("*"))
 
 
-class _Doubling(nn.Linear):
-    """Loads its weight doubled: a module with loading of its own."""
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002
-        state_dict = dict(state_dict)
-        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-
 def test_load_respects_modules_with_their_own_loading(tmp_path):
     """Their tensors go through load_state_dict (as torch would load them); the others are
     written in place."""
     torch.manual_seed(0)
-    src = nn.Sequential(nn.Linear(4, 4), _Doubling(4, 4), nn.Sequential(nn.Linear(4, 4)))
+    src = nn.Sequential(nn.Linear(4, 4), Doubling(4, 4), nn.Sequential(nn.Linear(4, 4)))
     ramtorch.save_pretrained(src, tmp_path)
     dst = ramtorch.offload(
-        nn.Sequential(nn.Linear(4, 4), _Doubling(4, 4), nn.Sequential(nn.Linear(4, 4))), device="cpu"
+        nn.Sequential(nn.Linear(4, 4), Doubling(4, 4), nn.Sequential(nn.Linear(4, 4))), device="cpu"
     )
 
     def negate(module, state_dict, prefix, *args):  # noqa: ANN001, ANN002

@@ -115,8 +115,9 @@ def test_updates_happen_during_backward():
     opt.step()
 
 
-def test_micro_batches_equal_one_big_batch():
-    ref, ours = pair("cpu")
+@pytest.mark.parametrize("streaming", ["offload", "per-layer Linear"])
+def test_micro_batches_equal_one_big_batch(streaming):
+    ref, ours = pair("cpu") if streaming == "offload" else linear_pair()
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     o_ours = ropt.AdamW(ours.parameters(), lr=1e-2)
     for _ in range(3):
@@ -125,10 +126,8 @@ def test_micro_batches_equal_one_big_batch():
         o_ref.step()
         o_ref.zero_grad()
         for i, x in enumerate(xs):
-            if i < len(xs) - 1:
-                with o_ours.accumulate():
-                    (loss_of(ours, x) / len(xs)).backward()
-            else:
+            ctx = o_ours.accumulate() if i < len(xs) - 1 else contextlib.nullcontext()
+            with ctx:
                 (loss_of(ours, x) / len(xs)).backward()
         o_ours.step()
         o_ours.zero_grad()
@@ -652,24 +651,6 @@ def test_per_layer_linear_overlapped_training_equals_torch(kw, pipeline):
         # during backward.
         assert o_ours.timings["in_step_updates"] > 0
     assert o_ours.timings["in_backward_updates"] > 0
-
-
-def test_per_layer_linear_micro_batches_equal_one_big_batch():
-    ref, ours = linear_pair()
-    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2)
-    for _ in range(3):
-        xs = [torch.randn(4, 8) for _ in range(3)]
-        loss_of(ref, torch.cat(xs)).backward()
-        o_ref.step()
-        o_ref.zero_grad()
-        for i, x in enumerate(xs):
-            ctx = o_ours.accumulate() if i < len(xs) - 1 else contextlib.nullcontext()
-            with ctx:
-                (loss_of(ours, x) / len(xs)).backward()
-        o_ours.step()
-        o_ours.zero_grad()
-    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
 
 
 def test_pipelined_jobs_run_the_newest_ready_job_first() -> None:
