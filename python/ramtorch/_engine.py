@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -200,6 +200,9 @@ class DeviceEngine:
         self._held = 0
         self.layer_counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Holders of speculative prefetches on this device (offloaded models' streamers): asked
+        # to give their slots back (``holder.drop_prefetched()``) when the slots are needed.
+        self._holders: weakref.WeakSet[Any] = weakref.WeakSet()
         # Per-layer Linear: id(layer) -> [layer (weakly), forwards that will push gradients,
         # backwards that pushed them] since the last end of backward. Equal counts: every
         # gradient of the layer for this backward is on its way (see grads_complete).
@@ -263,9 +266,8 @@ class DeviceEngine:
     def reclaim(self) -> None:
         """Asks every holder of a speculative prefetch on this device (offloaded models, the
         per-layer prefetch) to release it: slots are shared between them."""
-        for s in _offload_streamers():
-            if s.eng is self:
-                s.drop_prefetched()
+        for holder in list(self._holders):
+            holder.drop_prefetched()
         self.drop_ahead()
 
     def drop_ahead(self) -> None:
@@ -461,6 +463,13 @@ class DeviceEngine:
 
     # -- gradient listeners (optimizers that update as gradients land) --------------------------
 
+    def add_holder(self, holder: Any) -> None:
+        """``holder.drop_prefetched()`` is called whenever this engine needs its slots back."""
+        self._holders.add(holder)
+
+    def remove_holder(self, holder: Any) -> None:
+        self._holders.discard(holder)
+
     def add_listener(self, listener: Any) -> None:
         """``listener.on_grads(engine, params)`` is called during backward when every gradient of
         ``params`` for this backward is on its way to the host; ``listener.before_finish()`` before
@@ -502,9 +511,8 @@ class DeviceEngine:
     def synchronize(self) -> None:
         """Waits for all copies of this device; pending gradients are written to ``.grad``.
         Prefetched copies are dropped and no slot is trusted to hold current weights anymore."""
-        for s in _offload_streamers():
-            if s.eng is self:
-                s.drop_prefetched()
+        for holder in list(self._holders):
+            holder.drop_prefetched()
         self.drop_ahead()
         self._core.invalidate()
         if self._pending or self._grad_sources:
@@ -523,12 +531,6 @@ class DeviceEngine:
         return s
 
 
-def _offload_streamers() -> list[Any]:
-    from . import _offload
-
-    return _offload.streamers()
-
-
 _ENGINES: dict[torch.device, DeviceEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
@@ -542,10 +544,19 @@ def engine_for(device: torch.device) -> DeviceEngine:
             if eng is None:
                 eng = DeviceEngine(device)
                 _ENGINES[device] = eng
-                from . import optim
-
-                optim.listen_on(eng)
+                for callback in list(_ENGINE_CREATED):
+                    callback(eng)
     return eng
+
+
+#: Called with every engine created from now on (layers above register here: the optimizers
+#: listen to the gradients of every engine).
+_ENGINE_CREATED: list[Callable[[DeviceEngine], None]] = []
+
+
+def on_engine_created(callback: Callable[[DeviceEngine], None]) -> None:
+    """Calls ``callback(engine)`` for every engine created after this call."""
+    _ENGINE_CREATED.append(callback)
 
 
 def engines() -> list[DeviceEngine]:

@@ -1097,6 +1097,7 @@ def offload(
         model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
     _report_compute_device(model)
     _STREAMERS.add(streamer)
+    streamer.eng.add_holder(streamer)
     return model
 
 
@@ -1250,6 +1251,7 @@ def detach_streamer(model: nn.Module) -> None:
         if getattr(u.module, "_ramtorch_unit", None) is u:
             del u.module._ramtorch_unit
     _STREAMERS.discard(streamer)
+    streamer.eng.remove_holder(streamer)
     model._ramtorch_streamer = None
     base = type(model).__dict__.get("_ramtorch_base_class")
     if base is not None:

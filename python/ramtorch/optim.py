@@ -836,6 +836,9 @@ def listen_on(eng: _engine.DeviceEngine) -> None:
         eng.add_listener(opt)
 
 
+_engine.on_engine_created(listen_on)
+
+
 class AdamW(_HostOptimizer):
     """AdamW (decoupled weight decay, as :class:`torch.optim.AdamW`) with host parameters updated
     by Rust kernels, overlapped with backward (see the module documentation).
