@@ -166,3 +166,63 @@ def test_offload_on_a_side_stream_matches():
     torch.testing.assert_close(y, ref(x), rtol=1e-4, atol=1e-4)
     stats = ramtorch.stats()["devices"]["cuda:0"]
     assert stats["h2d_gbps"] > 1 and stats["stall_seconds"] >= 0
+
+
+_PINNING_CHILD = r"""
+import json, warnings
+import torch, ramtorch
+from torch import nn
+
+warnings.simplefilter("always")
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]).cuda()
+with warnings.catch_warnings(record=True) as caught:
+    ramtorch.offload(model)
+    opt = ramtorch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(5):
+        x = torch.randn(32, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ramtorch.synchronize()
+pin = [str(w.message) for w in caught if "page-locking" in str(w.message)]
+print(json.dumps({
+    "pinned_bytes": ramtorch.stats()["host"]["pinned_bytes"],
+    "pin_warnings": pin,
+    "weights": [p.detach().double().sum().item() for p in model.parameters()],
+}))
+"""
+
+
+def _run_pinning_child(limited: bool) -> dict:
+    import json
+    import resource
+    import shutil
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", _PINNING_CHILD]
+    if limited and shutil.which("setpriv") is not None:
+        # A root process may lock memory whatever its limit (CAP_IPC_LOCK): drop that capability.
+        cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *cmd]
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
+
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, preexec_fn=limit if limited else None
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_pinning_refused_by_ulimit_warns_once_and_trains_the_same():
+    """Under a small ``ulimit -l`` the arena falls back to pageable memory with one warning, and
+    training gives the numbers of the pinned run."""
+    pinned = _run_pinning_child(limited=False)
+    assert pinned["pinned_bytes"] > 0 and not pinned["pin_warnings"]
+    limited = _run_pinning_child(limited=True)
+    if limited["pinned_bytes"] > 0:
+        pytest.skip("this driver page-locks host memory regardless of ulimit -l (nothing to fall back from)")
+    assert len(limited["pin_warnings"]) == 1, limited["pin_warnings"]
+    assert limited["weights"] == pytest.approx(pinned["weights"], rel=1e-6, abs=1e-6)
