@@ -55,6 +55,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.optim.adamw import adamw as _torch_adamw
+from torch.optim.sgd import sgd as _torch_sgd
 
 from . import _arena, _core, _engine
 
@@ -490,14 +492,89 @@ class _HostOptimizer(torch.optim.Optimizer):
         for p in [p for p in self.state if _is_host(p)]:
             del self.state[p]
 
+    def _paired_params(self, state_dict: Any) -> list[tuple[Any, int, torch.nn.Parameter]] | None:
+        """(saved id, position, parameter) for each parameter, as ``load_state_dict`` pairs them;
+        None if the param groups do not match (torch's ``load_state_dict`` raises on them)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            return None
+        pairs = []
+        for ours, saved in zip(self.param_groups, groups):
+            ids = saved.get("params") if isinstance(saved, dict) else None
+            if not isinstance(ids, list) or len(ids) != len(ours["params"]):
+                return None
+            pairs += [(i, len(pairs) + k, p) for k, (i, p) in enumerate(zip(ids, ours["params"]))]
+        return pairs
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        """Raises a ValueError naming the parameter if a state of ``state_dict`` does not fit the
+        parameter it would be loaded for: shape, dtype of this precision, a state missing (a state
+        dict of another model, or of an optimizer that lists the parameters in another order).
+        Tensors may be on any device, ``meta`` included (a loader checks before reading)."""
+        pairs = self._paired_params(state_dict)
+        if pairs is None:
+            return
+        states = state_dict.get("state", {})
+        if not isinstance(states, dict):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: 'state' must be a dict, got {type(states).__name__}"
+            )
+        kept = self._kept_state_indices()
+        for i, pos, p in pairs:
+            saved = states.get(i) if isinstance(i, (int, str)) else None
+            if saved is None or (kept is not None and pos not in kept):
+                continue
+            problem = self._state_problem(p, saved)
+            if problem is not None:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the state of parameter {pos} (shape "
+                    f"{tuple(p.shape)}, {p.dtype}) does not fit it: {problem}. (A state dict of "
+                    "another model or precision, or of an optimizer that lists its parameters in "
+                    "another order?)"
+                )
+
+    def _state_problem(self, p: torch.Tensor, saved: Any) -> str | None:
+        """What is wrong with ``saved`` as the state of ``p`` (None: nothing)."""
+        if not isinstance(saved, dict):
+            return f"it is a {type(saved).__name__}, not a dict of states"
+        shape = tuple(p.shape)
+        if not _is_host(p):  # updated by torch: every state but the step has the parameter's shape
+            for k, v in saved.items():
+                if k != "step" and isinstance(v, torch.Tensor) and tuple(v.shape) != shape:
+                    return f"{k!r} has shape {tuple(v.shape)}, expected {shape}"
+            return None
+        sdtype, needs_master = self._state_layout(p)
+        want = dict.fromkeys(self._state_names, sdtype)
+        if needs_master:
+            want["master"] = torch.float32
+        elif "master" in saved:
+            return (
+                f"it has a 'master' copy, which a {p.dtype} parameter has not with "
+                f"precision={self.precision!r} (saved with another precision?)"
+            )
+        step = saved.get("step")
+        if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex():
+            return f"'step' must be a one-element tensor, got {step!r}"
+        for k, dtype in want.items():
+            v = saved.get(k)
+            if k not in saved:
+                return f"it has no {k!r}"
+            if not isinstance(v, torch.Tensor):
+                return f"{k!r} is a {type(v).__name__}, not a tensor"
+            if tuple(v.shape) != shape:
+                return f"{k!r} has shape {tuple(v.shape)}, expected {shape}"
+            if v.dtype != dtype:
+                return f"{k!r} has dtype {v.dtype}, expected {dtype} (precision={self.precision!r})"
+        return None
+
     def _load_states(self, state_dict: dict[str, Any], adopt: bool) -> None:
+        self._check_state_dict(state_dict)  # before anything changes
         self._forget_failed()
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+        pairs = self._paired_params(state_dict)
         original = state_dict.get("state", {})
         host: dict[Any, torch.nn.Parameter] = {}
-        if len(saved_ids) == len(params):  # else torch's load_state_dict raises on the sizes
-            host = {i: p for i, p in zip(saved_ids, params) if _is_host(p)}
+        if pairs is not None:  # else torch's load_state_dict raises on the groups
+            host = {i: p for i, _, p in pairs if _is_host(p)}
         # torch's own loading for the rest: it would cast host states to the parameter's dtype.
         rest = dict(state_dict)
         rest["state"] = {i: v for i, v in original.items() if i not in host}
@@ -510,7 +587,9 @@ class _HostOptimizer(torch.optim.Optimizer):
                     continue
                 st = self.state[p]
                 for k, v in saved.items():
-                    if isinstance(v, torch.Tensor) and not adopt:
+                    if isinstance(v, torch.Tensor) and (
+                        not adopt or v.device.type != "cpu" or not v.is_contiguous()
+                    ):  # the kernels take contiguous host buffers
                         if k != "step" and v.is_floating_point():
                             t = _arena.host_empty(tuple(v.shape), v.dtype, pin=False)
                             t.copy_(v)
@@ -659,18 +738,22 @@ class _HostOptimizer(torch.optim.Optimizer):
 
     # -- per-parameter state ---------------------------------------------------------------------------
 
+    def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, bool]:
+        """The dtype of a host parameter's states for this precision, and whether it has an fp32
+        master copy."""
+        if self.precision == "bf16" and p.dtype == torch.float16:
+            raise ValueError("precision='bf16' needs bfloat16 parameters, got float16")
+        bf16_mode = self.precision == "bf16" and p.dtype == torch.bfloat16
+        return (torch.bfloat16 if bf16_mode else torch.float32), p.dtype != torch.float32 and not bf16_mode
+
     def _host_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
         state = self.state[p]
         if not state:
-            low = p.dtype != torch.float32
-            bf16_mode = self.precision == "bf16" and p.dtype == torch.bfloat16
-            if low and not bf16_mode and p.dtype == torch.float16 and self.precision == "bf16":
-                raise ValueError("precision='bf16' needs bfloat16 parameters, got float16")
-            sdtype = torch.bfloat16 if bf16_mode else torch.float32
+            sdtype, needs_master = self._state_layout(p)
             state["step"] = torch.tensor(0.0)
             for name in self._state_names:
                 state[name] = _arena.host_empty(tuple(p.shape), sdtype, zeroed=True, pin=False)
-            if low and not bf16_mode:
+            if needs_master:
                 master = _arena.host_empty(tuple(p.shape), torch.float32, pin=False)
                 master.copy_(p.detach())
                 state["master"] = master
@@ -925,7 +1008,7 @@ class AdamW(_HostOptimizer):
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         b1, b2 = group["betas"]
-        torch.optim.adamw.adamw(
+        _torch_adamw(
             params,
             [p.grad for p in params],
             [s["exp_avg"] for s in states],
@@ -1023,7 +1106,7 @@ class SGD(_HostOptimizer):
 
     def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
         bufs = [self.state[p].get("momentum_buffer") for p in params]
-        torch.optim.sgd.sgd(
+        _torch_sgd(
             params,
             [p.grad for p in params],
             bufs,
