@@ -1,10 +1,11 @@
 """ramtorch.optim refuses what it cannot use: optimizer states that do not fit their parameters
-(``load_state_dict`` and ``load_checkpoint``), with a clear error that names what is wrong, leaving
-the optimizer as it was."""
+(``load_state_dict`` and ``load_checkpoint``), and hyperparameters out of range, each with a clear
+error that names what is wrong, leaving the optimizer as it was."""
 
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 import sys
 import textwrap
@@ -215,3 +216,82 @@ def test_states_of_parameters_kept_off_the_host_are_checked():
     train(src, opt, 1)
     for p, q in zip(src.parameters(), dst.parameters()):
         torch.testing.assert_close(p, q)
+
+
+# -- hyperparameters -----------------------------------------------------------------------------
+
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda ps: ropt.AdamW(ps, lr=INF), "lr"),
+        (lambda ps: ropt.AdamW(ps, lr=NAN), "lr"),
+        (lambda ps: ropt.AdamW(ps, lr=-1e-3), "lr"),
+        (lambda ps: ropt.AdamW(ps, betas=(0.9,)), "betas"),
+        (lambda ps: ropt.AdamW(ps, betas=(0.9, 0.99, 0.5)), "betas"),
+        (lambda ps: ropt.AdamW(ps, betas=(1.0, 0.99)), "betas"),
+        (lambda ps: ropt.AdamW(ps, betas=(0.9, -0.1)), "betas"),
+        (lambda ps: ropt.AdamW(ps, betas=(NAN, 0.99)), "betas"),
+        (lambda ps: ropt.AdamW(ps, eps=0.0), "eps"),
+        (lambda ps: ropt.AdamW(ps, eps=-1e-8), "eps"),
+        (lambda ps: ropt.AdamW(ps, eps=NAN), "eps"),
+        (lambda ps: ropt.AdamW(ps, weight_decay=NAN), "weight_decay"),
+        (lambda ps: ropt.AdamW(ps, weight_decay=-0.1), "weight_decay"),
+        (lambda ps: ropt.AdamW(ps, weight_decay=INF), "weight_decay"),
+        (lambda ps: ropt.SGD(ps, lr=NAN), "lr"),
+        (lambda ps: ropt.SGD(ps, momentum=NAN), "momentum"),
+        (lambda ps: ropt.SGD(ps, momentum=-0.9), "momentum"),
+        (lambda ps: ropt.SGD(ps, momentum=0.9, dampening=NAN), "dampening"),
+        (lambda ps: ropt.SGD(ps, dampening=-0.5), "dampening"),
+        (lambda ps: ropt.SGD(ps, weight_decay=NAN), "weight_decay"),
+        (lambda ps: ropt.SGD(ps, momentum=0.9, nesterov=True, dampening=0.1), "nesterov"),
+        (lambda ps: ropt.Lion(ps, lr=INF), "lr"),
+        (lambda ps: ropt.Lion(ps, betas=(0.9,)), "betas"),
+        (lambda ps: ropt.Lion(ps, betas=(0.9, 1.0)), "betas"),
+        (lambda ps: ropt.Lion(ps, weight_decay=NAN), "weight_decay"),
+        (lambda ps: ropt.AdamW([{"params": ps, "lr": NAN}]), "lr"),
+        (lambda ps: ropt.SGD([{"params": ps, "momentum": -1.0}]), "momentum"),
+    ],
+)
+def test_bad_hyperparameters_are_refused(make, match):
+    with pytest.raises(ValueError, match=match) as err:
+        make(list(model().parameters()))
+    assert type(err.value) is ValueError
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda ps: ropt.AdamW(ps, lr="0.1"), "lr"),
+        (lambda ps: ropt.AdamW(ps, betas=0.9), "betas"),
+        (lambda ps: ropt.SGD(ps, momentum=None), "momentum"),
+    ],
+)
+def test_hyperparameters_of_the_wrong_type_are_refused(make, match):
+    with pytest.raises(TypeError, match=match):
+        make(list(model().parameters()))
+
+
+def test_add_param_group_checks_its_hyperparameters():
+    m = model()
+    opt = ropt.AdamW(m[0].parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": list(m[2].parameters()), "lr": INF})
+    with pytest.raises(ValueError, match="betas"):
+        opt.add_param_group({"params": list(m[2].parameters()), "betas": (0.9,)})
+    assert len(opt.param_groups) == 1  # nothing added
+    opt.add_param_group({"params": list(m[2].parameters()), "lr": 1e-2})
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-2]
+
+
+def test_good_hyperparameters_still_match_torch():
+    """The edge values that are allowed (lr 0, a beta of 0, a tensor lr) train as torch's do."""
+    for kw in ({"lr": 0.0}, {"betas": (0.0, 0.5)}, {"lr": torch.tensor(1e-2)}, {"weight_decay": 0.0}):
+        ours, ref = model(), model()
+        opt, ref_opt = ropt.AdamW(ours.parameters(), **kw), torch.optim.AdamW(ref.parameters(), **kw)
+        train(ours, opt, 2)
+        train(ref, ref_opt, 2)
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

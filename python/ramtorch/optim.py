@@ -48,6 +48,7 @@ the bf16 weight and gradient) and the weight is rewritten from it, rounded to ne
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -66,6 +67,51 @@ _PRECISIONS = ("fp32-master", "bf16")
 
 def _is_host(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype in _DTYPES
+
+
+#: Hyperparameters checked when a param group is added: name -> (lowest, lowest allowed, highest,
+#: highest allowed). Each must be a finite real number in that interval.
+_LIMITS: dict[str, tuple[float, bool, float, bool]] = {
+    "lr": (0.0, True, math.inf, False),
+    "eps": (0.0, False, math.inf, False),
+    "weight_decay": (0.0, True, math.inf, False),
+    "momentum": (0.0, True, math.inf, False),
+    "dampening": (0.0, True, math.inf, False),
+    "betas": (0.0, True, 1.0, False),  # each of the two
+}
+
+
+def _real(owner: str, name: str, value: Any) -> float:
+    """``value`` as a float; a TypeError naming ``name`` if it is not a real number."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _check_hyperparameters(owner: str, group: dict[str, Any]) -> None:
+    """Raises a ValueError (TypeError for a value that is no number) naming the first hyperparameter
+    of ``group`` out of its range (see ``_LIMITS``): before any update could use it."""
+    for name, (lo, lo_ok, hi, hi_ok) in _LIMITS.items():
+        if name not in group:
+            continue
+        value = group[name]
+        if name == "betas":
+            if isinstance(value, torch.Tensor) or not isinstance(value, (tuple, list)):
+                raise TypeError(f"{owner}: betas must be a pair of numbers, got {value!r}")
+            if len(value) != 2:
+                raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {tuple(value)!r}")
+            items = [(f"betas[{i}]", v) for i, v in enumerate(value)]
+        else:
+            items = [(name, value)]
+        for label, v in items:
+            x = _real(owner, label, v)
+            if not (math.isfinite(x) and (x > lo or (lo_ok and x == lo)) and (x < hi or (hi_ok and x == hi))):
+                interval = f"in {'[' if lo_ok else '('}{lo:g}, {hi:g}{']' if hi_ok else ')'}"
+                if hi == math.inf:
+                    interval = f"{'>=' if lo_ok else '>'} {lo:g}"
+                raise ValueError(f"{owner}: invalid {label}: {v!r} (must be a finite number {interval})")
 
 
 class _Jobs:
@@ -165,7 +211,8 @@ class _HostOptimizer(torch.optim.Optimizer):
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
-        super().__init__(params, defaults)
+        self._check_group(defaults)
+        super().__init__(params, defaults)  # each group is checked in add_param_group
         self.precision = precision
         self.max_grad_norm = max_grad_norm
         self.overlap = overlap and max_grad_norm is None
@@ -610,7 +657,16 @@ class _HostOptimizer(torch.optim.Optimizer):
             self.__dict__["_index_cache"] = index
         return index.get(id(p), 0)
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raises a ValueError naming the first hyperparameter of ``group`` out of its range."""
+        _check_hyperparameters(type(self).__name__, group)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; a hyperparameter of the group out of its
+        range (``lr`` inf or nan, ``betas`` not a pair in [0, 1), ...) is a ValueError that names
+        it, and the group is not added."""
+        if isinstance(param_group, dict):
+            self._check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
         self.__dict__.pop("_ids_cache", None)
         self.__dict__.pop("_index_cache", None)
@@ -952,10 +1008,6 @@ class AdamW(_HostOptimizer):
         pipeline: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
-            raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"AdamW: betas must be in [0, 1), got {betas}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(
             params,
@@ -1049,12 +1101,6 @@ class SGD(_HostOptimizer):
         pipeline: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        if not lr >= 0 or not momentum >= 0 or not weight_decay >= 0:
-            raise ValueError(
-                f"SGD: lr, momentum and weight_decay must be >= 0, got {lr}, {momentum}, {weight_decay}"
-            )
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("SGD: nesterov needs momentum > 0 and dampening = 0")
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -1104,6 +1150,11 @@ class SGD(_HostOptimizer):
             seed=seed,
         )
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        if group.get("nesterov") and (group.get("momentum", 0) <= 0 or group.get("dampening", 0) != 0):
+            raise ValueError("SGD: nesterov needs momentum > 0 and dampening = 0")
+
     def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
         bufs = [self.state[p].get("momentum_buffer") for p in params]
         _torch_sgd(
@@ -1141,10 +1192,6 @@ class Lion(_HostOptimizer):
         pipeline: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        if not lr >= 0 or not weight_decay >= 0:
-            raise ValueError(f"Lion: lr and weight_decay must be >= 0, got {lr}, {weight_decay}")
-        if not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"Lion: betas must be in [0, 1), got {betas}")
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(
             params,
