@@ -661,9 +661,15 @@ def test_pipelined_jobs_run_the_newest_ready_job_first() -> None:
     from ramtorch.optim import _Jobs
 
     jobs = _Jobs()
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     ran: list[str] = []
-    jobs.submit(gate.wait)  # holds the worker while the queue fills
+
+    def hold() -> None:  # holds the worker while the queue fills
+        started.set()
+        gate.wait()
+
+    jobs.submit(hold)
+    assert started.wait(timeout=300)  # the worker has taken it: the others queue behind it
     for name, ready in [("a", True), ("b", False), ("c", True), ("d", False)]:
         jobs.submit(lambda name=name: ran.append(name), lambda ready=ready: ready)
     gate.set()
@@ -671,8 +677,10 @@ def test_pipelined_jobs_run_the_newest_ready_job_first() -> None:
     assert ran == ["c", "a", "b", "d"]
 
     gate.clear()
+    started.clear()
     ran.clear()
-    jobs.submit(gate.wait)
+    jobs.submit(hold)
+    assert started.wait(timeout=300)
 
     def broken() -> bool:
         raise RuntimeError("query failed")
