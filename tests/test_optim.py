@@ -661,9 +661,15 @@ def test_pipelined_jobs_run_the_newest_ready_job_first() -> None:
     from ramtorch.optim import _Jobs
 
     jobs = _Jobs()
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     ran: list[str] = []
-    jobs.submit(gate.wait)  # holds the worker while the queue fills
+
+    def hold() -> None:  # holds the worker while the queue fills
+        started.set()
+        gate.wait()
+
+    jobs.submit(hold)
+    assert started.wait(timeout=300)  # the worker has taken it: the others queue behind it
     for name, ready in [("a", True), ("b", False), ("c", True), ("d", False)]:
         jobs.submit(lambda name=name: ran.append(name), lambda ready=ready: ready)
     gate.set()
@@ -671,8 +677,10 @@ def test_pipelined_jobs_run_the_newest_ready_job_first() -> None:
     assert ran == ["c", "a", "b", "d"]
 
     gate.clear()
+    started.clear()
     ran.clear()
-    jobs.submit(gate.wait)
+    jobs.submit(hold)
+    assert started.wait(timeout=300)
 
     def broken() -> bool:
         raise RuntimeError("query failed")
@@ -810,3 +818,31 @@ def test_weights_reached_in_odd_ways_train_as_torch(mode, monkeypatch):
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
     if mode != "torch":
         assert o_ours.timings["in_backward_updates"] > 0
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (lambda ps: ropt.AdamW(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+        (
+            lambda ps: ropt.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+        ),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_parameters_the_kernels_do_not_take_are_updated_as_by_torch(ours, theirs):
+    """Parameters outside host RAM or of a dtype the kernels do not take (fp64 here) go through
+    torch's own update functions, with the same results as torch.optim."""
+    torch.manual_seed(0)
+    ref = Net().to(torch.float64)
+    mine = copy.deepcopy(ref)
+    o_ref, o_mine = theirs(ref.parameters()), ours(mine.parameters())
+    for _ in range(3):
+        x = torch.randn(4, 8, dtype=torch.float64)
+        for model, opt in ((ref, o_ref), (mine, o_mine)):
+            opt.zero_grad()
+            loss_of(model, x).backward()
+            opt.step()
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        torch.testing.assert_close(p, q)

@@ -612,6 +612,15 @@ def _load(
                     f"{path} does not match the optimizer: parameter groups of sizes {saved_sizes} in the "
                     f"checkpoint, {sizes} in the optimizer"
                 )
+            check_states = getattr(optimizer, "_check_state_dict", None)
+            if check_states is not None:  # each state against its parameter, before any is read
+                from .io import _ST_TO_TORCH
+
+                def described(key: str) -> torch.Tensor:  # shape and dtype, no data
+                    dtype = _ST_TO_TORCH.get(f.get_slice(resolve(key)).get_dtype(), torch.uint8)
+                    return torch.empty(shapes[resolve(key)], dtype=dtype, device="meta")
+
+                check_states(_decode(optim_meta, described))
     extra_meta = _json_meta(path, meta, "ramtorch.extra", {})
     _, extra_refs = check("ramtorch.extra", extra_meta)
     _, object_refs = check("ramtorch.model", {k: v for k, v in objects.items() if k in current_keys})

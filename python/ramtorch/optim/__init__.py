@@ -1,0 +1,93 @@
+"""Optimizers that update parameters in host RAM with Rust kernels (all cores, SIMD), overlapped
+with the backward pass.
+
+``ramtorch.optim.AdamW``, ``SGD`` and ``Lion`` are real :class:`torch.optim.Optimizer` s: param
+groups, LR schedulers, ``state_dict``/``load_state_dict`` and ``zero_grad`` work as usual, and
+parameters that are not in host RAM (units kept resident on the GPU, norms) are updated too, with
+torch's own kernels on their device.
+
+**Overlap.** In a model streamed by :func:`ramtorch.offload`, a unit's weights are updated as soon
+as the last of its gradients for the step has reached host RAM, on a CPU thread, while the GPU runs
+the backward of the units before it. ``loss.backward()`` returns when the updates are done, and
+``step()`` has only the GPU-resident parameters left. Updates run during the last backward before
+``step()``: the optimizer learns from the first step (whose updates run in ``step()``) how many
+backward passes a step has, k, and the first k - 1 of each step only accumulate gradients, as
+inside ``with opt.accumulate():`` (which also works); a step with fewer backwards updates in
+``step()``. If gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a
+``GradScaler`` unscaling them, more backwards than any step before outside ``accumulate()``), an
+update made during backward would have used the unchanged ones: ``step()`` detects it and raises.
+Use ``max_grad_norm=`` for clipping (global-norm clipping needs every gradient, so the updates then
+run in ``step()``: the overlap is lost). The first step's updates always run in ``step()``: a
+``torch.amp.GradScaler`` shows itself there (its gradients are scaled until ``step()`` unscales
+them), and the optimizer then updates in ``step()`` from then on, with the unscaling and the inf
+check folded into the kernels. A scaler that appears only after overlapped steps is an error; pass
+``overlap=False`` for that.
+
+**Pipelined steps** (``pipeline=True``). The optimizer work of a step (reading and writing
+every state in host RAM) usually takes longer than the backward it overlaps, and the first unit's
+gradient arrives last. With ``pipeline=True``, ``backward()`` and ``step()`` return without waiting
+for the updates still queued: they run on while the next forward starts, in the order that forward
+needs them (the newest gradients that have landed first), and the forward waits for each unit's
+update before streaming its weights. What reads the weights through ramtorch waits the same way:
+``model.state_dict()``, ``opt.state_dict()``, ``ramtorch.save_checkpoint``,
+``ramtorch.synchronize()`` and ``opt.synchronize()``. Code of yours that reads host parameters
+directly between ``step()`` and the next forward (an EMA of the weights, logging their norms) must
+call ``opt.synchronize()`` first, or it may see a mix of old and new weights. Not with ZeRO
+(``shard()``), where ``step()`` publishes the new weights to the other ranks.
+
+:func:`ramtorch.trace` shows where a step's optimizer time goes: each update, on the worker
+thread (during backward, pipelined) or in ``step()``, and each wait of a forward or another reader
+for a pipelined update, on the timeline of the device's copies and compute.
+
+**Precision.** Parameters in fp32 are updated in place with fp32 states. bf16/fp16 parameters get
+an fp32 master copy in host RAM (``precision="fp32-master"``, the default; 16 bytes a parameter with
+the bf16 weight and gradient) and the weight is rewritten from it, rounded to nearest. With
+``precision="bf16"``, bf16 parameters keep bf16 states and are written with stochastic rounding
+(8 bytes a parameter), trading some accuracy for capacity.
+
+Where each part lives:
+
+- ``_rules.py``: the update rules :class:`AdamW`, :class:`SGD`, :class:`Lion` (hyperparameters,
+  checked once for all in ``_check_hyperparameters``; each rule's Rust kernel call and torch
+  fallback) and :class:`HostOptions`, the options every optimizer takes.
+- ``_optimizer.py``: ``_HostOptimizer``, the :class:`torch.optim.Optimizer` the rules subclass:
+  ``step()``, clipping, ``zero_grad``, ``state_dict``, ``shard``/``consolidate_state_dict``.
+- ``_state.py``: host state and precision (moments, fp32 masters, bf16 states), the update of one
+  host parameter, and the loading of states, each checked against its parameter.
+- ``_schedule.py``: the overlap and pipeline scheduler (:class:`UpdateMode`): updates started as
+  gradients land (``on_grads``), the end of backward (``before_finish``/``after_finish``),
+  ``drain``; the registration of optimizers with the engines.
+- ``_jobs.py``: the worker thread and its queue of update jobs.
+- ``_zero.py``: ZeRO as a strategy object (``Zero``): ownership, gradient reduction, publication
+  of new weights, consolidation of states.
+
+The package builds on the engine (``ramtorch._engine``, ``_arena``, ``_core``) and imports nothing
+above it.
+"""
+
+from __future__ import annotations
+
+# The names of the module this package was stay importable from it (``X as X``: re-exported).
+from ._jobs import _Jobs as _Jobs
+from ._optimizer import _HostOptimizer as _HostOptimizer
+from ._rules import _LIMITS as _LIMITS
+from ._rules import SGD, AdamW, HostOptions, Lion
+from ._rules import _check_hyperparameters as _check_hyperparameters
+from ._rules import _real as _real
+from ._schedule import _LISTENING as _LISTENING
+from ._schedule import UpdateMode
+from ._schedule import _describe as _describe
+from ._schedule import listen as listen
+from ._schedule import listen_on as listen_on
+from ._state import _DTYPES as _DTYPES
+from ._state import _PRECISIONS as _PRECISIONS
+from ._state import HostStates as HostStates
+from ._state import _is_host as _is_host
+from ._zero import Zero as Zero
+from ._zero import _first_diff as _first_diff
+
+__all__ = ["SGD", "AdamW", "HostOptions", "Lion", "UpdateMode"]
+
+for _public in (SGD, AdamW, HostOptions, Lion, UpdateMode):
+    _public.__module__ = __name__  # documented, shown and pickled as ramtorch.optim.<name>
+del _public

@@ -1,0 +1,80 @@
+"""The optimizer's worker: a queue of update jobs run one at a time on a thread of its own."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class _Jobs:
+    """The optimizer's update jobs, run one at a time on a thread of their own (each kernel uses
+    every core). Without ZeRO the newest job whose gradients have landed runs first: once updates
+    fall behind the backward, the units whose gradients came last are the ones the next forward
+    needs first, and a job whose gradients are still being copied does not hold up one whose
+    gradients are there. When none has landed, the oldest runs (waiting for its copy): copies
+    land in the order they were queued. With ZeRO jobs run in submission order, so that every
+    rank issues its collectives in the same order."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: list[tuple[Callable[[], None], Callable[[], bool] | None]] = []
+        self._unfinished = 0
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.lifo = True
+
+    def submit(self, job: Callable[[], None], ready: Callable[[], bool] | None = None) -> None:
+        """Queues ``job``; ``ready()`` tells whether it can start without waiting (None: it can)."""
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="ramtorch-optim", daemon=True)
+                self._thread.start()
+            self._queue.append((job, ready))
+            self._unfinished += 1
+            self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.pop(self._pick())[0]
+            try:
+                job()  # jobs record their own errors
+            finally:
+                with self._cv:
+                    self._unfinished -= 1
+                    self._cv.notify_all()
+            # A job holds its optimizer: dropped now, not when the next job comes (an optimizer
+            # deleted with updates pending is freed, and closes this thread, right here).
+            del job
+
+    def _pick(self) -> int:
+        """Index of the job to run next (the lock is held)."""
+        if not self.lifo:
+            return 0
+        for i in range(len(self._queue) - 1, -1, -1):
+            ready = self._queue[i][1]
+            try:
+                if ready is None or ready():
+                    return i
+            except Exception:  # noqa: BLE001 - the job itself meets the error and records it
+                return i
+        return 0
+
+    def wait(self) -> None:
+        """Until every job submitted so far has finished."""
+        with self._cv:
+            while self._unfinished:
+                self._cv.wait()
+
+    def busy(self) -> bool:
+        return self._unfinished > 0
+
+    def close(self) -> None:
+        self.wait()
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()

@@ -1,0 +1,307 @@
+"""The torch-facing optimizer: a :class:`torch.optim.Optimizer` whose host parameters are
+updated by Rust kernels (``_state``), scheduled during backward (``_schedule``), optionally
+sharded (``_zero``); ``step()`` finishes what backward left, updates the rest (GPU-resident
+parameters with torch's kernels) and clips; ``state_dict`` and ZeRO consolidation. The update
+rules (``_rules``) subclass it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import _core, _engine
+from ._jobs import _Jobs
+from ._schedule import OverlapSchedule, UpdateMode, listen
+from ._state import _DTYPES, _PRECISIONS, HostStates, _is_host
+from ._zero import Zero
+
+
+class _HostOptimizer(OverlapSchedule, HostStates):
+    """Shared machinery: host parameters through Rust kernels, the rest through torch."""
+
+    #: torch.amp.GradScaler passes its scale and inf flag to step() (as ``grad_scale`` and
+    #: ``found_inf`` attributes) instead of unscaling every gradient in a pass of its own.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        precision: str = "fp32-master",
+        overlap: bool = True,
+        pipeline: bool = False,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
+        self._check_group(defaults)
+        super().__init__(params, defaults)  # each group is checked in add_param_group
+        self.precision = precision
+        self.max_grad_norm = max_grad_norm
+        if not overlap or max_grad_norm is not None:  # clipping needs every gradient first
+            self._mode = UpdateMode.IN_STEP
+        else:
+            self._mode = UpdateMode.PIPELINE if pipeline else UpdateMode.OVERLAP
+        self._accumulating = 0
+        self._stepped = False
+        # Backward passes since the last step(), and the most any step has had: with k micro-
+        # batches a step, the first k - 1 backwards only accumulate, as inside accumulate().
+        self._backwards = 0
+        self._micro = 1
+        self._last_backward = -1  # autograd's id of the last backward counted
+        self._seed = 0x5EED
+        self._jobs = _Jobs()
+        # id(param) -> version of the gradient buffer the update used, for params updated during
+        # the last backward (checked in step(): the gradient must not have changed since).
+        self._done: dict[int, tuple[torch.Tensor, int]] = {}
+        # Parameters updated during a backward that got gradients again from a later backward of
+        # the same step (more backwards than any step before, outside accumulate()): step() raises.
+        self._late: set[int] = set()
+        self._error: BaseException | None = None
+        self._zero: Zero | None = None  # shard(): the ZeRO strategy
+        self._reduced: set[int] = set()  # ZeRO-2: ids of others' parameters reduced in backward
+        self._reduced_dev: set[int] = set()  # ZeRO-2: ids of parameters reduced on the device
+        if self._mode is not UpdateMode.IN_STEP:
+            listen(self)
+        #: Seconds and tensor updates of the Rust kernels, during backward and in ``step()``.
+        self.timings = {
+            "in_backward_seconds": 0.0,
+            "in_backward_updates": 0,
+            "in_step_seconds": 0.0,
+            "in_step_updates": 0,
+        }
+
+    # -- user API ----------------------------------------------------------------------------------
+
+    def shard(self, group: Any = None, stage: int = 1) -> _HostOptimizer:
+        """ZeRO over ``torch.distributed`` (``group``: a process group, default the world): each
+        rank keeps optimizer state for, and updates, only its share of the parameters (balanced
+        by size). Each gradient is averaged onto its owner (``reduce``), the owner updates the
+        parameter, and the new value reaches the other ranks in ``step()``: for free when the
+        parameters are in shared host memory (``ramtorch.distributed.share_parameters``), else by
+        ``broadcast`` from the owner.
+
+        ``stage=1`` reduces and updates in ``step()``. ``stage=2`` reduces each unit's gradients
+        as soon as they have landed, during backward (the owner updates right away, as without
+        ZeRO), and a rank keeps only the gradients it owns. Returns the optimizer."""
+        zero = Zero.plan(self, group, stage)
+        self.drain()
+        self._zero = zero
+        self.zero_stage = stage
+        self._jobs.lifo = False  # collectives in the same order on every rank
+        if stage == 1:
+            self._mode = UpdateMode.IN_STEP
+        elif self._mode is not UpdateMode.IN_STEP:
+            self._mode = UpdateMode.OVERLAP  # step() publishes the new weights to the other ranks
+            listen(self)
+        return self
+
+    def reduce_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool | None:
+        """Called by the engine with each gradient of a streamed parameter on the compute device,
+        before it leaves for the host. ZeRO-2 reduces it there, onto its owner (over NVLink/PCIe
+        with NCCL, not through host RAM); returns whether this rank keeps it (None: not ours)."""
+        zero = self._zero
+        if zero is None or zero.stage != 2 or id(p) not in zero.owner:
+            return None
+        zero.reduce_one(p, grad)
+        self._reduced_dev.add(id(p))
+        return zero.owns(p)
+
+    def _owns(self, p: torch.Tensor) -> bool:
+        """Whether this rank updates ``p`` (always, unless sharded)."""
+        return self._zero is None or self._zero.owns(p)
+
+    def _param_ids(self) -> dict[int, tuple[torch.nn.Parameter, dict[str, Any]]]:
+        cache = self.__dict__.get("_ids_cache")
+        if cache is None:
+            cache = {id(p): (p, group) for group in self.param_groups for p in group["params"]}
+            self.__dict__["_ids_cache"] = cache
+        return cache
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raises a ValueError naming the first hyperparameter of ``group`` out of its range: each
+        rule checks its own (``_rules``)."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; a hyperparameter of the group out of its
+        range (``lr`` inf or nan, ``betas`` not a pair in [0, 1), ...) is a ValueError that names
+        it, and the group is not added."""
+        if isinstance(param_group, dict):
+            self._check_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+        self.__dict__.pop("_ids_cache", None)
+        self.__dict__.pop("_index_cache", None)
+
+    # -- step --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Finishes the step: waits for the updates made during backward, checks their gradients
+        were not changed since, and updates every other parameter that has a gradient."""
+        if self._zero is not None:
+            self._zero.consolidated = None  # the state changes
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # torch.amp.GradScaler hands us its scale and inf flag instead of unscaling the gradients
+        # itself (see _step_supports_amp_scaling): unscaling is folded into the kernels.
+        # (The scaler sets both attributes for this call and deletes them after it.)
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        self._stepped = True
+        if (grad_scale is not None or found_inf is not None) and self._mode is not UpdateMode.IN_STEP:
+            # Gradients are scaled until step() unscales them: updates cannot run in backward.
+            self._mode = UpdateMode.IN_STEP
+        if self._mode is UpdateMode.PIPELINE and grad_scale is None and found_inf is None:
+            self._raise_failed()  # the updates of this step run on; the next forward waits for them
+        else:
+            self.drain()
+        done, self._done = self._done, {}
+        late, self._late = self._late, set()
+        backwards, self._backwards = self._backwards, 0
+        if late:
+            raise RuntimeError(
+                f"{type(self).__name__}: {len(late)} parameters were updated during a backward and "
+                f"then got gradients from another backward before step(): this step had {backwards} "
+                f"backward passes, more than any step before ({self._micro}), and the update used "
+                "the gradients of the first ones only, so this step is wrong. Run every backward "
+                "but the last inside `with opt.accumulate():` (or pass overlap=False)."
+            )
+        self._micro = max(self._micro, backwards)
+        if (grad_scale is not None or found_inf is not None) and done:
+            raise RuntimeError(
+                f"{type(self).__name__}: a GradScaler is in use, but {len(done)} parameters were "
+                "already updated during backward with the scaled gradients; this step's update is "
+                "wrong (reload the weights from a checkpoint). Pass overlap=False with a GradScaler."
+            )
+        if found_inf is not None and float(found_inf) > 0:
+            return loss  # GradScaler: inf/nan in the gradients, the step is skipped
+        owned = self._param_ids()
+        for pid, (grad, version) in done.items():
+            p = owned[pid][0] if pid in owned else None
+            if p is not None and (p.grad is not grad or grad._version != version):
+                raise RuntimeError(
+                    f"{type(self).__name__}: a gradient was changed or replaced after backward "
+                    "(gradient clipping, GradScaler unscaling, a hook?) but its parameter was "
+                    "already updated during backward with the gradient as it was. Use "
+                    "max_grad_norm= for clipping, overlap=False with a GradScaler, and accumulate() "
+                    "around the backward passes of micro-batches."
+                )
+        reduced, self._reduced = self._reduced, set()
+        reduced_dev, self._reduced_dev = self._reduced_dev, set()
+        if self._zero is not None:
+            self._zero.reduce(self.param_groups, reduced | reduced_dev | set(done))
+        scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        if self.max_grad_norm is not None:
+            scale *= self._clip_scale(scale)
+        spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
+        t = time.perf_counter()
+        for index, group in enumerate(self.param_groups):
+            dev_params = []
+            for p in group["params"]:
+                if p.grad is None or id(p) in done or not self._owns(p):
+                    continue
+                if _is_host(p):
+                    start = time.perf_counter() if spans is not None else 0.0
+                    self._update_host(p, p.grad, group, scale)
+                    self.timings["in_step_updates"] += 1
+                    if spans is not None:  # one parameter; the trace joins those of a unit
+                        end = time.perf_counter()
+                        spans.add(spans.CALLER, "update", start, end, (p,), None, {"param_group": index})
+                else:
+                    dev_params.append(p)
+            if dev_params:
+                start = time.perf_counter() if spans is not None else 0.0
+                if scale != 1.0:
+                    torch._foreach_mul_([p.grad for p in dev_params], scale)
+                self._update_torch(dev_params, group)
+                if spans is not None:  # on a GPU: the time to launch the kernels
+                    end = time.perf_counter()
+                    where = dev_params[0].device
+                    spans.add(
+                        spans.CALLER, "torch update", start, end, dev_params, where, {"param_group": index}
+                    )
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and _is_host(p):
+                    # The kernels wrote through raw pointers: tell autograd and the streaming
+                    # engine (which keys device copies on version counters) that p changed.
+                    torch.autograd.graph.increment_version(p)
+        self.timings["in_step_seconds"] += time.perf_counter() - t
+        if self._zero is not None:
+            self._zero.publish(self.param_groups)
+        return loss
+
+    def _clip_scale(self, unscale: float = 1.0) -> float:
+        total = 0.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or not self._owns(p):
+                    continue
+                if g.device.type == "cpu" and g.dtype in _DTYPES and g.is_contiguous():
+                    sq, _ = _core.grad_stats(g.data_ptr(), _DTYPES[g.dtype], g.numel())
+                    total += sq
+                else:
+                    total += float(g.detach().float().square().sum())
+        if self._zero is not None:
+            total = self._zero.all_reduce_sum(total)
+        norm = total**0.5 * unscale
+        self.last_grad_norm = norm
+        return min(1.0, self.max_grad_norm / (norm + 1e-6)) if self.max_grad_norm is not None else 1.0
+
+    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        """The rule's update of parameters torch updates (not in host RAM), with torch's kernels."""
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; zeroing gradients in place first waits for the
+        updates still reading them (``pipeline``)."""
+        if not set_to_none and self._jobs.busy():
+            self._jobs.wait()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``, once the pending updates are done.
+
+        A sharded optimizer (``shard()`` over several ranks) holds the state of its share of the
+        parameters only: its state dict is the whole optimizer's on the rank that
+        :meth:`consolidate_state_dict` gathered it on, until the next update; elsewhere this
+        raises (a shard saved as if it were the optimizer would lose the other ranks' state)."""
+        self.drain()
+        sd = super().state_dict()
+        zero = self._zero
+        if zero is None or zero.world() == 1:
+            return sd
+        if zero.consolidated is None:
+            raise zero.sharded_state_error(type(self).__name__)
+        sd["state"] = dict(sorted({**sd["state"], **zero.consolidated}.items()))
+        return sd
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """ZeRO: gathers every rank's optimizer state on rank ``to`` of the group, where
+        :meth:`state_dict` then returns the state of every parameter, as one unsharded optimizer
+        would (save it there: ``ramtorch.save_checkpoint``). A collective: every rank of the group
+        calls it. Rank ``to`` holds a copy of the other ranks' state until the next update.
+        Loading that state dict into the sharded optimizer on every rank (``load_state_dict`` or
+        ``ramtorch.load_checkpoint``) keeps each rank's share."""
+        if self._zero is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.consolidate_state_dict(): the optimizer is not sharded"
+            )
+        world = self._zero.world()
+        if not 0 <= to < world:
+            raise ValueError(f"consolidate_state_dict(to={to!r}): the group has ranks 0..{world - 1}")
+        self.drain()
+        self._zero.gather(super().state_dict()["state"], to)
+
+    def __del__(self) -> None:
+        jobs = getattr(self, "_jobs", None)
+        if jobs is not None:
+            jobs.close()

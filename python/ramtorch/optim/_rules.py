@@ -1,0 +1,320 @@
+"""The update rules, AdamW, SGD and Lion: for each, its hyperparameters, its Rust kernel call
+(``_kernel``, host parameters) and its torch fallback (``_update_torch``, parameters elsewhere).
+The hyperparameter checks and the options every optimizer takes are written once, here."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import torch
+from torch.optim.adamw import adamw as _torch_adamw
+from torch.optim.sgd import sgd as _torch_sgd
+
+from .. import _core
+from ._optimizer import _HostOptimizer
+from ._state import _DTYPES
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # in typing from Python 3.11
+
+#: Hyperparameters checked when a param group is added: name -> (lowest, lowest allowed, highest,
+#: highest allowed). Each must be a finite real number in that interval.
+_LIMITS: dict[str, tuple[float, bool, float, bool]] = {
+    "lr": (0.0, True, math.inf, False),
+    "eps": (0.0, False, math.inf, False),
+    "weight_decay": (0.0, True, math.inf, False),
+    "momentum": (0.0, True, math.inf, False),
+    "dampening": (0.0, True, math.inf, False),
+    "betas": (0.0, True, 1.0, False),  # each of the two
+}
+
+
+def _real(owner: str, name: str, value: Any) -> float:
+    """``value`` as a float; a TypeError naming ``name`` if it is not a real number."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}: {name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _check_hyperparameters(owner: str, group: dict[str, Any]) -> None:
+    """Raises a ValueError (TypeError for a value that is no number) naming the first hyperparameter
+    of ``group`` out of its range (see ``_LIMITS``): before any update could use it."""
+    for name, (lo, lo_ok, hi, hi_ok) in _LIMITS.items():
+        if name not in group:
+            continue
+        value = group[name]
+        if name == "betas":
+            if isinstance(value, torch.Tensor) or not isinstance(value, (tuple, list)):
+                raise TypeError(f"{owner}: betas must be a pair of numbers, got {value!r}")
+            if len(value) != 2:
+                raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {tuple(value)!r}")
+            items = [(f"betas[{i}]", v) for i, v in enumerate(value)]
+        else:
+            items = [(name, value)]
+        for label, v in items:
+            x = _real(owner, label, v)
+            if not (math.isfinite(x) and (x > lo or (lo_ok and x == lo)) and (x < hi or (hi_ok and x == hi))):
+                interval = f"in {'[' if lo_ok else '('}{lo:g}, {hi:g}{']' if hi_ok else ')'}"
+                if hi == math.inf:
+                    interval = f"{'>=' if lo_ok else '>'} {lo:g}"
+                raise ValueError(f"{owner}: invalid {label}: {v!r} (must be a finite number {interval})")
+
+
+class HostOptions(TypedDict, total=False):
+    """The options of every ramtorch optimizer, besides its rule's hyperparameters (see
+    :class:`AdamW`)."""
+
+    precision: str
+    overlap: bool
+    pipeline: bool
+    max_grad_norm: float | None
+
+
+class _Rule(_HostOptimizer):
+    """What every update rule shares: its hyperparameters checked against ``_LIMITS`` wherever
+    a param group is added."""
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_hyperparameters(type(self).__name__, group)
+
+
+class AdamW(_Rule):
+    """AdamW (decoupled weight decay, as :class:`torch.optim.AdamW`) with host parameters updated
+    by Rust kernels, overlapped with backward (see the module documentation).
+
+    Args:
+        params: parameters or param groups.
+        lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW``.
+        precision: ``"fp32-master"`` (default) or ``"bf16"`` (bf16 states, stochastic rounding).
+        overlap: update units during backward as their gradients land.
+        pipeline: let ``step()`` return while the last updates run on; the next forward waits
+            for each unit's update before streaming it (see the module documentation).
+        max_grad_norm: clip the global gradient norm to this (disables the overlap).
+    """
+
+    _state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        maximize: bool = False,
+        **options: Unpack[HostOptions],
+    ) -> None:
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
+        super().__init__(params, defaults, **options)
+
+    def _kernel(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        state_dtype: str,
+        master: int,
+        step: int,
+        group: dict[str, Any],
+        scale: float,
+        seed: int,
+    ) -> None:
+        b1, b2 = group["betas"]
+        _core.adamw_step(
+            param=p.data_ptr(),
+            param_dtype=_DTYPES[p.dtype],
+            grad=grad.data_ptr(),
+            grad_dtype=_DTYPES[grad.dtype],
+            exp_avg=states[0].data_ptr(),
+            exp_avg_sq=states[1].data_ptr(),
+            state_dtype=state_dtype,
+            master=master,
+            numel=p.numel(),
+            step=step,
+            lr=float(group["lr"]),
+            beta1=float(b1),
+            beta2=float(b2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            maximize=bool(group["maximize"]),
+            grad_scale=scale,
+            seed=seed,
+        )
+
+    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        states = [self.state[p] for p in params]
+        for p, st in zip(params, states):
+            if not st:
+                st["step"] = torch.tensor(0.0, device=p.device) if p.is_cuda else torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        b1, b2 = group["betas"]
+        _torch_adamw(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=None,
+            fused=all(p.is_cuda for p in params) or None,
+            amsgrad=False,
+            beta1=b1,
+            beta2=b2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+
+
+class SGD(_Rule):
+    """SGD with momentum (as :class:`torch.optim.SGD`), host parameters updated by Rust kernels,
+    overlapped with backward. Arguments as ``torch.optim.SGD`` plus ``precision``, ``overlap``,
+    ``pipeline``, ``max_grad_norm`` (see :class:`AdamW`)."""
+
+    _state_names = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        **options: Unpack[HostOptions],
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+        }
+        super().__init__(params, defaults, **options)
+
+    def _kernel(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        state_dtype: str,
+        master: int,
+        step: int,
+        group: dict[str, Any],
+        scale: float,
+        seed: int,
+    ) -> None:
+        _core.sgd_step(
+            param=p.data_ptr(),
+            param_dtype=_DTYPES[p.dtype],
+            grad=grad.data_ptr(),
+            grad_dtype=_DTYPES[grad.dtype],
+            momentum_buffer=states[0].data_ptr() if group["momentum"] != 0 else 0,
+            state_dtype=state_dtype,
+            master=master,
+            numel=p.numel(),
+            lr=float(group["lr"]),
+            momentum=float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            weight_decay=float(group["weight_decay"]),
+            nesterov=bool(group["nesterov"]),
+            maximize=bool(group["maximize"]),
+            first_step=step == 1,
+            grad_scale=scale,
+            seed=seed,
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        if group.get("nesterov") and (group.get("momentum", 0) <= 0 or group.get("dampening", 0) != 0):
+            raise ValueError("SGD: nesterov needs momentum > 0 and dampening = 0")
+
+    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        bufs = [self.state[p].get("momentum_buffer") for p in params]
+        _torch_sgd(
+            params,
+            [p.grad for p in params],
+            bufs,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )
+        for p, b in zip(params, bufs):
+            self.state[p]["momentum_buffer"] = b
+
+
+class Lion(_Rule):
+    """Lion (Chen et al., 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``, then
+    ``m = b2*m + (1-b2)*g``. Host parameters through Rust kernels, overlapped with backward;
+    ``precision``, ``overlap``, ``pipeline``, ``max_grad_norm`` as in :class:`AdamW`."""
+
+    _state_names = ("exp_avg",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        **options: Unpack[HostOptions],
+    ) -> None:
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
+        super().__init__(params, defaults, **options)
+
+    def _kernel(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        state_dtype: str,
+        master: int,
+        step: int,
+        group: dict[str, Any],
+        scale: float,
+        seed: int,
+    ) -> None:
+        b1, b2 = group["betas"]
+        _core.lion_step(
+            param=p.data_ptr(),
+            param_dtype=_DTYPES[p.dtype],
+            grad=grad.data_ptr(),
+            grad_dtype=_DTYPES[grad.dtype],
+            exp_avg=states[0].data_ptr(),
+            state_dtype=state_dtype,
+            master=master,
+            numel=p.numel(),
+            lr=float(group["lr"]),
+            beta1=float(b1),
+            beta2=float(b2),
+            weight_decay=float(group["weight_decay"]),
+            maximize=bool(group["maximize"]),
+            grad_scale=scale,
+            seed=seed,
+        )
+
+    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+        b1, b2 = group["betas"]
+        for p in params:
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p)
+            g = -p.grad if group["maximize"] else p.grad
+            m = st["exp_avg"]
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(torch.sign(m * b1 + g * (1 - b1)), alpha=-group["lr"])
+            m.mul_(b2).add_(g, alpha=1 - b2)

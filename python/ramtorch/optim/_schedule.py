@@ -1,0 +1,252 @@
+"""The overlap and pipeline scheduler: which updates run during backward (``on_grads``, as each
+unit's gradients land), on the worker thread (``_jobs``), and what waits for them: the end of
+backward (``before_finish``/``after_finish``), ``step()``, ``drain``/``synchronize``. Optimizers
+hear of the gradients of every engine, present and future (``listen``)."""
+
+from __future__ import annotations
+
+import enum
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .. import _engine
+from ._jobs import _Jobs
+from ._state import _is_host
+
+
+class UpdateMode(enum.Enum):
+    """Where an optimizer's updates of host parameters run."""
+
+    #: In ``step()`` only (``overlap=False``, ``max_grad_norm``, a GradScaler, ZeRO stage 1).
+    IN_STEP = "in step"
+    #: During the last backward of a step, as gradients land; ``backward()`` returns with them done.
+    OVERLAP = "overlap"
+    #: As OVERLAP, but they run on past ``backward()`` and ``step()`` into the next forward.
+    PIPELINE = "pipeline"
+
+
+#: Optimizers that update during backward: every engine reports its gradients to them.
+_LISTENING: Any = weakref.WeakSet()
+
+
+def listen(opt: Any) -> None:
+    """``opt`` hears of the gradients of every engine, present and future."""
+    for e in _engine.engines():
+        e.add_listener(opt)
+    _LISTENING.add(opt)
+
+
+def listen_on(eng: _engine.DeviceEngine) -> None:
+    """Engines created after an optimizer still report to it."""
+    for opt in list(_LISTENING):
+        eng.add_listener(opt)
+
+
+_engine.on_engine_created(listen_on)
+
+
+def _describe(params: list[torch.nn.Parameter]) -> str:
+    """Names a unit's parameters in messages: their count and shapes."""
+    shapes = ", ".join(str(tuple(p.shape)) for p in params[:4])
+    more = f", ... ({len(params)} in all)" if len(params) > 4 else ""
+    return f"parameters of shapes {shapes}{more}"
+
+
+class OverlapSchedule(torch.optim.Optimizer):
+    """The scheduling of an optimizer's updates (a base of ``_optimizer._HostOptimizer``, which
+    sets the attributes below in its constructor and supplies ``_update_host``, ``_owns`` and
+    ``_param_ids``)."""
+
+    _mode: UpdateMode
+    _jobs: _Jobs
+    _zero: Any
+    _accumulating: int
+    _stepped: bool
+    _backwards: int
+    _micro: int
+    _last_backward: int
+    _done: dict[int, tuple[torch.Tensor, int]]
+    _late: set[int]
+    _reduced: set[int]
+    _reduced_dev: set[int]
+    _error: BaseException | None
+    timings: dict[str, Any]
+
+    @property
+    def overlap(self) -> bool:
+        """Whether updates run during backward (``UpdateMode.OVERLAP`` or ``PIPELINE``)."""
+        return self._mode is not UpdateMode.IN_STEP
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        if not on:
+            self._mode = UpdateMode.IN_STEP
+        elif self._mode is UpdateMode.IN_STEP:
+            self._mode = UpdateMode.OVERLAP
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether updates run on past ``step()`` (``UpdateMode.PIPELINE``)."""
+        return self._mode is UpdateMode.PIPELINE
+
+    @pipeline.setter
+    def pipeline(self, on: bool) -> None:
+        if on and self._mode is not UpdateMode.IN_STEP:
+            self._mode = UpdateMode.PIPELINE
+        elif not on and self._mode is UpdateMode.PIPELINE:
+            self._mode = UpdateMode.OVERLAP
+
+    @contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (micro-batches); the update happens
+        in the next backward outside (or in ``step()``)."""
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
+    def on_grads(self, eng: _engine.DeviceEngine, params: list[torch.nn.Parameter]) -> None:
+        """Called by the engine during backward once every gradient of ``params`` is queued."""
+        if (
+            self._mode is UpdateMode.IN_STEP
+            or self._accumulating
+            or not self._stepped
+            or self._backwards < self._micro - 1
+        ):
+            # The first step's updates run in step(), which learns whether a GradScaler hands it
+            # scaled gradients (overlap is then turned off before any update used them) and how
+            # many backwards a step has (all but the last only accumulate).
+            return
+        owned = self._param_ids()
+        work = []
+        for p in params:
+            entry = owned.get(id(p))
+            if id(p) in self._done:
+                self._late.add(id(p))  # updated during an earlier backward of this step
+                continue
+            if entry is None or not _is_host(p) or id(p) in self._reduced:
+                continue
+            bufs = eng.pending_buffers(p)
+            if len(bufs) != 1:
+                continue  # several contributions: summed at the end of backward, updated in step()
+            # The gradient accumulated before this backward, read now: by the time the job runs
+            # (pipelined steps) the end of backward may have made ``.grad`` this very buffer.
+            # The group's hyperparameters as they are for this step: with pipelined steps a
+            # scheduler may change them (scheduler.step() after opt.step()) before the job runs.
+            hyper = {k: v for k, v in entry[1].items() if k != "params"}
+            work.append((p, hyper, bufs[0], p.grad))
+        if not work:
+            return
+        marker = eng._core.marker()
+        updated = []
+        for p, *_ in work:
+            if self._owns(p):
+                self._done[id(p)] = (None, -1)  # the gradient it becomes is known after backward
+                updated.append(p)
+            else:
+                self._reduced.add(id(p))  # ZeRO-2: reduced to its owner during backward
+        update = _engine.Update(_describe(updated))
+        _engine.updates_begin(updated, update)
+        self._jobs.submit(
+            lambda: self._run_job(eng, marker, work, updated, update), lambda: eng._core.marker_done(marker)
+        )
+
+    def _run_job(
+        self,
+        eng: _engine.DeviceEngine,
+        marker: int,
+        work: list[Any],
+        updated: list[torch.nn.Parameter],
+        update: _engine.Update,
+    ) -> None:
+        error: BaseException | None = None
+        try:
+            self._update_job(eng, marker, work)
+        except BaseException as e:  # noqa: BLE001 - surfaced by drain()/step() and by readers
+            error = self._error = e
+        finally:
+            _engine.updates_end(updated, update, error)
+
+    def _update_job(self, eng: _engine.DeviceEngine, marker: int, work: list[Any]) -> None:
+        spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
+        begin = time.perf_counter() if spans is not None else 0.0
+        eng._core.wait_marker(marker)
+        t = time.perf_counter()
+        for p, group, buf, prior in work:
+            grad = buf if prior is None else prior + buf
+            if self._zero is not None and id(p) not in self._reduced_dev:
+                # ZeRO-2: this unit's gradients go to their owners now, while backward runs on.
+                self._zero.reduce_one(p, grad)
+                if not self._owns(p):
+                    continue
+            self._update_host(p, grad, group, 1.0)
+        end = time.perf_counter()
+        self.timings["in_backward_seconds"] += end - t
+        self.timings["in_backward_updates"] += len(work)
+        if spans is not None:
+            params = [w[0] for w in work]
+            spans.add(spans.WORKER, "wait for gradients of", begin, t, params, eng.device)
+            owned = [p for p in params if self._owns(p)]
+            # ZeRO-2: a job of parameters that other ranks own only reduces their gradients.
+            label = "update" if owned else "reduce gradients of"
+            spans.add(spans.WORKER, label, t, end, owned or params, eng.device)
+
+    def synchronize(self) -> None:
+        """Waits for every update queued so far (see ``pipeline``); raises if one failed."""
+        self.drain()
+
+    def before_finish(self) -> None:
+        """Called by the engine at the end of backward, before it writes ``.grad``. Without
+        ``pipeline`` the updates made during backward are waited for (``backward()`` returns with
+        them done); with it they run on, unless a gradient they read is about to be added to."""
+        task = torch._C._current_graph_task_id()  # once per backward (engines may call it again)
+        if task == -1 or task != self._last_backward:
+            self._backwards += 1
+            self._last_backward = task
+        if self._mode is not UpdateMode.PIPELINE or self._zero is not None:
+            self.drain()
+            return
+        owned = self._param_ids()
+        if any(owned[pid][0].grad is not None for pid in self._done if pid in owned):
+            self.drain()
+
+    def drain(self, interrupted: bool = False) -> None:
+        """Waits for the updates queued during backward. After an interrupted backward the
+        parameters already updated stay updated (the step is partly done; the error says so)."""
+        self._jobs.wait()
+        self._raise_failed()
+        if interrupted:
+            self._done.clear()
+            self._late.clear()
+            self._reduced.clear()
+            self._reduced_dev.clear()
+
+    def _forget_failed(self) -> None:
+        """Waits for the queued updates and drops the error of a failed one (a load replaces
+        what it left)."""
+        self._jobs.wait()
+        self._error = None
+
+    def _raise_failed(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"{type(self).__name__}: an update during backward failed: {err}") from err
+
+    def after_finish(self) -> None:
+        """Called by the engine once backward has written ``.grad``: remembers each gradient the
+        updates used, to detect later changes to it."""
+        for pid in list(self._done):
+            entry = self._param_ids().get(pid)
+            if pid not in self._late and entry is not None and entry[0].grad is not None:
+                g = entry[0].grad
+                self._done[pid] = (g, g._version)
+        for pid in self._reduced:
+            entry = self._param_ids().get(pid)
+            if entry is not None:
+                entry[0].grad = None  # ZeRO-2: another rank owns it; its gradient was sent there

@@ -1,0 +1,240 @@
+"""Host state and precision: the states of host parameters (moments, momentum buffers, the fp32
+master copy of a bf16/fp16 parameter) in host RAM, their dtype for each precision, one update of a
+host parameter through its rule's kernel, and the loading of states (each checked against its
+parameter first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _arena
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_PRECISIONS = ("fp32-master", "bf16")
+
+
+def _is_host(p: torch.Tensor) -> bool:
+    return p.device.type == "cpu" and p.dtype in _DTYPES
+
+
+class HostStates(torch.optim.Optimizer):
+    """The per-parameter state of an optimizer whose host parameters are updated by Rust kernels:
+    created on a parameter's first update, loaded (checked) from a state dict. A base of the
+    optimizer (``_optimizer._HostOptimizer``), which supplies the rule (``_kernel``), the
+    scheduling (``_forget_failed``, ``synchronize``) and ZeRO (``_zero``: None, or the
+    ``_zero.Zero`` strategy)."""
+
+    #: Names of the states a rule keeps per parameter, besides ``step`` (and ``master``).
+    _state_names: tuple[str, ...] = ()
+    precision: str
+    _seed: int
+    _zero: Any
+
+    def _kernel(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        state_dtype: str,
+        master: int,
+        step: int,
+        group: dict[str, Any],
+        scale: float,
+        seed: int,
+    ) -> None:
+        """The rule's update of one host parameter (``_rules``)."""
+        raise NotImplementedError
+
+    def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, bool]:
+        """The dtype of a host parameter's states for this precision, and whether it has an fp32
+        master copy."""
+        if self.precision == "bf16" and p.dtype == torch.float16:
+            raise ValueError("precision='bf16' needs bfloat16 parameters, got float16")
+        bf16_mode = self.precision == "bf16" and p.dtype == torch.bfloat16
+        return (torch.bfloat16 if bf16_mode else torch.float32), p.dtype != torch.float32 and not bf16_mode
+
+    def _host_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            sdtype, needs_master = self._state_layout(p)
+            state["step"] = torch.tensor(0.0)
+            for name in self._state_names:
+                state[name] = _arena.host_empty(tuple(p.shape), sdtype, zeroed=True, pin=False)
+            if needs_master:
+                master = _arena.host_empty(tuple(p.shape), torch.float32, pin=False)
+                master.copy_(p.detach())
+                state["master"] = master
+        return state
+
+    def _update_host(
+        self, p: torch.nn.Parameter, grad: torch.Tensor, group: dict[str, Any], scale: float
+    ) -> None:
+        """Updates host parameter ``p`` with ``grad`` (times ``scale``) through the rule's kernel:
+        its states are made on its first update; the seed of its stochastic rounding follows
+        the step and its position."""
+        if not p.is_contiguous():
+            raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
+        if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
+            grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
+        if self._zero is not None:
+            self._zero.consolidated = None  # the state changes
+        state = self._host_state(p)
+        state["step"] += 1
+        step = int(state["step"].item())
+        master = state.get("master")
+        names = self._state_names
+        sdt = state[names[0]].dtype if names else torch.float32
+        self._kernel(
+            p,
+            grad,
+            [state[n] for n in names],
+            _DTYPES[sdt],
+            0 if master is None else master.data_ptr(),
+            step,
+            group,
+            scale,
+            hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1),
+        )
+
+    def _index_of(self, p: torch.nn.Parameter) -> int:
+        """Position of ``p`` among the optimizer's parameters (seeds its stochastic rounding)."""
+        index = self.__dict__.get("_index_cache")
+        if index is None:
+            index = {id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])}
+            self.__dict__["_index_cache"] = index
+        return index.get(id(p), 0)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, but states of host parameters keep their
+        own dtype (fp32 master and moments of a bf16 parameter stay fp32) and live in host RAM, in
+        tensors of their own (``state_dict``'s tensors are copied, not shared). A failed update of
+        this optimizer is forgotten: the loaded state replaces what it left."""
+        self._load_states(state_dict, adopt=False)
+
+    def _load_state_dict_adopting(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`load_state_dict`, but host states become ``state_dict``'s own tensors, with
+        no copy: for a loader that has just read them into fresh host memory for this optimizer."""
+        self._load_states(state_dict, adopt=True)
+
+    def _kept_state_indices(self) -> set[int] | None:
+        """Indices of the parameters whose state a load keeps: a sharded optimizer keeps its own
+        share only (None: all)."""
+        return None if self._zero is None else self._zero.kept_indices(self.param_groups)
+
+    def _drop_host_states(self) -> None:
+        """Frees the states of host parameters (before a load reads new ones: one copy at a time)."""
+        self.synchronize()
+        for p in [p for p in self.state if _is_host(p)]:
+            del self.state[p]
+
+    def _paired_params(self, state_dict: Any) -> list[tuple[Any, int, torch.nn.Parameter]] | None:
+        """(saved id, position, parameter) for each parameter, as ``load_state_dict`` pairs them;
+        None if the param groups do not match (torch's ``load_state_dict`` raises on them)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            return None
+        pairs = []
+        for ours, saved in zip(self.param_groups, groups):
+            ids = saved.get("params") if isinstance(saved, dict) else None
+            if not isinstance(ids, list) or len(ids) != len(ours["params"]):
+                return None
+            pairs += [(i, len(pairs) + k, p) for k, (i, p) in enumerate(zip(ids, ours["params"]))]
+        return pairs
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        """Raises a ValueError naming the parameter if a state of ``state_dict`` does not fit the
+        parameter it would be loaded for: shape, dtype of this precision, a state missing (a state
+        dict of another model, or of an optimizer that lists the parameters in another order).
+        Tensors may be on any device, ``meta`` included (a loader checks before reading)."""
+        pairs = self._paired_params(state_dict)
+        if pairs is None:
+            return
+        states = state_dict.get("state", {})
+        if not isinstance(states, dict):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: 'state' must be a dict, got {type(states).__name__}"
+            )
+        kept = self._kept_state_indices()
+        for i, pos, p in pairs:
+            saved = states.get(i) if isinstance(i, (int, str)) else None
+            if saved is None or (kept is not None and pos not in kept):
+                continue
+            problem = self._state_problem(p, saved)
+            if problem is not None:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the state of parameter {pos} (shape "
+                    f"{tuple(p.shape)}, {p.dtype}) does not fit it: {problem}. (A state dict of "
+                    "another model or precision, or of an optimizer that lists its parameters in "
+                    "another order?)"
+                )
+
+    def _state_problem(self, p: torch.Tensor, saved: Any) -> str | None:
+        """What is wrong with ``saved`` as the state of ``p`` (None: nothing)."""
+        if not isinstance(saved, dict):
+            return f"it is a {type(saved).__name__}, not a dict of states"
+        shape = tuple(p.shape)
+        if not _is_host(p):  # updated by torch: every state but the step has the parameter's shape
+            for k, v in saved.items():
+                if k != "step" and isinstance(v, torch.Tensor) and tuple(v.shape) != shape:
+                    return f"{k!r} has shape {tuple(v.shape)}, expected {shape}"
+            return None
+        sdtype, needs_master = self._state_layout(p)
+        want = dict.fromkeys(self._state_names, sdtype)
+        if needs_master:
+            want["master"] = torch.float32
+        elif "master" in saved:
+            return (
+                f"it has a 'master' copy, which a {p.dtype} parameter has not with "
+                f"precision={self.precision!r} (saved with another precision?)"
+            )
+        step = saved.get("step")
+        if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex():
+            return f"'step' must be a one-element tensor, got {step!r}"
+        for k, dtype in want.items():
+            v = saved.get(k)
+            if k not in saved:
+                return f"it has no {k!r}"
+            if not isinstance(v, torch.Tensor):
+                return f"{k!r} is a {type(v).__name__}, not a tensor"
+            if tuple(v.shape) != shape:
+                return f"{k!r} has shape {tuple(v.shape)}, expected {shape}"
+            if v.dtype != dtype:
+                return f"{k!r} has dtype {v.dtype}, expected {dtype} (precision={self.precision!r})"
+        return None
+
+    def _load_states(self, state_dict: dict[str, Any], adopt: bool) -> None:
+        self._check_state_dict(state_dict)  # before anything changes
+        self._forget_failed()
+        pairs = self._paired_params(state_dict)
+        original = state_dict.get("state", {})
+        host: dict[Any, torch.nn.Parameter] = {}
+        if pairs is not None:  # else torch's load_state_dict raises on the groups
+            host = {i: p for i, _, p in pairs if _is_host(p)}
+        # torch's own loading for the rest: it would cast host states to the parameter's dtype.
+        rest = dict(state_dict)
+        rest["state"] = {i: v for i, v in original.items() if i not in host}
+        super().load_state_dict(rest)
+        self.__dict__.pop("_ids_cache", None)
+        with torch.no_grad():
+            for i, p in host.items():
+                saved = original.get(i)
+                if saved is None:
+                    continue
+                st = self.state[p]
+                for k, v in saved.items():
+                    if isinstance(v, torch.Tensor) and (
+                        not adopt or v.device.type != "cpu" or not v.is_contiguous()
+                    ):  # the kernels take contiguous host buffers
+                        if k != "step" and v.is_floating_point():
+                            t = _arena.host_empty(tuple(v.shape), v.dtype, pin=False)
+                            t.copy_(v)
+                            v = t
+                        else:
+                            v = v.clone()
+                    st[k] = v
+        if self._zero is not None:  # ZeRO: a whole optimizer's state; this rank keeps its share
+            for p in [p for p in self.state if not self._zero.owns(p)]:
+                del self.state[p]
+            self._zero.consolidated = None
