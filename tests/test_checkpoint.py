@@ -689,3 +689,45 @@ def test_resuming_holds_one_copy_of_the_optimizer_state(tmp_path):
     state, grew = int(words[1]), int(words[3])
     assert state > 500 << 20, r.stdout  # 48 x 1M bf16 parameters: fp32 master + moments
     assert grew < 0.15 * state, r.stdout
+
+
+# -- one file, read whole ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_file_renamed_over_the_path_while_loading_is_read_whole(tmp_path, monkeypatch, when):
+    """Another checkpoint renamed over the path while loading (before or after the loader opens
+    it): the model, optimizer and extra all come from one of the two files, never half of each."""
+    torch.manual_seed(0)
+    a, b = Tiny(), Tiny()
+    opt_a, opt_b = torch.optim.AdamW(a.parameters()), torch.optim.AdamW(b.parameters())
+    train_step(a, opt_a, *tokens(1)[0])
+    train_step(b, opt_b, *tokens(1, seed=1)[0])
+    path, other = tmp_path / "ckpt.safetensors", tmp_path / "other.safetensors"
+    save_checkpoint(path, a, opt_a, extra={"which": torch.tensor(1)})
+    save_checkpoint(other, b, opt_b, extra={"which": torch.tensor(2)})
+
+    real = ramtorch._core.SafetensorsFile
+    swapped: list[bool] = []
+
+    def swap() -> None:
+        if not swapped:
+            os.replace(other, path)
+            swapped.append(True)
+
+    def opening(*args: object) -> object:
+        if when == "before":
+            swap()
+        f = real(*args)
+        if when == "after":
+            swap()
+        return f
+
+    monkeypatch.setattr(ramtorch._core, "SafetensorsFile", opening)
+    dst = Tiny()
+    dst_opt = torch.optim.AdamW(dst.parameters())
+    extra = load_checkpoint(path, dst, dst_opt)
+    assert swapped
+    src, src_opt = (a, opt_a) if extra["which"].item() == 1 else (b, opt_b)
+    assert_state_equal(src.state_dict(), dst.state_dict())
+    assert_optim_equal(src_opt, dst_opt)

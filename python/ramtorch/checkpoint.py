@@ -18,7 +18,9 @@ memory (device tensors pass through host memory in chunks). The file is written 
 name in the target's directory, flushed, ``fsync``-ed and renamed over the target, so a crash at any
 point leaves the previous checkpoint intact.
 
-Loading does not hold a second copy either. Host tensors of modules that load the standard way
+Loading opens the file once: its header, metadata and tensors are all read from that one open file
+(with positioned reads, never through a mapping), so a checkpoint renamed over the path meanwhile
+is not mixed in. It does not hold a second copy either. Host tensors of modules that load the standard way
 (no ``_load_from_state_dict`` of their own, no load hooks) are read straight into place by ramtorch's
 reader, on all cores. A ``ramtorch.optim`` optimizer frees its host states before the new ones are
 read into fresh host memory, which it then keeps as they are. Everything else goes through
@@ -78,7 +80,6 @@ for _name, _st in (
 ):
     if isinstance(getattr(torch, _name, None), torch.dtype):
         _DTYPE_NAMES[getattr(torch, _name)] = _st
-_DTYPE_SIZES = {st: dtype.itemsize for dtype, st in _DTYPE_NAMES.items()}
 
 
 class CheckpointError(RuntimeError):
@@ -470,17 +471,9 @@ def load_checkpoint(
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "load_checkpoint: no such checkpoint file", path)
-    try:
-        from safetensors import safe_open
-    except ImportError as e:  # pragma: no cover - safetensors is a test/setup dependency
-        raise ImportError("load_checkpoint needs the safetensors package: pip install safetensors") from e
-
-    try:
-        handle = safe_open(path, framework="pt", device="cpu")
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types (and OSError)
-        raise CheckpointError(
-            f"{path} is not a readable safetensors checkpoint (truncated or corrupt?): {e}"
-        ) from e
+    # The one open of the file: the header, the metadata and every tensor are read through this
+    # handle, so a file renamed over ``path`` meanwhile is not mixed in.
+    handle = _CheckpointFile(path)
     # Weights a failed optimizer update left half written are about to be replaced; they stay
     # flagged if the load fails.
     failed = _engine.discard_failed_updates(model.parameters())
@@ -488,8 +481,7 @@ def load_checkpoint(
     if forget is not None:
         forget()  # the optimizer state is replaced too
     try:
-        with handle as f:
-            return _load(path, f, model, optimizer, map_rng=map_rng, strict=strict, progress=progress)
+        return _load(path, handle, model, optimizer, map_rng=map_rng, strict=strict, progress=progress)
     except BaseException:
         _engine.restore_failed_updates(failed)
         raise
@@ -497,7 +489,7 @@ def load_checkpoint(
 
 def _load(
     path: str,
-    f: Any,
+    f: _CheckpointFile,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     *,
@@ -533,12 +525,8 @@ def _load(
             raise CheckpointError(f"{path}: tensor {key!r} named in the metadata is not in the file")
         return key
 
-    shapes: dict[str, tuple[int, ...]] = {}
-    nbytes: dict[str, int] = {}
-    for key in file_keys:
-        sl = f.get_slice(key)
-        shapes[key] = tuple(sl.get_shape())
-        nbytes[key] = math.prod(shapes[key]) * _DTYPE_SIZES.get(sl.get_dtype(), 1)
+    shapes = {key: f.shape(key) for key in file_keys}
+    nbytes = {key: f.nbytes(key) for key in file_keys}
 
     # Model: keys and shapes.
     saved_keys: list[str] = model_meta["keys"]
@@ -631,7 +619,7 @@ def _load(
 
         def clone(key: str) -> torch.Tensor:
             key = resolve(key)
-            t = f.get_tensor(key).clone()
+            t = f.get_tensor(key)
             if bar is not None:
                 bar.update(nbytes[key])
             return t
@@ -639,7 +627,7 @@ def _load(
         from . import synchronize
 
         synchronize()  # queued copies of the weights finish before we overwrite them
-        reader = _DirectReader(path, f, bar)
+        reader = _DirectReader(f, bar)
         # Host tensors of modules that load the standard way are read straight into place, on all
         # cores; the rest go through load_state_dict.
         direct = reader.plan_model(model, {k: resolve(f"model.{k}") for k in load_keys if k not in objects})
@@ -649,7 +637,7 @@ def _load(
                 continue
             if k in objects:
                 state[k] = _decode(objects[k], clone)
-            else:  # zero-copy views of the file: load_state_dict copies them into the parameters
+            else:  # read here: load_state_dict copies them into the parameters
                 state[k] = f.get_tensor(resolve(f"model.{k}"))
         # ramtorch's optimizers take their host states as read here, into fresh host memory, once
         # the old ones are gone: the process holds one copy of the optimizer state, not three.
@@ -681,11 +669,69 @@ def _load(
             optimizer.load_state_dict(_decode(optim_meta, clone))
         extra = _decode(extra_meta, clone)
         if rng_meta is not None:
-            _restore_rng(path, rng_meta, lambda k: f.get_tensor(resolve(k)).clone())
+            _restore_rng(path, rng_meta, lambda k: f.get_tensor(resolve(k)))
     finally:
         if bar is not None:
             bar.close()
     return extra if isinstance(extra, dict) else {}
+
+
+def _st_dtype(st: str) -> torch.dtype | None:
+    """The torch dtype of safetensors dtype name ``st`` (``None``: torch has none)."""
+    from .io import _ST_TO_TORCH
+
+    return _ST_TO_TORCH.get(st)
+
+
+class _CheckpointFile:
+    """A checkpoint file opened once by ramtorch's reader: its header and metadata are read at
+    opening, its tensors with positioned reads of that same open file (a file renamed over the
+    path afterwards is not seen), never through a mapping."""
+
+    def __init__(self, path: str) -> None:
+        from . import _core
+
+        self.path = path
+        try:
+            self.core = _core.SafetensorsFile(path)
+        except (ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"{path} is not a readable safetensors checkpoint (truncated or corrupt?): {e}"
+            ) from e
+        self.entries = {name: (dtype, tuple(shape)) for name, dtype, shape in self.core.tensors()}
+
+    def metadata(self) -> dict[str, str]:
+        return self.core.metadata() or {}
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def dtype(self, key: str) -> str:
+        return self.entries[key][0]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.entries[key][1]
+
+    def nbytes(self, key: str) -> int:
+        return self.core.nbytes(key)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        """A new CPU tensor holding tensor ``key`` of the file."""
+        st, shape = self.entries[key]
+        dtype = _st_dtype(st)
+        if dtype is None:
+            raise CheckpointError(f"{self.path}: tensor {key!r} has dtype {st}, which torch cannot hold")
+        t = torch.empty(shape, dtype=dtype)
+        n = self.core.nbytes(key)
+        if n:
+            self.copy_many([(key, t.data_ptr(), n, st)])
+        return t
+
+    def copy_many(self, jobs: list[tuple[str, int, int, str]]) -> None:
+        try:
+            self.core.copy_many(jobs)
+        except ValueError as e:  # e.g. the file was cut short since it was opened
+            raise CheckpointError(f"{self.path}: reading failed: {e}") from e
 
 
 class _DirectReader:
@@ -694,23 +740,14 @@ class _DirectReader:
 
     _BATCH = 256 << 20
 
-    def __init__(self, path: str, f: Any, bar: Any) -> None:
-        from . import _core
-
+    def __init__(self, f: _CheckpointFile, bar: Any) -> None:
         self.f, self.bar = f, bar
-        self.file: Any = None
-        try:
-            self.file = _core.SafetensorsFile(path)
-        except (OSError, ValueError):
-            pass  # read by safetensors' reader only (load_state_dict and clones)
         self.jobs: list[tuple[str, int, int, str]] = []
         self.fresh_cache: dict[str, torch.Tensor] = {}
 
     def _dtype(self, key: str) -> tuple[str, torch.dtype | None]:
-        from .io import _ST_TO_TORCH
-
-        st = self.f.get_slice(key).get_dtype()
-        return st, _ST_TO_TORCH.get(st)
+        st = self.f.dtype(key)
+        return st, _st_dtype(st)
 
     def plan_model(self, model: nn.Module, keys: dict[str, str]) -> dict[str, torch.Tensor]:
         """Queues the tensors of ``keys`` (state-dict key → file key) that can be read straight into
@@ -718,8 +755,6 @@ class _DirectReader:
         plainly, not overlapping another destination. Returns them by state-dict key."""
         from .io import plain_loading
 
-        if self.file is None:
-            return {}
         plain = plain_loading(model)
         dests: dict[str, torch.Tensor] = {}
         for prefix, module in model.named_modules(remove_duplicate=False):
@@ -762,12 +797,12 @@ class _DirectReader:
         if t is not None:
             return t
         st, dtype = self._dtype(key)
-        if self.file is None or dtype is None:
-            t = self.f.get_tensor(key).clone()
+        if dtype is None:
+            t = self.f.get_tensor(key)
             if self.bar is not None:
                 self.bar.update(t.numel() * t.element_size())
         else:
-            shape = tuple(self.f.get_slice(key).get_shape())
+            shape = self.f.shape(key)
             n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             # Optimizer states: only the CPU touches them, so they need not be page-locked.
             big = n >= 1 << 20
@@ -786,7 +821,7 @@ class _DirectReader:
                 batch.append(job)
                 size += job[2]
             if batch and (job is None or size >= self._BATCH):
-                self.file.copy_many(batch)
+                self.f.copy_many(batch)
                 if self.bar is not None:
                     self.bar.update(size)
                 batch, size = [], 0
