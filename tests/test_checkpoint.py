@@ -731,3 +731,80 @@ def test_a_file_renamed_over_the_path_while_loading_is_read_whole(tmp_path, monk
     src, src_opt = (a, opt_a) if extra["which"].item() == 1 else (b, opt_b)
     assert_state_equal(src.state_dict(), dst.state_dict())
     assert_optim_equal(src_opt, dst_opt)
+
+
+# -- validation before writing -------------------------------------------------------------------
+
+
+def rewrite(path: Path, meta: dict[str, str] | None = None, tensors: dict | None = None) -> None:
+    """Rewrites checkpoint ``path`` with some metadata entries and tensors replaced."""
+    with safe_open(path, framework="pt") as f:
+        old_meta = f.metadata()
+    data = load_file(path)
+    data.update(tensors or {})
+    save_file(data, path, metadata={**old_meta, **(meta or {})})
+
+
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({"tensors": {"rng.cpu": torch.zeros(10, dtype=torch.uint8)}}, id="rng-too-short"),
+        pytest.param({"tensors": {"rng.cpu": torch.zeros(5056, dtype=torch.int64)}}, id="rng-dtype"),
+        pytest.param({"meta": {"ramtorch.rng": '{"cpu": 5, "cuda": []}'}}, id="rng-key-not-a-string"),
+        pytest.param({"meta": {"ramtorch.rng": '{"cpu": "rng.cpu", "cuda": [[1]]}'}}, id="rng-cuda-keys"),
+        pytest.param({"meta": {"ramtorch.rng": '["rng.cpu"]'}}, id="rng-not-an-object"),
+        pytest.param(
+            {"meta": {"ramtorch.aliases": '{"model.head.weight": ["model.emb.weight"]}'}}, id="alias-list"
+        ),
+        pytest.param({"meta": {"ramtorch.aliases": '["x"]'}}, id="aliases-list"),
+        pytest.param({"meta": {"ramtorch.extra": _DEEP}}, id="deep-json"),
+        pytest.param({"meta": {"ramtorch.extra": '{"a": ' + "[" * 900 + "]" * 900 + "}"}}, id="deep-decode"),
+        pytest.param({"meta": {"ramtorch.optimizer": _DEEP}}, id="deep-optimizer"),
+        pytest.param({"meta": {"ramtorch.model": '{"keys": [1, 2], "objects": {}}'}}, id="model-keys"),
+        pytest.param({"meta": {"ramtorch.extra": '{"t": {"__tensor__": ["x"]}}'}}, id="tensor-ref-list"),
+    ],
+)
+def test_a_bad_entry_is_found_before_anything_is_written(tmp_path, bad):
+    """Every part of the file is checked before the model, the optimizer or the RNG is touched:
+    a bad entry is a CheckpointError naming it, and nothing changed."""
+    torch.manual_seed(0)
+    src = Tiny()
+    opt = torch.optim.AdamW(src.parameters())
+    train_step(src, opt, *tokens(1)[0])
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, src, opt, extra={"step": 3})
+    rewrite(path, bad.get("meta"), bad.get("tensors"))
+
+    torch.manual_seed(1)
+    dst = Tiny()
+    dst_opt = torch.optim.AdamW(dst.parameters())
+    train_step(dst, dst_opt, *tokens(1, seed=2)[0])
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    before_opt = torch.optim.AdamW(Tiny().parameters())
+    before_opt.load_state_dict(dst_opt.state_dict())
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(path, dst, dst_opt)
+    assert_state_equal(before, dst.state_dict())
+    assert_optim_equal(before_opt, dst_opt)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_nested_extra_values_round_trip_up_to_the_limit(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    deep: object = [torch.tensor(1.0), 2]
+    for i in range(50):
+        deep = {"k": deep} if i % 3 == 0 else ((deep,) if i % 3 == 1 else {i: deep})
+    save_checkpoint(path, Tiny(), extra={"deep": deep})
+    got = load_checkpoint(path, Tiny())["deep"]
+    for i in reversed(range(50)):
+        got = got["k"] if i % 3 == 0 else (got[0] if i % 3 == 1 else got[i])
+    assert torch.equal(got[0], torch.tensor(1.0)) and got[1] == 2
+    too_deep: object = 1
+    for _ in range(100):
+        too_deep = [too_deep]
+    with pytest.raises(TypeError, match="nested more than"):
+        save_checkpoint(path, Tiny(), extra={"deep": too_deep})

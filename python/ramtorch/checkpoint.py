@@ -90,6 +90,9 @@ class CheckpointError(RuntimeError):
 # Non-tensor values <-> JSON. Tensors found on the way are stored as file tensors and referenced.
 
 _MARKERS = ("__tensor__", "__tuple__", "__dict__", "__float__", "__dtype__", "__device__")
+#: Deepest nesting of values saved (each level is at most three levels of JSON, well within what
+#: loading accepts: _MAX_JSON_DEPTH).
+_MAX_VALUE_DEPTH = 60
 
 
 class _Encoder:
@@ -107,6 +110,11 @@ class _Encoder:
         raise AssertionError("unreachable")
 
     def encode(self, obj: Any, path: tuple[str, ...]) -> Any:
+        if len(path) > _MAX_VALUE_DEPTH:
+            raise TypeError(
+                f"save_checkpoint: {'.'.join(path[:4])}…: values nested more than {_MAX_VALUE_DEPTH} "
+                "levels deep cannot be stored"
+            )
         if isinstance(obj, torch.Tensor):
             key = self._tensor_key(path)
             self.tensors[key] = obj.detach()
@@ -420,13 +428,41 @@ def _fmt_keys(keys: list[str], limit: int = 20) -> str:
     return shown + (f", … ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
+#: Deepest nesting of lists and objects accepted in a metadata entry (what save_checkpoint writes
+#: stays far below: values nested at most _MAX_VALUE_DEPTH deep).
+_MAX_JSON_DEPTH = 200
+
+
+def _json_depth(obj: Any) -> int:
+    """How deep lists and dicts nest in ``obj`` (without recursion)."""
+    deepest = 0
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        if isinstance(o, list):
+            deepest = max(deepest, d)
+            if d <= _MAX_JSON_DEPTH:
+                stack.extend((v, d + 1) for v in o)
+    return deepest
+
+
 def _json_meta(path: str, meta: Mapping[str, str], key: str, default: Any = None) -> Any:
     if key not in meta:
         return default
     try:
-        return json.loads(meta[key])
+        value = json.loads(meta[key])
+    except RecursionError:
+        value = None
     except ValueError as e:
         raise CheckpointError(f"{path}: metadata entry {key!r} is not valid JSON ({e})") from e
+    else:
+        if _json_depth(value) <= _MAX_JSON_DEPTH:
+            return value
+    raise CheckpointError(
+        f"{path}: metadata entry {key!r} is nested more than {_MAX_JSON_DEPTH} levels deep (corrupt?)"
+    )
 
 
 def load_checkpoint(
@@ -443,7 +479,9 @@ def load_checkpoint(
     The file is checked first, before the model or optimizer is touched: it must be a complete
     safetensors file with a known format version; with ``strict`` its keys must be exactly the
     model's state-dict keys; every tensor must have the shape of the model's; the optimizer's
-    parameter groups must have the saved sizes. Then the values are copied into the model's
+    parameter groups must have the saved sizes; every metadata entry must be well formed (JSON nested
+    at most 200 levels deep, tensor references that name tensors of the file) and each saved RNG
+    state one that torch's generators accept. Then the values are copied into the model's
     existing tensors with ``model.load_state_dict`` (parameters keep their storage, e.g. ramtorch's
     host arena, and their identity, so an optimizer built on them stays valid), the optimizer state
     is loaded with ``optimizer.load_state_dict`` and, with ``map_rng``, the RNG states are restored.
@@ -510,16 +548,22 @@ def _load(
         )
     file_keys = set(f.keys())
     aliases: dict[str, str] = _json_meta(path, meta, "ramtorch.aliases", {})
-    if not isinstance(aliases, dict):
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
         raise CheckpointError(f"{path}: metadata entry 'ramtorch.aliases' is malformed")
     model_meta = _json_meta(path, meta, "ramtorch.model")
-    if not isinstance(model_meta, dict) or not isinstance(model_meta.get("keys"), list):
+    if (
+        not isinstance(model_meta, dict)
+        or not isinstance(model_meta.get("keys"), list)
+        or not all(isinstance(k, str) for k in model_meta["keys"])
+    ):
         raise CheckpointError(f"{path}: metadata entry 'ramtorch.model' is missing or malformed")
     objects: dict[str, Any] = model_meta.get("objects", {})
     if not isinstance(objects, dict):
         raise CheckpointError(f"{path}: metadata entry 'ramtorch.model' is malformed")
 
     def resolve(key: str) -> str:
+        if not isinstance(key, str):
+            raise CheckpointError(f"{path}: a tensor reference in the metadata is not a string: {key!r}")
         key = aliases.get(key, key)
         if key not in file_keys:
             raise CheckpointError(f"{path}: tensor {key!r} named in the metadata is not in the file")
@@ -572,8 +616,8 @@ def _load(
 
         try:
             return _decode(obj, ref), refs
-        except (ValueError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{path}: metadata entry {entry!r} is malformed ({e})") from e
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:
+            raise CheckpointError(f"{path}: metadata entry {entry!r} is malformed ({e!r})") from e
 
     # Optimizer: state present, same parameter groups.
     optim_meta = None
@@ -604,11 +648,9 @@ def _load(
     _, extra_refs = check("ramtorch.extra", extra_meta)
     _, object_refs = check("ramtorch.model", {k: v for k, v in objects.items() if k in current_keys})
     rng_meta = _json_meta(path, meta, "ramtorch.rng") if map_rng else None
-    if rng_meta is not None:
-        if not isinstance(rng_meta, dict) or not isinstance(rng_meta.get("cuda", []), list):
-            raise CheckpointError(f"{path}: metadata entry 'ramtorch.rng' is malformed")
-        for key in ([rng_meta["cpu"]] if rng_meta.get("cpu") else []) + rng_meta.get("cuda", []):
-            resolve(key)
+    rng_states = (
+        _read_rng(path, rng_meta, lambda k: f.get_tensor(resolve(k))) if rng_meta is not None else None
+    )
 
     # Everything checked: read.
     load_keys = [k for k in saved_keys if k in current_keys]
@@ -668,8 +710,8 @@ def _load(
         elif optimizer is not None and optim_meta is not None:
             optimizer.load_state_dict(_decode(optim_meta, clone))
         extra = _decode(extra_meta, clone)
-        if rng_meta is not None:
-            _restore_rng(path, rng_meta, lambda k: f.get_tensor(resolve(k)))
+        if rng_states is not None:
+            _restore_rng(path, *rng_states)
     finally:
         if bar is not None:
             bar.close()
@@ -854,19 +896,55 @@ class _ModelProgress:
             self.bar.update(self.pending)
 
 
-def _restore_rng(path: str, rng_meta: Any, tensor: Callable[[str], torch.Tensor]) -> None:
+def _read_rng(
+    path: str, rng_meta: Any, tensor: Callable[[str], torch.Tensor]
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The saved RNG states (CPU, then each CUDA device's), read and checked: each is one this
+    process's generators accept. Raises :class:`CheckpointError` otherwise; changes nothing."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: metadata entry 'ramtorch.rng' is malformed ({why})")
+
     if not isinstance(rng_meta, dict):
-        raise CheckpointError(f"{path}: metadata entry 'ramtorch.rng' is malformed")
-    if rng_meta.get("cpu"):
-        torch.set_rng_state(tensor(rng_meta["cpu"]))
-    cuda = rng_meta.get("cuda") or []
-    if cuda and torch.cuda.is_available():
+        raise bad("not an object")
+    cpu_key, cuda_keys = rng_meta.get("cpu"), rng_meta.get("cuda") or []
+    if cpu_key is not None and not isinstance(cpu_key, str):
+        raise bad("'cpu' is not a tensor name")
+    if not isinstance(cuda_keys, list) or not all(isinstance(k, str) for k in cuda_keys):
+        raise bad("'cuda' is not a list of tensor names")
+
+    def checked(key: str, device: str) -> torch.Tensor:
+        t = tensor(key)
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise CheckpointError(
+                f"{path}: RNG state {key!r} is a {t.dtype} tensor of shape {list(t.shape)}, "
+                "not a 1-d uint8 tensor"
+            )
+        try:  # on a scratch generator: the global one is set only once everything is checked
+            torch.Generator(device=device).set_state(t)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise CheckpointError(
+                f"{path}: RNG state {key!r} is not a valid {device} generator state ({e})"
+            ) from e
+        return t
+
+    cpu = checked(cpu_key, "cpu") if cpu_key else None
+    cuda: list[torch.Tensor] = []
+    if cuda_keys and torch.cuda.is_available():
         n = torch.cuda.device_count()
-        if len(cuda) != n:
+        if len(cuda_keys) != n:
             warnings.warn(
-                f"load_checkpoint: {path} holds the RNG states of {len(cuda)} CUDA devices, this process "
-                f"sees {n}; restoring the first {min(n, len(cuda))}",
+                f"load_checkpoint: {path} holds the RNG states of {len(cuda_keys)} CUDA devices, this "
+                f"process sees {n}; restoring the first {min(n, len(cuda_keys))}",
                 stacklevel=4,
             )
-        for i, key in enumerate(cuda[:n]):
-            torch.cuda.set_rng_state(tensor(key), i)
+        cuda = [checked(k, f"cuda:{i}") for i, k in enumerate(cuda_keys[:n])]
+    return cpu, cuda
+
+
+def _restore_rng(path: str, cpu: torch.Tensor | None, cuda: list[torch.Tensor]) -> None:
+    """Sets torch's generators to states checked by :func:`_read_rng`."""
+    if cpu is not None:
+        torch.set_rng_state(cpu)
+    for i, state in enumerate(cuda):
+        torch.cuda.set_rng_state(state, i)
