@@ -737,9 +737,8 @@ class _CheckpointFile:
         try:
             self.core = _core.SafetensorsFile(path)
         except (ValueError, RuntimeError) as e:
-            raise CheckpointError(
-                f"{path} is not a readable safetensors checkpoint (truncated or corrupt?): {e}"
-            ) from e
+            why = "" if "not a regular file" in str(e) else " (truncated or corrupt?)"
+            raise CheckpointError(f"{path} is not a readable safetensors checkpoint{why}: {e}") from e
         self.entries = {name: (dtype, tuple(shape)) for name, dtype, shape in self.core.tensors()}
 
     def metadata(self) -> dict[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,24 +65,41 @@ _ST_TO_TORCH = {v: k for k, v in _TORCH_TO_ST.items()}
 _NATIVE = {"F32", "F16", "BF16"}
 
 
+def _read_regular(path: Path, what: str) -> bytes:
+    """The bytes of ``path``, a regular file: anything else (a FIFO, which would block the open
+    for ever, a device, a directory) is a ``ValueError`` naming it, checked on the open file."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{what}: {str(path)!r} is not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
+
+
 def _resolve(path_or_dir: str | os.PathLike[str]) -> list[tuple[Path, list[str] | None]]:
-    """The files to read, each with the keys the index assigns to it (``None``: all of them)."""
+    """The files to read, each with the keys the index assigns to it (``None``: all of them).
+    Whether each is a regular file is checked when it is opened."""
     p = Path(path_or_dir)
-    if p.is_file():
-        return [(p, None)]
-    if not p.is_dir():
+    if not p.exists():
         raise FileNotFoundError(f"ramtorch.load: {str(p)!r} is neither a file nor a directory")
+    if not p.is_dir():
+        return [(p, None)]
     index = p / INDEX_NAME
-    if index.is_file():
+    if index.exists():
+        text = _read_regular(index, "ramtorch.load")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(text)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"ramtorch.load: {str(index)!r} is not a valid index: {e}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise ValueError(f"ramtorch.load: {str(index)!r} is not a valid index: {e!r}") from None
         by_file: dict[str, list[str]] = {}
         for key, fname in weight_map.items():
-            if not isinstance(fname, str) or Path(fname).name != fname:
+            if not isinstance(fname, str) or Path(fname).name != fname or fname in ("", ".", ".."):
                 raise ValueError(f"ramtorch.load: {str(index)!r}: bad file name {fname!r} for key {key!r}")
             by_file.setdefault(fname, []).append(key)
         return [(p / f, keys) for f, keys in sorted(by_file.items())]

@@ -16,6 +16,8 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use half::slice::HalfFloatSliceExt;
@@ -332,6 +334,24 @@ pub enum OpenError {
     Invalid(#[from] Error),
 }
 
+/// What kind of non-regular file `t` is, for messages.
+fn kind_of(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "of an unknown kind"
+    }
+}
+
 impl SafetensorsFile {
     /// Maps and validates the file at `path` (see [`parse`]).
     pub fn open(path: impl AsRef<Path>) -> std::result::Result<Self, OpenError> {
@@ -340,12 +360,34 @@ impl SafetensorsFile {
             path: path.clone(),
             source,
         };
-        let file = File::open(&path).map_err(io)?;
+        let what = path.display().to_string();
+        // Opened without blocking: opening a FIFO for reading would otherwise wait for a writer,
+        // for ever. Only a regular file goes further; it is then read with blocking reads.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+            .map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
-            return Err(io(std::io::Error::other("not a regular file")));
+            return Err(bad(
+                &what,
+                format_args!(
+                    "not a regular file ({}): checkpoints are read from regular files only",
+                    kind_of(&meta.file_type())
+                ),
+            )
+            .into());
         }
-        let what = path.display().to_string();
+        // SAFETY: `file` owns a valid open descriptor for the duration of both calls; F_GETFL and
+        // F_SETFL read and set its status flags and touch no memory of ours.
+        unsafe {
+            let fd = file.as_raw_fd();
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) < 0 {
+                return Err(io(std::io::Error::last_os_error()));
+            }
+        }
         if meta.len() < 8 {
             return Err(bad(
                 &what,
@@ -1069,6 +1111,24 @@ mod tests {
         assert!(e
             .to_string()
             .contains("/nonexistent/ramtorch/x.safetensors"));
+    }
+
+    #[test]
+    fn fifo_is_refused_without_blocking() {
+        let dir = std::env::temp_dir().join(format!("ramtorch-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("x.safetensors");
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = SafetensorsFile::open(&path).err().unwrap();
+        assert!(e.to_string().contains("not a regular file (a FIFO)"), "{e}");
+        let e = SafetensorsFile::open(&dir).err().unwrap();
+        assert!(
+            e.to_string().contains("not a regular file (a directory)"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A deterministic xorshift generator (no dependency).
