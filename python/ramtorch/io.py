@@ -1,10 +1,11 @@
 """Loading and saving ``.safetensors`` checkpoints in place, without a second copy of the model.
 
-:func:`load` memory-maps each file (the Rust reader validates every header first: offsets in range,
-no overlaps, sizes consistent with shapes) and copies each tensor straight into the memory of the
-model's parameter or buffer, converting F32/BF16/F16 on the fly. Parameters in host RAM (including
-those :func:`ramtorch.offload` keeps in its arena) are written through their address; parameters on
-a GPU get their bytes through one reusable pinned staging buffer.
+:func:`load` opens each file once with ramtorch's reader, which validates its header first (offsets
+in range, no overlaps, sizes consistent with shapes) and never maps the file, and copies each tensor
+straight into the memory of the model's parameter or buffer, converting F32/BF16/F16 on the fly.
+Parameters in host RAM (including those :func:`ramtorch.offload` keeps in its arena) are written
+through their address; parameters on a GPU get their bytes through one reusable pinned staging
+buffer.
 
 :func:`save` writes the Hugging Face layout: ``model.safetensors``, or
 ``model-00001-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``, each file

@@ -1,18 +1,17 @@
 //! Reading `.safetensors` checkpoints straight into host memory.
 //!
-//! A file is memory-mapped ([`SafetensorsFile::open`]) and its header is validated twice: by our
-//! own checks ([`parse`]), which give messages naming the file and the tensor, and by the
-//! `safetensors` crate's own reader. Nothing is allocated from a size read in the file before that
-//! size has been checked against the file's length; a file that breaks any rule is an
-//! [`Error::InvalidArgument`], never a panic.
+//! A file is opened once ([`SafetensorsFile::open`]); its header is read with positioned reads of
+//! that open file and validated twice: by our own checks ([`parse`]), which give messages naming
+//! the file and the tensor, and by the `safetensors` crate's own rules. Nothing is allocated from a
+//! size read in the file before that size has been checked against the file's length; a file that
+//! breaks any rule is an [`Error::InvalidArgument`], never a panic.
 //!
 //! [`SafetensorsFile::copy_many`] then copies tensors into a caller's buffers, converting among
-//! F32, BF16 and F16 on the way (any dtype may be copied unchanged), on all cores. It reads with
-//! positioned reads, not through the mapping: a file cut short meanwhile is an error, not a crash.
+//! F32, BF16 and F16 on the way (any dtype may be copied unchanged), on all cores.
 //!
-//! The mapping (for [`SafetensorsFile::bytes`]) is read-only and private; a file truncated by
-//! another process *while* it is mapped can still fault (SIGBUS) on access, as with any
-//! memory-mapped reader.
+//! The file is never memory-mapped: every byte is read with positioned reads of the one open file,
+//! so a file cut short by another process meanwhile is an error, not a crash (SIGBUS), and a file
+//! renamed over the path after opening is not seen.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -22,7 +21,6 @@ use std::path::{Path, PathBuf};
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use memmap2::Mmap;
 use rayon::prelude::*;
 use serde_json::Value;
 
@@ -114,17 +112,23 @@ fn bad_tensor(what: &str, name: &str, msg: impl std::fmt::Display) -> Error {
 /// UTF-8 JSON of the safetensors layout; every tensor has a known dtype, at most [`MAX_NDIM`]
 /// dimensions, a shape whose element and byte counts do not overflow, a byte range inside the data
 /// section whose length is exactly that byte count; no two ranges overlap. Then the `safetensors`
-/// crate's own reader must accept the file too (it also requires the ranges to tile the data
+/// crate's own rules must accept the header too (they also require the ranges to tile the data
 /// section exactly).
 pub fn parse(bytes: &[u8], what: &str) -> Result<Header> {
-    let file_len = bytes.len();
-    let Some(len_bytes) = bytes.get(..8) else {
+    let n = header_len(bytes.get(..8), bytes.len(), what)?;
+    parse_header(&bytes[8..8 + n], bytes.len(), what)
+}
+
+/// The header length that a file of `file_len` bytes starts with (`len_bytes`: its first 8 bytes,
+/// `None` if it is shorter), checked to be at most [`MAX_HEADER_BYTES`] and inside the file.
+fn header_len(len_bytes: Option<&[u8]>, file_len: usize, what: &str) -> Result<usize> {
+    let Some(len_bytes) = len_bytes.and_then(|b| <[u8; 8]>::try_from(b).ok()) else {
         return Err(bad(
             what,
             format_args!("truncated: {file_len} bytes, shorter than the 8-byte header length"),
         ));
     };
-    let n = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"));
+    let n = u64::from_le_bytes(len_bytes);
     if n > MAX_HEADER_BYTES as u64 {
         return Err(bad(
             what,
@@ -132,8 +136,7 @@ pub fn parse(bytes: &[u8], what: &str) -> Result<Header> {
         ));
     }
     let n = n as usize; // ≤ 100 MiB
-    let data_start = 8 + n;
-    if data_start > file_len {
+    if 8 + n > file_len {
         return Err(bad(
             what,
             format_args!(
@@ -141,7 +144,14 @@ pub fn parse(bytes: &[u8], what: &str) -> Result<Header> {
             ),
         ));
     }
-    let text = std::str::from_utf8(&bytes[8..data_start])
+    Ok(n)
+}
+
+/// Parses and validates `head`, the header (after its 8-byte length) of a safetensors file of
+/// `file_len` bytes, as [`parse`].
+fn parse_header(head: &[u8], file_len: usize, what: &str) -> Result<Header> {
+    let data_start = 8 + head.len();
+    let text = std::str::from_utf8(head)
         .map_err(|e| bad(what, format_args!("header is not valid UTF-8 ({e})")))?;
     let root: serde_json::Map<String, Value> = serde_json::from_str(text)
         .map_err(|e| bad(what, format_args!("header is not a JSON object ({e})")))?;
@@ -186,13 +196,29 @@ pub fn parse(bytes: &[u8], what: &str) -> Result<Header> {
         }
     }
 
-    // Second opinion: the reference reader (contiguous tiling, its own overflow checks).
-    safetensors::SafeTensors::read_metadata(bytes).map_err(|e| {
+    // Second opinion: the reference reader's rules (contiguous tiling from the start of the data
+    // section, its own overflow checks), and the tiling must end where the file does.
+    let reference: safetensors::tensor::Metadata = serde_json::from_str(text).map_err(|e| {
         bad(
             what,
             format_args!("rejected by the safetensors reader: {e}"),
         )
     })?;
+    let covered = reference
+        .tensors()
+        .values()
+        .map(|t| t.data_offsets.1)
+        .max()
+        .unwrap_or(0);
+    if covered != data_len {
+        return Err(bad(
+            what,
+            format_args!(
+                "rejected by the safetensors reader: the tensors cover {covered} bytes of the \
+                 {data_len}-byte data section"
+            ),
+        ));
+    }
 
     Ok(Header {
         tensors,
@@ -309,11 +335,10 @@ fn tensor_info(
     })
 }
 
-/// A memory-mapped, validated `.safetensors` file.
+/// A validated `.safetensors` file, open for positioned reads (never mapped).
 pub struct SafetensorsFile {
     path: PathBuf,
     file: File,
-    map: Mmap,
     header: Header,
     index: HashMap<String, usize>,
 }
@@ -321,7 +346,7 @@ pub struct SafetensorsFile {
 /// Why a file could not be opened: the OS refused, or the file is not valid safetensors.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    /// Opening, inspecting or mapping the file failed.
+    /// Opening, inspecting or reading the file failed.
     #[error("cannot open {}: {source}", path.display())]
     Io {
         /// The file.
@@ -353,7 +378,8 @@ fn kind_of(t: &std::fs::FileType) -> &'static str {
 }
 
 impl SafetensorsFile {
-    /// Maps and validates the file at `path` (see [`parse`]).
+    /// Opens the file at `path` and validates its header (see [`parse`]). Anything but a regular
+    /// file is refused, without blocking (a FIFO would otherwise wait for a writer).
     pub fn open(path: impl AsRef<Path>) -> std::result::Result<Self, OpenError> {
         let path = path.as_ref().to_path_buf();
         let io = |source| OpenError::Io {
@@ -388,21 +414,32 @@ impl SafetensorsFile {
                 return Err(io(std::io::Error::last_os_error()));
             }
         }
-        if meta.len() < 8 {
-            return Err(bad(
-                &what,
-                format_args!(
-                    "truncated: {} bytes, shorter than the 8-byte header length",
-                    meta.len()
-                ),
-            )
-            .into());
-        }
-        // SAFETY: the mapping is read-only and private; we never hand out references that outlive
-        // `self`. Concurrent truncation of the file by another process can fault, as documented.
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let header = parse(&map, &what)?;
-        let _ = map.advise(memmap2::Advice::Sequential);
+        let Ok(file_len) = usize::try_from(meta.len()) else {
+            return Err(bad(&what, "larger than this machine can address").into());
+        };
+        // The header is read from the open file, as the tensors are later: never mapped.
+        let read = |buf: &mut [u8], offset: u64| -> std::result::Result<(), OpenError> {
+            use std::os::unix::fs::FileExt;
+            file.read_exact_at(buf, offset).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    bad(&what, "cut short while its header was read").into()
+                } else {
+                    io(e)
+                }
+            })
+        };
+        let mut len_bytes = [0u8; 8];
+        let len_bytes = if file_len >= 8 {
+            read(&mut len_bytes, 0)?;
+            Some(&len_bytes[..])
+        } else {
+            None
+        };
+        let n = header_len(len_bytes, file_len, &what)?;
+        let mut head = vec![0u8; n]; // n ≤ MAX_HEADER_BYTES and inside the file: checked
+        read(&mut head, 8)?;
+        let header = parse_header(&head, file_len, &what)?;
+        drop(head);
         let index = header
             .tensors
             .iter()
@@ -412,7 +449,6 @@ impl SafetensorsFile {
         Ok(Self {
             path,
             file,
-            map,
             header,
             index,
         })
@@ -443,10 +479,14 @@ impl SafetensorsFile {
             })
     }
 
-    /// The raw bytes of tensor `name` (in the file's dtype, little-endian).
-    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+    /// The raw bytes of tensor `name` (in the file's dtype, little-endian), read from the file.
+    pub fn read(&self, name: &str) -> Result<Vec<u8>> {
         let t = self.info(name)?;
-        Ok(&self.map[t.start..t.end])
+        let mut buf = vec![0u8; t.nbytes()];
+        self.read_at(&mut buf, t.start, &|| {
+            format!("{}: tensor {name:?}", self.path.display())
+        })?;
+        Ok(buf)
     }
 
     /// Copies tensor `name` into `dst`, converting to `dst_dtype`: any dtype to itself (a plain
@@ -530,7 +570,7 @@ impl SafetensorsFile {
     }
 
     /// Reads `buf.len()` bytes of the file at `offset` (a file cut short since it was validated
-    /// is an error, where a mapped read would crash the process).
+    /// is an error, not a crash).
     fn read_at(&self, buf: &mut [u8], offset: usize, what: &dyn Fn() -> String) -> Result<()> {
         use std::os::unix::fs::FileExt;
         self.file.read_exact_at(buf, offset as u64).map_err(|e| {
