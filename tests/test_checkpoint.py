@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import ramtorch
-import ramtorch.checkpoint as ck
+import ramtorch.io._progress as progress_mod
+import ramtorch.io.format as fmt
 import ramtorch.nn as rnn
 import torch
 import torch.nn.functional as F
@@ -220,7 +221,7 @@ def test_chunked_writes_and_module_extra_state(tmp_path, monkeypatch):
         def set_extra_state(self, state: dict) -> None:
             self.vocab = state
 
-    monkeypatch.setattr(ck, "_CHUNK", 24)  # every tensor crosses several chunks
+    monkeypatch.setattr(fmt, "_CHUNK", 24)  # every tensor crosses several chunks
     torch.manual_seed(0)
     m = WithExtra()
     m.register_buffer("strided", torch.randn(6, 5, dtype=torch.bfloat16).t())
@@ -267,18 +268,20 @@ CRASH_SCRIPT = r"""
 import sys, time
 import torch
 import ramtorch.checkpoint as ck
+import ramtorch.io._progress as progress_mod
+import ramtorch.io.format as fmt
 
 path, marker = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
 ck.save_checkpoint(path, torch.nn.Linear(16, 16))  # the first checkpoint, complete
 
-write = ck._write_chunk
+write = fmt._write_chunk
 def stall(f, chunk):
     write(f, chunk)  # part of the second checkpoint is in the temporary file...
     f.flush()
     open(marker, "w").close()
     time.sleep(600)  # ...when the parent kills us
-ck._write_chunk = stall
+fmt._write_chunk = stall
 ck.save_checkpoint(path, torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]))
 """
 
@@ -330,7 +333,7 @@ def test_exception_while_saving_leaves_the_previous_file_untouched(tmp_path, mon
     before = path.read_bytes()
 
     if where in ("write", "interrupt"):
-        write = ck._write_chunk
+        write = fmt._write_chunk
 
         def failing(f, chunk):
             write(f, chunk)
@@ -338,7 +341,7 @@ def test_exception_while_saving_leaves_the_previous_file_untouched(tmp_path, mon
                 raise KeyboardInterrupt
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
-        monkeypatch.setattr(ck, "_write_chunk", failing)
+        monkeypatch.setattr(fmt, "_write_chunk", failing)
     else:
 
         def failing(*args):
@@ -473,7 +476,7 @@ def test_progress_bar(tmp_path, capsys, monkeypatch):
     assert "ramtorch.save_checkpoint" in err and "ramtorch.load_checkpoint" in err
     assert all(not mod._load_state_dict_pre_hooks for mod in m.modules())  # hooks removed
 
-    monkeypatch.setattr(ck, "_GIB", 16)  # "large" checkpoint: bar by default
+    monkeypatch.setattr(progress_mod, "_GIB", 16)  # "large" checkpoint: bar by default
     save_checkpoint(path, m, opt)
     assert "ramtorch.save_checkpoint" in capsys.readouterr().err
 
