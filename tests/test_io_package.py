@@ -80,3 +80,18 @@ def test_load_checkpoint_names_a_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing"):
         ramtorch.load_checkpoint(tmp_path / "missing.safetensors", nn.Linear(2, 2))
     assert not os.path.exists(tmp_path / "missing.safetensors")
+
+
+def test_sizes_for_humans():
+    from ramtorch._units import format_bytes, parse_bytes
+
+    assert parse_bytes(None) is None
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes(4096) == 4096
+    for bad in ("-1GB", "9" * 400, "12 parsecs", float("nan"), -1, "inf"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_bytes(bad, "max_shard_size")
+    with pytest.raises(TypeError, match="max_shard_size"):
+        parse_bytes(True, "max_shard_size")
+    assert format_bytes(3 << 30) == "3.00 GiB" and format_bytes(5 << 20) == "5.0 MiB"
