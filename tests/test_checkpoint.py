@@ -4,6 +4,7 @@ SIGKILL while saving), validation of bad files, and loading in place into host-a
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import signal
@@ -811,3 +812,36 @@ def test_nested_extra_values_round_trip_up_to_the_limit(tmp_path):
         too_deep = [too_deep]
     with pytest.raises(TypeError, match="nested more than"):
         save_checkpoint(path, Tiny(), extra={"deep": too_deep})
+
+
+@pytest.mark.parametrize("how", ["state-not-a-dict", "step-missing", "step-a-dict", "ids-repeated"])
+def test_an_optimizer_state_the_optimizer_refuses_is_found_before_writing(tmp_path, how):
+    torch.manual_seed(0)
+    src = Tiny()
+    opt = torch.optim.AdamW(src.parameters())
+    train_step(src, opt, *tokens(1)[0])
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, src, opt)
+    with safe_open(path, framework="pt") as f:
+        saved = json.loads(f.metadata()["ramtorch.optimizer"])
+    states = saved["state"]["__dict__"]
+    if how == "state-not-a-dict":
+        saved["state"] = {"__float__": "nan"}
+    elif how == "step-missing":
+        del states[0][1]["step"]
+    elif how == "step-a-dict":
+        states[0][1]["step"] = {"a": 1}
+    else:
+        saved["param_groups"][0]["params"][1] = saved["param_groups"][0]["params"][0]
+    rewrite(path, {"ramtorch.optimizer": json.dumps(saved)})
+
+    dst = Tiny()
+    dst_opt = torch.optim.AdamW(dst.parameters())
+    train_step(dst, dst_opt, *tokens(1, seed=2)[0])
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    before_opt = torch.optim.AdamW(Tiny().parameters())
+    before_opt.load_state_dict(dst_opt.state_dict())
+    with pytest.raises(CheckpointError, match="optimizer"):
+        load_checkpoint(path, dst, dst_opt)
+    assert_state_equal(before, dst.state_dict())
+    assert_optim_equal(before_opt, dst_opt)

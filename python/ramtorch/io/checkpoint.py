@@ -20,6 +20,7 @@ gone.
 
 from __future__ import annotations
 
+import copy
 import errno
 import itertools
 import json
@@ -300,10 +301,12 @@ def load_checkpoint(
     model's state-dict keys; every tensor must have the shape of the model's; the optimizer's
     parameter groups must have the saved sizes; every metadata entry must be well formed (JSON nested
     at most 200 levels deep, tensor references that name tensors of the file) and each saved RNG
-    state one that torch's generators accept. Then the values are copied into the model's
-    existing tensors with ``model.load_state_dict`` (parameters keep their storage, e.g. ramtorch's
-    host arena, and their identity, so an optimizer built on them stays valid), the optimizer state
-    is loaded with ``optimizer.load_state_dict`` and, with ``map_rng``, the RNG states are restored.
+    state one that torch's generators accept; the optimizer state must be one the optimizer's own
+    ``load_state_dict`` accepts (tried on a throwaway twin of the optimizer, without its memory).
+    Then the values are copied into the model's existing tensors with ``model.load_state_dict``
+    (parameters keep their storage, e.g. ramtorch's host arena, and their identity, so an optimizer
+    built on them stays valid), the optimizer state is loaded with ``optimizer.load_state_dict``
+    and, with ``map_rng``, the RNG states are restored.
 
     Args:
         path: the checkpoint file.
@@ -456,8 +459,12 @@ def _load(
         else:
             skeleton, optim_refs = check("ramtorch.optimizer", optim_meta)
             groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
-            if not isinstance(groups, list) or not all(
-                isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+            states = skeleton.get("state") if isinstance(skeleton, dict) else None
+            if (
+                not isinstance(groups, list)
+                or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+                or not isinstance(states, dict)
+                or not all(isinstance(v, dict) for v in states.values())
             ):
                 raise CheckpointError(f"{path}: metadata entry 'ramtorch.optimizer' is malformed")
             saved_sizes = [len(g["params"]) for g in groups]
@@ -467,6 +474,18 @@ def _load(
                     f"{path} does not match the optimizer: parameter groups of sizes {saved_sizes} in the "
                     f"checkpoint, {sizes} in the optimizer"
                 )
+            ids = [i for g in groups for i in g["params"]]
+            if (
+                not all(type(i) is int for i in ids)
+                or len(set(ids)) != len(ids)
+                or not set(states) <= set(ids)
+            ):
+                raise CheckpointError(
+                    f"{path}: metadata entry 'ramtorch.optimizer' is malformed (parameter ids of the groups "
+                    "are not distinct integers covering the saved states)"
+                )
+            if getattr(optimizer, "_load_state_dict_adopting", None) is None:
+                _try_optimizer_state(path, f, optimizer, optim_meta, resolve)
     extra_meta = _json_meta(path, meta, "ramtorch.extra", {})
     _, extra_refs = check("ramtorch.extra", extra_meta)
     _, object_refs = check("ramtorch.model", {k: v for k, v in objects.items() if k in current_keys})
@@ -537,6 +556,34 @@ def _load(
         if bar is not None:
             bar.close()
     return extra if isinstance(extra, dict) else {}
+
+
+def _try_optimizer_state(
+    path: str, f: SafetensorsReader, optimizer: torch.optim.Optimizer, optim_meta: Any, resolve: Callable
+) -> None:
+    """Loads the saved optimizer state into a throwaway twin of ``optimizer`` (tensors stood in for
+    by expanded scalars of their dtype and shape: no memory), so that a state the optimizer's own
+    ``load_state_dict`` refuses is a :class:`CheckpointError` before anything is written."""
+    try:
+        twin = copy.copy(optimizer)  # its own state and groups; parameters shared, hooks not copied
+    except Exception:  # noqa: BLE001 - an optimizer that cannot be copied is loaded untried
+        return
+
+    def stand_in(key: str) -> torch.Tensor:
+        key = resolve(key)
+        dtype = torch_dtype(f.dtype(key))
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {key!r} has dtype {f.dtype(key)}, which torch cannot hold")
+        return torch.empty((), dtype=dtype).expand(f.shape(key))
+
+    try:
+        twin.load_state_dict(_decode(optim_meta, stand_in))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the optimizer raises, named
+        raise CheckpointError(
+            f"{path}: the saved optimizer state does not load into {type(optimizer).__name__} ({e!r})"
+        ) from e
 
 
 class _DirectReader:
