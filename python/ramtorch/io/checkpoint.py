@@ -562,7 +562,7 @@ def _try_optimizer_state(
     path: str, f: SafetensorsReader, optimizer: torch.optim.Optimizer, optim_meta: Any, resolve: Callable
 ) -> None:
     """Loads the saved optimizer state into a throwaway twin of ``optimizer`` (tensors stood in for
-    by expanded scalars of their dtype and shape: no memory), so that a state the optimizer's own
+    by scalars of their dtype: no memory, on any device), so that a state the optimizer's own
     ``load_state_dict`` refuses is a :class:`CheckpointError` before anything is written."""
     try:
         twin = copy.copy(optimizer)  # its own state and groups; parameters shared, hooks not copied
@@ -574,7 +574,7 @@ def _try_optimizer_state(
         dtype = torch_dtype(f.dtype(key))
         if dtype is None:
             raise CheckpointError(f"{path}: tensor {key!r} has dtype {f.dtype(key)}, which torch cannot hold")
-        return torch.empty((), dtype=dtype).expand(f.shape(key))
+        return torch.zeros((), dtype=dtype)  # torch's loading reads no shape; moved to the device: tiny
 
     try:
         twin.load_state_dict(_decode(optim_meta, stand_in))
