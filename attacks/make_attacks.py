@@ -215,8 +215,16 @@ def _pretrained_attacks(good: bytes, prefix: str = "") -> dict[str, tuple[bytes,
                 '"lin.weight":{"dtype":"F32","shape":[3,4],"data_offsets":[48,96]}}',
                 b"\0" * 96,
             ),
-            "rejected by the safetensors reader|overlap|duplicate",
+            "more than once",
             "the same key twice, at different offsets",
+        ),
+        "duplicate_keys_identical": (
+            raw(
+                "{" + ",".join(2 * [json.dumps(weight) + ":" + json.dumps(w)]) + "," + json.dumps(head)[1:],
+                body,
+            ),
+            "more than once",
+            "the same key and entry twice",
         ),
         "shape_mismatch": (
             rewrite(good, set_entry(weight, shape=[4, 3])),
@@ -434,6 +442,15 @@ def build(out: str | os.PathLike[str]) -> list[Attack]:
             {"model.safetensors": good},
         )
     folder("index_not_json", None, "not a valid index", "index not JSON", index_text="{")
+    folder(
+        "index_duplicate_keys",
+        None,
+        "not a valid index",
+        "a key twice in the weight map, for two shards",
+        {"model.safetensors": good},
+        index_text='{"weight_map": {"lin.weight": "model.safetensors", "lin.bias": "model.safetensors", '
+        '"steps": "model.safetensors", "lin.weight": "other.safetensors"}}',
+    )
     folder("index_map_not_object", ["x"], "not a valid index", "weight_map a list")
     folder("index_deep_json", None, "not a valid index", "index nested 100000 deep", index_text=DEEP)
     folder(

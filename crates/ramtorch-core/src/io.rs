@@ -155,6 +155,11 @@ fn parse_header(head: &[u8], file_len: usize, what: &str) -> Result<Header> {
         .map_err(|e| bad(what, format_args!("header is not valid UTF-8 ({e})")))?;
     let root: serde_json::Map<String, Value> = serde_json::from_str(text)
         .map_err(|e| bad(what, format_args!("header is not a JSON object ({e})")))?;
+    // A JSON map keeps the last of two equal keys: readers could disagree on which tensor a name
+    // means, so a name given twice is refused.
+    if top_level_keys(text) != root.len() {
+        return Err(bad(what, "a key appears more than once in the header"));
+    }
     let data_len = file_len - data_start;
 
     let mut metadata = None;
@@ -225,6 +230,44 @@ fn parse_header(head: &[u8], file_len: usize, what: &str) -> Result<Header> {
         metadata,
         data_start,
     })
+}
+
+/// How many keys the JSON object `text` (valid JSON, already parsed) has at its top level,
+/// counting repeated keys each time.
+fn top_level_keys(text: &str) -> usize {
+    let (mut depth, mut in_str, mut escaped, mut after_str, mut count) =
+        (0usize, false, false, false, 0);
+    for &c in text.as_bytes() {
+        if in_str {
+            if escaped {
+                escaped = false;
+            } else if c == b'\\' {
+                escaped = true;
+            } else if c == b'"' {
+                in_str = false;
+                after_str = depth == 1;
+            }
+            continue;
+        }
+        match c {
+            b'"' => in_str = true,
+            b':' if after_str => {
+                count += 1;
+                after_str = false;
+            }
+            b' ' | b'\t' | b'\n' | b'\r' => {}
+            b'{' | b'[' => {
+                depth += 1;
+                after_str = false;
+            }
+            b'}' | b']' => {
+                depth = depth.saturating_sub(1);
+                after_str = false;
+            }
+            _ => after_str = false,
+        }
+    }
+    count
 }
 
 fn tensor_info(
@@ -1169,6 +1212,37 @@ mod tests {
             "{e}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn duplicate_keys_are_refused() {
+        let e = |s: &[u8]| {
+            parse(s, "f")
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        let one = r#""a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"#;
+        let twice = format!("{{{one},{one}}}");
+        assert!(
+            e(&raw(&twice, 8)).contains("more than once"),
+            "{}",
+            e(&raw(&twice, 8))
+        );
+        let meta = r#""__metadata__":{"k":"v"}"#;
+        let twice = format!("{{{meta},{one},{meta}}}");
+        assert!(e(&raw(&twice, 8)).contains("more than once"));
+        // Keys nested deeper, strings with quotes, colons and escapes are not top-level keys.
+        let tricky = r#"{"__metadata__":{"a\":b":"x:\"y\"","a\":b2":"{"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        assert!(
+            parse(&raw(tricky, 8), "f").is_ok(),
+            "{}",
+            e(&raw(tricky, 8))
+        );
+        assert_eq!(
+            top_level_keys(r#"{"a":1,"b":{"a":2,"c":[{"d":3}]},"e\"":":"}"#),
+            3
+        );
     }
 
     /// A deterministic xorshift generator (no dependency).

@@ -10,10 +10,11 @@ Both are standard safetensors files (any safetensors reader opens them):
   largest element size first (so that each tensor is aligned to its element size), ending at the
   end of the file.
 
-Readers accept a header of at most 100 MiB, at most 64 dimensions per tensor, shapes whose byte
-counts neither overflow nor disagree with the offsets, offsets inside the file that tile the data
-section exactly, and only regular files (never a FIFO or a device). The file is opened once and
-read with positioned reads, never memory-mapped.
+Readers accept a header of at most 100 MiB with no key given twice, at most 64 dimensions per
+tensor, shapes whose byte counts neither overflow nor disagree with the offsets, offsets inside the
+file that tile the data section exactly, and only regular files (never a FIFO or a device). The file
+is opened once and read with positioned reads, never memory-mapped. An index of shards with a key
+given twice is refused too.
 
 **Pretrained weights** (:func:`ramtorch.save_pretrained` / :func:`ramtorch.load`) use the Hugging
 Face layout: ``model.safetensors``, or shards ``model-00001-of-0000N.safetensors`` plus

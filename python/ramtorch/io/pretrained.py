@@ -39,6 +39,16 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; a key given twice (which would silently keep the last) is an error."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {twice!r} appears more than once")
+    return out
+
+
 def _resolve(path_or_dir: str | os.PathLike[str]) -> list[tuple[Path, list[str] | None]]:
     """The files to read, each with the keys the index assigns to it (``None``: all of them).
     Whether each is a regular file is checked when it is opened."""
@@ -51,7 +61,7 @@ def _resolve(path_or_dir: str | os.PathLike[str]) -> list[tuple[Path, list[str] 
     if index.exists():
         text = read_regular(index, "ramtorch.load")
         try:
-            weight_map = json.loads(text)["weight_map"]
+            weight_map = json.loads(text, object_pairs_hook=_unique_keys)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
         except (ValueError, KeyError, TypeError, RecursionError) as e:
