@@ -1,4 +1,5 @@
-"""Loading and saving ``.safetensors`` checkpoints in place, without a second copy of the model.
+"""Pretrained weights: :func:`load` (``ramtorch.load``) and :func:`save` (``ramtorch.save_pretrained``),
+in place, without a second copy of the model. The layout is specified in :mod:`ramtorch.io.format`.
 
 :func:`load` opens each file once with ramtorch's reader, which validates its header first (offsets
 in range, no overlaps, sizes consistent with shapes) and never maps the file, and copies each tensor
@@ -9,7 +10,7 @@ buffer.
 
 :func:`save` writes the Hugging Face layout: ``model.safetensors``, or
 ``model-00001-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``, each file
-written under a temporary name, flushed to disk and renamed, the index last.
+written atomically (temporary file, fsync, rename, directory fsync), the index last.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ SINGLE_NAME = "model.safetensors"
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object as a dict; a key given twice (which would silently keep the last) is an error."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"key {twice!r} appears more than once")
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears more than once")
+        out[key] = value
     return out
 
 
