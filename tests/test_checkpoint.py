@@ -4,6 +4,7 @@ SIGKILL while saving), validation of bad files, and loading in place into host-a
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import signal
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import ramtorch
-import ramtorch.checkpoint as ck
+import ramtorch.io._progress as progress_mod
+import ramtorch.io.format as fmt
 import ramtorch.nn as rnn
 import torch
 import torch.nn.functional as F
@@ -220,7 +222,7 @@ def test_chunked_writes_and_module_extra_state(tmp_path, monkeypatch):
         def set_extra_state(self, state: dict) -> None:
             self.vocab = state
 
-    monkeypatch.setattr(ck, "_CHUNK", 24)  # every tensor crosses several chunks
+    monkeypatch.setattr(fmt, "_CHUNK", 24)  # every tensor crosses several chunks
     torch.manual_seed(0)
     m = WithExtra()
     m.register_buffer("strided", torch.randn(6, 5, dtype=torch.bfloat16).t())
@@ -267,18 +269,20 @@ CRASH_SCRIPT = r"""
 import sys, time
 import torch
 import ramtorch.checkpoint as ck
+import ramtorch.io._progress as progress_mod
+import ramtorch.io.format as fmt
 
 path, marker = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
 ck.save_checkpoint(path, torch.nn.Linear(16, 16))  # the first checkpoint, complete
 
-write = ck._write_chunk
+write = fmt._write_chunk
 def stall(f, chunk):
     write(f, chunk)  # part of the second checkpoint is in the temporary file...
     f.flush()
     open(marker, "w").close()
     time.sleep(600)  # ...when the parent kills us
-ck._write_chunk = stall
+fmt._write_chunk = stall
 ck.save_checkpoint(path, torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]))
 """
 
@@ -330,7 +334,7 @@ def test_exception_while_saving_leaves_the_previous_file_untouched(tmp_path, mon
     before = path.read_bytes()
 
     if where in ("write", "interrupt"):
-        write = ck._write_chunk
+        write = fmt._write_chunk
 
         def failing(f, chunk):
             write(f, chunk)
@@ -338,7 +342,7 @@ def test_exception_while_saving_leaves_the_previous_file_untouched(tmp_path, mon
                 raise KeyboardInterrupt
             raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
-        monkeypatch.setattr(ck, "_write_chunk", failing)
+        monkeypatch.setattr(fmt, "_write_chunk", failing)
     else:
 
         def failing(*args):
@@ -473,7 +477,7 @@ def test_progress_bar(tmp_path, capsys, monkeypatch):
     assert "ramtorch.save_checkpoint" in err and "ramtorch.load_checkpoint" in err
     assert all(not mod._load_state_dict_pre_hooks for mod in m.modules())  # hooks removed
 
-    monkeypatch.setattr(ck, "_GIB", 16)  # "large" checkpoint: bar by default
+    monkeypatch.setattr(progress_mod, "_GIB", 16)  # "large" checkpoint: bar by default
     save_checkpoint(path, m, opt)
     assert "ramtorch.save_checkpoint" in capsys.readouterr().err
 
@@ -689,3 +693,155 @@ def test_resuming_holds_one_copy_of_the_optimizer_state(tmp_path):
     state, grew = int(words[1]), int(words[3])
     assert state > 500 << 20, r.stdout  # 48 x 1M bf16 parameters: fp32 master + moments
     assert grew < 0.15 * state, r.stdout
+
+
+# -- one file, read whole ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_file_renamed_over_the_path_while_loading_is_read_whole(tmp_path, monkeypatch, when):
+    """Another checkpoint renamed over the path while loading (before or after the loader opens
+    it): the model, optimizer and extra all come from one of the two files, never half of each."""
+    torch.manual_seed(0)
+    a, b = Tiny(), Tiny()
+    opt_a, opt_b = torch.optim.AdamW(a.parameters()), torch.optim.AdamW(b.parameters())
+    train_step(a, opt_a, *tokens(1)[0])
+    train_step(b, opt_b, *tokens(1, seed=1)[0])
+    path, other = tmp_path / "ckpt.safetensors", tmp_path / "other.safetensors"
+    save_checkpoint(path, a, opt_a, extra={"which": torch.tensor(1)})
+    save_checkpoint(other, b, opt_b, extra={"which": torch.tensor(2)})
+
+    real = ramtorch._core.SafetensorsFile
+    swapped: list[bool] = []
+
+    def swap() -> None:
+        if not swapped:
+            os.replace(other, path)
+            swapped.append(True)
+
+    def opening(*args: object) -> object:
+        if when == "before":
+            swap()
+        f = real(*args)
+        if when == "after":
+            swap()
+        return f
+
+    monkeypatch.setattr(ramtorch._core, "SafetensorsFile", opening)
+    dst = Tiny()
+    dst_opt = torch.optim.AdamW(dst.parameters())
+    extra = load_checkpoint(path, dst, dst_opt)
+    assert swapped
+    src, src_opt = (a, opt_a) if extra["which"].item() == 1 else (b, opt_b)
+    assert_state_equal(src.state_dict(), dst.state_dict())
+    assert_optim_equal(src_opt, dst_opt)
+
+
+# -- validation before writing -------------------------------------------------------------------
+
+
+def rewrite(path: Path, meta: dict[str, str] | None = None, tensors: dict | None = None) -> None:
+    """Rewrites checkpoint ``path`` with some metadata entries and tensors replaced."""
+    with safe_open(path, framework="pt") as f:
+        old_meta = f.metadata()
+    data = load_file(path)
+    data.update(tensors or {})
+    save_file(data, path, metadata={**old_meta, **(meta or {})})
+
+
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({"tensors": {"rng.cpu": torch.zeros(10, dtype=torch.uint8)}}, id="rng-too-short"),
+        pytest.param({"tensors": {"rng.cpu": torch.zeros(5056, dtype=torch.int64)}}, id="rng-dtype"),
+        pytest.param({"meta": {"ramtorch.rng": '{"cpu": 5, "cuda": []}'}}, id="rng-key-not-a-string"),
+        pytest.param({"meta": {"ramtorch.rng": '{"cpu": "rng.cpu", "cuda": [[1]]}'}}, id="rng-cuda-keys"),
+        pytest.param({"meta": {"ramtorch.rng": '["rng.cpu"]'}}, id="rng-not-an-object"),
+        pytest.param(
+            {"meta": {"ramtorch.aliases": '{"model.head.weight": ["model.emb.weight"]}'}}, id="alias-list"
+        ),
+        pytest.param({"meta": {"ramtorch.aliases": '["x"]'}}, id="aliases-list"),
+        pytest.param({"meta": {"ramtorch.extra": _DEEP}}, id="deep-json"),
+        pytest.param({"meta": {"ramtorch.extra": '{"a": ' + "[" * 900 + "]" * 900 + "}"}}, id="deep-decode"),
+        pytest.param({"meta": {"ramtorch.optimizer": _DEEP}}, id="deep-optimizer"),
+        pytest.param({"meta": {"ramtorch.model": '{"keys": [1, 2], "objects": {}}'}}, id="model-keys"),
+        pytest.param({"meta": {"ramtorch.extra": '{"t": {"__tensor__": ["x"]}}'}}, id="tensor-ref-list"),
+    ],
+)
+def test_a_bad_entry_is_found_before_anything_is_written(tmp_path, bad):
+    """Every part of the file is checked before the model, the optimizer or the RNG is touched:
+    a bad entry is a CheckpointError naming it, and nothing changed."""
+    torch.manual_seed(0)
+    src = Tiny()
+    opt = torch.optim.AdamW(src.parameters())
+    train_step(src, opt, *tokens(1)[0])
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, src, opt, extra={"step": 3})
+    rewrite(path, bad.get("meta"), bad.get("tensors"))
+
+    torch.manual_seed(1)
+    dst = Tiny()
+    dst_opt = torch.optim.AdamW(dst.parameters())
+    train_step(dst, dst_opt, *tokens(1, seed=2)[0])
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    before_opt = torch.optim.AdamW(Tiny().parameters())
+    before_opt.load_state_dict(dst_opt.state_dict())
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(path, dst, dst_opt)
+    assert_state_equal(before, dst.state_dict())
+    assert_optim_equal(before_opt, dst_opt)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_nested_extra_values_round_trip_up_to_the_limit(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    deep: object = [torch.tensor(1.0), 2]
+    for i in range(50):
+        deep = {"k": deep} if i % 3 == 0 else ((deep,) if i % 3 == 1 else {i: deep})
+    save_checkpoint(path, Tiny(), extra={"deep": deep})
+    got = load_checkpoint(path, Tiny())["deep"]
+    for i in reversed(range(50)):
+        got = got["k"] if i % 3 == 0 else (got[0] if i % 3 == 1 else got[i])
+    assert torch.equal(got[0], torch.tensor(1.0)) and got[1] == 2
+    too_deep: object = 1
+    for _ in range(100):
+        too_deep = [too_deep]
+    with pytest.raises(TypeError, match="nested more than"):
+        save_checkpoint(path, Tiny(), extra={"deep": too_deep})
+
+
+@pytest.mark.parametrize("how", ["state-not-a-dict", "step-missing", "step-a-dict", "ids-repeated"])
+def test_an_optimizer_state_the_optimizer_refuses_is_found_before_writing(tmp_path, how):
+    torch.manual_seed(0)
+    src = Tiny()
+    opt = torch.optim.AdamW(src.parameters())
+    train_step(src, opt, *tokens(1)[0])
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, src, opt)
+    with safe_open(path, framework="pt") as f:
+        saved = json.loads(f.metadata()["ramtorch.optimizer"])
+    states = saved["state"]["__dict__"]
+    if how == "state-not-a-dict":
+        saved["state"] = {"__float__": "nan"}
+    elif how == "step-missing":
+        del states[0][1]["step"]
+    elif how == "step-a-dict":
+        states[0][1]["step"] = {"a": 1}
+    else:
+        saved["param_groups"][0]["params"][1] = saved["param_groups"][0]["params"][0]
+    rewrite(path, {"ramtorch.optimizer": json.dumps(saved)})
+
+    dst = Tiny()
+    dst_opt = torch.optim.AdamW(dst.parameters())
+    train_step(dst, dst_opt, *tokens(1, seed=2)[0])
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    before_opt = torch.optim.AdamW(Tiny().parameters())
+    before_opt.load_state_dict(dst_opt.state_dict())
+    with pytest.raises(CheckpointError, match="optimizer"):
+        load_checkpoint(path, dst, dst_opt)
+    assert_state_equal(before, dst.state_dict())
+    assert_optim_equal(before_opt, dst_opt)

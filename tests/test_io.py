@@ -395,3 +395,20 @@ def test_load_respects_modules_with_their_own_loading(tmp_path):
     assert torch.equal(dst[1].bias, src[1].bias)
     assert torch.equal(dst[2][0].weight, -src[2][0].weight)
     assert torch.equal(dst[2][0].bias, src[2][0].bias)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_reader_never_maps_the_file(tmp_path):
+    """The header is read with positioned reads like the tensors: the file is never mapped, so a
+    file truncated by another process meanwhile is an error, not a SIGBUS."""
+    path = tmp_path / "never-mapped.safetensors"
+    save_file({"w": torch.arange(4096, dtype=torch.float32)}, path)
+    f = _core.SafetensorsFile(str(path))
+    with open("/proc/self/maps") as maps:
+        assert str(path) not in maps.read()
+    with open(path, "r+b") as fh:  # cut short after opening
+        fh.truncate(100)
+    out = torch.empty(4096)
+    with pytest.raises(ValueError, match="reading the file failed"):
+        f.copy_into("w", out.data_ptr(), out.numel() * 4, "F32")
+    del f

@@ -1,26 +1,26 @@
 //! Reading `.safetensors` checkpoints straight into host memory.
 //!
-//! A file is memory-mapped ([`SafetensorsFile::open`]) and its header is validated twice: by our
-//! own checks ([`parse`]), which give messages naming the file and the tensor, and by the
-//! `safetensors` crate's own reader. Nothing is allocated from a size read in the file before that
-//! size has been checked against the file's length; a file that breaks any rule is an
-//! [`Error::InvalidArgument`], never a panic.
+//! A file is opened once ([`SafetensorsFile::open`]); its header is read with positioned reads of
+//! that open file and validated twice: by our own checks ([`parse`]), which give messages naming
+//! the file and the tensor, and by the `safetensors` crate's own rules. Nothing is allocated from a
+//! size read in the file before that size has been checked against the file's length; a file that
+//! breaks any rule is an [`Error::InvalidArgument`], never a panic.
 //!
 //! [`SafetensorsFile::copy_many`] then copies tensors into a caller's buffers, converting among
-//! F32, BF16 and F16 on the way (any dtype may be copied unchanged), on all cores. It reads with
-//! positioned reads, not through the mapping: a file cut short meanwhile is an error, not a crash.
+//! F32, BF16 and F16 on the way (any dtype may be copied unchanged), on all cores.
 //!
-//! The mapping (for [`SafetensorsFile::bytes`]) is read-only and private; a file truncated by
-//! another process *while* it is mapped can still fault (SIGBUS) on access, as with any
-//! memory-mapped reader.
+//! The file is never memory-mapped: every byte is read with positioned reads of the one open file,
+//! so a file cut short by another process meanwhile is an error, not a crash (SIGBUS), and a file
+//! renamed over the path after opening is not seen.
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use memmap2::Mmap;
 use rayon::prelude::*;
 use serde_json::Value;
 
@@ -112,17 +112,23 @@ fn bad_tensor(what: &str, name: &str, msg: impl std::fmt::Display) -> Error {
 /// UTF-8 JSON of the safetensors layout; every tensor has a known dtype, at most [`MAX_NDIM`]
 /// dimensions, a shape whose element and byte counts do not overflow, a byte range inside the data
 /// section whose length is exactly that byte count; no two ranges overlap. Then the `safetensors`
-/// crate's own reader must accept the file too (it also requires the ranges to tile the data
+/// crate's own rules must accept the header too (they also require the ranges to tile the data
 /// section exactly).
 pub fn parse(bytes: &[u8], what: &str) -> Result<Header> {
-    let file_len = bytes.len();
-    let Some(len_bytes) = bytes.get(..8) else {
+    let n = header_len(bytes.get(..8), bytes.len(), what)?;
+    parse_header(&bytes[8..8 + n], bytes.len(), what)
+}
+
+/// The header length that a file of `file_len` bytes starts with (`len_bytes`: its first 8 bytes,
+/// `None` if it is shorter), checked to be at most [`MAX_HEADER_BYTES`] and inside the file.
+fn header_len(len_bytes: Option<&[u8]>, file_len: usize, what: &str) -> Result<usize> {
+    let Some(len_bytes) = len_bytes.and_then(|b| <[u8; 8]>::try_from(b).ok()) else {
         return Err(bad(
             what,
             format_args!("truncated: {file_len} bytes, shorter than the 8-byte header length"),
         ));
     };
-    let n = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"));
+    let n = u64::from_le_bytes(len_bytes);
     if n > MAX_HEADER_BYTES as u64 {
         return Err(bad(
             what,
@@ -130,8 +136,7 @@ pub fn parse(bytes: &[u8], what: &str) -> Result<Header> {
         ));
     }
     let n = n as usize; // ≤ 100 MiB
-    let data_start = 8 + n;
-    if data_start > file_len {
+    if 8 + n > file_len {
         return Err(bad(
             what,
             format_args!(
@@ -139,10 +144,22 @@ pub fn parse(bytes: &[u8], what: &str) -> Result<Header> {
             ),
         ));
     }
-    let text = std::str::from_utf8(&bytes[8..data_start])
+    Ok(n)
+}
+
+/// Parses and validates `head`, the header (after its 8-byte length) of a safetensors file of
+/// `file_len` bytes, as [`parse`].
+fn parse_header(head: &[u8], file_len: usize, what: &str) -> Result<Header> {
+    let data_start = 8 + head.len();
+    let text = std::str::from_utf8(head)
         .map_err(|e| bad(what, format_args!("header is not valid UTF-8 ({e})")))?;
     let root: serde_json::Map<String, Value> = serde_json::from_str(text)
         .map_err(|e| bad(what, format_args!("header is not a JSON object ({e})")))?;
+    // A JSON map keeps the last of two equal keys: readers could disagree on which tensor a name
+    // means, so a name given twice is refused.
+    if top_level_keys(text) != root.len() {
+        return Err(bad(what, "a key appears more than once in the header"));
+    }
     let data_len = file_len - data_start;
 
     let mut metadata = None;
@@ -184,19 +201,73 @@ pub fn parse(bytes: &[u8], what: &str) -> Result<Header> {
         }
     }
 
-    // Second opinion: the reference reader (contiguous tiling, its own overflow checks).
-    safetensors::SafeTensors::read_metadata(bytes).map_err(|e| {
+    // Second opinion: the reference reader's rules (contiguous tiling from the start of the data
+    // section, its own overflow checks), and the tiling must end where the file does.
+    let reference: safetensors::tensor::Metadata = serde_json::from_str(text).map_err(|e| {
         bad(
             what,
             format_args!("rejected by the safetensors reader: {e}"),
         )
     })?;
+    let covered = reference
+        .tensors()
+        .values()
+        .map(|t| t.data_offsets.1)
+        .max()
+        .unwrap_or(0);
+    if covered != data_len {
+        return Err(bad(
+            what,
+            format_args!(
+                "rejected by the safetensors reader: the tensors cover {covered} bytes of the \
+                 {data_len}-byte data section"
+            ),
+        ));
+    }
 
     Ok(Header {
         tensors,
         metadata,
         data_start,
     })
+}
+
+/// How many keys the JSON object `text` (valid JSON, already parsed) has at its top level,
+/// counting repeated keys each time.
+fn top_level_keys(text: &str) -> usize {
+    let (mut depth, mut in_str, mut escaped, mut after_str, mut count) =
+        (0usize, false, false, false, 0);
+    for &c in text.as_bytes() {
+        if in_str {
+            if escaped {
+                escaped = false;
+            } else if c == b'\\' {
+                escaped = true;
+            } else if c == b'"' {
+                in_str = false;
+                after_str = depth == 1;
+            }
+            continue;
+        }
+        match c {
+            b'"' => in_str = true,
+            b':' if after_str => {
+                count += 1;
+                after_str = false;
+            }
+            b' ' | b'\t' | b'\n' | b'\r' => {}
+            b'{' | b'[' => {
+                depth += 1;
+                after_str = false;
+            }
+            b'}' | b']' => {
+                depth = depth.saturating_sub(1);
+                after_str = false;
+            }
+            _ => after_str = false,
+        }
+    }
+    count
 }
 
 fn tensor_info(
@@ -307,11 +378,10 @@ fn tensor_info(
     })
 }
 
-/// A memory-mapped, validated `.safetensors` file.
+/// A validated `.safetensors` file, open for positioned reads (never mapped).
 pub struct SafetensorsFile {
     path: PathBuf,
     file: File,
-    map: Mmap,
     header: Header,
     index: HashMap<String, usize>,
 }
@@ -319,7 +389,7 @@ pub struct SafetensorsFile {
 /// Why a file could not be opened: the OS refused, or the file is not valid safetensors.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    /// Opening, inspecting or mapping the file failed.
+    /// Opening, inspecting or reading the file failed.
     #[error("cannot open {}: {source}", path.display())]
     Io {
         /// The file.
@@ -332,35 +402,87 @@ pub enum OpenError {
     Invalid(#[from] Error),
 }
 
+/// What kind of non-regular file `t` is, for messages.
+fn kind_of(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "of an unknown kind"
+    }
+}
+
 impl SafetensorsFile {
-    /// Maps and validates the file at `path` (see [`parse`]).
+    /// Opens the file at `path` and validates its header (see [`parse`]). Anything but a regular
+    /// file is refused, without blocking (a FIFO would otherwise wait for a writer).
     pub fn open(path: impl AsRef<Path>) -> std::result::Result<Self, OpenError> {
         let path = path.as_ref().to_path_buf();
         let io = |source| OpenError::Io {
             path: path.clone(),
             source,
         };
-        let file = File::open(&path).map_err(io)?;
+        let what = path.display().to_string();
+        // Opened without blocking: opening a FIFO for reading would otherwise wait for a writer,
+        // for ever. Only a regular file goes further; it is then read with blocking reads.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+            .map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
-            return Err(io(std::io::Error::other("not a regular file")));
-        }
-        let what = path.display().to_string();
-        if meta.len() < 8 {
             return Err(bad(
                 &what,
                 format_args!(
-                    "truncated: {} bytes, shorter than the 8-byte header length",
-                    meta.len()
+                    "not a regular file ({}): checkpoints are read from regular files only",
+                    kind_of(&meta.file_type())
                 ),
             )
             .into());
         }
-        // SAFETY: the mapping is read-only and private; we never hand out references that outlive
-        // `self`. Concurrent truncation of the file by another process can fault, as documented.
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let header = parse(&map, &what)?;
-        let _ = map.advise(memmap2::Advice::Sequential);
+        // SAFETY: `file` owns a valid open descriptor for the duration of both calls; F_GETFL and
+        // F_SETFL read and set its status flags and touch no memory of ours.
+        unsafe {
+            let fd = file.as_raw_fd();
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) < 0 {
+                return Err(io(std::io::Error::last_os_error()));
+            }
+        }
+        let Ok(file_len) = usize::try_from(meta.len()) else {
+            return Err(bad(&what, "larger than this machine can address").into());
+        };
+        // The header is read from the open file, as the tensors are later: never mapped.
+        let read = |buf: &mut [u8], offset: u64| -> std::result::Result<(), OpenError> {
+            use std::os::unix::fs::FileExt;
+            file.read_exact_at(buf, offset).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    bad(&what, "cut short while its header was read").into()
+                } else {
+                    io(e)
+                }
+            })
+        };
+        let mut len_bytes = [0u8; 8];
+        let len_bytes = if file_len >= 8 {
+            read(&mut len_bytes, 0)?;
+            Some(&len_bytes[..])
+        } else {
+            None
+        };
+        let n = header_len(len_bytes, file_len, &what)?;
+        let mut head = vec![0u8; n]; // n ≤ MAX_HEADER_BYTES and inside the file: checked
+        read(&mut head, 8)?;
+        let header = parse_header(&head, file_len, &what)?;
+        drop(head);
         let index = header
             .tensors
             .iter()
@@ -370,7 +492,6 @@ impl SafetensorsFile {
         Ok(Self {
             path,
             file,
-            map,
             header,
             index,
         })
@@ -401,10 +522,14 @@ impl SafetensorsFile {
             })
     }
 
-    /// The raw bytes of tensor `name` (in the file's dtype, little-endian).
-    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+    /// The raw bytes of tensor `name` (in the file's dtype, little-endian), read from the file.
+    pub fn read(&self, name: &str) -> Result<Vec<u8>> {
         let t = self.info(name)?;
-        Ok(&self.map[t.start..t.end])
+        let mut buf = vec![0u8; t.nbytes()];
+        self.read_at(&mut buf, t.start, &|| {
+            format!("{}: tensor {name:?}", self.path.display())
+        })?;
+        Ok(buf)
     }
 
     /// Copies tensor `name` into `dst`, converting to `dst_dtype`: any dtype to itself (a plain
@@ -488,7 +613,7 @@ impl SafetensorsFile {
     }
 
     /// Reads `buf.len()` bytes of the file at `offset` (a file cut short since it was validated
-    /// is an error, where a mapped read would crash the process).
+    /// is an error, not a crash).
     fn read_at(&self, buf: &mut [u8], offset: usize, what: &dyn Fn() -> String) -> Result<()> {
         use std::os::unix::fs::FileExt;
         self.file.read_exact_at(buf, offset as u64).map_err(|e| {
@@ -1071,6 +1196,55 @@ mod tests {
             .contains("/nonexistent/ramtorch/x.safetensors"));
     }
 
+    #[test]
+    fn fifo_is_refused_without_blocking() {
+        let dir = std::env::temp_dir().join(format!("ramtorch-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("x.safetensors");
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = SafetensorsFile::open(&path).err().unwrap();
+        assert!(e.to_string().contains("not a regular file (a FIFO)"), "{e}");
+        let e = SafetensorsFile::open(&dir).err().unwrap();
+        assert!(
+            e.to_string().contains("not a regular file (a directory)"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn duplicate_keys_are_refused() {
+        let e = |s: &[u8]| {
+            parse(s, "f")
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        let one = r#""a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"#;
+        let twice = format!("{{{one},{one}}}");
+        assert!(
+            e(&raw(&twice, 8)).contains("more than once"),
+            "{}",
+            e(&raw(&twice, 8))
+        );
+        let meta = r#""__metadata__":{"k":"v"}"#;
+        let twice = format!("{{{meta},{one},{meta}}}");
+        assert!(e(&raw(&twice, 8)).contains("more than once"));
+        // Keys nested deeper, strings with quotes, colons and escapes are not top-level keys.
+        let tricky = r#"{"__metadata__":{"a\":b":"x:\"y\"","a\":b2":"{"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        assert!(
+            parse(&raw(tricky, 8), "f").is_ok(),
+            "{}",
+            e(&raw(tricky, 8))
+        );
+        assert_eq!(
+            top_level_keys(r#"{"a":1,"b":{"a":2,"c":[{"d":3}]},"e\"":":"}"#),
+            3
+        );
+    }
+
     /// A deterministic xorshift generator (no dependency).
     struct Rng(u64);
     impl Rng {
@@ -1147,6 +1321,16 @@ mod tests {
                 b
             };
             let r = std::panic::catch_unwind(|| parse(&buf, "fuzz"));
+            if i % 16 == 0 {
+                // Opening the file (positioned reads of the header) decides as parsing it whole.
+                let tmp = Tmp::new(&buf);
+                let opened = SafetensorsFile::open(&tmp.0);
+                match (&r, &opened) {
+                    (Ok(Ok(h)), Ok(f)) => assert_eq!(h.tensors, f.tensors(), "input {i}"),
+                    (Ok(Err(_)), Err(OpenError::Invalid(_))) => {}
+                    _ => panic!("input {i}: parse and open disagree: {:?}", opened.err()),
+                }
+            }
             match r {
                 Ok(Ok(h)) => {
                     accepted += 1;

@@ -1,5 +1,5 @@
-//! Bindings of the safetensors reader (`ramtorch_core::io`): `SafetensorsFile(path)` maps and
-//! validates a file; `copy_into` copies one tensor to a caller's address and `copy_many` several
+//! Bindings of the safetensors reader (`ramtorch_core::io`): `SafetensorsFile(path)` opens a file
+//! once (never mapping it) and validates its header; `copy_into` copies one tensor to a caller's address and `copy_many` several
 //! at once on all cores (converting among F32, BF16 and F16), without the GIL. A file that cannot
 //! be opened raises `OSError`; a file that is not valid safetensors raises `ValueError`, naming the
 //! path (and the tensor).
@@ -15,7 +15,7 @@ use ramtorch_core::Error;
 
 use crate::guard;
 
-/// A memory-mapped, validated `.safetensors` file.
+/// A validated `.safetensors` file, open for positioned reads (never mapped).
 #[pyclass(module = "ramtorch._core", frozen)]
 struct SafetensorsFile {
     inner: io::SafetensorsFile,
@@ -23,7 +23,8 @@ struct SafetensorsFile {
 
 #[pymethods]
 impl SafetensorsFile {
-    /// Maps `path` and validates its header (offsets in range, no overlaps, sizes consistent).
+    /// Opens `path` (a regular file; anything else is a `ValueError`) and validates its header
+    /// (offsets in range, no overlaps, sizes consistent).
     #[new]
     fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
         let op = "SafetensorsFile";

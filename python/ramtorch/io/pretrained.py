@@ -1,14 +1,16 @@
-"""Loading and saving ``.safetensors`` checkpoints in place, without a second copy of the model.
+"""Pretrained weights: :func:`load` (``ramtorch.load``) and :func:`save` (``ramtorch.save_pretrained``),
+in place, without a second copy of the model. The layout is specified in :mod:`ramtorch.io.format`.
 
-:func:`load` memory-maps each file (the Rust reader validates every header first: offsets in range,
-no overlaps, sizes consistent with shapes) and copies each tensor straight into the memory of the
-model's parameter or buffer, converting F32/BF16/F16 on the fly. Parameters in host RAM (including
-those :func:`ramtorch.offload` keeps in its arena) are written through their address; parameters on
-a GPU get their bytes through one reusable pinned staging buffer.
+:func:`load` opens each file once with ramtorch's reader, which validates its header first (offsets
+in range, no overlaps, sizes consistent with shapes) and never maps the file, and copies each tensor
+straight into the memory of the model's parameter or buffer, converting F32/BF16/F16 on the fly.
+Parameters in host RAM (including those :func:`ramtorch.offload` keeps in its arena) are written
+through their address; parameters on a GPU get their bytes through one reusable pinned staging
+buffer.
 
 :func:`save` writes the Hugging Face layout: ``model.safetensors``, or
 ``model-00001-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``, each file
-written under a temporary name, flushed to disk and renamed, the index last.
+written atomically (temporary file, fsync, rename, directory fsync), the index last.
 """
 
 from __future__ import annotations
@@ -24,64 +26,50 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _arena, _core, _engine
+from .. import _arena, _engine
+from .._units import parse_bytes
+from ._dtypes import NATIVE, ST_TO_TORCH, TORCH_TO_ST
+from ._files import fsync_dir, read_regular, write_atomic
+from ._progress import progress_bar
+from ._reader import Batches, SafetensorsReader, plain_loading, settle_engines
+from .format import check_storable, header, write_file
 
-__all__ = ["load", "save"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "load", "plain_loading", "save"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_GIB = 1 << 30
-#: Bytes of the file copied per batch of tensors (the progress bar moves once a batch).
-_BATCH_BYTES = 256 << 20
 
-_TORCH_TO_ST: dict[torch.dtype, str] = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-for _name, _st in [
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-    ("float8_e8m0fnu", "F8_E8M0"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-]:
-    if hasattr(torch, _name):
-        _TORCH_TO_ST[getattr(torch, _name)] = _st
-_ST_TO_TORCH = {v: k for k, v in _TORCH_TO_ST.items()}
-#: Conversions the Rust reader does while copying.
-_NATIVE = {"F32", "F16", "BF16"}
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; a key given twice (which would silently keep the last) is an error."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears more than once")
+        out[key] = value
+    return out
 
 
 def _resolve(path_or_dir: str | os.PathLike[str]) -> list[tuple[Path, list[str] | None]]:
-    """The files to read, each with the keys the index assigns to it (``None``: all of them)."""
+    """The files to read, each with the keys the index assigns to it (``None``: all of them).
+    Whether each is a regular file is checked when it is opened."""
     p = Path(path_or_dir)
-    if p.is_file():
-        return [(p, None)]
-    if not p.is_dir():
+    if not p.exists():
         raise FileNotFoundError(f"ramtorch.load: {str(p)!r} is neither a file nor a directory")
+    if not p.is_dir():
+        return [(p, None)]
     index = p / INDEX_NAME
-    if index.is_file():
+    if index.exists():
+        text = read_regular(index, "ramtorch.load")
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(text, object_pairs_hook=_unique_keys)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"ramtorch.load: {str(index)!r} is not a valid index: {e}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise ValueError(f"ramtorch.load: {str(index)!r} is not a valid index: {e!r}") from None
         by_file: dict[str, list[str]] = {}
         for key, fname in weight_map.items():
-            if not isinstance(fname, str) or Path(fname).name != fname:
+            if not isinstance(fname, str) or Path(fname).name != fname or fname in ("", ".", ".."):
                 raise ValueError(f"ramtorch.load: {str(index)!r}: bad file name {fname!r} for key {key!r}")
             by_file.setdefault(fname, []).append(key)
         return [(p / f, keys) for f, keys in sorted(by_file.items())]
@@ -101,38 +89,6 @@ def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]
             key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         groups.setdefault(key, []).append(name)
     return dict(sd), list(groups.values())
-
-
-def plain_loading(model: nn.Module) -> Callable[[str], bool]:
-    """Whether ``model.load_state_dict`` would only copy values into the parameters and buffers
-    of the module at a given prefix ("" for the root), so that a loader may write them directly.
-    Not where that module or one above it has its own ``_load_from_state_dict`` or load hooks,
-    which may change any key below them, nor anywhere when the model overrides
-    ``load_state_dict``."""
-    if type(model).load_state_dict is not nn.Module.load_state_dict:
-        return lambda prefix: False
-    own = [
-        prefix
-        for prefix, m in model.named_modules(remove_duplicate=False)
-        if type(m)._load_from_state_dict is not nn.Module._load_from_state_dict
-        or m._load_state_dict_pre_hooks
-        or m._load_state_dict_post_hooks
-    ]
-
-    def plain(prefix: str) -> bool:
-        return not any(f == "" or prefix == f or prefix.startswith(f + ".") for f in own)
-
-    return plain
-
-
-def _progress_bar(total: int, progress: bool | None, desc: str = "ramtorch.load") -> Any:
-    if progress is False or (progress is None and total <= _GIB):
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
 
 
 @torch.no_grad()
@@ -183,15 +139,13 @@ def load(
 def _load_into(
     model: nn.Module, path_or_dir: str | os.PathLike[str], strict: bool, progress: bool | None, t0: float
 ) -> dict[str, Any]:
-    from . import synchronize  # here, not at the top: ramtorch/__init__ imports this module
-
-    synchronize()  # weights may be in flight to a device
+    settle_engines()  # weights may be in flight to a device
     targets, groups = _targets(model)
 
-    files = [(path, _core.SafetensorsFile(str(path)), keys) for path, keys in _resolve(path_or_dir)]
-    source: dict[str, tuple[Any, str, tuple[int, ...]]] = {}
+    files = [(path, SafetensorsReader(path), keys) for path, keys in _resolve(path_or_dir)]
+    source: dict[str, tuple[SafetensorsReader, str, tuple[int, ...]]] = {}
     for path, f, keys in files:
-        entries = {name: (dtype, tuple(shape)) for name, dtype, shape in f.tensors()}
+        entries = {name: (dtype, shape) for name, (dtype, shape) in f.entries.items()}
         if keys is not None:
             absent = [k for k in keys if k not in entries]
             if absent:
@@ -207,7 +161,7 @@ def _load_into(
             source[name] = (f, dtype, shape)
 
     # Plan everything before writing anything.
-    plan: list[tuple[str, torch.Tensor, Any, str]] = []
+    plan: list[tuple[str, torch.Tensor, SafetensorsReader, str]] = []
     missing: list[str] = []
     for names in groups:
         present = [n for n in names if n in source]
@@ -222,7 +176,7 @@ def _load_into(
                 f"ramtorch.load: shape mismatch for {name!r}: the file ({f.path!r}) has {list(shape)}, "
                 f"the model has {list(t.shape)}"
             )
-        if dtype not in _ST_TO_TORCH:
+        if dtype not in ST_TO_TORCH:
             raise RuntimeError(f"ramtorch.load: {name!r} has dtype {dtype}, which torch cannot hold")
         plan.append((name, t, f, dtype))
     unexpected = sorted(set(source) - set(targets))
@@ -234,72 +188,49 @@ def _load_into(
         )
 
     total = sum(f.nbytes(name) for name, _, f, _ in plan)
-    bar = _progress_bar(total, progress)
+    bar = progress_bar(progress, total, "ramtorch.load")
     # Tensors that go straight into host memory are copied in batches per file, which all cores
-    # share (one tensor at a time leaves most of them idle); the rest go through a staging buffer.
+    # share; the rest go through a staging buffer.
     order = {id(f): i for i, (_, f, _) in enumerate(files)}
     plan.sort(key=lambda e: order[id(e[2])])
     staging: torch.Tensor | None = None
-    batch: list[tuple[str, int, int, str]] = []
-    batched: list[torch.Tensor] = []
-    batch_file: Any = None
-    batch_bytes = 0
-
-    def flush() -> None:
-        nonlocal batch_bytes
-        if batch:
-            batch_file.copy_many(batch)
-            for t in batched:
-                torch.autograd.graph.increment_version(t)  # slot caches key on versions
-            if bar is not None:
-                bar.update(batch_bytes)
-        batch.clear()
-        batched.clear()
-        batch_bytes = 0
-
+    batches = Batches(bar)
     plain = plain_loading(model)
     routed: dict[str, torch.Tensor] = {}  # for modules with their own loading: load_state_dict
     try:
         for name, t, f, dtype in plan:
             nbytes = f.nbytes(name)
             if not plain(name.rpartition(".")[0]):
-                tmp = torch.empty(t.shape, dtype=_ST_TO_TORCH[dtype])
-                f.copy_into(name, tmp.data_ptr(), nbytes, dtype)
+                tmp = torch.empty(t.shape, dtype=ST_TO_TORCH[dtype])
+                f.copy_many([(name, tmp.data_ptr(), nbytes, dtype)])
                 routed[name] = tmp
                 if bar is not None:
                     bar.update(nbytes)
                 continue
-            want = _TORCH_TO_ST.get(t.dtype)
-            native = want is not None and (want == dtype or (want in _NATIVE and dtype in _NATIVE))
+            want = TORCH_TO_ST.get(t.dtype)
+            native = want is not None and (want == dtype or (want in NATIVE and dtype in NATIVE))
             if t.numel() == 0:
                 pass
             elif native and t.device.type == "cpu" and t.is_contiguous():
-                if f is not batch_file:
-                    flush()
-                    batch_file = f
-                batch.append((name, t.data_ptr(), t.numel() * t.element_size(), want))
-                batched.append(t)
-                batch_bytes += nbytes
-                if batch_bytes >= _BATCH_BYTES:
-                    flush()
+                batches.add(f, (name, t.data_ptr(), t.numel() * t.element_size(), want), t)
                 continue
             else:
                 # Through the staging buffer: converted by Rust when it can, else by torch.
-                sdtype = t.dtype if native else _ST_TO_TORCH[dtype]
+                sdtype = t.dtype if native else ST_TO_TORCH[dtype]
                 n = t.numel() * (t.element_size() if native else torch.empty(0, dtype=sdtype).element_size())
                 if staging is None or staging.numel() < n:
                     staging = _arena.host_bytes(max(n, 1 << 20))
-                f.copy_into(name, staging.data_ptr(), n, want if native else dtype)
+                f.copy_many([(name, staging.data_ptr(), n, want if native else dtype)])
                 t.copy_(staging[:n].view(sdtype).view(t.shape))
             if bar is not None:
                 bar.update(nbytes)
-        flush()
+        batches.flush()
         if routed:
             model.load_state_dict(routed, strict=False)
     finally:
         if bar is not None:
             bar.close()
-    synchronize()  # forget what device slots held before
+    settle_engines()  # forget what device slots held before
     return {
         "missing": missing,
         "unexpected": unexpected,
@@ -309,35 +240,10 @@ def _load_into(
 
 
 def _shard_bytes(value: int | str) -> int:
-    from ._offload import parse_bytes
-
     n = parse_bytes(value, "max_shard_size")
     if not n:
         raise ValueError(f"max_shard_size must be positive, got {value!r}")
     return n
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def save(
@@ -360,8 +266,6 @@ def save(
     chunks), so saving holds no second copy of a shard. ``progress``: a progress bar over bytes
     (default: when saving more than 1 GiB).
     """
-    from .checkpoint import _check_storable, _header, _write_file
-
     limit = _shard_bytes(max_shard_size)
     out = Path(save_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +280,7 @@ def save(
         if key in seen:
             continue  # tied: recorded under its first name only
         seen[key] = name
-        _check_storable("save_pretrained", name, t)
+        check_storable("save_pretrained", name, t)
         items.append((name, t))
 
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -397,20 +301,19 @@ def save(
     )
     weight_map: dict[str, str] = {}
     total = sum(t.numel() * t.element_size() for _, t in items)
-    bar = _progress_bar(total, progress, "ramtorch.save_pretrained")
+    bar = progress_bar(progress, total, "ramtorch.save_pretrained")
     tick: Callable[[int], None] = bar.update if bar is not None else (lambda n: None)
     try:
         for fname, shard in zip(names, shards):
             entries = [(name, t.detach()) for name, t in shard]
-            head, _ = _header(entries, {"format": "pt"})
+            head, _ = header(entries, {"format": "pt"})
             for name, _ in shard:
                 weight_map[name] = fname
 
-            def write(p: Path, head: bytes = head, entries: list = entries) -> None:
-                with open(p, "wb") as f:
-                    _write_file(f, head, entries, tick)
+            def write(f: Any, head: bytes = head, entries: list = entries) -> None:
+                write_file(f, head, entries, tick)
 
-            _write_atomic(out / fname, write)
+            write_atomic(out / fname, write, "ramtorch.save_pretrained")
     finally:
         if bar is not None:
             bar.close()
@@ -418,12 +321,13 @@ def save(
     stale = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
     if count > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_atomic(out / INDEX_NAME, lambda p: p.write_text(json.dumps(index, indent=2) + "\n"))
+        text = (json.dumps(index, indent=2) + "\n").encode()
+        write_atomic(out / INDEX_NAME, lambda f: f.write(text), "ramtorch.save_pretrained")
         (out / SINGLE_NAME).unlink(missing_ok=True)
     else:
         (out / INDEX_NAME).unlink(missing_ok=True)
     for f in out.iterdir():
         if stale.fullmatch(f.name) and f.name not in names:
             f.unlink()
-    _fsync_dir(out)
+    fsync_dir(out)
     return names
