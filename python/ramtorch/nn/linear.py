@@ -99,6 +99,9 @@ class Linear(nn.Linear):
             ``MAX_INFLIGHT`` from the environment, else 2.
     """
 
+    #: Streams itself: ``ramtorch.offload`` leaves it out of the units it builds.
+    _ramtorch_streams_itself = True
+
     def __init__(
         self,
         in_features: int,
