@@ -8,6 +8,7 @@ module only passes torch's current stream to it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -151,6 +152,12 @@ def wait_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor] | None 
             spans.add(spans.WAITS, "wait for update", start, end, params or (), None, {"updates": blocked})
 
 
+def pending_updates() -> list[Update]:
+    """The updates registered now (running, queued, or failed and not yet discarded)."""
+    with _UPDATES_LOCK:
+        return [u for _, u in _UPDATES.values()]
+
+
 def _wait_update(u: Update) -> None:
     u.done.wait()
     if u.error is not None:
@@ -158,6 +165,15 @@ def _wait_update(u: Update) -> None:
             f"ramtorch: the optimizer update of {u.name} failed, so its weights are not valid "
             f"(load them again: ramtorch.load_checkpoint or ramtorch.load): {u.error}"
         ) from u.error
+
+
+_GENERATIONS = itertools.count(1)
+
+
+def next_generation() -> int:
+    """A number never handed out before in this process: a host region's generation, part of the
+    slot keys of its bytes (one source for every layer and unit, so keys never collide)."""
+    return next(_GENERATIONS)
 
 
 class Layout:

@@ -236,9 +236,7 @@ def _events(
 def _wait_for_updates_in_flight() -> None:
     """Until the optimizer updates still running or queued have finished (their failures are
     raised by the optimizer and the weights' readers, not here)."""
-    with _engine._UPDATES_LOCK:
-        pending = [u for _, u in _engine._UPDATES.values()]
-    for u in pending:
+    for u in _engine.pending_updates():
         u.done.wait()
 
 

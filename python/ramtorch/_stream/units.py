@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,9 +132,6 @@ def collect_units(
     return units, list(shared.values())
 
 
-_GENERATIONS = itertools.count(1)
-
-
 def _packed_bytes(params: Sequence[torch.Tensor]) -> int:
     """Bytes of the arena region :func:`ramtorch._arena.pack_mixed` makes for ``params``."""
     total = 0
@@ -151,7 +147,7 @@ class _Unit:
         self, uid: int, name: str, module: nn.Module, entries: list[tuple[nn.Module, str, nn.Parameter]]
     ):
         self.uid = uid  # index in its model
-        self.tag = next(_GENERATIONS)  # unique in this process: names the unit in traces
+        self.tag = _engine.next_generation()  # unique in this process: names the unit in traces
         self.name = name
         self.module = module
         self.params: list[nn.Parameter] = []
@@ -197,7 +193,7 @@ class _Unit:
         self.flat = flat
         self.layout = _engine.Layout(flat, views)
         self.home = [v.data_ptr() for v in views]
-        self.gen = next(_GENERATIONS)  # unique across models: slot keys of one engine never collide
+        self.gen = _engine.next_generation()  # unique across models: slot keys of one engine never collide
 
     def reset_backward_counts(self) -> None:
         self.fetches = 0
@@ -218,7 +214,7 @@ class _Unit:
         self.flat = flat
         self.layout = _engine.Layout(flat, views)
         self.home = [v.data_ptr() for v in views if v is not None]
-        self.gen = next(_GENERATIONS)
+        self.gen = _engine.next_generation()
 
     def is_home(self) -> bool:
         lay = self.layout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,6 @@ from torch import nn
 
 from .. import _arena, _config, _engine
 
-_GENERATIONS = itertools.count(1 << 40)  # distinct from the offload units' keys
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -137,7 +135,7 @@ class Linear(nn.Linear):
 
     def _set_home(self, flat: torch.Tensor) -> None:
         self._flat = flat
-        self._gen = next(_GENERATIONS)
+        self._gen = _engine.next_generation()
         if getattr(self, "_anchor", None) is None:
             self._anchor = torch.empty(0, requires_grad=True)
         self._layout = _engine.Layout(flat, [self.weight, self.bias])
