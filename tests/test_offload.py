@@ -279,6 +279,48 @@ def test_a_forward_that_raises_leaves_the_model_usable():
     assert all(isinstance(p, nn.Parameter) for p in ours.parameters())
 
 
+def test_pass_and_unit_states_settle_between_passes():
+    """Between passes every streamed unit holds nothing (HOME, or PREFETCHED after an inference
+    pass, which prefetches the next one's first units). A forward interrupted by Ctrl-C (which
+    skips torch's post-hooks) leaves its unit in FORWARD until the next pass begins and releases
+    it; training then matches torch."""
+    from ramtorch._stream.streamer import PassState
+    from ramtorch._stream.units import UnitState
+
+    ref, ours = twins(TinyLM, "cpu")
+    s = ours._ramtorch_streamer
+    params = list(ours.parameters())
+    ids = torch.randint(0, 37, (2, 5))
+
+    def states() -> set:
+        return {s.unit_state(u) for u in s.streamed}
+
+    ours(ids).square().mean().backward()
+    assert s.state is PassState.IDLE and states() == {UnitState.HOME}
+    with torch.no_grad():
+        ours(ids)
+    assert s.state is PassState.IDLE and states() <= {UnitState.HOME, UnitState.PREFETCHED}
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    handle = ours.blocks[2].attn.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ours(ids)
+    handle.remove()
+    assert PassState.FORWARD in s.state
+    assert UnitState.FORWARD in s.unit_state(ours.blocks[2]._ramtorch_unit)
+
+    for p in params:
+        p.grad = None
+    close(ref(ids), out := ours(ids))
+    assert s.state is PassState.IDLE and states() <= {UnitState.HOME, UnitState.PREFETCHED}
+    ref(ids).square().mean().backward()
+    out.square().mean().backward()
+    compare_grads(ref, ours)
+    assert s.state is PassState.IDLE and states() == {UnitState.HOME}
+
+
 # -- budget --------------------------------------------------------------------------------------
 
 

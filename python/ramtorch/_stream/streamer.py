@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import threading
 import weakref
 from collections.abc import Sequence
@@ -14,14 +15,43 @@ from torch.utils._pytree import tree_flatten
 from .. import _engine
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
-from .units import _Unit
+from .units import BackwardPhase, UnitState, _Unit
 
 #: Trace mark codes (see :mod:`ramtorch._trace`).
 MARK_FWD_BEGIN, MARK_FWD_END, MARK_BWD_BEGIN, MARK_BWD_END = 1, 2, 3, 4
 
 
+class PassState(enum.Flag):
+    """Where a streamer is in the training loop (``Streamer.state``).
+
+    =============================  ==================================================================
+    transition                     where
+    =============================  ==================================================================
+    any -> FORWARD                 :meth:`Streamer.begin_pass` (root forward pre-hook, outside
+                                   backward). A BACKWARD still set belongs to a backward that raised
+                                   before its end: it is cleared, its counts and slots dropped.
+    FORWARD -> (clear FORWARD)     :meth:`Streamer.end_pass` (root forward hook, always called)
+    (set BACKWARD)                 :meth:`Streamer._begin_backward_locked`, when a backward first
+                                   reaches a unit: the end-of-backward callback is queued
+    BACKWARD -> (clear BACKWARD)   :meth:`Streamer.end_of_backward` (that callback)
+    =============================  ==================================================================
+
+    ``FORWARD | BACKWARD`` happens only when a model's forward runs a backward inside it.
+    """
+
+    IDLE = 0
+    FORWARD = enum.auto()
+    BACKWARD = enum.auto()
+
+
 class Streamer(Prefetcher, GradientHooks):
-    """Runs the units of one offloaded model on one compute device."""
+    """Runs the units of one offloaded model on one compute device.
+
+    State: the pass (``state``, a :class:`PassState`, with its transitions listed there) and, per
+    unit, its forwards (``_Unit.fwd``), its backward phase (``_Unit.phase``, a
+    :class:`~ramtorch._stream.units.BackwardPhase`) and its prefetch (``ahead``);
+    :meth:`unit_state` sums them up. Every transition happens under ``lock``.
+    """
 
     def __init__(
         self,
@@ -56,8 +86,7 @@ class Streamer(Prefetcher, GradientHooks):
         self.ahead: dict[int, tuple[int, int]] = {}  # uid -> (slot, key): prefetched, not claimed
         self.held = 0  # slots held by running units (forward or backward)
         self.slot_owner: dict[int, _Unit] = {}  # slot storage address -> unit using it in forward
-        self.in_pass = False
-        self.bwd_callback_queued = False
+        self.state = PassState.IDLE
         self.lock = threading.RLock()
         self.counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0, "passes": 0}
         self.hook_handles: list[Any] = []
@@ -70,11 +99,11 @@ class Streamer(Prefetcher, GradientHooks):
             return  # a recomputation inside backward
         with self.lock:
             interrupted = self.eng.drop_interrupted()
-            if self.bwd_callback_queued:
+            if PassState.BACKWARD in self.state:
                 # A backward raised before its end, so its end-of-backward callback never ran:
                 # without this the next backward would not queue one, and no gradient would
                 # ever reach ``.grad`` again.
-                self.bwd_callback_queued = False
+                self.state &= ~PassState.BACKWARD
                 self.cur_bwd = []
                 interrupted = True
             if interrupted:
@@ -86,15 +115,15 @@ class Streamer(Prefetcher, GradientHooks):
                 while u.fwd:
                     self._end_forward(u, *u.fwd.pop()[:5])
             self._release_backward()
-            self.in_pass = True
+            self.state |= PassState.FORWARD
             self.cur_fwd = []
             self.fwd_pos = 0
 
     def end_pass(self) -> None:
-        if not self.in_pass:
+        if PassState.FORWARD not in self.state:
             return
         with self.lock:
-            self.in_pass = False
+            self.state &= ~PassState.FORWARD
             self.fwd_itin = self.cur_fwd
             self.cur_fwd = []
             self.counters["passes"] += 1
@@ -117,7 +146,7 @@ class Streamer(Prefetcher, GradientHooks):
                 assert u.bwd is not None
                 slot, own = u.bwd, False
             else:
-                if self.in_pass:
+                if PassState.FORWARD in self.state:
                     self.cur_fwd.append(u.uid)
                     self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
                     itin, pos = self.fwd_itin, self.fwd_pos
@@ -210,24 +239,26 @@ class Streamer(Prefetcher, GradientHooks):
     def _pre_backward_hook(self, u: _Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:
             with self.lock:
-                if not u.in_bwd:
+                if u.phase is BackwardPhase.IDLE:
                     self._begin_backward_locked(u)
 
         return hook
 
     def _begin_backward_locked(self, u: _Unit) -> None:
-        if not self.bwd_callback_queued:
-            self.bwd_callback_queued = True
+        if PassState.BACKWARD not in self.state:
+            self.state |= PassState.BACKWARD
             self.cur_bwd = []
             self.bwd_pos = 0
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
-        first = not u.in_bwd
-        u.in_bwd = True
+        first = u.phase is BackwardPhase.IDLE
+        if first:
+            u.phase = BackwardPhase.REACHED
         if first:
             self.cur_bwd.append(u.uid)
             self.bwd_pos = self._advance(self.bwd_itin, self.bwd_pos, u.uid)
         if u.bwd is None:
             u.bwd = self._take(u, [x.key() for x in self._lookahead(self.bwd_itin, self.bwd_pos)])
+            u.phase = BackwardPhase.HELD
             self.eng.mark(u.tag, MARK_BWD_BEGIN)
             # Code that runs the unit's submodules during its backward (a checkpointed region
             # inside the unit recomputing) must find the weights on the device.
@@ -258,6 +289,7 @@ class Streamer(Prefetcher, GradientHooks):
                 self._restore(u)
                 self._give(u.bwd)
                 u.bwd = None
+                u.phase = BackwardPhase.REACHED
 
     @staticmethod
     def _restore(u: _Unit) -> None:
@@ -271,13 +303,13 @@ class Streamer(Prefetcher, GradientHooks):
                 self._restore(u)
                 self._give(u.bwd)
                 u.bwd = None
-            u.in_bwd = False
+            u.phase = BackwardPhase.IDLE
 
     def end_of_backward(self) -> None:
         with self.lock:
             self._release_backward()
             self._drop_ahead()
-            self.bwd_callback_queued = False
+            self.state &= ~PassState.BACKWARD
             if self.cur_bwd:
                 self.bwd_itin = self.cur_bwd
             self.cur_bwd = []
@@ -286,6 +318,17 @@ class Streamer(Prefetcher, GradientHooks):
         self.eng.finish()
 
     # -- reporting --------------------------------------------------------------------------------
+
+    def unit_state(self, u: _Unit) -> UnitState:
+        """What ``u`` holds now (see :class:`~ramtorch._stream.units.UnitState`)."""
+        state = UnitState.HOME
+        if u.uid in self.ahead:
+            state |= UnitState.PREFETCHED
+        if u.fwd:
+            state |= UnitState.FORWARD
+        if u.phase is BackwardPhase.HELD:
+            state |= UnitState.BACKWARD
+        return state
 
     def stats(self) -> dict[str, Any]:
         streamed = [u for u in self.units if not u.resident]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,6 +141,44 @@ def _packed_bytes(params: Sequence[torch.Tensor]) -> int:
     return total
 
 
+class BackwardPhase(enum.Enum):
+    """A streamed unit's part in the running backward pass (``_Unit.phase``).
+
+    =========  ===========================================  =====================================
+    phase      meaning                                      next
+    =========  ===========================================  =====================================
+    IDLE       not reached by a backward since the last     REACHED, when a gradient (or a saved
+               end of backward                              tensor, or a recomputation) needs it
+    REACHED    reached by the running backward; holds no    HELD once its slot is taken; IDLE at
+               slot (its backward ended, or not begun)      the end of the backward
+    HELD       its backward runs on slot ``_Unit.bwd``      REACHED (``Streamer.end_backward``);
+                                                            IDLE at the end of the backward
+    =========  ===========================================  =====================================
+
+    A unit's forwards are ``_Unit.fwd`` (a stack: a unit may run inside itself, and a
+    recomputation inside backward runs on the backward slot). See :class:`UnitState` for the whole
+    picture of one unit.
+    """
+
+    IDLE = "idle"
+    REACHED = "reached"
+    HELD = "held"
+
+
+class UnitState(enum.Flag):
+    """What a streamed unit holds now (:meth:`ramtorch._stream.streamer.Streamer.unit_state`).
+    ``HOME``: nothing (its weights are in host RAM, maybe still in a released slot that the next
+    use reuses without a copy). ``PREFETCHED``: a copy of it was issued ahead into a slot not yet
+    claimed. ``FORWARD``: a forward of it runs. ``BACKWARD``: its backward holds a slot. Between
+    passes every unit is ``HOME`` or ``PREFETCHED`` (an inference pass prefetches the next one's
+    first units); anything else after an interrupted pass is a leaked slot."""
+
+    HOME = 0
+    PREFETCHED = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD = enum.auto()
+
+
 class _Unit:
     """One streamed (or resident) unit."""
 
@@ -167,8 +206,8 @@ class _Unit:
         self.home: list[int] = []
         # Running forwards (a unit may be called inside itself): (slot, saved-tensor hooks, slot address).
         self.fwd: list[tuple[int, Any, int]] = []
-        self.bwd: int | None = None
-        self.in_bwd = False
+        self.bwd: int | None = None  # the slot of its running backward (phase HELD)
+        self.phase = BackwardPhase.IDLE
         self.anchor = torch.empty(0, requires_grad=True)
         # Weight-gradient nodes created since the last backward ended, and how many have run: when
         # they are equal every gradient of this unit for the step is on its way to the host.
