@@ -37,6 +37,8 @@ Files, one concept each:
 - :mod:`.functions`: the autograd functions (:class:`_Fetch`, :class:`_PostBackward`), the
   saved-tensor hooks and the graph walk that sends weight gradients early (:class:`GradientHooks`);
 - :mod:`.streamer`: :class:`Streamer`, the per-unit state machine driven by module hooks;
+- :mod:`.shared`: free-standing units (``ramtorch.nn.Linear``) on one shared streamer per device,
+  whose itinerary records them in the order they run;
 - :mod:`.placement`: the planner (which units stay resident, how many slots).
 
 This layer imports only the engine layer (``_engine``, ``_arena``, ``_core``, ``_config``,

@@ -109,8 +109,8 @@ class Prefetcher:
         for uid in itin[pos:]:
             if len(out) >= depth:
                 break
-            u = self.by_uid[uid]
-            if not u.resident and u not in out:
+            u = self.by_uid.get(uid)  # (a free-standing unit whose layer is gone: None)
+            if u is not None and not u.resident and u not in out:
                 out.append(u)
         return out
 
@@ -132,9 +132,15 @@ class Prefetcher:
 
     @staticmethod
     def _advance(itin: list[int], pos: int, uid: int) -> int:
+        """The itinerary position after ``uid`` ran: its next occurrence from ``pos`` on, else its
+        first one (the order changed: what followed it last time comes next), else the end."""
         if pos < len(itin) and itin[pos] == uid:
             return pos + 1
         try:
             return itin.index(uid, pos) + 1
+        except ValueError:
+            pass
+        try:
+            return itin.index(uid) + 1
         except ValueError:
             return len(itin)
