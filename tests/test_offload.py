@@ -503,6 +503,40 @@ def test_embedding_and_conv2d_layers_match_torch(device):
     close(c2(x), r_conv(x))
 
 
+def test_a_stack_of_conv2d_layers_prefetches_and_survives_an_interrupt():
+    """Per-layer Conv2d and Embedding share their device's streamer with per-layer Linear: a
+    second pass over a stack finds the next layers prefetched, a Ctrl-C inside one layer's forward
+    (which skips torch's forward hooks) leaves nothing held once the next forward runs, and
+    training matches torch."""
+    torch.manual_seed(0)
+    refs = nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(5)])
+    ours = nn.Sequential(*[rnn.Conv2d(4, 4, 3, padding=1) for _ in range(5)])
+    ours.load_state_dict(refs.state_dict())
+    counters = ramtorch._engine.engine_for(torch.device("cpu")).layer_counters
+    x = torch.randn(2, 4, 6, 6)
+    with torch.no_grad():
+        ours(x)
+        before = dict(counters)
+        close(refs(x), ours(x))
+    assert counters["prefetch_hits"] - before["prefetch_hits"] >= 3
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    params = list(ours.parameters())
+    handle = ours[2].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ours(x).sum().backward()
+    handle.remove()
+    assert all(p.grad is None for p in params)
+    for _ in range(2):
+        refs(x).square().mean().backward()
+        ours(x).square().mean().backward()
+    compare_grads(refs, ours)
+    streamer = ours[0]._layer_streamer
+    assert streamer.held == 0 and not any(u.fwd for u in streamer.units)
+
+
 def test_progress_bar_when_moving_into_host_ram(capsys):
     m = TinyLM()
     ramtorch.offload(m, device="cpu", progress=True)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import _engine
+from ._stream import shared as _shared
 from ._stream import streamer as _streamer
 
 _KIND_TRACK = {"h2d": "host→device", "d2h": "device→host", "wait": "compute waits", "mark": "compute"}
@@ -78,7 +79,7 @@ class HostSpans:
 
 def _unit_names() -> dict[int, str]:
     names: dict[int, str] = {}
-    for s in _streamer.streamers():
+    for s in [*_streamer.streamers(), *_shared.streamers()]:
         for u in s.units:
             names[u.tag] = u.name
     return names

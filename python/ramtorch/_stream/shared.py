@@ -57,8 +57,12 @@ class LayerStreamer(Streamer):
         self.ahead: dict[int, tuple[int, int]] = {}
         self.held = 0
         self.slot_owner: dict[int, _Unit] = {}
-        self.state = PassState.IDLE
+        # Free-standing units are always in a forward pass (no root module begins or ends one).
+        self.state = PassState.FORWARD
         self.lock = threading.RLock()
+        # Hooked units with a forward running: one that a Ctrl-C cut short (torch skips forward
+        # hooks on BaseExceptions) still holds its slot; the next forward releases it.
+        self.in_forward: dict[int, _Unit] = {}
         # Reported by the engine's stats as ``layer_*``.
         self.counters = self.eng.layer_counters
         self.hook_handles: list[Any] = []
@@ -115,6 +119,63 @@ class LayerStreamer(Streamer):
                 self._drop_ahead(uid)
             free = self.slots - self.held - len(self.ahead)
         return free
+
+    def attach(self, module: nn.Module, name: str, max_inflight: int) -> tuple[_Unit, list[Any]]:
+        """Streams ``module``'s own parameters as one unit of this device through its forward hooks,
+        as an offloaded model's units run (``ramtorch.nn.Embedding``, ``Conv2d``): they move into
+        one host-arena region. Returns the unit and the hook handles (remove them to detach)."""
+        with self.lock:
+            u = _Unit(
+                self.next_uid,
+                name,
+                module,
+                [(module, n, p) for n, p in module.named_parameters(recurse=False)],
+            )
+            self.next_uid += 1
+            u.pack()
+            assert u.layout is not None
+            self.by_uid[u.uid] = u
+            self.max_inflight = max(self.max_inflight, max_inflight)
+            self.slots = max(self.slots, max_inflight + 1)
+            self.eng.reserve(u.layout.nbytes, max_inflight + 1)
+        handles = [
+            module.register_forward_pre_hook(
+                lambda m, a, k, u=u: self.layer_pre_forward(u, m, a, k), with_kwargs=True
+            ),
+            module.register_forward_hook(
+                lambda m, a, k, o, u=u: self.layer_post_forward(u, m, a, k, o),
+                with_kwargs=True,
+                always_call=True,
+            ),
+            # A pipelined optimizer step may still be writing the weights that state_dict() hands out.
+            module.register_state_dict_pre_hook(lambda *_, u=u: _engine.wait_updates(u.params)),
+        ]
+        return u, handles
+
+    def layer_pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of a hooked unit (see :meth:`attach`)."""
+        if torch._C._current_graph_task_id() == -1:
+            with self.lock:
+                self._check_interrupted()
+                for x in list(self.in_forward.values()):
+                    while x.fwd:
+                        self._end_forward(x, *x.fwd.pop()[:5])
+                self.in_forward.clear()
+        out = self.pre_forward(u, module, args, kwargs)
+        with self.lock:
+            self.in_forward[u.uid] = u
+            itin = self.fwd_itin
+            if itin and self.fwd_pos >= len(itin) and not torch.is_grad_enabled():
+                self._prefetch_along(itin, 0, u)  # the next inference pass (see borrow)
+        return out
+
+    def layer_post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Forward hook of a hooked unit (always called, also when its forward raised)."""
+        out = self.post_forward(u, module, args, kwargs, output)
+        if not u.fwd:
+            with self.lock:
+                self.in_forward.pop(u.uid, None)
+        return out
 
     # -- passes -----------------------------------------------------------------------------------
 
@@ -218,6 +279,11 @@ class LayerStreamer(Streamer):
 
 _SHARED: dict[torch.device, LayerStreamer] = {}
 _SHARED_LOCK = threading.Lock()
+
+
+def streamers() -> list[LayerStreamer]:
+    """The devices' shared streamers made so far."""
+    return list(_SHARED.values())
 
 
 def for_device(device: torch.device) -> LayerStreamer:

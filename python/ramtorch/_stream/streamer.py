@@ -119,6 +119,11 @@ class Streamer(Prefetcher, GradientHooks):
             self.cur_fwd = []
             self.fwd_pos = 0
 
+    def _record_forward(self, u: _Unit) -> None:
+        """``u`` runs next in the forward pass: recorded, and the itinerary position advanced."""
+        self.cur_fwd.append(u.uid)
+        self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
+
     def end_pass(self) -> None:
         if PassState.FORWARD not in self.state:
             return
@@ -147,8 +152,7 @@ class Streamer(Prefetcher, GradientHooks):
                 slot, own = u.bwd, False
             else:
                 if PassState.FORWARD in self.state:
-                    self.cur_fwd.append(u.uid)
-                    self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
+                    self._record_forward(u)
                     itin, pos = self.fwd_itin, self.fwd_pos
                 else:
                     itin, pos = [], 0
