@@ -305,3 +305,27 @@ def test_layers_prefetch_their_learned_successors_and_relearn():
     after = ramtorch._engine.engine_for(torch.device("cpu")).layer_counters
     assert after["prefetch_hits"] > before["prefetch_hits"]
     assert after["prefetch_wasted"] > before["prefetch_wasted"]  # the order changed twice
+
+
+def test_a_stack_of_layers_prefetches_along_its_itinerary_on_the_second_pass():
+    """The layers of a stack share their device's streamer: the first pass learns their order,
+    the second finds the next layers' weights already copied (prefetch hits), forward and backward,
+    and matches torch."""
+    torch.manual_seed(0)
+    refs = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    ours = nn.Sequential(*[rnn.Linear.from_linear(r) for r in refs])
+    counters = ramtorch._engine.engine_for(torch.device("cpu")).layer_counters
+    x = torch.randn(3, 16)
+    ours(x).sum().backward()
+    refs(x).sum().backward()
+    before = dict(counters)
+    with torch.no_grad():
+        close(refs(x), ours(x), torch.float32)
+    assert counters["prefetch_hits"] - before["prefetch_hits"] >= 4
+    before = dict(counters)
+    ours(x).sum().backward()
+    refs(x).sum().backward()
+    assert counters["prefetch_hits"] - before["prefetch_hits"] >= 8
+    for r, o in zip(refs, ours):
+        close(r.weight.grad, o.weight.grad, torch.float32)
+        close(r.bias.grad, o.bias.grad, torch.float32)

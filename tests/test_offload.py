@@ -279,6 +279,48 @@ def test_a_forward_that_raises_leaves_the_model_usable():
     assert all(isinstance(p, nn.Parameter) for p in ours.parameters())
 
 
+def test_pass_and_unit_states_settle_between_passes():
+    """Between passes every streamed unit holds nothing (HOME, or PREFETCHED after an inference
+    pass, which prefetches the next one's first units). A forward interrupted by Ctrl-C (which
+    skips torch's post-hooks) leaves its unit in FORWARD until the next pass begins and releases
+    it; training then matches torch."""
+    from ramtorch._stream.streamer import PassState
+    from ramtorch._stream.units import UnitState
+
+    ref, ours = twins(TinyLM, "cpu")
+    s = ours._ramtorch_streamer
+    params = list(ours.parameters())
+    ids = torch.randint(0, 37, (2, 5))
+
+    def states() -> set:
+        return {s.unit_state(u) for u in s.streamed}
+
+    ours(ids).square().mean().backward()
+    assert s.state is PassState.IDLE and states() == {UnitState.HOME}
+    with torch.no_grad():
+        ours(ids)
+    assert s.state is PassState.IDLE and states() <= {UnitState.HOME, UnitState.PREFETCHED}
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    handle = ours.blocks[2].attn.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ours(ids)
+    handle.remove()
+    assert PassState.FORWARD in s.state
+    assert UnitState.FORWARD in s.unit_state(ours.blocks[2]._ramtorch_unit)
+
+    for p in params:
+        p.grad = None
+    close(ref(ids), out := ours(ids))
+    assert s.state is PassState.IDLE and states() <= {UnitState.HOME, UnitState.PREFETCHED}
+    ref(ids).square().mean().backward()
+    out.square().mean().backward()
+    compare_grads(ref, ours)
+    assert s.state is PassState.IDLE and states() == {UnitState.HOME}
+
+
 # -- budget --------------------------------------------------------------------------------------
 
 
@@ -350,7 +392,7 @@ def test_parse_bytes():
     assert parse_bytes(None) is None
     for bad in ("lots", "-1GiB", "12 parsecs"):
         with pytest.raises(ValueError, match="gpu_budget"):
-            parse_bytes(bad)
+            parse_bytes(bad, "gpu_budget")
     with pytest.raises(TypeError):
         parse_bytes(True)
 
@@ -459,6 +501,40 @@ def test_embedding_and_conv2d_layers_match_torch(device):
         compare_grads(b, a)
     c2 = copy.deepcopy(conv)
     close(c2(x), r_conv(x))
+
+
+def test_a_stack_of_conv2d_layers_prefetches_and_survives_an_interrupt():
+    """Per-layer Conv2d and Embedding share their device's streamer with per-layer Linear: a
+    second pass over a stack finds the next layers prefetched, a Ctrl-C inside one layer's forward
+    (which skips torch's forward hooks) leaves nothing held once the next forward runs, and
+    training matches torch."""
+    torch.manual_seed(0)
+    refs = nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(5)])
+    ours = nn.Sequential(*[rnn.Conv2d(4, 4, 3, padding=1) for _ in range(5)])
+    ours.load_state_dict(refs.state_dict())
+    counters = ramtorch._engine.engine_for(torch.device("cpu")).layer_counters
+    x = torch.randn(2, 4, 6, 6)
+    with torch.no_grad():
+        ours(x)
+        before = dict(counters)
+        close(refs(x), ours(x))
+    assert counters["prefetch_hits"] - before["prefetch_hits"] >= 3
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    params = list(ours.parameters())
+    handle = ours[2].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ours(x).sum().backward()
+    handle.remove()
+    assert all(p.grad is None for p in params)
+    for _ in range(2):
+        refs(x).square().mean().backward()
+        ours(x).square().mean().backward()
+    compare_grads(refs, ours)
+    streamer = ours[0]._layer_streamer
+    assert streamer.held == 0 and not any(u.fwd for u in streamer.units)
 
 
 def test_progress_bar_when_moving_into_host_ram(capsys):

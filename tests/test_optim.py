@@ -729,9 +729,9 @@ def test_a_weights_gradient_leaves_as_soon_as_its_node_has_run(device, monkeypat
 def test_jobs_of_single_weights_as_they_land_equal_torch(mode, monkeypatch):
     """With every weight handed to the optimizer alone as its gradient lands (no batching of small
     ones), ten steps still equal torch's AdamW, and the jobs were of one weight each."""
-    from ramtorch import _offload
+    from ramtorch._stream import functions as _stream_functions
 
-    monkeypatch.setattr(_offload, "_READY_BATCH", 1)
+    monkeypatch.setattr(_stream_functions, "_READY_BATCH", 1)
     ref, ours = pair("cpu", p_drop=0.0)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, pipeline=mode == "pipeline")
@@ -786,9 +786,9 @@ class OddNet(nn.Module):
 def test_weights_reached_in_odd_ways_train_as_torch(mode, monkeypatch):
     """Also: a weight its unit's forward did not use gets no gradient, as in torch (it used to get
     zeros, and AdamW then decayed it)."""
-    from ramtorch import _offload
+    from ramtorch._stream import functions as _stream_functions
 
-    monkeypatch.setattr(_offload, "_READY_BATCH", 1)  # every weight a job of its own
+    monkeypatch.setattr(_stream_functions, "_READY_BATCH", 1)  # every weight a job of its own
     torch.manual_seed(0)
     ref = OddNet()
     ours = copy.deepcopy(ref)

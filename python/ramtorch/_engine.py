@@ -8,6 +8,7 @@ module only passes torch's current stream to it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -151,6 +152,12 @@ def wait_updates(params: Iterator[torch.Tensor] | Sequence[torch.Tensor] | None 
             spans.add(spans.WAITS, "wait for update", start, end, params or (), None, {"updates": blocked})
 
 
+def pending_updates() -> list[Update]:
+    """The updates registered now (running, queued, or failed and not yet discarded)."""
+    with _UPDATES_LOCK:
+        return [u for _, u in _UPDATES.values()]
+
+
 def _wait_update(u: Update) -> None:
     u.done.wait()
     if u.error is not None:
@@ -158,6 +165,15 @@ def _wait_update(u: Update) -> None:
             f"ramtorch: the optimizer update of {u.name} failed, so its weights are not valid "
             f"(load them again: ramtorch.load_checkpoint or ramtorch.load): {u.error}"
         ) from u.error
+
+
+_GENERATIONS = itertools.count(1)
+
+
+def next_generation() -> int:
+    """A number never handed out before in this process: a host region's generation, part of the
+    slot keys of its bytes (one source for every layer and unit, so keys never collide)."""
+    return next(_GENERATIONS)
 
 
 class Layout:
@@ -192,21 +208,13 @@ class DeviceEngine:
         self._want_bytes = 0
         self._want_count = 0
         self._lock = threading.RLock()
-        # Per-layer prefetch (ramtorch.nn.Linear): which layer followed which, per phase (forward,
-        # backward), learned from the last acquisitions; copies issued ahead, keyed by layer state.
-        self._succ: dict[tuple[bool, int], weakref.ref[Any]] = {}
-        self._last: dict[bool, weakref.ref[Any]] = {}
-        self._ahead: dict[int, int] = {}  # key -> slot
-        self._held = 0
+        # Prefetch counters of the free-standing layers streaming on this device (their streamer
+        # counts here; reported as ``layer_*`` by :meth:`stats`).
         self.layer_counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         # Holders of speculative prefetches on this device (offloaded models' streamers): asked
         # to give their slots back (``holder.drop_prefetched()``) when the slots are needed.
         self._holders: weakref.WeakSet[Any] = weakref.WeakSet()
-        # Per-layer Linear: id(layer) -> [layer (weakly), forwards that will push gradients,
-        # backwards that pushed them] since the last end of backward. Equal counts: every
-        # gradient of the layer for this backward is on its way (see grads_complete).
-        self._layer_counts: dict[int, list[Any]] = {}
         self.tracing = False  # set by ramtorch.trace
         # Gradient copies in flight: their device sources, oldest first, freed as they complete.
         self._grad_sources: deque[torch.Tensor] = deque()
@@ -261,90 +269,11 @@ class DeviceEngine:
         finally:
             self._core.release(index, stream)
 
-    # -- keyed per-layer acquisition with a learned successor itinerary ------------------------
-
     def reclaim(self) -> None:
         """Asks every holder of a speculative prefetch on this device (offloaded models, the
-        per-layer prefetch) to release it: slots are shared between them."""
+        per-layer streamer) to release it: slots are shared between them."""
         for holder in list(self._holders):
             holder.drop_prefetched()
-        self.drop_ahead()
-
-    def drop_ahead(self) -> None:
-        """Releases slots prefetched for layers that were not used."""
-        with self._lock:
-            for slot in self._ahead.values():
-                self._core.release(slot, self._stream())
-                self.layer_counters["prefetch_wasted"] += 1
-            self._ahead.clear()
-
-    def _layer_prefetch(self, layer: Any, max_inflight: int, keep: list[int]) -> int:
-        if len(self._slots) - self._held - len(self._ahead) <= 0:
-            self.drop_ahead()
-        flat, layout = layer._flat, layer._layout
-        try:
-            slot, _ = self.prefetch(layer._stream_key(), flat, layout.nbytes, max_inflight, keep, 0)
-        except _core.SlotsExhausted:
-            self.reclaim()
-            slot, _ = self.prefetch(layer._stream_key(), flat, layout.nbytes, max_inflight, keep, 0)
-        return slot
-
-    @contextmanager
-    def borrow_layer(self, layer: Any, max_inflight: int) -> Iterator[list[torch.Tensor | None]]:
-        """As :meth:`borrow` for a layer with ``_flat``, ``_layout`` and ``_stream_key()``: a slot
-        still holding the layer's current weights is reused without a copy, and the layers that
-        followed this one last time (in this phase: forward or backward) are prefetched."""
-        backward = torch._C._current_graph_task_id() != -1
-        wait_updates(layer._parameters.values())  # a pipelined optimizer step may still write them
-        with self._lock:
-            self._ensure_slots()
-            key = layer._stream_key()
-            slot = self._ahead.pop(key, None)
-            if slot is not None:
-                self.layer_counters["prefetch_hits"] += 1
-            else:
-                slot = self._layer_prefetch(layer, max_inflight, [])
-            self._held += 1
-            try:
-                self._core.claim(slot, self._stream(), 0)
-                prev = self._last.get(backward)
-                prev_layer = prev() if prev is not None else None
-                if prev_layer is not None and prev_layer is not layer:
-                    self._succ[(backward, id(prev_layer))] = weakref.ref(layer)
-                self._last[backward] = weakref.ref(layer)
-                # Prefetch along the successors learned so far.
-                nxt, seen = layer, {id(layer)}
-                for _ in range(min(max_inflight, len(self._slots) - 1)):
-                    ref = self._succ.get((backward, id(nxt)))
-                    nxt = ref() if ref is not None else None
-                    if nxt is None or id(nxt) in seen or getattr(nxt, "_flat", None) is None:
-                        break
-                    seen.add(id(nxt))
-                    if not nxt._is_home() or nxt.compute_device != self.device:
-                        break
-                    if updating(nxt._parameters.values()):
-                        break
-                    k = nxt._stream_key()
-                    if k in self._ahead:
-                        continue
-                    if len(self._slots) - self._held - len(self._ahead) <= 0:
-                        break
-                    try:
-                        lay = nxt._layout
-                        self._ahead[k], _ = self.prefetch(k, nxt._flat, lay.nbytes, max_inflight, [k], 0)
-                    except _core.SlotsExhausted:
-                        break  # speculative: never worth an error
-                    self.layer_counters["prefetches"] += 1
-            except BaseException:
-                self._held -= 1
-                self._core.release(slot, self._stream())
-                raise
-        try:
-            yield layer._layout.views(self._slots[slot])
-        finally:
-            with self._lock:
-                self._held -= 1
-                self._core.release(slot, self._stream())
 
     # -- split acquisition (prefetch ahead, claim at the point of use) ---------------------------
 
@@ -412,17 +341,11 @@ class DeviceEngine:
         else:
             entry[1].append(dst)
 
-    def queue_finish(self) -> None:
-        """Asks autograd to call :meth:`finish` when the running backward pass ends."""
-        torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-
     def finish(self) -> None:
         """Waits for every gradient copy (one synchronisation per backward) and accumulates the
         host buffers into ``.grad``, then runs post-accumulate-grad hooks."""
         # The optimizer step comes next: weights may change in ways no version counter sees.
-        self.drop_ahead()
         self._core.invalidate()
-        self._layer_counts.clear()
         for listener in list(self._listeners):
             listener.before_finish()
         if not self._pending and not self._grad_sources:
@@ -457,7 +380,6 @@ class DeviceEngine:
             self._core.synchronize()
             self._grad_sources.clear()
             self._pending.clear()
-            self._layer_counts.clear()
             return True
         return False
 
@@ -475,23 +397,6 @@ class DeviceEngine:
         ``params`` for this backward is on its way to the host; ``listener.before_finish()`` before
         the gradients are written to ``.grad``."""
         self._listeners.add(listener)
-
-    def count_forward(self, layer: Any) -> None:
-        """A per-layer Linear ran a forward whose backward will push its gradients."""
-        entry = self._layer_counts.get(id(layer))
-        if entry is None or entry[0]() is not layer:
-            entry = self._layer_counts[id(layer)] = [weakref.ref(layer), 0, 0]
-        entry[1] += 1
-
-    def count_backward(self, layer: Any, params: list[torch.nn.Parameter]) -> None:
-        """A per-layer Linear's backward pushed its gradients; once every forward counted since
-        the last end of backward has had its backward, the optimizers may update the layer."""
-        entry = self._layer_counts.get(id(layer))
-        if entry is None or entry[0]() is not layer:
-            return  # its forward was not counted (it ran before the last end of backward)
-        entry[2] += 1
-        if entry[2] == entry[1] and params:
-            self.grads_complete(params)
 
     def grads_complete(self, params: list[torch.nn.Parameter]) -> None:
         for listener in list(self._listeners):
@@ -513,7 +418,6 @@ class DeviceEngine:
         Prefetched copies are dropped and no slot is trusted to hold current weights anymore."""
         for holder in list(self._holders):
             holder.drop_prefetched()
-        self.drop_ahead()
         self._core.invalidate()
         if self._pending or self._grad_sources:
             self.finish()

@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from . import _engine, _offload
+from . import _engine
+from ._stream import shared as _shared
+from ._stream import streamer as _streamer
 
 _KIND_TRACK = {"h2d": "host→device", "d2h": "device→host", "wait": "compute waits", "mark": "compute"}
 
@@ -77,7 +79,7 @@ class HostSpans:
 
 def _unit_names() -> dict[int, str]:
     names: dict[int, str] = {}
-    for s in _offload.streamers():
+    for s in [*_streamer.streamers(), *_shared.streamers()]:
         for u in s.units:
             names[u.tag] = u.name
     return names
@@ -86,7 +88,7 @@ def _unit_names() -> dict[int, str]:
 def _param_units() -> dict[int, tuple[str, torch.device]]:
     """id(parameter) -> the name of the offloaded unit holding it and the device it computes on."""
     units: dict[int, tuple[str, torch.device]] = {}
-    for s in _offload.streamers():
+    for s in _streamer.streamers():
         for u in s.units:
             for p in u.params:
                 units.setdefault(id(p), (u.name or "(model)", s.eng.device))
@@ -199,8 +201,8 @@ def _events(
     for kind, tag, code, nbytes, start, end in sorted(records, key=lambda r: r[4]):
         name = names.get(tag, f"unit {tag}") if tag else "layer"
         if kind == "mark":
-            phase = "forward" if code in (_offload.MARK_FWD_BEGIN, _offload.MARK_FWD_END) else "backward"
-            if code in (_offload.MARK_FWD_BEGIN, _offload.MARK_BWD_BEGIN):
+            phase = "forward" if code in (_streamer.MARK_FWD_BEGIN, _streamer.MARK_FWD_END) else "backward"
+            if code in (_streamer.MARK_FWD_BEGIN, _streamer.MARK_BWD_BEGIN):
                 opened[(tag, code)] = start
                 continue
             begin = opened.pop((tag, code - 1), None)
@@ -235,9 +237,7 @@ def _events(
 def _wait_for_updates_in_flight() -> None:
     """Until the optimizer updates still running or queued have finished (their failures are
     raised by the optimizer and the weights' readers, not here)."""
-    with _engine._UPDATES_LOCK:
-        pending = [u for _, u in _engine._UPDATES.values()]
-    for u in pending:
+    for u in _engine.pending_updates():
         u.done.wait()
 
 

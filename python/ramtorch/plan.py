@@ -24,7 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _config, _offload
+from . import _config
+from ._stream import placement
+from ._stream import units as _stream_units
+from ._units import parse_bytes
 
 
 @dataclass
@@ -117,18 +120,18 @@ def predict(
     """The plan :func:`ramtorch.offload` would make for ``model`` and its predicted times."""
     c = ceilings or Ceilings()
     inflight = _config.max_inflight(max_inflight)
-    raw, shared = _offload.collect_units(model, unit)
-    units = [_offload._Unit(k, name, m, entries) for k, (name, m, entries, _) in enumerate(raw)]
+    raw, shared = _stream_units.collect_units(model, unit)
+    units = [_stream_units._Unit(k, name, m, entries) for k, (name, m, entries, _) in enumerate(raw)]
     shared_ids = {id(p) for p in shared}
     for u in units:
         u.params = [p for p in u.params if id(p) not in shared_ids]
-        u.nbytes = _offload._packed_bytes(u.params)
+        u.nbytes = _stream_units._packed_bytes(u.params)
     fixed = sum(p.numel() * p.element_size() for p in shared)
     fixed += sum(b.numel() * b.element_size() for b in model.buffers())
     forced = [k for k, r in enumerate(raw) if r[3]]
     sizes = [u.nbytes for u in units]
-    pl = _offload.plan(sizes, forced, _offload.parse_bytes(budget), inflight, fixed)
-    resident = _offload.spread_resident(sizes, set(pl.resident), set(forced))
+    pl = placement.plan(sizes, forced, parse_bytes(budget, "gpu_budget"), inflight, fixed)
+    resident = placement.spread_resident(sizes, set(pl.resident), set(forced))
     rate = c.tflops * 1e12 * c.efficiency
     counts = [sum(p.numel() for p in u.params) for u in units]
     copies = [0.0 if k in resident else sizes[k] / (c.h2d_gbps * 1e9) for k in range(len(units))]
@@ -149,7 +152,7 @@ def predict(
         opt_end = max(opt_end, link_back) + optimizer_bytes_per_param * n / (c.host_gbps * 1e9)
     fb_end = max(fb, link_back)
     return Prediction(
-        budget=_offload.parse_bytes(budget),
+        budget=parse_bytes(budget, "gpu_budget"),
         slots=pl.slots,
         slot_bytes=pl.slot_bytes,
         resident_bytes=pl.resident_bytes,

@@ -1,5 +1,7 @@
 """``ramtorch.nn.Embedding`` and ``ramtorch.nn.Conv2d``: torch's layers with their weights in host
-RAM, each streamed as a unit of its own by the same machinery as :func:`ramtorch.offload`."""
+RAM, each streamed as a unit of its own, through its forward hooks, by its device's shared streamer
+(the one ``ramtorch.nn.Linear`` streams on, with the same itinerary and prefetch as
+:func:`ramtorch.offload`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _config, _engine, _offload
+from .. import _config, _engine
+from .._stream import shared as _shared
 
 
 class _StreamedLayer(nn.Module):
@@ -18,6 +21,8 @@ class _StreamedLayer(nn.Module):
 
     compute_device: torch.device
     max_inflight: int
+    #: Streams itself: ``ramtorch.offload`` leaves it out of the units it builds.
+    _ramtorch_streams_itself = True
 
     def _stream_setup(self, device: Any, max_inflight: int | None) -> None:
         self.max_inflight = _config.max_inflight(max_inflight)
@@ -26,8 +31,18 @@ class _StreamedLayer(nn.Module):
         self._restream()
 
     def _restream(self) -> None:
-        _offload.detach_streamer(self)
-        _offload.offload(self, device=self.compute_device, max_inflight=self.max_inflight, progress=False)
+        """(Re)attaches the layer to the shared streamer of its compute device."""
+        for h in self.__dict__.get("_stream_handles") or ():
+            h.remove()
+        old, streamer = self.__dict__.get("_ramtorch_unit"), self.__dict__.get("_layer_streamer")
+        if old is not None and streamer is not None:
+            streamer.eng.synchronize()
+            streamer.forget(old)
+        streamer = _shared.for_device(self.compute_device)
+        unit, handles = streamer.attach(self, type(self).__name__, self.max_inflight)
+        self._ramtorch_unit = unit
+        self._stream_handles = handles
+        self._layer_streamer = streamer
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         ref = next(self.parameters(), None)
@@ -56,7 +71,8 @@ class _StreamedLayer(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_ramtorch_streamer"] = None
-        state.pop("_ramtorch_unit", None)
+        for key in ("_ramtorch_unit", "_stream_handles", "_layer_streamer"):
+            state.pop(key, None)
         for key in (
             "_forward_hooks",
             "_forward_pre_hooks",

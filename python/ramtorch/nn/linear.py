@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _arena, _config, _engine
+from .._stream import shared as _shared
 
-_GENERATIONS = itertools.count(1 << 40)  # distinct from the offload units' keys
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -24,7 +23,9 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 class _LinearFn(torch.autograd.Function):
-    """Forward and backward of a streamed Linear.
+    """Forward and backward of a streamed Linear: a one-unit stream of the compute device's
+    shared streamer (:mod:`ramtorch._stream.shared`), which prefetches the layers that ran next
+    last time and hands the weight gradients to the optimizers once every forward has sent them.
 
     The CPU parameters are not inputs of the node: their gradients travel device→host on the
     engine's gradient stream and are written to ``.grad`` once, at the end of the backward pass
@@ -35,12 +36,14 @@ class _LinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, layer: Linear) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, layer: Linear, inference: bool
+    ) -> torch.Tensor:
         weight, bias = layer.weight, layer.bias
-        eng = _engine.engine_for(layer.compute_device)
-        eng.drop_interrupted()
+        streamer = _shared.for_device(layer.compute_device)
         cdtype = _compute_dtype(x, weight)
-        with eng.borrow_layer(layer, layer.max_inflight) as (w, b):
+        with streamer.borrow(layer._unit, inference) as views:
+            w, b = views[0], (views[1] if len(views) > 1 else None)
             with torch.autocast(x.device.type, enabled=False):
                 y = F.linear(x.to(cdtype), w.to(cdtype), None if b is None else b.to(cdtype))
         ctx.save_for_backward(x, weight, bias)
@@ -51,7 +54,7 @@ class _LinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
         # The saved parameters only let autograd detect in-place changes since forward; under
         # activation checkpointing they come back as other tensor objects, so the gradients go
         # to the layer's own parameters.
@@ -60,12 +63,15 @@ class _LinearFn(torch.autograd.Function):
         weight, bias = layer.weight, layer.bias
         cdtype: torch.dtype = ctx.cdtype
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.need_w, ctx.need_b
-        eng = _engine.engine_for(layer.compute_device)
+        streamer = _shared.for_device(layer.compute_device)
+        eng = streamer.eng
+        unit = layer._unit
+        streamer.begin_backward()
         g = gy.to(cdtype)
         gx = None
         if need_x:
-            with eng.borrow_layer(layer, layer.max_inflight) as (w, _):
-                gx = g.matmul(w.to(cdtype)).to(x.dtype)
+            with streamer.borrow(unit) as views:
+                gx = g.matmul(views[0].to(cdtype)).to(x.dtype)
         if need_w or need_b:
             g2 = g.reshape(-1, layer.out_features)
             if need_w:
@@ -75,9 +81,8 @@ class _LinearFn(torch.autograd.Function):
                 # Reduce over the leading dims as nn.Linear's backward does (same summation order).
                 gb = g if g.dim() == 1 else g.sum(dim=tuple(range(g.dim() - 1)))
                 eng.push_grad(bias, gb, layer.max_inflight)
-            eng.count_backward(layer, [p for p, need in ((weight, need_w), (bias, need_b)) if need])
-            eng.queue_finish()
-        return gx, None, None
+            streamer.delivered(unit, [i for i, need in ((0, need_w), (1, need_b)) if need])
+        return gx, None, None, None
 
 
 class Linear(nn.Linear):
@@ -98,6 +103,9 @@ class Linear(nn.Linear):
         max_inflight: copies in flight per device; default ``RAMTORCH_MAX_INFLIGHT`` or
             ``MAX_INFLIGHT`` from the environment, else 2.
     """
+
+    #: Streams itself: ``ramtorch.offload`` leaves it out of the units it builds.
+    _ramtorch_streams_itself = True
 
     def __init__(
         self,
@@ -132,29 +140,30 @@ class Linear(nn.Linear):
 
     # -- host storage ---------------------------------------------------------------------------
 
+    def _params(self) -> list[nn.Parameter]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
+
     def _set_home(self, flat: torch.Tensor) -> None:
+        """The parameters live in ``flat`` now: they stream as one unit of the compute device's
+        shared streamer (the unit of the previous home, or device, is forgotten)."""
         self._flat = flat
-        self._gen = next(_GENERATIONS)
         if getattr(self, "_anchor", None) is None:
             self._anchor = torch.empty(0, requires_grad=True)
-        self._layout = _engine.Layout(flat, [self.weight, self.bias])
-        self._home_ptrs = (self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr())
-        _engine.engine_for(self.compute_device).reserve(self._layout.nbytes, self.max_inflight + 1)
-
-    def _stream_key(self) -> int:
-        """Names the bytes of this layer's host region as they are now (region and versions)."""
-        b = self.bias
-        return hash((self._gen, self.weight._version, None if b is None else b._version)) & ((1 << 63) - 1)
+        old, old_streamer = self.__dict__.get("_unit"), self.__dict__.get("_streamer")
+        if old is not None and old_streamer is not None:
+            old_streamer.forget(old)
+        params = self._params()
+        names = ["weight", "bias"][: len(params)]
+        streamer = _shared.for_device(self.compute_device)
+        self._unit = streamer.adopt(self, self._label(), params, names, flat, self.max_inflight)
+        self._streamer = streamer
 
     def _is_home(self) -> bool:
-        b = self.bias
-        return (
-            getattr(self, "_flat", None) is not None
-            and self.weight.data_ptr() == self._home_ptrs[0]
-            and (None if b is None else b.data_ptr()) == self._home_ptrs[1]
-            and (b is None or b.dtype == self.weight.dtype)
-            and self.weight.device.type == "cpu"
-        )
+        u = self.__dict__.get("_unit")
+        if u is None or getattr(self, "_flat", None) is None:
+            return False
+        params = self._params()
+        return len(params) == len(u.params) and all(p is q for p, q in zip(params, u.params)) and u.is_home()
 
     @torch.no_grad()
     def _rehome(self, dtype: torch.dtype | None = None) -> None:
@@ -194,15 +203,20 @@ class Linear(nn.Linear):
             device = _engine.normalize_device(probe.device)
         except RuntimeError as e:
             raise RuntimeError(f"{self._label()}: {e}") from e
-        if probe.dtype != self.weight.dtype or not self._is_home():
-            self._rehome(probe.dtype)
-        self.compute_device = device
-        _engine.engine_for(device).reserve(self._layout.nbytes, self.max_inflight + 1)
+        before, self.compute_device = self.compute_device, device
+        try:
+            if probe.dtype != self.weight.dtype or not self._is_home():
+                self._rehome(probe.dtype)
+            elif self._streamer.device != device:
+                self._set_home(self._flat)  # streams on the new compute device
+        except BaseException:
+            self.compute_device = before
+            raise
         return self
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_flat", "_layout", "_home_ptrs"):
+        for k in ("_flat", "_unit", "_streamer"):
             state.pop(k, None)
         return state
 
@@ -247,8 +261,9 @@ class Linear(nn.Linear):
             # Counted so that optimizers can update this layer during backward, as soon as the
             # backward of every such forward has pushed its gradients (a recomputation inside
             # backward is not counted: its backward is the original forward's).
-            _engine.engine_for(self.compute_device).count_forward(self)
-        return _LinearFn.apply(input, self._anchor if wants_grad else None, self)
+            self._streamer.count_forward(self._unit)
+        inference = not torch.is_grad_enabled()
+        return _LinearFn.apply(input, self._anchor if wants_grad else None, self, inference)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, compute_device={self.compute_device}, weights=host"

@@ -1,0 +1,169 @@
+"""The autograd side of a unit: functions around its forward, saved tensors kept as references
+into its slot, and the graph walk that sends each weight's gradient as soon as it is computed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .. import _engine
+from .units import _Unit
+
+if TYPE_CHECKING:
+    from .streamer import Streamer
+
+
+#: A unit's graph walk (see :meth:`Streamer._hook_weight_consumers`) gives up past this many nodes:
+#: its weights' gradients then leave at the end of the unit's backward.
+_WALK_LIMIT = 4096
+#: Gradients handed to the optimizers as they land are batched up to this many elements (small
+#: tensors such as norm weights would otherwise each be a job of their own).
+_READY_BATCH = 1 << 22
+
+
+class _Fetch(torch.autograd.Function):
+    """Device views of a unit's parameters; backward sends their gradients to the host (those not
+    sent already by a hook on the node that consumed them)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, unit: _Unit, streamer: Streamer, *views: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.unit, ctx.streamer = unit, streamer
+        ctx.sent = set()  # indices whose gradient of this backward left early
+        # A weight the forward did not use gets no gradient (None), as in torch, not zeros: the
+        # optimizers then leave it alone instead of decaying it.
+        ctx.set_materialize_grads(False)
+        return tuple(v.detach() for v in views)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+        ctx.streamer.weights_backward(ctx.unit, grads, ctx.sent)
+        return (None, None, None) + (None,) * len(grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs: its backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: _Unit, streamer: Streamer, *xs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.unit, ctx.streamer = unit, streamer
+        ctx.set_materialize_grads(False)  # an input the unit did not use gets no gradient, as in torch
+        return xs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+        ctx.streamer.end_backward(ctx.unit)
+        return (None, None) + grads
+
+
+def _leaves(views: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter]) -> list[Any]:
+    """Device weights for a recomputation: leaves that require grad like the parameters, so the
+    recomputed forward saves the same tensors as the original one (no gradient reaches them)."""
+    return [v if v is None else v.detach().requires_grad_(p.requires_grad) for v, p in zip(views, params)]
+
+
+class _SlotRef:
+    """A saved tensor that lives in a unit's slot: re-created from the unit at unpack time."""
+
+    __slots__ = ("dtype", "offset", "size", "stride", "unit")
+
+    def __init__(self, unit: _Unit, t: torch.Tensor) -> None:
+        self.unit = unit
+        self.dtype = t.dtype
+        self.offset = t.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+
+
+class GradientHooks:
+    """The gradient half of :class:`~ramtorch._stream.streamer.Streamer`: early weight gradients
+    (graph walk), their hand-off to the optimizers, and the saved-tensor hooks."""
+
+    eng: _engine.DeviceEngine
+    device: torch.device
+    max_inflight: int
+    lock: threading.RLock
+    slot_owner: dict[int, _Unit]
+
+    # -- weight gradients as they are computed ------------------------------------------------------
+
+    def _hook_weight_consumers(self, u: _Unit, fetch: Any, roots: list[Any]) -> None:
+        """Walks the unit's graph from its outputs down to ``fetch`` (its :class:`_Fetch` node) and
+        hooks the node that consumes each weight, where exactly one does: that weight's gradient
+        leaves for the host as soon as the node has run, not at the end of the unit's backward.
+        The walk stops at the unit's inputs (:class:`_PostBackward`), at other units' weights and at
+        leaves, and gives up past ``_WALK_LIMIT`` nodes. Not under ``torch.compile`` (a walk over
+        autograd nodes is nothing to trace): compiled units send their gradients at their end."""
+        if torch.compiler.is_compiling():
+            return
+        stop = (_PostBackward._backward_cls, _Fetch._backward_cls)
+        seen: set[Any] = set()
+        stack = list(roots)
+        found: dict[int, list[tuple[Any, int]]] = {}
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if len(seen) > _WALK_LIMIT:
+                return
+            for j, (nxt, idx) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                if nxt is fetch:
+                    found.setdefault(idx, []).append((node, j))
+                elif not isinstance(nxt, stop) and nxt.next_functions:
+                    stack.append(nxt)
+        for i, edges in found.items():
+            if len(edges) == 1 and u.params[i].requires_grad:
+                node, j = edges[0]
+                node.register_hook(self._early_grad_hook(u, fetch, i, j))
+
+    def _early_grad_hook(self, u: _Unit, fetch: Any, i: int, j: int) -> Callable[..., None]:
+        def hook(grad_inputs: tuple[torch.Tensor | None, ...], _grad_outputs: Any) -> None:
+            g = grad_inputs[j]
+            if g is None:
+                return  # not needed by this backward: _Fetch's backward does not run either
+            fetch.sent.add(i)
+            self.eng.push_grad(u.params[i], g, self.max_inflight, u.tag)
+            self._delivered(u, i)
+
+        return hook
+
+    def _delivered(self, u: _Unit, i: int) -> None:
+        """Parameter ``i`` of ``u`` got its gradient from one more forward of the step; once every
+        forward has delivered it, it goes to the optimizers (batched: see ``_READY_BATCH``)."""
+        u.delivered[i] += 1
+        if u.delivered[i] != u.fetches:
+            return
+        u.ready.append(u.params[i])
+        complete = all(n == u.fetches for n, p in zip(u.delivered, u.params) if p.requires_grad)
+        if complete or sum(p.numel() for p in u.ready) >= _READY_BATCH:
+            ready, u.ready = u.ready, []
+            self.eng.grads_complete(ready)
+
+    # -- saved tensors ------------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device == self.device:
+            u = self.slot_owner.get(t.untyped_storage().data_ptr())
+            if u is not None:
+                return _SlotRef(u, t)
+        return t
+
+    def _unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, _SlotRef):
+            return self.weight_for_backward(obj)
+        return obj
+
+    def weight_for_backward(self, ref: _SlotRef) -> torch.Tensor:
+        u = ref.unit
+        with self.lock:
+            if u.bwd is None:
+                self._begin_backward_locked(u)
+            assert u.bwd is not None
+            buf = self.eng.slot(u.bwd)
+        return buf.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)

@@ -1,0 +1,297 @@
+"""Free-standing units: layers that stream themselves (``ramtorch.nn.Linear``), one unit each, on
+one shared streamer per compute device.
+
+They run through the same slots, itinerary, prefetch and gradient hand-off as an offloaded
+model's units (:class:`~ramtorch._stream.streamer.Streamer`); what differs is that no root module
+delimits a pass. The forward itinerary is the order in which the device's free-standing units ran
+since the last pass began; a pass begins when a unit runs again that already ran in it, or at the
+first forward after a backward ended. The backward itinerary is recorded between the first unit a
+backward reaches and the end of that backward, as for an offloaded model.
+
+A layer computes inside :meth:`LayerStreamer.borrow` (its forward, its input gradient in backward,
+or a recomputation of its forward under activation checkpointing), which takes a slot holding the
+unit's current weights and prefetches the units that came next last time. The layer's autograd
+function sends the weight gradients itself (``engine.push_grad``) and reports them with
+:meth:`LayerStreamer.delivered`, which hands them to the optimizers once every forward of the step
+has delivered them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _engine
+from .streamer import PassState, Streamer
+from .units import BackwardPhase, _Unit
+
+
+class LayerStreamer(Streamer):
+    """The streamer of a device's free-standing units (one per compute device: :func:`for_device`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.model_ref = None
+        self.device = device
+        self.max_inflight = 1
+        self.slots = 0
+        self.slot_bytes = 0
+        self.budget = None
+        self.resident_bytes = 0
+        self.eng = _engine.engine_for(device)
+        # Units live as long as their layers: held weakly here.
+        self.by_uid: weakref.WeakValueDictionary[int, _Unit] = weakref.WeakValueDictionary()
+        self.fwd_itin: list[int] = []
+        self.bwd_itin: list[int] = []
+        self.cur_fwd: list[int] = []
+        self.cur_bwd: list[int] = []
+        self.fwd_pos = 0
+        self.bwd_pos = 0
+        self.ran: set[int] = set()  # units of the current forward pass
+        self.new_pass = True  # a backward ended: the next forward begins a pass
+        self.ahead: dict[int, tuple[int, int]] = {}
+        self.held = 0
+        self.slot_owner: dict[int, _Unit] = {}
+        # Free-standing units are always in a forward pass (no root module begins or ends one).
+        self.state = PassState.FORWARD
+        self.lock = threading.RLock()
+        # Hooked units with a forward running: one that a Ctrl-C cut short (torch skips forward
+        # hooks on BaseExceptions) still holds its slot; the next forward releases it.
+        self.in_forward: dict[int, _Unit] = {}
+        # Reported by the engine's stats as ``layer_*``.
+        self.counters = self.eng.layer_counters
+        self.hook_handles: list[Any] = []
+        self.next_uid = 0
+        self.eng.add_holder(self)
+
+    @property
+    def units(self) -> list[_Unit]:  # type: ignore[override]
+        return list(self.by_uid.values())
+
+    @property
+    def streamed(self) -> list[_Unit]:  # type: ignore[override]
+        return list(self.by_uid.values())
+
+    # -- units ------------------------------------------------------------------------------------
+
+    def adopt(
+        self,
+        module: nn.Module,
+        name: str,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        flat: torch.Tensor,
+        max_inflight: int,
+    ) -> _Unit:
+        """A unit of ``module``'s ``params`` (attribute ``names``), which already live in the host
+        region ``flat``; it streams on this device from now on."""
+        with self.lock:
+            u = _Unit(self.next_uid, name, module, [(module, n, p) for n, p in zip(names, params)])
+            self.next_uid += 1
+            u.tag = 0  # traces name offloaded units only
+            u.flat = flat
+            u.layout = _engine.Layout(flat, u.params)
+            u.home = [p.data_ptr() for p in u.params]
+            u.gen = _engine.next_generation()
+            self.by_uid[u.uid] = u
+            self.max_inflight = max(self.max_inflight, max_inflight)
+            self.slots = max(self.slots, max_inflight + 1)
+            self.eng.reserve(u.layout.nbytes, max_inflight + 1)
+        return u
+
+    def forget(self, u: _Unit) -> None:
+        """``u`` no longer streams here (its layer moved to another region or device)."""
+        with self.lock:
+            if u.uid in self.ahead:
+                self._drop_ahead(u.uid)
+            self.by_uid.pop(u.uid, None)
+
+    def _free_slots(self) -> int:
+        free = self.slots - self.held - len(self.ahead)
+        if free <= 0:
+            # Prefetches of units whose layers are gone will never be claimed: give them back.
+            for uid in [k for k in self.ahead if k not in self.by_uid]:
+                self._drop_ahead(uid)
+            free = self.slots - self.held - len(self.ahead)
+        return free
+
+    def attach(self, module: nn.Module, name: str, max_inflight: int) -> tuple[_Unit, list[Any]]:
+        """Streams ``module``'s own parameters as one unit of this device through its forward hooks,
+        as an offloaded model's units run (``ramtorch.nn.Embedding``, ``Conv2d``): they move into
+        one host-arena region. Returns the unit and the hook handles (remove them to detach)."""
+        with self.lock:
+            u = _Unit(
+                self.next_uid,
+                name,
+                module,
+                [(module, n, p) for n, p in module.named_parameters(recurse=False)],
+            )
+            self.next_uid += 1
+            u.pack()
+            assert u.layout is not None
+            self.by_uid[u.uid] = u
+            self.max_inflight = max(self.max_inflight, max_inflight)
+            self.slots = max(self.slots, max_inflight + 1)
+            self.eng.reserve(u.layout.nbytes, max_inflight + 1)
+        handles = [
+            module.register_forward_pre_hook(
+                lambda m, a, k, u=u: self.layer_pre_forward(u, m, a, k), with_kwargs=True
+            ),
+            module.register_forward_hook(
+                lambda m, a, k, o, u=u: self.layer_post_forward(u, m, a, k, o),
+                with_kwargs=True,
+                always_call=True,
+            ),
+            # A pipelined optimizer step may still be writing the weights that state_dict() hands out.
+            module.register_state_dict_pre_hook(lambda *_, u=u: _engine.wait_updates(u.params)),
+        ]
+        return u, handles
+
+    def layer_pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of a hooked unit (see :meth:`attach`)."""
+        if torch._C._current_graph_task_id() == -1:
+            with self.lock:
+                self._check_interrupted()
+                for x in list(self.in_forward.values()):
+                    while x.fwd:
+                        self._end_forward(x, *x.fwd.pop()[:5])
+                self.in_forward.clear()
+        out = self.pre_forward(u, module, args, kwargs)
+        with self.lock:
+            self.in_forward[u.uid] = u
+            itin = self.fwd_itin
+            if itin and self.fwd_pos >= len(itin) and not torch.is_grad_enabled():
+                self._prefetch_along(itin, 0, u)  # the next inference pass (see borrow)
+        return out
+
+    def layer_post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Forward hook of a hooked unit (always called, also when its forward raised)."""
+        out = self.post_forward(u, module, args, kwargs, output)
+        if not u.fwd:
+            with self.lock:
+                self.in_forward.pop(u.uid, None)
+        return out
+
+    # -- passes -----------------------------------------------------------------------------------
+
+    def _check_interrupted(self) -> None:
+        """Outside backward: a backward that raised before its end (Ctrl-C, an error in a hook)
+        left its state behind; drop it (see :meth:`Streamer.begin_pass`)."""
+        interrupted = self.eng.drop_interrupted()
+        if PassState.BACKWARD in self.state:
+            self.state &= ~PassState.BACKWARD
+            self.cur_bwd = []
+            interrupted = True
+        if interrupted:
+            for u in self.streamed:
+                u.reset_backward_counts()
+            self._release_backward()
+
+    def _record_forward(self, u: _Unit) -> None:
+        if self.new_pass or u.uid in self.ran:
+            # A new pass: the one that ended is the itinerary now.
+            if self.cur_fwd:
+                self.fwd_itin = self.cur_fwd
+            self.cur_fwd, self.ran, self.fwd_pos, self.new_pass = [], set(), 0, False
+        self.cur_fwd.append(u.uid)
+        self.ran.add(u.uid)
+        self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
+
+    def _queue_backward_end(self) -> None:
+        if PassState.BACKWARD not in self.state:
+            self.state |= PassState.BACKWARD
+            self.cur_bwd = []
+            self.bwd_pos = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def _reach_backward(self, u: _Unit) -> None:
+        self._queue_backward_end()
+        if u.phase is BackwardPhase.IDLE:
+            u.phase = BackwardPhase.REACHED
+            self.cur_bwd.append(u.uid)
+            self.bwd_pos = self._advance(self.bwd_itin, self.bwd_pos, u.uid)
+
+    def begin_backward(self) -> None:
+        """A free-standing unit's backward runs: the end of this backward is a pass boundary (its
+        gradients are written then)."""
+        with self.lock:
+            self._queue_backward_end()
+
+    def end_of_backward(self) -> None:
+        self.new_pass = True
+        super().end_of_backward()
+
+    def count_forward(self, u: _Unit) -> None:
+        """A forward of ``u`` whose backward will deliver its weight gradients (not a recomputation:
+        its backward is the original forward's)."""
+        with self.lock:
+            self._check_interrupted()
+            u.fetches += 1
+
+    def delivered(self, u: _Unit, indices: Sequence[int]) -> None:
+        """The gradients of ``u``'s parameters ``indices`` from one more backward are on their way
+        to the host (handed to the optimizers once every counted forward has delivered them)."""
+        with self.lock:
+            for i in indices:
+                self._delivered(u, i)
+
+    # -- use ----------------------------------------------------------------------------------------
+
+    @contextmanager
+    def borrow(self, u: _Unit, inference: bool = False) -> Iterator[list[torch.Tensor | None]]:
+        """Device views of ``u``'s parameters inside the block, on the current stream: in backward
+        (a gradient, or a recomputation) along the backward itinerary, else along the forward one.
+        ``inference``: the forward runs without grad (autograd functions' forwards always do: the
+        caller says), so the last unit of the pass prefetches the next pass's first units."""
+        backward = torch._C._current_graph_task_id() != -1
+        with self.lock:
+            if backward:
+                self._reach_backward(u)
+                itin, pos = self.bwd_itin, self.bwd_pos
+            else:
+                self._check_interrupted()
+                self._record_forward(u)
+                itin, pos = self.fwd_itin, self.fwd_pos
+            slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)])
+            try:
+                self._prefetch_along(itin, pos, u)
+                if inference and not backward and pos >= len(itin) and itin:
+                    # The last unit of an inference pass: passes follow one another (generation,
+                    # evaluation), so the next one's first units come in now (as an offloaded
+                    # model's end of pass does).
+                    self._prefetch_along(itin, 0, u)
+                assert u.layout is not None
+                views = u.layout.views(self.eng.slot(slot))
+            except BaseException:
+                self._give(slot)
+                raise
+        try:
+            yield views
+        finally:
+            with self.lock:
+                self._give(slot)
+
+
+_SHARED: dict[torch.device, LayerStreamer] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def streamers() -> list[LayerStreamer]:
+    """The devices' shared streamers made so far."""
+    return list(_SHARED.values())
+
+
+def for_device(device: torch.device) -> LayerStreamer:
+    """The streamer of free-standing units computing on ``device`` (normalised), made on first use."""
+    s = _SHARED.get(device)
+    if s is None:
+        with _SHARED_LOCK:
+            s = _SHARED.get(device)
+            if s is None:
+                s = _SHARED[device] = LayerStreamer(device)
+    return s

@@ -1,0 +1,361 @@
+"""The streamer of one offloaded model: the per-unit state machine, driven by module hooks."""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .. import _engine
+from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
+from .itinerary import Prefetcher
+from .units import BackwardPhase, UnitState, _Unit
+
+#: Trace mark codes (see :mod:`ramtorch._trace`).
+MARK_FWD_BEGIN, MARK_FWD_END, MARK_BWD_BEGIN, MARK_BWD_END = 1, 2, 3, 4
+
+
+class PassState(enum.Flag):
+    """Where a streamer is in the training loop (``Streamer.state``).
+
+    =============================  ==================================================================
+    transition                     where
+    =============================  ==================================================================
+    any -> FORWARD                 :meth:`Streamer.begin_pass` (root forward pre-hook, outside
+                                   backward). A BACKWARD still set belongs to a backward that raised
+                                   before its end: it is cleared, its counts and slots dropped.
+    FORWARD -> (clear FORWARD)     :meth:`Streamer.end_pass` (root forward hook, always called)
+    (set BACKWARD)                 :meth:`Streamer._begin_backward_locked`, when a backward first
+                                   reaches a unit: the end-of-backward callback is queued
+    BACKWARD -> (clear BACKWARD)   :meth:`Streamer.end_of_backward` (that callback)
+    =============================  ==================================================================
+
+    ``FORWARD | BACKWARD`` happens only when a model's forward runs a backward inside it.
+    """
+
+    IDLE = 0
+    FORWARD = enum.auto()
+    BACKWARD = enum.auto()
+
+
+class Streamer(Prefetcher, GradientHooks):
+    """Runs the units of one offloaded model on one compute device.
+
+    State: the pass (``state``, a :class:`PassState`, with its transitions listed there) and, per
+    unit, its forwards (``_Unit.fwd``), its backward phase (``_Unit.phase``, a
+    :class:`~ramtorch._stream.units.BackwardPhase`) and its prefetch (``ahead``);
+    :meth:`unit_state` sums them up. Every transition happens under ``lock``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[_Unit],
+        device: torch.device,
+        max_inflight: int,
+        slots: int,
+        slot_bytes: int,
+        budget: int | None,
+        resident_bytes: int,
+    ) -> None:
+        self.model_ref = weakref.ref(model)
+        self.units = units
+        self.device = device
+        self.max_inflight = max_inflight
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.budget = budget
+        self.resident_bytes = resident_bytes
+        self.eng = _engine.engine_for(device)
+        if slots:
+            self.eng.reserve(slot_bytes, slots)
+        self.by_uid = {u.uid: u for u in units}
+        self.streamed = [u for u in units if not u.resident]
+        self.fwd_itin: list[int] = []
+        self.bwd_itin: list[int] = []
+        self.cur_fwd: list[int] = []
+        self.cur_bwd: list[int] = []
+        self.fwd_pos = 0
+        self.bwd_pos = 0
+        self.ahead: dict[int, tuple[int, int]] = {}  # uid -> (slot, key): prefetched, not claimed
+        self.held = 0  # slots held by running units (forward or backward)
+        self.slot_owner: dict[int, _Unit] = {}  # slot storage address -> unit using it in forward
+        self.state = PassState.IDLE
+        self.lock = threading.RLock()
+        self.counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0, "passes": 0}
+        self.hook_handles: list[Any] = []
+
+    # -- passes -------------------------------------------------------------------------------------
+
+    def begin_pass(self) -> None:
+        """Root forward pre-hook: a new forward pass begins."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward
+        with self.lock:
+            interrupted = self.eng.drop_interrupted()
+            if PassState.BACKWARD in self.state:
+                # A backward raised before its end, so its end-of-backward callback never ran:
+                # without this the next backward would not queue one, and no gradient would
+                # ever reach ``.grad`` again.
+                self.state &= ~PassState.BACKWARD
+                self.cur_bwd = []
+                interrupted = True
+            if interrupted:
+                for u in self.streamed:
+                    u.reset_backward_counts()
+            for u in reversed(self.streamed):
+                # A forward interrupted by a BaseException (Ctrl-C) skips the post-hooks, which
+                # torch calls on Exceptions only: its units still hold their slots.
+                while u.fwd:
+                    self._end_forward(u, *u.fwd.pop()[:5])
+            self._release_backward()
+            self.state |= PassState.FORWARD
+            self.cur_fwd = []
+            self.fwd_pos = 0
+
+    def _record_forward(self, u: _Unit) -> None:
+        """``u`` runs next in the forward pass: recorded, and the itinerary position advanced."""
+        self.cur_fwd.append(u.uid)
+        self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
+
+    def end_pass(self) -> None:
+        if PassState.FORWARD not in self.state:
+            return
+        with self.lock:
+            self.state &= ~PassState.FORWARD
+            self.fwd_itin = self.cur_fwd
+            self.cur_fwd = []
+            self.counters["passes"] += 1
+            if not torch.is_grad_enabled() and self.fwd_itin:
+                # Inference: passes follow one another (generation, evaluation); the first units
+                # of the next pass come in while this one's last kernels run. Their keys are
+                # checked when the next pass claims them.
+                self._prefetch_along(self.fwd_itin, 0, None)
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # Inside backward this is a recomputation (activation checkpointing): the unit's backward
+        # slot serves it, and stays held until the unit's backward is done.
+        recompute = torch._C._current_graph_task_id() != -1
+        with self.lock:
+            if recompute:
+                if u.bwd is None:
+                    self._begin_backward_locked(u)
+                assert u.bwd is not None
+                slot, own = u.bwd, False
+            else:
+                if PassState.FORWARD in self.state:
+                    self._record_forward(u)
+                    itin, pos = self.fwd_itin, self.fwd_pos
+                else:
+                    itin, pos = [], 0
+                slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)])
+                own = True
+                if itin:
+                    self._prefetch_along(itin, pos, u)
+            assert u.layout is not None
+            buf = self.eng.slot(slot)
+            views = u.layout.views(buf)
+        self.eng.mark(u.tag, MARK_FWD_BEGIN)
+        grad = torch.is_grad_enabled()
+        wants = grad and not recompute and any(p.requires_grad for p in u.params)
+        fetch = None
+        if wants:
+            u.fetches += 1
+            dev = _Fetch.apply(u.anchor, u, self, *views)
+            fetch = dev[0].grad_fn
+            dev = [d if p.requires_grad else d.detach() for d, p in zip(dev, u.params)]
+        elif recompute and grad:
+            dev = _leaves(views, u.params)
+        else:
+            dev = views
+        before = [e.owner._parameters[e.name] for e in u.entries]
+        for e in u.entries:
+            e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
+        addr = buf.untyped_storage().data_ptr()
+        ctx = None
+        if grad and not recompute:
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if outer is None:
+                # Tensors saved for backward that live in the slot are kept as references.
+                self.slot_owner[addr] = u
+                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                ctx.__enter__()
+            # Under another saved-tensor hook (a checkpointed region) that hook decides; the
+            # recomputation in backward runs on the unit's backward slot.
+        u.fwd.append((slot, own, ctx, addr, before, fetch))
+        if grad and not recompute:
+            flat_args, _ = tree_flatten((args, kwargs))
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_args):
+                args, kwargs = self._wrap_inputs(u, args, kwargs)
+        return args, kwargs
+
+    def _wrap_inputs(self, u: _Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        kws = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not pos and not kws:
+            return args, kwargs
+        outs = _PostBackward.apply(u, self, *[args[i] for i in pos], *[kwargs[k] for k in kws])
+        args = list(args)
+        for i, o in zip(pos, outs[: len(pos)]):
+            args[i] = o
+        kwargs = dict(kwargs)
+        for k, o in zip(kws, outs[len(pos) :]):
+            kwargs[k] = o
+        return tuple(args), kwargs
+
+    def post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not u.fwd:
+            return output  # the pre-hook failed before taking a slot
+        slot, own, ctx, addr, before, fetch = u.fwd.pop()
+        self._end_forward(u, slot, own, ctx, addr, before)
+        self.eng.mark(u.tag, MARK_FWD_END)
+        if own:
+            if torch.is_grad_enabled():
+                flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in flat:
+                    t.register_hook(self._pre_backward_hook(u))
+                if fetch is not None:
+                    self._hook_weight_consumers(u, fetch, [t.grad_fn for t in flat if t.grad_fn is not None])
+        return output
+
+    def _end_forward(self, u: _Unit, slot: int, own: bool, ctx: Any, addr: int, before: list[Any]) -> None:
+        """Undoes a :meth:`pre_forward` of ``u`` (an entry popped from ``u.fwd``): saved-tensor
+        hooks off, parameters back, its slot released (if it took one)."""
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            self.slot_owner.pop(addr, None)
+        for e, t in zip(u.entries, before):
+            e.owner._parameters[e.name] = t
+        if own:
+            with self.lock:
+                self._give(slot)
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _pre_backward_hook(self, u: _Unit) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            with self.lock:
+                if u.phase is BackwardPhase.IDLE:
+                    self._begin_backward_locked(u)
+
+        return hook
+
+    def _begin_backward_locked(self, u: _Unit) -> None:
+        if PassState.BACKWARD not in self.state:
+            self.state |= PassState.BACKWARD
+            self.cur_bwd = []
+            self.bwd_pos = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+        first = u.phase is BackwardPhase.IDLE
+        if first:
+            u.phase = BackwardPhase.REACHED
+        if first:
+            self.cur_bwd.append(u.uid)
+            self.bwd_pos = self._advance(self.bwd_itin, self.bwd_pos, u.uid)
+        if u.bwd is None:
+            u.bwd = self._take(u, [x.key() for x in self._lookahead(self.bwd_itin, self.bwd_pos)])
+            u.phase = BackwardPhase.HELD
+            self.eng.mark(u.tag, MARK_BWD_BEGIN)
+            # Code that runs the unit's submodules during its backward (a checkpointed region
+            # inside the unit recomputing) must find the weights on the device.
+            assert u.layout is not None
+            views = _leaves(u.layout.views(self.eng.slot(u.bwd)), u.params)
+            for e in u.entries:
+                e.owner._parameters[e.name] = views[e.index]  # type: ignore[assignment]
+        self._prefetch_along(self.bwd_itin, self.bwd_pos, u)
+
+    def weights_backward(self, u: _Unit, grads: Sequence[torch.Tensor | None], sent: set[int]) -> None:
+        """:class:`_Fetch`'s backward: gradients of the unit's weights not ``sent`` already leave for
+        the host."""
+        for i, (p, g) in enumerate(zip(u.params, grads)):
+            if i in sent:
+                sent.discard(i)  # (a graph kept for another backward hooks them again)
+                continue
+            if not p.requires_grad:
+                continue
+            if g is not None:
+                self.eng.push_grad(p, g, self.max_inflight, u.tag)
+            self._delivered(u, i)
+        self.end_backward(u)
+
+    def end_backward(self, u: _Unit) -> None:
+        with self.lock:
+            if u.bwd is not None:
+                self.eng.mark(u.tag, MARK_BWD_END)
+                self._restore(u)
+                self._give(u.bwd)
+                u.bwd = None
+                u.phase = BackwardPhase.REACHED
+
+    @staticmethod
+    def _restore(u: _Unit) -> None:
+        if not u.fwd:
+            for e in u.entries:
+                e.owner._parameters[e.name] = u.params[e.index]
+
+    def _release_backward(self) -> None:
+        for u in self.streamed:
+            if u.bwd is not None:
+                self._restore(u)
+                self._give(u.bwd)
+                u.bwd = None
+            u.phase = BackwardPhase.IDLE
+
+    def end_of_backward(self) -> None:
+        with self.lock:
+            self._release_backward()
+            self._drop_ahead()
+            self.state &= ~PassState.BACKWARD
+            if self.cur_bwd:
+                self.bwd_itin = self.cur_bwd
+            self.cur_bwd = []
+            for u in self.streamed:
+                u.reset_backward_counts()
+        self.eng.finish()
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def unit_state(self, u: _Unit) -> UnitState:
+        """What ``u`` holds now (see :class:`~ramtorch._stream.units.UnitState`)."""
+        state = UnitState.HOME
+        if u.uid in self.ahead:
+            state |= UnitState.PREFETCHED
+        if u.fwd:
+            state |= UnitState.FORWARD
+        if u.phase is BackwardPhase.HELD:
+            state |= UnitState.BACKWARD
+        return state
+
+    def stats(self) -> dict[str, Any]:
+        streamed = [u for u in self.units if not u.resident]
+        return {
+            "device": str(self.device),
+            "gpu_budget": self.budget,
+            "units": len(self.units),
+            "resident_units": [u.name for u in self.units if u.resident],
+            "streamed_units": len(streamed),
+            "resident_bytes": self.resident_bytes,
+            "slot_count": self.slots,
+            "slot_bytes": self.slot_bytes,
+            "gpu_bytes": self.resident_bytes + self.slots * self.slot_bytes,
+            "streamed_bytes_per_pass": sum(u.nbytes for u in streamed),
+            "host_bytes": sum(u.nbytes for u in streamed),
+            "itinerary": [self.by_uid[k].name for k in self.fwd_itin],
+            **self.counters,
+        }
+
+
+_STREAMERS: weakref.WeakSet[Streamer] = weakref.WeakSet()
+
+
+def streamers() -> list[Streamer]:
+    """Live offloaded models' streamers."""
+    return list(_STREAMERS)
