@@ -643,7 +643,7 @@ class _HostOptimizer(torch.optim.Optimizer):
                 if g is None or not self._owns(p):
                     continue
                 if g.device.type == "cpu" and g.dtype in _DTYPES and g.is_contiguous():
-                    sq, _ = _core.grad_stats(g.data_ptr(), _DTYPES[g.dtype], g.numel())
+                    sq, _ = _core.grad_stats(g, _DTYPES[g.dtype], g.numel())
                     total += sq
                 else:
                     total += float(g.detach().float().square().sum())
@@ -695,7 +695,7 @@ class _HostOptimizer(torch.optim.Optimizer):
             grad,
             [state[n] for n in names],
             _DTYPES[sdt],
-            0 if master is None else master.data_ptr(),
+            master,
             step,
             group,
             scale,
@@ -708,7 +708,7 @@ class _HostOptimizer(torch.optim.Optimizer):
         grad: torch.Tensor,
         states: list[torch.Tensor],
         state_dtype: str,
-        master: int,
+        master: torch.Tensor | None,
         step: int,
         group: dict[str, Any],
         scale: float,
@@ -889,7 +889,7 @@ class AdamW(_HostOptimizer):
         grad: torch.Tensor,
         states: list[torch.Tensor],
         state_dtype: str,
-        master: int,
+        master: torch.Tensor | None,
         step: int,
         group: dict[str, Any],
         scale: float,
@@ -897,12 +897,12 @@ class AdamW(_HostOptimizer):
     ) -> None:
         b1, b2 = group["betas"]
         _core.adamw_step(
-            param=p.data_ptr(),
+            param=p,
             param_dtype=_DTYPES[p.dtype],
-            grad=grad.data_ptr(),
+            grad=grad,
             grad_dtype=_DTYPES[grad.dtype],
-            exp_avg=states[0].data_ptr(),
-            exp_avg_sq=states[1].data_ptr(),
+            exp_avg=states[0],
+            exp_avg_sq=states[1],
             state_dtype=state_dtype,
             master=master,
             numel=p.numel(),
@@ -995,18 +995,18 @@ class SGD(_HostOptimizer):
         grad: torch.Tensor,
         states: list[torch.Tensor],
         state_dtype: str,
-        master: int,
+        master: torch.Tensor | None,
         step: int,
         group: dict[str, Any],
         scale: float,
         seed: int,
     ) -> None:
         _core.sgd_step(
-            param=p.data_ptr(),
+            param=p,
             param_dtype=_DTYPES[p.dtype],
-            grad=grad.data_ptr(),
+            grad=grad,
             grad_dtype=_DTYPES[grad.dtype],
-            momentum_buffer=states[0].data_ptr() if group["momentum"] != 0 else 0,
+            momentum_buffer=states[0] if group["momentum"] != 0 else None,
             state_dtype=state_dtype,
             master=master,
             numel=p.numel(),
@@ -1078,7 +1078,7 @@ class Lion(_HostOptimizer):
         grad: torch.Tensor,
         states: list[torch.Tensor],
         state_dtype: str,
-        master: int,
+        master: torch.Tensor | None,
         step: int,
         group: dict[str, Any],
         scale: float,
@@ -1086,11 +1086,11 @@ class Lion(_HostOptimizer):
     ) -> None:
         b1, b2 = group["betas"]
         _core.lion_step(
-            param=p.data_ptr(),
+            param=p,
             param_dtype=_DTYPES[p.dtype],
-            grad=grad.data_ptr(),
+            grad=grad,
             grad_dtype=_DTYPES[grad.dtype],
-            exp_avg=states[0].data_ptr(),
+            exp_avg=states[0],
             state_dtype=state_dtype,
             master=master,
             numel=p.numel(),

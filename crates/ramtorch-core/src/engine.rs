@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
+use crate::arena::{HostSlice, Lease};
 use crate::device::{Device, Lane};
 use crate::error::{Error, Result};
 
@@ -136,8 +137,10 @@ struct State<E> {
     slots: Vec<Slot<E>>,
     slot_bytes: usize,
     tick: u64,
-    h2d: VecDeque<E>,
-    d2h: VecDeque<E>,
+    /// Copies in flight each way: the event recorded after each, and what keeps its host memory
+    /// mapped until the event has completed (the copy has retired).
+    h2d: VecDeque<(E, Option<Lease>)>,
+    d2h: VecDeque<(E, Option<Lease>)>,
     h2d_spare: Vec<E>,
     d2h_spare: Vec<E>,
     timed_spare: Vec<E>,
@@ -255,8 +258,32 @@ impl<D: Device> Engine<D> {
 
     /// Replaces the slots by `ptrs`, each `bytes` long. No slot may be held. The transfer lane is
     /// drained first; the caller must also make sure its own kernels no longer read the old slots
-    /// before it frees them.
-    pub fn set_slots(&self, ptrs: &[u64], bytes: usize) -> Result<()> {
+    /// before it frees them. Null pointers and overlapping slots are refused.
+    ///
+    /// # Safety
+    /// Each pointer must be the start of `bytes` of device memory (host memory on the host device)
+    /// that stays writable until the slots are replaced again or the engine is dropped.
+    pub unsafe fn set_slots(&self, ptrs: &[u64], bytes: usize) -> Result<()> {
+        if bytes > 0 {
+            for (i, &p) in ptrs.iter().enumerate() {
+                if p == 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "device slot {i} has a null address"
+                    )));
+                }
+                let end = p.checked_add(bytes as u64).ok_or_else(|| {
+                    Error::InvalidArgument(format!("device slot {i}: address range overflows"))
+                })?;
+                if let Some(j) = ptrs[..i]
+                    .iter()
+                    .position(|&q| q < end && p < q.saturating_add(bytes as u64))
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "device slots {j} and {i} overlap"
+                    )));
+                }
+            }
+        }
         let mut s = self.lock()?;
         if s.slots.iter().any(|x| x.held) {
             return Err(Error::InvalidArgument(
@@ -275,8 +302,8 @@ impl<D: Device> Engine<D> {
                 used: 0,
             });
         }
-        let spent: Vec<_> = s.h2d.drain(..).collect();
-        s.h2d_spare.extend(spent);
+        let s = &mut *s;
+        s.h2d_spare.extend(s.h2d.drain(..).map(|(e, _)| e));
         s.slots = slots;
         s.slot_bytes = bytes;
         Ok(())
@@ -393,11 +420,11 @@ impl<D: Device> Engine<D> {
         let mut retired = 0;
         loop {
             let q = if d2h { &mut s.d2h } else { &mut s.h2d };
-            let Some(front) = q.front() else { break };
+            let Some((front, _)) = q.front() else { break };
             if !self.dev.is_complete(front)? {
                 break;
             }
-            let ev = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
+            let (ev, _retired_lease) = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
             if d2h {
                 s.d2h_spare.push(ev);
             } else {
@@ -413,8 +440,12 @@ impl<D: Device> Engine<D> {
                 if q.len() < max_inflight {
                     break;
                 }
-                let ev = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
-                self.dev.synchronize(&ev)?;
+                let (ev, lease) = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
+                if let Err(e) = self.dev.synchronize(&ev) {
+                    // Not known complete: the copy may still use the memory, which stays leased.
+                    std::mem::forget(lease);
+                    return Err(e);
+                }
                 if d2h {
                     s.d2h_spare.push(ev);
                 } else {
@@ -441,7 +472,36 @@ impl<D: Device> Engine<D> {
         compute: u64,
     ) -> Result<(usize, u64)> {
         // SAFETY: forwarded from the caller's contract.
-        let (index, ptr, _) = unsafe { self.prefetch(None, src, n, max_inflight, &[], 0)? };
+        let (index, ptr, _) =
+            unsafe { self.prefetch_inner(None, src, n, max_inflight, &[], 0, None)? };
+        self.claim_or_release(index, ptr, compute)
+    }
+
+    /// [`Engine::acquire`] of the bytes of `src`, which the engine keeps alive (its lease) until
+    /// the copy has run: the memory may be dropped by the caller right after the call.
+    pub fn acquire_slice(
+        &self,
+        src: &HostSlice,
+        max_inflight: usize,
+        compute: u64,
+    ) -> Result<(usize, u64)> {
+        // SAFETY: the slice's lease keeps its bytes readable until the copy retires (it travels
+        // with the copy's event in the queue).
+        let (index, ptr, _) = unsafe {
+            self.prefetch_inner(
+                None,
+                src.as_ptr(),
+                src.len(),
+                max_inflight,
+                &[],
+                0,
+                Some(src.lease()),
+            )?
+        };
+        self.claim_or_release(index, ptr, compute)
+    }
+
+    fn claim_or_release(&self, index: usize, ptr: u64, compute: u64) -> Result<(usize, u64)> {
         if let Err(e) = self.claim(index, compute, 0) {
             let _ = self.release(index, compute);
             return Err(e);
@@ -467,6 +527,50 @@ impl<D: Device> Engine<D> {
         max_inflight: usize,
         keep: &[u64],
         tag: u64,
+    ) -> Result<(usize, u64, bool)> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.prefetch_inner(key, src, n, max_inflight, keep, tag, None) }
+    }
+
+    /// [`Engine::prefetch`] of the bytes of `src`, which the engine keeps alive (its lease) until
+    /// the copy has run: the memory may be dropped by the caller right after the call.
+    pub fn prefetch_slice(
+        &self,
+        key: Option<u64>,
+        src: &HostSlice,
+        max_inflight: usize,
+        keep: &[u64],
+        tag: u64,
+    ) -> Result<(usize, u64, bool)> {
+        // SAFETY: the slice's lease keeps its bytes readable until the copy retires (it travels
+        // with the copy's event in the queue).
+        unsafe {
+            self.prefetch_inner(
+                key,
+                src.as_ptr(),
+                src.len(),
+                max_inflight,
+                keep,
+                tag,
+                Some(src.lease()),
+            )
+        }
+    }
+
+    /// The prefetch; `hold` (when given) stays with the copy until it has retired.
+    ///
+    /// # Safety
+    /// As for [`Engine::prefetch`], where `hold` does not keep `src` alive.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn prefetch_inner(
+        &self,
+        key: Option<u64>,
+        src: *const u8,
+        n: usize,
+        max_inflight: usize,
+        keep: &[u64],
+        tag: u64,
+        hold: Option<Lease>,
     ) -> Result<(usize, u64, bool)> {
         let max_inflight = validate_max_inflight(max_inflight)?;
         let mut guard = self.lock()?;
@@ -531,7 +635,7 @@ impl<D: Device> Engine<D> {
         self.span_end(s, t0, Lane::Transfer, Kind::H2d, tag, n as u64)?;
         self.dev.record(&copied, Lane::Transfer)?;
         self.dev.record(&s.slots[index].ready, Lane::Transfer)?;
-        s.h2d.push_back(copied);
+        s.h2d.push_back((copied, hold));
         let slot = &mut s.slots[index];
         slot.held = true;
         slot.owner = key;
@@ -670,6 +774,53 @@ impl<D: Device> Engine<D> {
         compute: u64,
         tag: u64,
     ) -> Result<usize> {
+        // SAFETY: forwarded.
+        unsafe { self.copy_to_host_inner(dst, src, n, max_inflight, compute, tag, None) }
+    }
+
+    /// [`Engine::copy_to_host_tagged`] into the bytes of `dst` (all of them), which the engine keeps
+    /// alive (its lease) until the copy has run.
+    ///
+    /// # Safety
+    /// The device range `src..src+dst.len()` must stay readable until the copy has run.
+    pub unsafe fn copy_to_host_slice(
+        &self,
+        dst: &HostSlice,
+        src: u64,
+        max_inflight: usize,
+        compute: u64,
+        tag: u64,
+    ) -> Result<usize> {
+        // SAFETY: the host side is kept writable by the slice's lease, which travels with the
+        // copy's event; the device side is the caller's contract.
+        unsafe {
+            self.copy_to_host_inner(
+                dst.as_ptr(),
+                src,
+                dst.len(),
+                max_inflight,
+                compute,
+                tag,
+                Some(dst.lease()),
+            )
+        }
+    }
+
+    /// The device→host copy; `hold` (when given) stays with the copy until it has retired.
+    ///
+    /// # Safety
+    /// As for [`Engine::copy_to_host`], where `hold` does not keep `dst` alive.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn copy_to_host_inner(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        n: usize,
+        max_inflight: usize,
+        compute: u64,
+        tag: u64,
+        hold: Option<Lease>,
+    ) -> Result<usize> {
         let max_inflight = validate_max_inflight(max_inflight)?;
         let mut guard = self.lock()?;
         let s = &mut *guard;
@@ -695,7 +846,7 @@ impl<D: Device> Engine<D> {
             None => self.dev.new_event()?,
         };
         self.dev.record(&done, Lane::Gradient)?;
-        s.d2h.push_back(done);
+        s.d2h.push_back((done, hold));
         s.stats.d2h_bytes += n as u64;
         s.stats.d2h_copies += 1;
         Ok(retired)
@@ -710,11 +861,9 @@ impl<D: Device> Engine<D> {
         self.dev.synchronize_lane(Lane::Transfer)?;
         self.dev.synchronize_lane(Lane::Gradient)?;
         s.stats.sync_wait_seconds += t.elapsed().as_secs_f64();
-        let h: Vec<_> = s.h2d.drain(..).collect();
-        s.h2d_spare.extend(h);
-        let d: Vec<_> = s.d2h.drain(..).collect();
-        let retired = d.len();
-        s.d2h_spare.extend(d);
+        s.h2d_spare.extend(s.h2d.drain(..).map(|(e, _)| e));
+        let retired = s.d2h.len();
+        s.d2h_spare.extend(s.d2h.drain(..).map(|(e, _)| e));
         self.harvest(s)?;
         Ok(retired)
     }
@@ -736,7 +885,15 @@ impl<D: Device> Engine<D> {
 impl<D: Device> Drop for Engine<D> {
     fn drop(&mut self) {
         // Copies may still read host regions or write slots: let them finish.
-        let _ = self.dev.synchronize_lane(Lane::Transfer);
-        let _ = self.dev.synchronize_lane(Lane::Gradient);
+        let t = self.dev.synchronize_lane(Lane::Transfer);
+        let g = self.dev.synchronize_lane(Lane::Gradient);
+        if t.is_err() || g.is_err() {
+            // Not known complete: keep the memory of the copies mapped rather than free it under
+            // them (a leak on a failing device, never a use after free).
+            if let Ok(s) = self.state.get_mut() {
+                std::mem::forget(std::mem::take(&mut s.h2d));
+                std::mem::forget(std::mem::take(&mut s.d2h));
+            }
+        }
     }
 }

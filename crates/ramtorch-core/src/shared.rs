@@ -15,12 +15,19 @@
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
-use crate::arena::Arena;
+use crate::arena::{Arena, HostSlice, Lease};
 use crate::error::{Error, Result};
 
-/// Host memory of an exact size shared with other processes of the node.
+/// Host memory of an exact size shared with other processes of the node. It is registered with its
+/// arena while alive, so [`Arena::slice`] finds it; leases on it keep the mapping alive.
 pub struct SharedRegion {
+    map: Arc<SharedMap>,
+}
+
+/// The mapping, shared by the region and the leases on it.
+struct SharedMap {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
@@ -33,9 +40,9 @@ pub struct SharedRegion {
 
 // SAFETY: the region is plain memory owned by this value (the mapping) and the kernel (the pages);
 // concurrent access to its bytes is the user's business, as for any tensor storage.
-unsafe impl Send for SharedRegion {}
-// SAFETY: as above; `&SharedRegion` only hands out the pointer and plain fields.
-unsafe impl Sync for SharedRegion {}
+unsafe impl Send for SharedMap {}
+// SAFETY: as above; `&SharedMap` only hands out the pointer and plain fields.
+unsafe impl Sync for SharedMap {}
 
 fn os_err() -> String {
     std::io::Error::last_os_error().to_string()
@@ -172,7 +179,7 @@ impl SharedRegion {
         // SAFETY: the mapping was just made, is page-aligned and lives until `drop`, which unpins
         // it before unmapping.
         let pinned = unsafe { arena.pin_external(ptr.as_ptr(), cap) };
-        Ok(Self {
+        let map = Arc::new(SharedMap {
             ptr,
             len,
             cap,
@@ -180,29 +187,50 @@ impl SharedRegion {
             name,
             pinned,
             arena: arena.clone(),
-        })
+        });
+        let keep: Arc<dyn Send + Sync> = map.clone();
+        arena.register_external(ptr.as_ptr() as usize, len, Arc::downgrade(&keep));
+        Ok(Self { map })
     }
 
     /// Start of this process's mapping.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.map.ptr.as_ptr()
     }
     /// Bytes of the region.
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len
     }
     /// Whether the region holds no bytes (never: a shared region holds at least one).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.map.len == 0
     }
     /// The name other processes attach with: `/proc/<creator pid>/fd/<fd>` (for an attached
     /// region, the name it was attached with).
     pub fn name(&self) -> &str {
-        &self.name
+        &self.map.name
     }
     /// Whether this process's mapping is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.pinned
+        self.map.pinned
+    }
+    /// Keeps this process's mapping alive, even after the region itself is dropped.
+    pub fn lease(&self) -> Lease {
+        Lease::new(self.map.clone())
+    }
+    /// The `len` bytes at `offset` of the region, kept alive by the result.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<HostSlice> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(HostSlice::new(
+                self.as_ptr() as usize + offset,
+                len,
+                self.lease(),
+            )),
+            _ => Err(Error::InvalidArgument(format!(
+                "bytes {offset}..+{len} are outside a shared region of {} bytes",
+                self.len()
+            ))),
+        }
     }
     /// The bytes, for tests and host-side kernels.
     ///
@@ -210,7 +238,7 @@ impl SharedRegion {
     /// No code, in this process or another, may write the region while the slice lives.
     pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is `cap >= len` readable bytes, live while `self` is.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
     }
 }
 
@@ -219,13 +247,17 @@ impl std::fmt::Debug for SharedRegion {
         write!(
             f,
             "SharedRegion({}, {} bytes, pinned: {})",
-            self.name, self.len, self.pinned
+            self.name(),
+            self.len(),
+            self.is_pinned()
         )
     }
 }
 
-impl Drop for SharedRegion {
+impl Drop for SharedMap {
     fn drop(&mut self) {
+        // Unregistered before the address can be mapped again.
+        self.arena.unregister_external(self.ptr.as_ptr() as usize);
         if self.pinned {
             // SAFETY: pinned by `pin_external` of this arena in `map`, unpinned once here.
             unsafe { self.arena.unpin_external(self.ptr.as_ptr(), self.cap) };

@@ -13,7 +13,8 @@ fn host_engine(slots: usize, bytes: usize) -> (Engine<HostDevice>, Vec<Vec<u8>>)
     let e = Engine::new(HostDevice::new().expect("host device"));
     let mut mem = vec![vec![0u8; bytes]; slots];
     let ptrs: Vec<u64> = mem.iter_mut().map(|s| s.as_mut_ptr() as u64).collect();
-    e.set_slots(&ptrs, bytes).expect("slots");
+    // SAFETY: the slot buffers outlive the engine's use of them.
+    unsafe { e.set_slots(&ptrs, bytes) }.expect("slots");
     (e, mem)
 }
 
@@ -75,7 +76,8 @@ fn holding_every_slot_is_an_error_not_a_hang() {
     let err = unsafe { e.acquire(r.as_ptr(), 8, 1, 0) }.expect_err("no free slot");
     assert!(matches!(err, Error::SlotsExhausted { slots: 2 }), "{err}");
     assert!(
-        e.set_slots(&[], 0).is_err(),
+        // SAFETY: the slot buffers outlive the engine's use of them.
+        unsafe { e.set_slots(&[], 0) }.is_err(),
         "slots cannot be swapped while held"
     );
     e.release(0, 0).expect("release");
@@ -183,7 +185,8 @@ fn throttle_bounds_copies_in_flight_and_blocks_only_when_needed() {
         let ptrs: Vec<u64> = (0..=max_inflight as u64)
             .map(|i| 0x1000 * (i + 1))
             .collect();
-        e.set_slots(&ptrs, 64).expect("slots");
+        // SAFETY: the slot buffers outlive the engine's use of them.
+        unsafe { e.set_slots(&ptrs, 64) }.expect("slots");
         let src = [0u8; 64];
         for _ in 0..20 {
             // SAFETY: the scripted device never touches memory.
@@ -210,7 +213,8 @@ fn throttle_bounds_copies_in_flight_and_blocks_only_when_needed() {
 fn finished_copies_do_not_block() {
     let script = Arc::new(Script::default());
     let e = Engine::new(Scripted(script.clone()));
-    e.set_slots(&[0x1000, 0x2000, 0x3000], 64).expect("slots");
+    // SAFETY: the slot buffers outlive the engine's use of them.
+    unsafe { e.set_slots(&[0x1000, 0x2000, 0x3000], 64) }.expect("slots");
     let src = [0u8; 64];
     for _ in 0..10 {
         // SAFETY: the scripted device never touches memory.
@@ -227,7 +231,8 @@ fn finished_copies_do_not_block() {
 fn slots_round_robin_skipping_held_ones() {
     let script = Arc::new(Script::default());
     let e = Engine::new(Scripted(script));
-    e.set_slots(&[0x1000, 0x2000, 0x3000], 64).expect("slots");
+    // SAFETY: the slot buffers outlive the engine's use of them.
+    unsafe { e.set_slots(&[0x1000, 0x2000, 0x3000], 64) }.expect("slots");
     let src = [0u8; 64];
     // SAFETY: the scripted device never touches memory.
     let a = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("a").0;

@@ -2,6 +2,7 @@
 //! mapping and panic containment; no logic of its own.
 
 mod io;
+mod memory;
 mod optim;
 use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -312,6 +313,8 @@ macro_rules! with_engine {
 struct Engine {
     inner: AnyEngine,
     name: String,
+    /// The slot tensors given to `set_slots`, kept alive while they are the slots.
+    slot_tensors: Mutex<Vec<Py<PyAny>>>,
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: EngineStats) -> PyResult<Bound<'py, PyDict>> {
@@ -332,6 +335,19 @@ fn stats_dict<'py>(py: Python<'py>, s: EngineStats) -> PyResult<Bound<'py, PyDic
     d.set_item("reuses", s.reuses)?;
     d.set_item("reused_bytes", s.reused_bytes)?;
     Ok(d)
+}
+
+impl Engine {
+    /// Checks that a unit of `nbytes` fits the slots, before its memory is looked up.
+    fn fits(&self, nbytes: usize) -> Result<(), Error> {
+        let (_, slot_bytes) = with_engine!(self, e => e.slots())?;
+        if nbytes > slot_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "a unit of {nbytes} bytes does not fit the {slot_bytes} byte device slots"
+            )));
+        }
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -356,7 +372,11 @@ impl Engine {
             AnyEngine::Cuda(e) => e.device().name(),
             AnyEngine::Host(e) => e.device().name(),
         };
-        Ok(Self { inner, name })
+        Ok(Self {
+            inner,
+            name,
+            slot_tensors: Mutex::new(Vec::new()),
+        })
     }
 
     /// Device name, e.g. `cuda:0`.
@@ -370,49 +390,95 @@ impl Engine {
         guard("slots", || with_engine!(self, e => e.slots()))
     }
 
-    /// Uses the device buffers at `ptrs` (each `nbytes` long) as slots.
-    fn set_slots(&self, py: Python<'_>, ptrs: Vec<u64>, nbytes: usize) -> PyResult<()> {
+    /// Uses `slots` (each at least `nbytes` long) as the device slots: contiguous tensors on the
+    /// device, which the engine keeps alive while they are its slots, or raw device addresses
+    /// (which cannot be checked beyond being non-null and distinct: the caller keeps them alive).
+    fn set_slots(
+        &self,
+        py: Python<'_>,
+        slots: Vec<Bound<'_, PyAny>>,
+        nbytes: usize,
+    ) -> PyResult<()> {
+        let op = "set_slots";
+        let ptrs = guard(op, || {
+            slots
+                .iter()
+                .enumerate()
+                .map(|(i, s)| memory::device_address(&format!("slot {i}"), s, nbytes))
+                .collect::<Result<Vec<u64>, Error>>()
+        })?;
+        let tensors: Vec<Py<PyAny>> = slots
+            .iter()
+            .filter(|s| !memory::is_address(s))
+            .map(|s| s.clone().unbind())
+            .collect();
+        // SAFETY: tensors are kept alive below for as long as they are the slots; for raw
+        // addresses the caller keeps the memory alive (the documented contract of this method).
         py.detach(|| {
             guard(
-                "set_slots",
-                || with_engine!(self, e => e.set_slots(&ptrs, nbytes)),
+                op,
+                || with_engine!(self, e => unsafe { e.set_slots(&ptrs, nbytes) }),
             )
-        })
+        })?;
+        let old = match self.slot_tensors.lock() {
+            Ok(mut t) => std::mem::replace(&mut *t, tensors),
+            Err(_) => return Err(PyRuntimeError::new_err("set_slots: lock poisoned")),
+        };
+        drop(old);
+        Ok(())
     }
 
-    /// Copies `nbytes` at host address `src` into a free slot; the compute stream `stream` waits for
-    /// the copy. Returns `(slot index, slot device address)`.
+    /// Copies the first `nbytes` of `src` (a tensor over arena memory, or its address) into a free
+    /// slot; the compute stream `stream` waits for the copy. The engine keeps the memory alive
+    /// until the copy has run. Returns `(slot index, slot device address)`.
     fn acquire(
         &self,
         py: Python<'_>,
-        src: usize,
+        src: &Bound<'_, PyAny>,
         nbytes: usize,
         max_inflight: usize,
         stream: u64,
     ) -> PyResult<(usize, u64)> {
-        // SAFETY: the front-end passes the address of a live arena region that it keeps alive (the
-        // parameter) and never frees while copies may be pending (it synchronises first).
-        py.detach(|| guard("acquire", || with_engine!(self, e => unsafe { e.acquire(src as *const u8, nbytes, max_inflight, stream) })))
+        let op = "acquire";
+        let src = guard(op, || {
+            self.fits(nbytes)?;
+            memory::host_slice("src", src, nbytes)
+        })?;
+        py.detach(|| {
+            guard(
+                op,
+                || with_engine!(self, e => e.acquire_slice(&src, max_inflight, stream)),
+            )
+        })
     }
 
     /// Issues the copy of a unit into a free slot (held until `release`) without making any
     /// stream wait for it; returns `(slot, device address, copied)`. With a `key`, a slot still
     /// holding that key is reused without a copy; eviction spares the keys in `keep`.
+    /// `src` is as for `acquire`.
     #[pyo3(signature = (key, src, nbytes, max_inflight, keep, tag = 0))]
     #[allow(clippy::too_many_arguments)]
     fn prefetch(
         &self,
         py: Python<'_>,
         key: Option<u64>,
-        src: usize,
+        src: &Bound<'_, PyAny>,
         nbytes: usize,
         max_inflight: usize,
         keep: Vec<u64>,
         tag: u64,
     ) -> PyResult<(usize, u64, bool)> {
-        // SAFETY: as in `acquire`; a key names one arena region at one version (the front end
-        // derives it from the parameters' version counters).
-        py.detach(|| guard("prefetch", || with_engine!(self, e => unsafe { e.prefetch(key, src as *const u8, nbytes, max_inflight, &keep, tag) })))
+        let op = "prefetch";
+        let src = guard(op, || {
+            self.fits(nbytes)?;
+            memory::host_slice("src", src, nbytes)
+        })?;
+        py.detach(|| {
+            guard(
+                op,
+                || with_engine!(self, e => e.prefetch_slice(key, &src, max_inflight, &keep, tag)),
+            )
+        })
     }
 
     /// Captures the copies queued so far on both engine streams; returns an id for `wait_marker`.
@@ -496,23 +562,33 @@ impl Engine {
         })
     }
 
-    /// Queues a device→host copy on the gradient stream after the work queued on `stream`; returns
-    /// how many earlier gradient copies have completed since the last report.
+    /// Queues a device→host copy of `nbytes` on the gradient stream after the work queued on
+    /// `stream`; returns how many earlier gradient copies have completed since the last report.
+    /// `dst` is arena memory (a tensor over it, or its address), kept alive by the engine until
+    /// the copy has run; `src` is a tensor on the device (or its address), which the caller keeps
+    /// alive until the copy is reported complete.
     #[pyo3(signature = (dst, src, nbytes, max_inflight, stream, tag = 0))]
     #[allow(clippy::too_many_arguments)]
     fn copy_to_host(
         &self,
         py: Python<'_>,
-        dst: usize,
-        src: u64,
+        dst: &Bound<'_, PyAny>,
+        src: &Bound<'_, PyAny>,
         nbytes: usize,
         max_inflight: usize,
         stream: u64,
         tag: u64,
     ) -> PyResult<usize> {
-        // SAFETY: the front-end passes a live arena region as `dst` and keeps the device source
+        let op = "copy_to_host";
+        let (dst, src) = guard(op, || {
+            Ok((
+                memory::host_slice("dst", dst, nbytes)?,
+                memory::device_address("src", src, nbytes)?,
+            ))
+        })?;
+        // SAFETY: the host side is kept alive by the slice; the front end keeps the device source
         // alive until this engine reports the copy complete.
-        py.detach(|| guard("copy_to_host", || with_engine!(self, e => unsafe { e.copy_to_host_tagged(dst as *mut u8, src, nbytes, max_inflight, stream, tag) })))
+        py.detach(|| guard(op, || with_engine!(self, e => unsafe { e.copy_to_host_slice(&dst, src, max_inflight, stream, tag) })))
     }
 
     /// Waits for both engine streams; returns the number of gradient copies newly completed.

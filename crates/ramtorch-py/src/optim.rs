@@ -1,16 +1,129 @@
-//! Bindings of the CPU optimizer kernels (`ramtorch_core::optim`). Tensors come in as addresses
-//! (`tensor.data_ptr()`), an element count and a dtype name; the caller promises that each address
-//! is the start of a live, contiguous CPU buffer of `numel` elements of that dtype that nothing
-//! else reads or writes during the call. Everything else (null or misaligned addresses,
-//! overlapping buffers, unknown dtypes, mismatched modes, bad hyperparameters) is checked and
-//! raises `ValueError`. The GIL is released while the kernels run.
+//! Bindings of the CPU optimizer kernels (`ramtorch_core::optim`). Each buffer is a contiguous CPU
+//! torch tensor (pointer and size come from torch; its dtype and element count are checked against
+//! the call's), or the address of memory ramtorch allocated (`tensor.data_ptr()` of an arena or
+//! shared tensor), which must lie inside a live arena or shared region. The memory is kept alive
+//! for the call. The caller promises only that nothing else reads or writes the buffers during the
+//! call. Everything else (addresses outside ramtorch's memory, null or misaligned addresses, wrong
+//! sizes or dtypes, overlapping buffers, unknown dtypes, mismatched modes, bad hyperparameters) is
+//! checked and raises `ValueError`. The GIL is released while the kernels run.
 
 use pyo3::prelude::*;
 
+use ramtorch_core::arena::Lease;
 use ramtorch_core::optim::{self, bf16, f16, Dtype, Tensor, TensorMut};
 use ramtorch_core::Error;
 
-use crate::guard;
+use crate::memory::{is_address, named, tensor_memory};
+use crate::{arena, guard};
+
+/// What keeps a buffer's memory alive during a call: a lease on ramtorch memory, or torch's
+/// storage object of a tensor.
+enum Keep {
+    Lease(#[allow(dead_code)] Lease),
+    Storage(#[allow(dead_code)] Py<PyAny>),
+}
+
+/// One buffer argument as given from Python: a tensor, an address, or absent (`None`, or `0` where
+/// a buffer is optional).
+type Arg<'a, 'py> = Option<&'a Bound<'py, PyAny>>;
+
+/// Turns the argument `obj` into a checked buffer of `numel` elements of `dtype`, pushing what keeps
+/// its memory alive onto `keeps`. `None` (and the address 0) give `None` where `optional`.
+fn resolve(
+    name: &'static str,
+    obj: Arg<'_, '_>,
+    dtype: &str,
+    numel: usize,
+    optional: bool,
+    keeps: &mut Vec<Keep>,
+) -> Result<Option<Buf>, Error> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        if optional {
+            return Ok(None);
+        }
+        return Err(invalid(format!("{name} is required")));
+    };
+    if is_address(obj) {
+        let addr = obj
+            .extract::<usize>()
+            .map_err(|e| invalid(format!("{name}: {e}")))?;
+        if addr == 0 && optional {
+            return Ok(None);
+        }
+        let b = Buf::new(name, addr, dtype, numel)?;
+        let bytes = b.bytes()?;
+        if bytes > 0 {
+            let s = arena()?.slice(addr, bytes).map_err(|e| {
+                named(
+                    name,
+                    match e {
+                        Error::InvalidArgument(m) => Error::InvalidArgument(format!(
+                            "{m}; pass the tensor itself for memory torch allocated"
+                        )),
+                        e => e,
+                    },
+                )
+            })?;
+            keeps.push(Keep::Lease(s.lease()));
+        }
+        return Ok(Some(b));
+    }
+    let dev = obj
+        .getattr("device")
+        .and_then(|d| d.getattr("type"))
+        .and_then(|t| t.extract::<String>())
+        .map_err(|_| invalid(format!("{name} must be a torch tensor or an int address")))?;
+    if dev != "cpu" {
+        return Err(invalid(format!(
+            "{name} must be a CPU tensor, got one on {dev}"
+        )));
+    }
+    let want = Dtype::parse(dtype).map_err(|e| named(name, e))?;
+    let got = obj
+        .getattr("dtype")
+        .and_then(|d| d.str())
+        .map(|d| d.to_string())
+        .map_err(|e| invalid(format!("{name}: {e}")))?;
+    if got.strip_prefix("torch.") != Some(&want.to_string()) {
+        return Err(invalid(format!("{name} is {got}, expected {want}")));
+    }
+    let m = tensor_memory(name, obj)?;
+    if m.numel != numel {
+        return Err(invalid(format!(
+            "{name} has {} elements, expected {numel}",
+            m.numel
+        )));
+    }
+    let b = Buf::new(name, m.addr, dtype, numel)?;
+    let bytes = b.bytes()?;
+    if bytes > 0 {
+        // Memory ramtorch allocated is held by a lease; other memory by torch's storage, whose
+        // bounds the tensor's bytes must lie in.
+        match arena()?.slice(m.addr, bytes) {
+            Ok(s) => keeps.push(Keep::Lease(s.lease())),
+            Err(_) => {
+                let st = obj
+                    .call_method0("untyped_storage")
+                    .map_err(|e| invalid(format!("{name}: {e}")))?;
+                let start = st
+                    .call_method0("data_ptr")
+                    .and_then(|v| v.extract::<usize>())
+                    .map_err(|e| invalid(format!("{name}: {e}")))?;
+                let len = st
+                    .call_method0("nbytes")
+                    .and_then(|v| v.extract::<usize>())
+                    .map_err(|e| invalid(format!("{name}: {e}")))?;
+                if m.addr < start || m.addr + bytes > start.saturating_add(len) {
+                    return Err(invalid(format!(
+                        "{name}: the tensor's {bytes} bytes lie outside its storage"
+                    )));
+                }
+                keeps.push(Keep::Storage(st.unbind()));
+            }
+        }
+    }
+    Ok(Some(b))
+}
 
 fn invalid(msg: String) -> Error {
     Error::InvalidArgument(msg)
@@ -150,19 +263,23 @@ fn disjoint(bufs: &[Buf]) -> Result<(), Error> {
     Ok(())
 }
 
-/// The buffers of one step: `named` as `(name, address, dtype)`, then the float32 master weights
-/// when `master` is non-zero; each checked, and checked pairwise disjoint.
+/// The buffers of one step: `bufs` as `(name, argument, dtype)`, each required, then the float32
+/// master weights when given; each checked, and checked pairwise disjoint. What keeps them alive
+/// goes to `keeps`.
 fn step_buffers(
-    named: &[(&'static str, usize, &str)],
-    master: usize,
+    bufs: &[(&'static str, Arg<'_, '_>, &str)],
+    master: Arg<'_, '_>,
     numel: usize,
+    keeps: &mut Vec<Keep>,
 ) -> Result<Vec<Buf>, Error> {
-    let mut b = named
-        .iter()
-        .map(|&(name, addr, dtype)| Buf::new(name, addr, dtype, numel))
-        .collect::<Result<Vec<_>, Error>>()?;
-    if master != 0 {
-        b.push(Buf::new("master", master, "float32", numel)?);
+    let mut b = Vec::with_capacity(bufs.len() + 1);
+    for &(name, obj, dtype) in bufs {
+        if let Some(x) = resolve(name, obj, dtype, numel, false, keeps)? {
+            b.push(x);
+        }
+    }
+    if let Some(m) = resolve("master", master, "float32", numel, true, keeps)? {
+        b.push(m);
     }
     disjoint(&b)?;
     Ok(b)
@@ -178,20 +295,20 @@ fn step_buffers(
 #[pyfunction]
 #[pyo3(signature = (
     param, param_dtype, grad, grad_dtype, exp_avg, exp_avg_sq, state_dtype, *,
-    master = 0, numel, step, lr, beta1, beta2, eps, weight_decay,
+    master = None, numel, step, lr, beta1, beta2, eps, weight_decay,
     maximize = false, grad_scale = 1.0, seed = 0,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn adamw_step(
     py: Python<'_>,
-    param: usize,
+    param: &Bound<'_, PyAny>,
     param_dtype: &str,
-    grad: usize,
+    grad: &Bound<'_, PyAny>,
     grad_dtype: &str,
-    exp_avg: usize,
-    exp_avg_sq: usize,
+    exp_avg: &Bound<'_, PyAny>,
+    exp_avg_sq: &Bound<'_, PyAny>,
     state_dtype: &str,
-    master: usize,
+    master: Option<&Bound<'_, PyAny>>,
     numel: usize,
     step: u64,
     lr: f64,
@@ -216,12 +333,13 @@ fn adamw_step(
         seed,
     };
     let named = [
-        ("param", param, param_dtype),
-        ("grad", grad, grad_dtype),
-        ("exp_avg", exp_avg, state_dtype),
-        ("exp_avg_sq", exp_avg_sq, state_dtype),
+        ("param", Some(param), param_dtype),
+        ("grad", Some(grad), grad_dtype),
+        ("exp_avg", Some(exp_avg), state_dtype),
+        ("exp_avg_sq", Some(exp_avg_sq), state_dtype),
     ];
-    let bufs = guard(op, || step_buffers(&named, master, numel))?;
+    let mut keeps = Vec::with_capacity(5);
+    let bufs = guard(op, || step_buffers(&named, master, numel, &mut keeps))?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
@@ -252,19 +370,19 @@ fn adamw_step(
 #[pyfunction]
 #[pyo3(signature = (
     param, param_dtype, grad, grad_dtype, momentum_buffer, state_dtype, *,
-    master = 0, numel, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step,
+    master = None, numel, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step,
     grad_scale = 1.0, seed = 0, step = 0,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn sgd_step(
     py: Python<'_>,
-    param: usize,
+    param: &Bound<'_, PyAny>,
     param_dtype: &str,
-    grad: usize,
+    grad: &Bound<'_, PyAny>,
     grad_dtype: &str,
-    momentum_buffer: usize,
+    momentum_buffer: Option<&Bound<'_, PyAny>>,
     state_dtype: &str,
-    master: usize,
+    master: Option<&Bound<'_, PyAny>>,
     numel: usize,
     lr: f64,
     momentum: f64,
@@ -290,16 +408,28 @@ fn sgd_step(
         step,
         seed,
     };
-    let (has_buf, has_master) = (momentum_buffer != 0, master != 0);
-    let bufs = guard(op, || {
-        let mut named = vec![("param", param, param_dtype), ("grad", grad, grad_dtype)];
-        if has_buf {
-            named.push(("momentum_buffer", momentum_buffer, state_dtype));
-        } else {
-            // Checked even without a buffer, so that a typo is not silently ignored.
-            Dtype::parse(state_dtype)?;
+    let mut keeps = Vec::with_capacity(4);
+    let (bufs, has_buf, has_master) = guard(op, || {
+        let mut b = Vec::with_capacity(4);
+        for (name, obj, dtype) in [("param", param, param_dtype), ("grad", grad, grad_dtype)] {
+            b.extend(resolve(name, Some(obj), dtype, numel, false, &mut keeps)?);
         }
-        step_buffers(&named, master, numel)
+        // Checked even without a buffer, so that a typo is not silently ignored.
+        Dtype::parse(state_dtype)?;
+        let buf = resolve(
+            "momentum_buffer",
+            momentum_buffer,
+            state_dtype,
+            numel,
+            true,
+            &mut keeps,
+        )?;
+        let master = resolve("master", master, "float32", numel, true, &mut keeps)?;
+        let flags = (buf.is_some(), master.is_some());
+        b.extend(buf);
+        b.extend(master);
+        disjoint(&b)?;
+        Ok((b, flags.0, flags.1))
     })?;
     py.detach(|| {
         guard(op, || {
@@ -328,19 +458,19 @@ fn sgd_step(
 #[pyfunction]
 #[pyo3(signature = (
     param, param_dtype, grad, grad_dtype, exp_avg, state_dtype, *,
-    master = 0, numel, lr, beta1, beta2, weight_decay,
+    master = None, numel, lr, beta1, beta2, weight_decay,
     maximize = false, grad_scale = 1.0, seed = 0, step = 0,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn lion_step(
     py: Python<'_>,
-    param: usize,
+    param: &Bound<'_, PyAny>,
     param_dtype: &str,
-    grad: usize,
+    grad: &Bound<'_, PyAny>,
     grad_dtype: &str,
-    exp_avg: usize,
+    exp_avg: &Bound<'_, PyAny>,
     state_dtype: &str,
-    master: usize,
+    master: Option<&Bound<'_, PyAny>>,
     numel: usize,
     lr: f64,
     beta1: f64,
@@ -363,11 +493,12 @@ fn lion_step(
         seed,
     };
     let named = [
-        ("param", param, param_dtype),
-        ("grad", grad, grad_dtype),
-        ("exp_avg", exp_avg, state_dtype),
+        ("param", Some(param), param_dtype),
+        ("grad", Some(grad), grad_dtype),
+        ("exp_avg", Some(exp_avg), state_dtype),
     ];
-    let bufs = guard(op, || step_buffers(&named, master, numel))?;
+    let mut keeps = Vec::with_capacity(4);
+    let bufs = guard(op, || step_buffers(&named, master, numel, &mut keeps))?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
@@ -389,11 +520,18 @@ fn lion_step(
     })
 }
 
-/// `(sum of squares as a float64, whether any element is inf/NaN)` of `numel` elements at `ptr`.
+/// `(sum of squares as a float64, whether any element is inf/NaN)` of the `numel` elements of `ptr`
+/// (a CPU tensor, or the address of memory ramtorch allocated).
 #[pyfunction]
-fn grad_stats(py: Python<'_>, ptr: usize, dtype: &str, numel: usize) -> PyResult<(f64, bool)> {
+fn grad_stats(
+    py: Python<'_>,
+    ptr: &Bound<'_, PyAny>,
+    dtype: &str,
+    numel: usize,
+) -> PyResult<(f64, bool)> {
     let op = "grad_stats";
-    let b = guard(op, || Buf::new("tensor", ptr, dtype, numel))?;
+    let mut keeps = Vec::with_capacity(1);
+    let b = guard(op, || one_buffer(ptr, dtype, numel, &mut keeps))?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: checked in `Buf::new`; valid and not written during the call by contract.
@@ -403,17 +541,24 @@ fn grad_stats(py: Python<'_>, ptr: usize, dtype: &str, numel: usize) -> PyResult
     })
 }
 
-/// Multiplies `numel` elements at `ptr` by `factor` in place (bfloat16/float16 results rounded to
-/// nearest even).
+/// Multiplies the `numel` elements of `ptr` (as for `grad_stats`) by `factor` in place
+/// (bfloat16/float16 results rounded to nearest even).
 #[pyfunction]
 #[pyo3(name = "scale_")]
-fn scale(py: Python<'_>, ptr: usize, dtype: &str, numel: usize, factor: f64) -> PyResult<()> {
+fn scale(
+    py: Python<'_>,
+    ptr: &Bound<'_, PyAny>,
+    dtype: &str,
+    numel: usize,
+    factor: f64,
+) -> PyResult<()> {
     let op = "scale_";
+    let mut keeps = Vec::with_capacity(1);
     let b = guard(op, || {
         if !factor.is_finite() {
             return Err(invalid(format!("factor must be finite, got {factor}")));
         }
-        Buf::new("tensor", ptr, dtype, numel)
+        one_buffer(ptr, dtype, numel, &mut keeps)
     })?;
     py.detach(|| {
         guard(op, || {
@@ -422,6 +567,17 @@ fn scale(py: Python<'_>, ptr: usize, dtype: &str, numel: usize, factor: f64) -> 
             Ok(())
         })
     })
+}
+
+/// The one buffer of `grad_stats` and `scale_`.
+fn one_buffer(
+    obj: &Bound<'_, PyAny>,
+    dtype: &str,
+    numel: usize,
+    keeps: &mut Vec<Keep>,
+) -> Result<Buf, Error> {
+    resolve("tensor", Some(obj), dtype, numel, false, keeps)?
+        .ok_or_else(|| invalid("tensor is required".into()))
 }
 
 /// Number of threads the optimizer kernels run on (the rayon pool; set RAYON_NUM_THREADS before
