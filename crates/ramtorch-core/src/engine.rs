@@ -501,6 +501,45 @@ impl<D: Device> Engine<D> {
         self.claim_or_release(index, ptr, compute)
     }
 
+    /// [`Engine::acquire_slice`] whose slot is owned by the returned guard: the slot is released
+    /// (after the work queued on `compute` so far) when the guard is dropped.
+    pub fn borrow(
+        &self,
+        src: &HostSlice,
+        max_inflight: usize,
+        compute: u64,
+    ) -> Result<SlotGuard<'_, D>> {
+        let (index, ptr) = self.acquire_slice(src, max_inflight, compute)?;
+        Ok(SlotGuard {
+            engine: self,
+            index,
+            ptr,
+            compute,
+        })
+    }
+
+    /// [`Engine::prefetch_slice`] whose slot is owned by the returned guard; the copy is not waited
+    /// for until [`SlotGuard::claim`]. Returns the guard and whether a copy was issued.
+    pub fn prefetch_guarded(
+        &self,
+        key: Option<u64>,
+        src: &HostSlice,
+        max_inflight: usize,
+        keep: &[u64],
+        compute: u64,
+    ) -> Result<(SlotGuard<'_, D>, bool)> {
+        let (index, ptr, copied) = self.prefetch_slice(key, src, max_inflight, keep, 0)?;
+        Ok((
+            SlotGuard {
+                engine: self,
+                index,
+                ptr,
+                compute,
+            },
+            copied,
+        ))
+    }
+
     fn claim_or_release(&self, index: usize, ptr: u64, compute: u64) -> Result<(usize, u64)> {
         if let Err(e) = self.claim(index, compute, 0) {
             let _ = self.release(index, compute);
@@ -879,6 +918,42 @@ impl<D: Device> Engine<D> {
         let mut guard = self.lock()?;
         self.harvest(&mut guard)?;
         Ok(guard.stats)
+    }
+}
+
+/// A held device slot, released when dropped (after the work queued so far on its compute lane),
+/// so that an early return or a panic cannot leave the slot held for good.
+pub struct SlotGuard<'a, D: Device> {
+    engine: &'a Engine<D>,
+    index: usize,
+    ptr: u64,
+    compute: u64,
+}
+
+impl<D: Device> SlotGuard<'_, D> {
+    /// Index of the slot.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+    /// Device address of the slot's memory.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Makes the compute lane wait (on the device) for the copy into the slot.
+    pub fn claim(&self) -> Result<()> {
+        self.engine.claim(self.index, self.compute, 0)
+    }
+    /// Releases the slot now, reporting an error that dropping would ignore.
+    pub fn release(self) -> Result<()> {
+        let r = self.engine.release(self.index, self.compute);
+        std::mem::forget(self);
+        r
+    }
+}
+
+impl<D: Device> Drop for SlotGuard<'_, D> {
+    fn drop(&mut self) {
+        let _ = self.engine.release(self.index, self.compute);
     }
 }
 

@@ -139,3 +139,34 @@ fn slots_must_be_distinct_and_non_null() {
     let m = refused(unsafe { e.set_slots(&[u64::MAX - 8], 64) });
     assert!(m.contains("overflows"), "{m}");
 }
+
+#[test]
+fn a_slot_guard_releases_on_drop_even_on_an_early_exit() {
+    let a = Arena::new(None);
+    let (e, mem) = host_engine(2, 64);
+    let r = a.alloc(64, false).expect("alloc");
+    // SAFETY: the region is writable and owned here.
+    unsafe { std::ptr::write_bytes(r.as_ptr(), 9, 64) };
+    let src = r.slice(0, 64).expect("slice");
+    let failing = || -> ramtorch_core::Result<()> {
+        let g = e.borrow(&src, 1, 0)?;
+        assert!(mem[g.index()].iter().all(|&b| b == 9));
+        assert_eq!(g.device_ptr(), mem[g.index()].as_ptr() as u64);
+        Err(Error::InvalidArgument("the caller's work failed".into()))
+    };
+    for _ in 0..5 {
+        assert!(failing().is_err());
+    }
+    let (g1, copied) = e.prefetch_guarded(Some(1), &src, 1, &[], 0).expect("1");
+    assert!(copied);
+    let (g2, _) = e.prefetch_guarded(Some(2), &src, 1, &[], 0).expect("2");
+    g1.claim().expect("claim");
+    let full = e.prefetch_guarded(Some(3), &src, 1, &[], 0);
+    assert!(matches!(full, Err(Error::SlotsExhausted { slots: 2 })));
+    g2.release().expect("release");
+    drop(g1);
+    let (g1, copied) = e.prefetch_guarded(Some(1), &src, 1, &[], 0).expect("again");
+    assert!(!copied, "the released slot still holds unit 1");
+    drop(g1);
+    e.synchronize().expect("sync");
+}

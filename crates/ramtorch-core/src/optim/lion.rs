@@ -84,7 +84,7 @@ impl Rule for LionRule {
 /// m = beta2 * m + (1 - beta2) * g
 /// ```
 ///
-/// Storage as for [`adamw_step`] (one state, `exp_avg`).
+/// Storage as for [`adamw_step`](super::adamw_step) (one state, `exp_avg`).
 pub fn lion_step(
     h: &Lion,
     param: TensorMut<'_>,

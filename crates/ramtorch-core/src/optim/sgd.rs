@@ -98,7 +98,7 @@ impl Rule for SgdRule {
 /// p = p - lr * g
 /// ```
 ///
-/// Storage as for [`adamw_step`]; `momentum_buffer` is needed when `momentum != 0` (it is ignored,
+/// Storage as for [`adamw_step`](super::adamw_step); `momentum_buffer` is needed when `momentum != 0` (it is ignored,
 /// though its length is checked, when `momentum == 0`).
 pub fn sgd_step(
     h: &Sgd,
