@@ -7,10 +7,13 @@
 //! Run with `cargo run --release --example stream_and_adamw`.
 
 use ramtorch_core::arena::{Arena, Region};
-use ramtorch_core::device::HostDevice;
+use ramtorch_core::device::{ComputeStream, HostDevice};
 use ramtorch_core::engine::Engine;
 use ramtorch_core::optim::{adamw_step, AdamW, Tensor, TensorMut};
 use ramtorch_core::{Error, Result};
+
+/// The compute stream: on the host device, the calling thread.
+const COMPUTE: ComputeStream = ComputeStream::DEFAULT;
 
 const UNITS: usize = 6;
 const NUMEL: usize = 50_000;
@@ -72,7 +75,7 @@ fn main() -> Result<()> {
         let mut grads = Vec::new();
         let mut device_grads = Vec::new();
         for w in &weights {
-            let guard = engine.borrow(&w.slice(0, bytes)?, 2, 0)?;
+            let guard = engine.borrow(&w.slice(0, bytes)?, 2, COMPUTE)?;
             let slot = &slots[guard.index()];
             // SAFETY: `w` is not written while this view lives (the optimizer runs later).
             check(
@@ -89,7 +92,7 @@ fn main() -> Result<()> {
             let dst = arena.alloc(bytes, false)?;
             // SAFETY: `g` (the device source) is kept in `device_grads` until synchronize.
             unsafe {
-                engine.copy_to_host_slice(&dst.slice(0, bytes)?, g.as_ptr() as u64, 2, 0, 0)
+                engine.copy_to_host_slice(&dst.slice(0, bytes)?, g.as_ptr() as u64, 2, COMPUTE, 0)
             }?;
             device_grads.push(g);
             grads.push(dst);

@@ -35,7 +35,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::arena::{HostSlice, Lease};
-use crate::device::{Device, Lane};
+use crate::device::{ComputeStream, Device, Lane};
 use crate::error::{Error, Result};
 
 /// Default of `MAX_INFLIGHT`: copies in flight per device.
@@ -51,6 +51,22 @@ pub fn validate_max_inflight(n: usize) -> Result<usize> {
         Err(Error::InvalidArgument(format!(
             "max_inflight must be between 1 and {MAX_MAX_INFLIGHT}, got {n}"
         )))
+    }
+}
+
+/// A point in the engine's copy lanes captured by [`Engine::marker`], to wait for from any thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Marker(u64);
+
+impl Marker {
+    /// The marker with id `raw` (as [`Marker::raw`] gave it).
+    pub const fn from_raw(raw: u64) -> Self {
+        Self(raw)
+    }
+
+    /// The marker's id.
+    pub const fn raw(self) -> u64 {
+        self.0
     }
 }
 
@@ -161,7 +177,7 @@ pub struct Engine<D: Device> {
     dev: D,
     state: Mutex<State<D::Event>>,
     /// Markers handed out and not yet waited for (see [`Engine::marker`]).
-    markers: Mutex<HashMap<u64, Vec<D::Event>>>,
+    markers: Mutex<HashMap<Marker, Vec<D::Event>>>,
     next_marker: AtomicU64,
 }
 
@@ -193,11 +209,11 @@ impl<D: Device> Engine<D> {
     /// Captures the copies queued so far on both engine lanes; returns an id for
     /// [`Engine::wait_marker`]. A host thread waiting on it (a CPU optimizer about to update a
     /// unit whose gradients are on their way) blocks neither the engine nor its caller.
-    pub fn marker(&self) -> Result<u64> {
+    pub fn marker(&self) -> Result<Marker> {
         let evs = vec![self.dev.new_event()?, self.dev.new_event()?];
         self.dev.record(&evs[0], Lane::Gradient)?;
         self.dev.record(&evs[1], Lane::Transfer)?;
-        let id = self.next_marker.fetch_add(1, Ordering::Relaxed);
+        let id = Marker(self.next_marker.fetch_add(1, Ordering::Relaxed));
         self.markers
             .lock()
             .map_err(|_| Error::Worker("marker lock poisoned".into()))?
@@ -206,14 +222,14 @@ impl<D: Device> Engine<D> {
     }
 
     /// Blocks until the copies captured by marker `id` are done, and forgets the marker.
-    pub fn wait_marker(&self, id: u64) -> Result<()> {
+    pub fn wait_marker(&self, id: Marker) -> Result<()> {
         let evs = self
             .markers
             .lock()
             .map_err(|_| Error::Worker("marker lock poisoned".into()))?
             .remove(&id)
             .ok_or_else(|| {
-                Error::InvalidArgument(format!("no marker {id} (already waited for?)"))
+                Error::InvalidArgument(format!("no marker {} (already waited for?)", id.0))
             })?;
         for e in &evs {
             self.dev.synchronize(e)?;
@@ -223,13 +239,13 @@ impl<D: Device> Engine<D> {
 
     /// Whether the copies captured by marker `id` are done, without blocking (the marker stays:
     /// [`wait_marker`](Self::wait_marker) forgets it). An unknown marker is an error.
-    pub fn marker_done(&self, id: u64) -> Result<bool> {
+    pub fn marker_done(&self, id: Marker) -> Result<bool> {
         let markers = self
             .markers
             .lock()
             .map_err(|_| Error::Worker("marker lock poisoned".into()))?;
         let evs = markers.get(&id).ok_or_else(|| {
-            Error::InvalidArgument(format!("no marker {id} (already waited for?)"))
+            Error::InvalidArgument(format!("no marker {} (already waited for?)", id.0))
         })?;
         for e in evs {
             if !self.dev.is_complete(e)? {
@@ -469,7 +485,7 @@ impl<D: Device> Engine<D> {
         src: *const u8,
         n: usize,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
     ) -> Result<(usize, u64)> {
         // SAFETY: forwarded from the caller's contract.
         let (index, ptr, _) =
@@ -483,7 +499,7 @@ impl<D: Device> Engine<D> {
         &self,
         src: &HostSlice,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
     ) -> Result<(usize, u64)> {
         // SAFETY: the slice's lease keeps its bytes readable until the copy retires (it travels
         // with the copy's event in the queue).
@@ -507,7 +523,7 @@ impl<D: Device> Engine<D> {
         &self,
         src: &HostSlice,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
     ) -> Result<SlotGuard<'_, D>> {
         let (index, ptr) = self.acquire_slice(src, max_inflight, compute)?;
         Ok(SlotGuard {
@@ -526,7 +542,7 @@ impl<D: Device> Engine<D> {
         src: &HostSlice,
         max_inflight: usize,
         keep: &[u64],
-        compute: u64,
+        compute: ComputeStream,
     ) -> Result<(SlotGuard<'_, D>, bool)> {
         let (index, ptr, copied) = self.prefetch_slice(key, src, max_inflight, keep, 0)?;
         Ok((
@@ -540,7 +556,12 @@ impl<D: Device> Engine<D> {
         ))
     }
 
-    fn claim_or_release(&self, index: usize, ptr: u64, compute: u64) -> Result<(usize, u64)> {
+    fn claim_or_release(
+        &self,
+        index: usize,
+        ptr: u64,
+        compute: ComputeStream,
+    ) -> Result<(usize, u64)> {
         if let Err(e) = self.claim(index, compute, 0) {
             let _ = self.release(index, compute);
             return Err(e);
@@ -685,7 +706,7 @@ impl<D: Device> Engine<D> {
     }
 
     /// Makes the compute lane `compute` wait (on the device) for the copy into held slot `index`.
-    pub fn claim(&self, index: usize, compute: u64, tag: u64) -> Result<()> {
+    pub fn claim(&self, index: usize, compute: ComputeStream, tag: u64) -> Result<()> {
         let mut guard = self.lock()?;
         let s = &mut *guard;
         match s.slots.get(index) {
@@ -706,7 +727,7 @@ impl<D: Device> Engine<D> {
     }
 
     /// Gives slot `index` back once the work queued so far on `compute` is done.
-    pub fn release(&self, index: usize, compute: u64) -> Result<()> {
+    pub fn release(&self, index: usize, compute: ComputeStream) -> Result<()> {
         let mut guard = self.lock()?;
         let s = &mut *guard;
         s.tick += 1;
@@ -737,7 +758,7 @@ impl<D: Device> Engine<D> {
     }
 
     /// Records an instant on `compute` for the trace (no effect while no trace is on).
-    pub fn mark(&self, compute: u64, tag: u64, code: u64) -> Result<()> {
+    pub fn mark(&self, compute: ComputeStream, tag: u64, code: u64) -> Result<()> {
         let mut guard = self.lock()?;
         let s = &mut *guard;
         if s.trace_base.is_none() || s.timings.len() >= MAX_PENDING_TIMINGS {
@@ -757,7 +778,7 @@ impl<D: Device> Engine<D> {
     }
 
     /// Starts a trace: timed records from now on are kept, relative to this point on `compute`.
-    pub fn trace_start(&self, compute: u64) -> Result<()> {
+    pub fn trace_start(&self, compute: ComputeStream) -> Result<()> {
         let mut guard = self.lock()?;
         let s = &mut *guard;
         self.harvest(s)?;
@@ -794,7 +815,7 @@ impl<D: Device> Engine<D> {
         src: u64,
         n: usize,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
     ) -> Result<usize> {
         // SAFETY: forwarded.
         unsafe { self.copy_to_host_tagged(dst, src, n, max_inflight, compute, 0) }
@@ -810,7 +831,7 @@ impl<D: Device> Engine<D> {
         src: u64,
         n: usize,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
         tag: u64,
     ) -> Result<usize> {
         // SAFETY: forwarded.
@@ -827,7 +848,7 @@ impl<D: Device> Engine<D> {
         dst: &HostSlice,
         src: u64,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
         tag: u64,
     ) -> Result<usize> {
         // SAFETY: the host side is kept writable by the slice's lease, which travels with the
@@ -856,7 +877,7 @@ impl<D: Device> Engine<D> {
         src: u64,
         n: usize,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
         tag: u64,
         hold: Option<Lease>,
     ) -> Result<usize> {
@@ -927,7 +948,7 @@ pub struct SlotGuard<'a, D: Device> {
     engine: &'a Engine<D>,
     index: usize,
     ptr: u64,
-    compute: u64,
+    compute: ComputeStream,
 }
 
 impl<D: Device> SlotGuard<'_, D> {

@@ -8,7 +8,7 @@
 //! - [`shared`]: host memory mapped once by several processes of a node (a memfd), each pinning it.
 //!
 //! ```
-//! use ramtorch_core::{arena::Arena, device::HostDevice, engine::Engine};
+//! use ramtorch_core::{arena::Arena, device::{ComputeStream, HostDevice}, engine::Engine};
 //!
 //! let arena = Arena::new(None);
 //! let weights = arena.alloc(16, true).unwrap();
@@ -18,8 +18,9 @@
 //! // SAFETY: the slot buffers outlive the engine.
 //! unsafe { engine.set_slots(&ptrs, 16) }.unwrap();
 //! // The slice keeps `weights` alive until the copy has run.
-//! let (slot, _) = engine.acquire_slice(&weights.slice(0, 16).unwrap(), 2, 0).unwrap();
-//! engine.release(slot, 0).unwrap();
+//! let compute = ComputeStream::DEFAULT;
+//! let (slot, _) = engine.acquire_slice(&weights.slice(0, 16).unwrap(), 2, compute).unwrap();
+//! engine.release(slot, compute).unwrap();
 //! engine.synchronize().unwrap();
 //! ```
 #![warn(missing_docs)]

@@ -2,8 +2,11 @@
 //! refused, and a queued copy keeps the memory it reads or writes mapped until it has retired.
 
 use ramtorch_core::arena::Arena;
-use ramtorch_core::device::HostDevice;
+use ramtorch_core::device::{ComputeStream, HostDevice};
 use ramtorch_core::engine::Engine;
+
+/// The default compute stream (on the host device, the calling thread).
+const S: ComputeStream = ComputeStream::DEFAULT;
 use ramtorch_core::shared::SharedRegion;
 use ramtorch_core::Error;
 
@@ -97,9 +100,9 @@ fn a_queued_copy_keeps_its_source_mapped() {
             4096,
             "the copy's source was unmapped while queued"
         );
-        e.claim(slot, 0, 0).expect("claim");
+        e.claim(slot, S, 0).expect("claim");
         assert!(mem[slot].iter().all(|&b| b == round), "round {round}");
-        e.release(slot, 0).expect("release");
+        e.release(slot, S).expect("release");
         e.synchronize().expect("sync");
         a.empty_cache();
         assert_eq!(a.stats().reserved_bytes, 0, "retired copies let go");
@@ -115,7 +118,7 @@ fn a_queued_gradient_copy_keeps_its_destination_mapped() {
     let r = a.alloc(64, true).expect("alloc");
     let dst = r.slice(0, 64).expect("slice");
     // SAFETY: `grad` (the device side) outlives the copy (synchronize below).
-    unsafe { e.copy_to_host_slice(&dst, grad.as_ptr() as u64, 2, 0, 0) }.expect("copy");
+    unsafe { e.copy_to_host_slice(&dst, grad.as_ptr() as u64, 2, S, 0) }.expect("copy");
     let keep = r.lease();
     drop((dst, r));
     a.empty_cache();
@@ -149,7 +152,7 @@ fn a_slot_guard_releases_on_drop_even_on_an_early_exit() {
     unsafe { std::ptr::write_bytes(r.as_ptr(), 9, 64) };
     let src = r.slice(0, 64).expect("slice");
     let failing = || -> ramtorch_core::Result<()> {
-        let g = e.borrow(&src, 1, 0)?;
+        let g = e.borrow(&src, 1, S)?;
         assert!(mem[g.index()].iter().all(|&b| b == 9));
         assert_eq!(g.device_ptr(), mem[g.index()].as_ptr() as u64);
         Err(Error::InvalidArgument("the caller's work failed".into()))
@@ -157,15 +160,15 @@ fn a_slot_guard_releases_on_drop_even_on_an_early_exit() {
     for _ in 0..5 {
         assert!(failing().is_err());
     }
-    let (g1, copied) = e.prefetch_guarded(Some(1), &src, 1, &[], 0).expect("1");
+    let (g1, copied) = e.prefetch_guarded(Some(1), &src, 1, &[], S).expect("1");
     assert!(copied);
-    let (g2, _) = e.prefetch_guarded(Some(2), &src, 1, &[], 0).expect("2");
+    let (g2, _) = e.prefetch_guarded(Some(2), &src, 1, &[], S).expect("2");
     g1.claim().expect("claim");
-    let full = e.prefetch_guarded(Some(3), &src, 1, &[], 0);
+    let full = e.prefetch_guarded(Some(3), &src, 1, &[], S);
     assert!(matches!(full, Err(Error::SlotsExhausted { slots: 2 })));
     g2.release().expect("release");
     drop(g1);
-    let (g1, copied) = e.prefetch_guarded(Some(1), &src, 1, &[], 0).expect("again");
+    let (g1, copied) = e.prefetch_guarded(Some(1), &src, 1, &[], S).expect("again");
     assert!(!copied, "the released slot still holds unit 1");
     drop(g1);
     e.synchronize().expect("sync");

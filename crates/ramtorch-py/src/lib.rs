@@ -14,8 +14,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use ramtorch_core::arena::{Arena, CudaPinner};
-use ramtorch_core::device::{CudaDevice, Device, HostDevice, Lane};
-use ramtorch_core::engine::{Engine as CoreEngine, EngineStats};
+use ramtorch_core::device::{ComputeStream, CudaDevice, Device, HostDevice, Lane};
+use ramtorch_core::engine::{Engine as CoreEngine, EngineStats, Marker};
 use ramtorch_core::shared::SharedRegion;
 use ramtorch_core::{cuda, Error};
 
@@ -320,7 +320,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 op,
-                || with_engine!(self, e => e.acquire_slice(&src, max_inflight, stream)),
+                || with_engine!(self, e => e.acquire_slice(&src, max_inflight, ComputeStream::from_raw(stream))),
             )
         })
     }
@@ -356,7 +356,12 @@ impl Engine {
 
     /// Captures the copies queued so far on both engine streams; returns an id for `wait_marker`.
     fn marker(&self, py: Python<'_>) -> PyResult<u64> {
-        py.detach(|| guard("marker", || with_engine!(self, e => e.marker())))
+        py.detach(|| {
+            guard(
+                "marker",
+                || with_engine!(self, e => e.marker().map(Marker::raw)),
+            )
+        })
     }
 
     /// Blocks (without the GIL) until the copies captured by `marker` are done.
@@ -364,7 +369,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "wait_marker",
-                || with_engine!(self, e => e.wait_marker(marker)),
+                || with_engine!(self, e => e.wait_marker(Marker::from_raw(marker))),
             )
         })
     }
@@ -374,7 +379,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "marker_done",
-                || with_engine!(self, e => e.marker_done(marker)),
+                || with_engine!(self, e => e.marker_done(Marker::from_raw(marker))),
             )
         })
     }
@@ -385,7 +390,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "claim",
-                || with_engine!(self, e => e.claim(slot, stream, tag)),
+                || with_engine!(self, e => e.claim(slot, ComputeStream::from_raw(stream), tag)),
             )
         })
     }
@@ -400,7 +405,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "mark",
-                || with_engine!(self, e => e.mark(stream, tag, code)),
+                || with_engine!(self, e => e.mark(ComputeStream::from_raw(stream), tag, code)),
             )
         })
     }
@@ -410,7 +415,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "trace_start",
-                || with_engine!(self, e => e.trace_start(stream)),
+                || with_engine!(self, e => e.trace_start(ComputeStream::from_raw(stream))),
             )
         })
     }
@@ -430,7 +435,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "release",
-                || with_engine!(self, e => e.release(slot, stream)),
+                || with_engine!(self, e => e.release(slot, ComputeStream::from_raw(stream))),
             )
         })
     }
@@ -461,7 +466,7 @@ impl Engine {
         })?;
         // SAFETY: the host side is kept alive by the slice; the front end keeps the device source
         // alive until this engine reports the copy complete.
-        py.detach(|| guard(op, || with_engine!(self, e => unsafe { e.copy_to_host_slice(&dst, src, max_inflight, stream, tag) })))
+        py.detach(|| guard(op, || with_engine!(self, e => unsafe { e.copy_to_host_slice(&dst, src, max_inflight, ComputeStream::from_raw(stream), tag) })))
     }
 
     /// Waits for both engine streams; returns the number of gradient copies newly completed.
