@@ -87,6 +87,23 @@ def test_tensor_buffers_are_checked_for_dtype_layout_and_device():
         _adamw(p, torch.zeros(32)[::2], m, v, 16)
     with pytest.raises(ValueError, match="must be a torch tensor or an int address"):
         _adamw(p, "grad", m, v, 16)
+
+    class LooksLikeATensor:
+        """Duck-types a tensor over memory it does not own."""
+
+        dtype, is_cpu = torch.float32, True
+
+        def data_ptr(self) -> int:
+            return 0xDEADBEE0
+
+        def numel(self) -> int:
+            return 16
+
+        def is_contiguous(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match="grad must be a torch tensor or an int address"):
+        _adamw(p, LooksLikeATensor(), m, v, 16)
     with pytest.raises(ValueError, match="must be a CPU tensor"):
         _adamw(p, torch.zeros(16, device="meta"), m, v, 16)
     # A view's bytes must lie in its storage; a view of an arena region keeps the region's checks.

@@ -33,8 +33,6 @@ pub(crate) struct TensorMemory {
     pub addr: usize,
     /// `numel() * element_size()`.
     pub nbytes: usize,
-    /// `numel()`.
-    pub numel: usize,
 }
 
 /// Whether `obj` is a Python int (an address), as opposed to a tensor.
@@ -68,11 +66,7 @@ pub(crate) fn tensor_memory(what: &str, t: &Bound<'_, PyAny>) -> Result<TensorMe
     let nbytes = numel
         .checked_mul(elsize)
         .ok_or_else(|| invalid(format!("{what}: size overflows")))?;
-    Ok(TensorMemory {
-        addr,
-        nbytes,
-        numel,
-    })
+    Ok(TensorMemory { addr, nbytes })
 }
 
 /// The first `nbytes` of host memory ramtorch allocated, given as a tensor over it or its address;

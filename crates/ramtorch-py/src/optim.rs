@@ -7,20 +7,45 @@
 //! sizes or dtypes, overlapping buffers, unknown dtypes, mismatched modes, bad hyperparameters) is
 //! checked and raises `ValueError`. The GIL is released while the kernels run.
 
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
 use ramtorch_core::arena::Lease;
 use ramtorch_core::optim::{self, bf16, f16, Dtype, Tensor, TensorMut};
 use ramtorch_core::Error;
 
-use crate::memory::{is_address, named, tensor_memory};
+use crate::memory::{is_address, named};
 use crate::{arena, guard};
 
-/// What keeps a buffer's memory alive during a call: a lease on ramtorch memory, or torch's
-/// storage object of a tensor.
+/// Address of a tensor's data, as the tensor gave it.
+struct TensorMemory {
+    addr: usize,
+}
+
+/// `torch.Tensor` (imported once).
+fn torch_tensor_type(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static TENSOR: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    TENSOR.import(py, "torch", "Tensor")
+}
+
+/// torch's dtype object for `d` (imported once).
+fn torch_dtype(py: Python<'_>, d: Dtype) -> PyResult<&Bound<'_, PyAny>> {
+    static F32: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static BF16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static F16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let (cell, name) = match d {
+        Dtype::F32 => (&F32, "float32"),
+        Dtype::BF16 => (&BF16, "bfloat16"),
+        Dtype::F16 => (&F16, "float16"),
+    };
+    cell.import(py, "torch", name)
+}
+
+/// What keeps a buffer's memory alive during a call: a lease on ramtorch memory (other memory is a
+/// torch tensor the caller holds for the call).
 enum Keep {
     Lease(#[allow(dead_code)] Lease),
-    Storage(#[allow(dead_code)] Py<PyAny>),
 }
 
 /// One buffer argument as given from Python: a tensor, an address, or absent (`None`, or `0` where
@@ -29,9 +54,9 @@ type Arg<'a, 'py> = Option<&'a Bound<'py, PyAny>>;
 
 /// Turns the argument `obj` into a checked buffer of `numel` elements of `dtype`, pushing what keeps
 /// its memory alive onto `keeps`. `None` (and the address 0) give `None` where `optional`.
-fn resolve(
+fn resolve<'py>(
     name: &'static str,
-    obj: Arg<'_, '_>,
+    obj: Arg<'_, 'py>,
     dtype: &str,
     numel: usize,
     optional: bool,
@@ -68,58 +93,62 @@ fn resolve(
         }
         return Ok(Some(b));
     }
-    let dev = obj
-        .getattr("device")
-        .and_then(|d| d.getattr("type"))
-        .and_then(|t| t.extract::<String>())
-        .map_err(|_| invalid(format!("{name} must be a torch tensor or an int address")))?;
-    if dev != "cpu" {
+    let py = obj.py();
+    let want = Dtype::parse(dtype).map_err(|e| named(name, e))?;
+    let not_tensor = || invalid(format!("{name} must be a torch tensor or an int address"));
+    let tensor_type = torch_tensor_type(py).map_err(|e| invalid(format!("{name}: {e}")))?;
+    if !obj.is_instance(tensor_type).map_err(|_| not_tensor())? {
+        return Err(not_tensor());
+    }
+    let got = obj
+        .getattr(intern!(py, "dtype"))
+        .map_err(|_| not_tensor())?;
+    if !got.is(torch_dtype(py, want).map_err(|e| invalid(format!("{name}: {e}")))?) {
+        return Err(invalid(format!("{name} is {got}, expected {want}")));
+    }
+    let is_cpu = obj
+        .getattr(intern!(py, "is_cpu"))
+        .and_then(|v| v.extract::<bool>())
+        .map_err(|_| not_tensor())?;
+    if !is_cpu {
+        let dev = obj
+            .getattr(intern!(py, "device"))
+            .map(|d| d.to_string())
+            .unwrap_or_default();
         return Err(invalid(format!(
             "{name} must be a CPU tensor, got one on {dev}"
         )));
     }
-    let want = Dtype::parse(dtype).map_err(|e| named(name, e))?;
-    let got = obj
-        .getattr("dtype")
-        .and_then(|d| d.str())
-        .map(|d| d.to_string())
+    let call = |m: &Bound<'py, pyo3::types::PyString>| -> Result<Bound<'py, PyAny>, Error> {
+        obj.call_method0(m)
+            .map_err(|e| invalid(format!("{name}: {e}")))
+    };
+    let addr = call(intern!(py, "data_ptr"))?
+        .extract::<usize>()
         .map_err(|e| invalid(format!("{name}: {e}")))?;
-    if got.strip_prefix("torch.") != Some(&want.to_string()) {
-        return Err(invalid(format!("{name} is {got}, expected {want}")));
-    }
-    let m = tensor_memory(name, obj)?;
-    if m.numel != numel {
+    let count = call(intern!(py, "numel"))?
+        .extract::<usize>()
+        .map_err(|e| invalid(format!("{name}: {e}")))?;
+    if count != numel {
         return Err(invalid(format!(
-            "{name} has {} elements, expected {numel}",
-            m.numel
+            "{name} has {count} elements, expected {numel}"
         )));
     }
+    if !call(intern!(py, "is_contiguous"))?
+        .extract::<bool>()
+        .map_err(|e| invalid(format!("{name}: {e}")))?
+    {
+        return Err(invalid(format!("{name} must be a contiguous tensor")));
+    }
+    let m = TensorMemory { addr };
     let b = Buf::new(name, m.addr, dtype, numel)?;
     let bytes = b.bytes()?;
     if bytes > 0 {
-        // Memory ramtorch allocated is held by a lease; other memory by torch's storage, whose
-        // bounds the tensor's bytes must lie in.
-        match arena()?.slice(m.addr, bytes) {
-            Ok(s) => keeps.push(Keep::Lease(s.lease())),
-            Err(_) => {
-                let st = obj
-                    .call_method0("untyped_storage")
-                    .map_err(|e| invalid(format!("{name}: {e}")))?;
-                let start = st
-                    .call_method0("data_ptr")
-                    .and_then(|v| v.extract::<usize>())
-                    .map_err(|e| invalid(format!("{name}: {e}")))?;
-                let len = st
-                    .call_method0("nbytes")
-                    .and_then(|v| v.extract::<usize>())
-                    .map_err(|e| invalid(format!("{name}: {e}")))?;
-                if m.addr < start || m.addr + bytes > start.saturating_add(len) {
-                    return Err(invalid(format!(
-                        "{name}: the tensor's {bytes} bytes lie outside its storage"
-                    )));
-                }
-                keeps.push(Keep::Storage(st.unbind()));
-            }
+        // Memory ramtorch allocated is held by a lease. Other memory belongs to a real torch
+        // tensor (checked above), whose elements torch keeps inside its storage and which the
+        // caller's reference keeps alive for the call.
+        if let Ok(s) = arena()?.slice(m.addr, bytes) {
+            keeps.push(Keep::Lease(s.lease()));
         }
     }
     Ok(Some(b))
