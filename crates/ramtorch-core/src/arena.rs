@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use rayon::prelude::*;
 
@@ -391,6 +391,42 @@ impl Arena {
             .lock()
             .ok()
             .and_then(|mut w| w.take())
+    }
+}
+
+/// The process-wide arena, made on first use.
+static GLOBAL: OnceLock<Arena> = OnceLock::new();
+static GLOBAL_INIT: Mutex<()> = Mutex::new(());
+
+/// Whether the environment allows pinning (`RAMTORCH_PIN` is not `0`, `false`, `no` or `off`).
+pub fn pinning_wanted() -> bool {
+    !matches!(
+        std::env::var("RAMTORCH_PIN").as_deref(),
+        Ok("0") | Ok("false") | Ok("no") | Ok("off")
+    )
+}
+
+impl Arena {
+    /// The process-wide arena: the one the Python package allocates from. It pins through CUDA
+    /// (device 0's primary context) when a CUDA device is present and [`pinning_wanted`]; it hands
+    /// out pageable memory otherwise. Made on the first call; later calls return it.
+    pub fn global() -> Result<&'static Arena> {
+        if let Some(a) = GLOBAL.get() {
+            return Ok(a);
+        }
+        let _init = GLOBAL_INIT
+            .lock()
+            .map_err(|_| Error::Worker("arena init lock poisoned".into()))?;
+        if let Some(a) = GLOBAL.get() {
+            return Ok(a);
+        }
+        let pinner: Option<Box<dyn Pinner>> =
+            if pinning_wanted() && crate::cuda::device_count()? > 0 {
+                Some(Box::new(CudaPinner(crate::cuda::Context::new(0)?)))
+            } else {
+                None
+            };
+        Ok(GLOBAL.get_or_init(|| Arena::new(pinner)))
     }
 }
 

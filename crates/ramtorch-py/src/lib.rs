@@ -6,14 +6,14 @@ mod io;
 mod memory;
 mod optim;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use ramtorch_core::arena::{Arena, CudaPinner};
+use ramtorch_core::arena::Arena;
 use ramtorch_core::device::{ComputeStream, CudaDevice, Device, HostDevice, Lane};
 use ramtorch_core::engine::{Engine as CoreEngine, EngineStats, Marker};
 use ramtorch_core::shared::SharedRegion;
@@ -65,33 +65,9 @@ pub(crate) fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResu
 // ---------------------------------------------------------------------------------------------
 // The host arena, exported to torch as DLPack capsules (see `dlpack`).
 
-static ARENA: OnceLock<Arena> = OnceLock::new();
-static ARENA_INIT: Mutex<()> = Mutex::new(());
-
-fn pinning_wanted() -> bool {
-    !matches!(
-        std::env::var("RAMTORCH_PIN").as_deref(),
-        Ok("0") | Ok("false") | Ok("no") | Ok("off")
-    )
-}
-
+/// The process-wide arena (see [`Arena::global`]).
 fn arena() -> Result<&'static Arena, Error> {
-    if let Some(a) = ARENA.get() {
-        return Ok(a);
-    }
-    let _init = ARENA_INIT
-        .lock()
-        .map_err(|_| Error::Worker("arena init lock poisoned".into()))?;
-    if let Some(a) = ARENA.get() {
-        return Ok(a);
-    }
-    let pinner: Option<Box<dyn ramtorch_core::arena::Pinner>> =
-        if pinning_wanted() && cuda::device_count()? > 0 {
-            Some(Box::new(CudaPinner(cuda::Context::new(0)?)))
-        } else {
-            None
-        };
-    Ok(ARENA.get_or_init(|| Arena::new(pinner)))
+    Arena::global()
 }
 
 /// Allocates `nbytes` of host arena memory (page-locked when a GPU is present, unless `pin` is
