@@ -161,6 +161,10 @@ def test_engine_refuses_host_ranges_outside_ramtorch_memory():
     with pytest.raises(ValueError, match=r"src: null address"):
         eng.copy_to_host(unit, 0, 256, 2, 0)
     assert eng.in_flight() == (0, 0), "refused calls queue nothing"
+    # An empty unit names no memory: nothing to check, nothing copied.
+    index, _ = eng.acquire(torch.empty(0, dtype=torch.uint8), 0, 2, 0)
+    eng.release(index, 0)
+    eng.synchronize()
     # The same calls on valid memory work, by tensor and by address.
     unit.copy_(torch.arange(256, dtype=torch.uint8))
     for src in (unit, unit.data_ptr()):
@@ -168,7 +172,7 @@ def test_engine_refuses_host_ranges_outside_ramtorch_memory():
         assert torch.equal(slots[index], unit)
         eng.release(index, 0)
     dst = _arena.host_bytes(256, zeroed=True)
-    eng.copy_to_host(dst, slots[0], 256, 2, 0)
+    eng.copy_to_host(dst, slots[index], 256, 2, 0)
     eng.synchronize()
     assert torch.equal(dst, unit)
 

@@ -499,6 +499,10 @@ impl HostSlice {
             _keep: keep,
         }
     }
+    /// An empty range, which names no memory (copies of it move nothing).
+    pub fn empty() -> Self {
+        Self::new(0, 0, Lease::new(Arc::new(())))
+    }
     /// Start of the range.
     pub fn as_ptr(&self) -> *mut u8 {
         self.addr as *mut u8

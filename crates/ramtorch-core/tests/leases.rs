@@ -1,7 +1,7 @@
 //! Host memory is reached through slices the arena hands out: a range outside a live region is
 //! refused, and a queued copy keeps the memory it reads or writes mapped until it has retired.
 
-use ramtorch_core::arena::Arena;
+use ramtorch_core::arena::{Arena, HostSlice};
 use ramtorch_core::device::{ComputeStream, HostDevice};
 use ramtorch_core::engine::Engine;
 
@@ -171,5 +171,13 @@ fn a_slot_guard_releases_on_drop_even_on_an_early_exit() {
     let (g1, copied) = e.prefetch_guarded(Some(1), &src, 1, &[], S).expect("again");
     assert!(!copied, "the released slot still holds unit 1");
     drop(g1);
+    e.synchronize().expect("sync");
+}
+
+#[test]
+fn an_empty_slice_copies_nothing() {
+    let (e, _mem) = host_engine(2, 64);
+    let (slot, _) = e.acquire_slice(&HostSlice::empty(), 2, S).expect("acquire");
+    e.release(slot, S).expect("release");
     e.synchronize().expect("sync");
 }

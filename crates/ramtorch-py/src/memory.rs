@@ -76,6 +76,9 @@ pub(crate) fn host_slice(
     obj: &Bound<'_, PyAny>,
     nbytes: usize,
 ) -> Result<HostSlice, Error> {
+    if nbytes == 0 {
+        return Ok(HostSlice::empty());
+    }
     let addr = if is_address(obj) {
         obj.extract::<usize>().map_err(|e| py_err(what, e))?
     } else {
