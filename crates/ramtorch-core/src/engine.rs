@@ -692,9 +692,17 @@ impl<D: Device> Engine<D> {
             // not rewritten before its free event, which orders this copy after earlier readers.
             unsafe { self.dev.copy_to_device(Lane::Transfer, slot_ptr, src, n)? };
         }
-        self.span_end(s, t0, Lane::Transfer, Kind::H2d, tag, n as u64)?;
-        self.dev.record(&copied, Lane::Transfer)?;
-        self.dev.record(&s.slots[index].ready, Lane::Transfer)?;
+        let recorded = (|| {
+            self.span_end(s, t0, Lane::Transfer, Kind::H2d, tag, n as u64)?;
+            self.dev.record(&copied, Lane::Transfer)?;
+            self.dev.record(&s.slots[index].ready, Lane::Transfer)
+        })();
+        if let Err(e) = recorded {
+            // The copy is queued but cannot be tracked: keep its memory rather than free it under
+            // the copy (a leak on a failing device, never a use after free).
+            std::mem::forget(hold);
+            return Err(e);
+        }
         s.h2d.push_back((copied, hold));
         let slot = &mut s.slots[index];
         slot.held = true;
@@ -900,12 +908,23 @@ impl<D: Device> Engine<D> {
             // SAFETY: forwarded from the caller's contract.
             unsafe { self.dev.copy_to_host(Lane::Gradient, dst, src, n)? };
         }
-        self.span_end(s, t0, Lane::Gradient, Kind::D2h, tag, n as u64)?;
-        let done = match s.d2h_spare.pop() {
-            Some(e) => e,
-            None => self.dev.new_event()?,
+        let recorded = (|| {
+            self.span_end(s, t0, Lane::Gradient, Kind::D2h, tag, n as u64)?;
+            let done = match s.d2h_spare.pop() {
+                Some(e) => e,
+                None => self.dev.new_event()?,
+            };
+            self.dev.record(&done, Lane::Gradient)?;
+            Ok(done)
+        })();
+        let done = match recorded {
+            Ok(done) => done,
+            Err(e) => {
+                // As in `prefetch_inner`: an untracked copy keeps its memory.
+                std::mem::forget(hold);
+                return Err(e);
+            }
         };
-        self.dev.record(&done, Lane::Gradient)?;
         s.d2h.push_back((done, hold));
         s.stats.d2h_bytes += n as u64;
         s.stats.d2h_copies += 1;
