@@ -22,6 +22,7 @@ test: build lint test-rust test-python
 
 test-rust:
 	cargo test --workspace --release
+	cargo run --release -p ramtorch-core --example stream_and_adamw
 
 test-python: build
 	$(ACT) python -m pytest tests -q

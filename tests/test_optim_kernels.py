@@ -8,26 +8,22 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ramtorch import _core
+from ramtorch import _arena, _core
 
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 STEPS = 5
 
 
-def addr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
 def adamw(p, g, m, v, *, master=None, step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=1e-2, **kw):
     _core.adamw_step(
-        p.data_ptr(),
+        p,
         NAMES[p.dtype],
-        g.data_ptr(),
+        g,
         NAMES[g.dtype],
-        m.data_ptr(),
-        v.data_ptr(),
+        m,
+        v,
         NAMES[m.dtype],
-        master=addr(master),
+        master=master,
         numel=p.numel(),
         step=step,
         lr=lr,
@@ -41,13 +37,13 @@ def adamw(p, g, m, v, *, master=None, step, lr=1e-3, betas=(0.9, 0.999), eps=1e-
 
 def sgd(p, g, buf, *, master=None, step, lr=1e-2, momentum=0.0, dampening=0.0, wd=0.0, **kw):
     _core.sgd_step(
-        p.data_ptr(),
+        p,
         NAMES[p.dtype],
-        g.data_ptr(),
+        g,
         NAMES[g.dtype],
-        addr(buf),
+        buf,
         "float32" if buf is None else NAMES[buf.dtype],
-        master=addr(master),
+        master=master,
         numel=p.numel(),
         lr=lr,
         momentum=momentum,
@@ -63,13 +59,13 @@ def sgd(p, g, buf, *, master=None, step, lr=1e-2, momentum=0.0, dampening=0.0, w
 
 def lion(p, g, m, *, master=None, step, lr=1e-4, betas=(0.9, 0.99), wd=0.0, **kw):
     _core.lion_step(
-        p.data_ptr(),
+        p,
         NAMES[p.dtype],
-        g.data_ptr(),
+        g,
         NAMES[g.dtype],
-        m.data_ptr(),
+        m,
         NAMES[m.dtype],
-        master=addr(master),
+        master=master,
         numel=p.numel(),
         lr=lr,
         beta1=betas[0],
@@ -350,7 +346,7 @@ def test_bf16_mode_is_unbiased_over_many_steps(opt):
 @pytest.mark.parametrize("numel", [0, 1, 33, 100_003])
 def test_grad_stats(dtype, numel):
     g = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).to(dtype)
-    sq, bad = _core.grad_stats(g.data_ptr(), NAMES[dtype], numel)
+    sq, bad = _core.grad_stats(g, NAMES[dtype], numel)
     want = float(g.double().square().sum())
     assert not bad
     assert sq == pytest.approx(want, rel=1e-12, abs=0.0)
@@ -358,14 +354,14 @@ def test_grad_stats(dtype, numel):
         for x in (float("inf"), float("-inf"), float("nan")):
             h = g.clone()
             h[numel // 2] = x
-            assert _core.grad_stats(h.data_ptr(), NAMES[dtype], numel)[1]
+            assert _core.grad_stats(h, NAMES[dtype], numel)[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_scale_matches_torch_mul(dtype):
     x = (torch.randn(70_001, generator=torch.Generator().manual_seed(5)) * 10).to(dtype)
     y = x.clone()
-    _core.scale_(y.data_ptr(), NAMES[dtype], y.numel(), 0.37)
+    _core.scale_(y, NAMES[dtype], y.numel(), 0.37)
     assert torch.equal(y, x * 0.37)
 
 
@@ -378,8 +374,11 @@ def test_optim_threads():
 
 
 def test_bad_inputs_raise_value_error():
-    p, g, m, v = (torch.zeros(8) for _ in range(4))
-    master, ph, mh = torch.zeros(8), torch.zeros(8, dtype=torch.float16), torch.zeros(8, dtype=torch.float16)
+    # Buffers of one arena region, passed by address: the checks after the region lookup are reached.
+    flat = _arena.host_empty((64,), torch.float32, zeroed=True)
+    p, g, m, v = flat[0:8], flat[16:24], flat[32:40], flat[48:56]
+    master = _arena.host_empty((8,), torch.float32, zeroed=True)
+    ph, mh = (_arena.host_empty((8,), torch.float16, zeroed=True) for _ in range(2))
     common = {"numel": 8, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
     P, G, M, V = p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()
     bad = [

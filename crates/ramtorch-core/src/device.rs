@@ -11,6 +11,26 @@ use std::time::Instant;
 use crate::cuda;
 use crate::error::{Error, Result};
 
+/// A compute stream of the caller: a raw `CUstream` handle from torch on a CUDA device (0 is the
+/// legacy default stream); on the host device, the calling thread whatever the value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct ComputeStream(u64);
+
+impl ComputeStream {
+    /// The default stream (the legacy default stream on CUDA, the calling thread on the host).
+    pub const DEFAULT: ComputeStream = ComputeStream(0);
+
+    /// The stream with raw handle `raw` (a `CUstream` as torch's `cuda_stream` gives it).
+    pub const fn from_raw(raw: u64) -> Self {
+        Self(raw)
+    }
+
+    /// The raw handle.
+    pub const fn raw(self) -> u64 {
+        self.0
+    }
+}
+
 /// Where an operation is queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lane {
@@ -18,9 +38,8 @@ pub enum Lane {
     Transfer,
     /// The engine's device→host (gradient) stream.
     Gradient,
-    /// The caller's compute stream: a raw `CUstream` from torch (0 is the legacy default stream).
-    /// On the host device the compute lane is the calling thread itself.
-    Compute(u64),
+    /// The caller's compute stream. On the host device the compute lane is the calling thread.
+    Compute(ComputeStream),
 }
 
 /// A device the engine can stream to.
@@ -96,7 +115,7 @@ impl CudaDevice {
         match lane {
             Lane::Transfer => self.transfer.raw(),
             Lane::Gradient => self.gradient.raw(),
-            Lane::Compute(s) => s,
+            Lane::Compute(s) => s.raw(),
         }
     }
 }
@@ -385,7 +404,8 @@ mod tests {
         let d = HostDevice::new().expect("device");
         let ev = d.new_event().expect("event");
         d.wait(Lane::Transfer, &ev).expect("wait");
-        d.wait(Lane::Compute(0), &ev).expect("wait");
+        d.wait(Lane::Compute(ComputeStream::DEFAULT), &ev)
+            .expect("wait");
         d.synchronize_lane(Lane::Transfer).expect("sync");
     }
 }

@@ -34,7 +34,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
-use crate::device::{Device, Lane};
+use crate::arena::{HostSlice, Lease};
+use crate::device::{ComputeStream, Device, Lane};
 use crate::error::{Error, Result};
 
 /// Default of `MAX_INFLIGHT`: copies in flight per device.
@@ -50,6 +51,22 @@ pub fn validate_max_inflight(n: usize) -> Result<usize> {
         Err(Error::InvalidArgument(format!(
             "max_inflight must be between 1 and {MAX_MAX_INFLIGHT}, got {n}"
         )))
+    }
+}
+
+/// A point in the engine's copy lanes captured by [`Engine::marker`], to wait for from any thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Marker(u64);
+
+impl Marker {
+    /// The marker with id `raw` (as [`Marker::raw`] gave it).
+    pub const fn from_raw(raw: u64) -> Self {
+        Self(raw)
+    }
+
+    /// The marker's id.
+    pub const fn raw(self) -> u64 {
+        self.0
     }
 }
 
@@ -136,8 +153,10 @@ struct State<E> {
     slots: Vec<Slot<E>>,
     slot_bytes: usize,
     tick: u64,
-    h2d: VecDeque<E>,
-    d2h: VecDeque<E>,
+    /// Copies in flight each way: the event recorded after each, and what keeps its host memory
+    /// mapped until the event has completed (the copy has retired).
+    h2d: VecDeque<(E, Option<Lease>)>,
+    d2h: VecDeque<(E, Option<Lease>)>,
     h2d_spare: Vec<E>,
     d2h_spare: Vec<E>,
     timed_spare: Vec<E>,
@@ -158,7 +177,7 @@ pub struct Engine<D: Device> {
     dev: D,
     state: Mutex<State<D::Event>>,
     /// Markers handed out and not yet waited for (see [`Engine::marker`]).
-    markers: Mutex<HashMap<u64, Vec<D::Event>>>,
+    markers: Mutex<HashMap<Marker, Vec<D::Event>>>,
     next_marker: AtomicU64,
 }
 
@@ -190,11 +209,11 @@ impl<D: Device> Engine<D> {
     /// Captures the copies queued so far on both engine lanes; returns an id for
     /// [`Engine::wait_marker`]. A host thread waiting on it (a CPU optimizer about to update a
     /// unit whose gradients are on their way) blocks neither the engine nor its caller.
-    pub fn marker(&self) -> Result<u64> {
+    pub fn marker(&self) -> Result<Marker> {
         let evs = vec![self.dev.new_event()?, self.dev.new_event()?];
         self.dev.record(&evs[0], Lane::Gradient)?;
         self.dev.record(&evs[1], Lane::Transfer)?;
-        let id = self.next_marker.fetch_add(1, Ordering::Relaxed);
+        let id = Marker(self.next_marker.fetch_add(1, Ordering::Relaxed));
         self.markers
             .lock()
             .map_err(|_| Error::Worker("marker lock poisoned".into()))?
@@ -203,14 +222,14 @@ impl<D: Device> Engine<D> {
     }
 
     /// Blocks until the copies captured by marker `id` are done, and forgets the marker.
-    pub fn wait_marker(&self, id: u64) -> Result<()> {
+    pub fn wait_marker(&self, id: Marker) -> Result<()> {
         let evs = self
             .markers
             .lock()
             .map_err(|_| Error::Worker("marker lock poisoned".into()))?
             .remove(&id)
             .ok_or_else(|| {
-                Error::InvalidArgument(format!("no marker {id} (already waited for?)"))
+                Error::InvalidArgument(format!("no marker {} (already waited for?)", id.0))
             })?;
         for e in &evs {
             self.dev.synchronize(e)?;
@@ -220,13 +239,13 @@ impl<D: Device> Engine<D> {
 
     /// Whether the copies captured by marker `id` are done, without blocking (the marker stays:
     /// [`wait_marker`](Self::wait_marker) forgets it). An unknown marker is an error.
-    pub fn marker_done(&self, id: u64) -> Result<bool> {
+    pub fn marker_done(&self, id: Marker) -> Result<bool> {
         let markers = self
             .markers
             .lock()
             .map_err(|_| Error::Worker("marker lock poisoned".into()))?;
         let evs = markers.get(&id).ok_or_else(|| {
-            Error::InvalidArgument(format!("no marker {id} (already waited for?)"))
+            Error::InvalidArgument(format!("no marker {} (already waited for?)", id.0))
         })?;
         for e in evs {
             if !self.dev.is_complete(e)? {
@@ -255,8 +274,32 @@ impl<D: Device> Engine<D> {
 
     /// Replaces the slots by `ptrs`, each `bytes` long. No slot may be held. The transfer lane is
     /// drained first; the caller must also make sure its own kernels no longer read the old slots
-    /// before it frees them.
-    pub fn set_slots(&self, ptrs: &[u64], bytes: usize) -> Result<()> {
+    /// before it frees them. Null pointers and overlapping slots are refused.
+    ///
+    /// # Safety
+    /// Each pointer must be the start of `bytes` of device memory (host memory on the host device)
+    /// that stays writable until the slots are replaced again or the engine is dropped.
+    pub unsafe fn set_slots(&self, ptrs: &[u64], bytes: usize) -> Result<()> {
+        if bytes > 0 {
+            for (i, &p) in ptrs.iter().enumerate() {
+                if p == 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "device slot {i} has a null address"
+                    )));
+                }
+                let end = p.checked_add(bytes as u64).ok_or_else(|| {
+                    Error::InvalidArgument(format!("device slot {i}: address range overflows"))
+                })?;
+                if let Some(j) = ptrs[..i]
+                    .iter()
+                    .position(|&q| q < end && p < q.saturating_add(bytes as u64))
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "device slots {j} and {i} overlap"
+                    )));
+                }
+            }
+        }
         let mut s = self.lock()?;
         if s.slots.iter().any(|x| x.held) {
             return Err(Error::InvalidArgument(
@@ -275,8 +318,8 @@ impl<D: Device> Engine<D> {
                 used: 0,
             });
         }
-        let spent: Vec<_> = s.h2d.drain(..).collect();
-        s.h2d_spare.extend(spent);
+        let s = &mut *s;
+        s.h2d_spare.extend(s.h2d.drain(..).map(|(e, _)| e));
         s.slots = slots;
         s.slot_bytes = bytes;
         Ok(())
@@ -393,11 +436,11 @@ impl<D: Device> Engine<D> {
         let mut retired = 0;
         loop {
             let q = if d2h { &mut s.d2h } else { &mut s.h2d };
-            let Some(front) = q.front() else { break };
+            let Some((front, _)) = q.front() else { break };
             if !self.dev.is_complete(front)? {
                 break;
             }
-            let ev = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
+            let (ev, _retired_lease) = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
             if d2h {
                 s.d2h_spare.push(ev);
             } else {
@@ -413,8 +456,12 @@ impl<D: Device> Engine<D> {
                 if q.len() < max_inflight {
                     break;
                 }
-                let ev = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
-                self.dev.synchronize(&ev)?;
+                let (ev, lease) = q.pop_front().ok_or(Error::Worker("copy queue".into()))?;
+                if let Err(e) = self.dev.synchronize(&ev) {
+                    // Not known complete: the copy may still use the memory, which stays leased.
+                    std::mem::forget(lease);
+                    return Err(e);
+                }
                 if d2h {
                     s.d2h_spare.push(ev);
                 } else {
@@ -438,10 +485,83 @@ impl<D: Device> Engine<D> {
         src: *const u8,
         n: usize,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
     ) -> Result<(usize, u64)> {
         // SAFETY: forwarded from the caller's contract.
-        let (index, ptr, _) = unsafe { self.prefetch(None, src, n, max_inflight, &[], 0)? };
+        let (index, ptr, _) =
+            unsafe { self.prefetch_inner(None, src, n, max_inflight, &[], 0, None)? };
+        self.claim_or_release(index, ptr, compute)
+    }
+
+    /// [`Engine::acquire`] of the bytes of `src`, which the engine keeps alive (its lease) until
+    /// the copy has run: the memory may be dropped by the caller right after the call.
+    pub fn acquire_slice(
+        &self,
+        src: &HostSlice,
+        max_inflight: usize,
+        compute: ComputeStream,
+    ) -> Result<(usize, u64)> {
+        // SAFETY: the slice's lease keeps its bytes readable until the copy retires (it travels
+        // with the copy's event in the queue).
+        let (index, ptr, _) = unsafe {
+            self.prefetch_inner(
+                None,
+                src.as_ptr(),
+                src.len(),
+                max_inflight,
+                &[],
+                0,
+                Some(src.lease()),
+            )?
+        };
+        self.claim_or_release(index, ptr, compute)
+    }
+
+    /// [`Engine::acquire_slice`] whose slot is owned by the returned guard: the slot is released
+    /// (after the work queued on `compute` so far) when the guard is dropped.
+    pub fn borrow(
+        &self,
+        src: &HostSlice,
+        max_inflight: usize,
+        compute: ComputeStream,
+    ) -> Result<SlotGuard<'_, D>> {
+        let (index, ptr) = self.acquire_slice(src, max_inflight, compute)?;
+        Ok(SlotGuard {
+            engine: self,
+            index,
+            ptr,
+            compute,
+        })
+    }
+
+    /// [`Engine::prefetch_slice`] whose slot is owned by the returned guard; the copy is not waited
+    /// for until [`SlotGuard::claim`]. Returns the guard and whether a copy was issued.
+    pub fn prefetch_guarded(
+        &self,
+        key: Option<u64>,
+        src: &HostSlice,
+        max_inflight: usize,
+        keep: &[u64],
+        compute: ComputeStream,
+    ) -> Result<(SlotGuard<'_, D>, bool)> {
+        let (index, ptr, copied) = self.prefetch_slice(key, src, max_inflight, keep, 0)?;
+        Ok((
+            SlotGuard {
+                engine: self,
+                index,
+                ptr,
+                compute,
+            },
+            copied,
+        ))
+    }
+
+    fn claim_or_release(
+        &self,
+        index: usize,
+        ptr: u64,
+        compute: ComputeStream,
+    ) -> Result<(usize, u64)> {
         if let Err(e) = self.claim(index, compute, 0) {
             let _ = self.release(index, compute);
             return Err(e);
@@ -467,6 +587,50 @@ impl<D: Device> Engine<D> {
         max_inflight: usize,
         keep: &[u64],
         tag: u64,
+    ) -> Result<(usize, u64, bool)> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.prefetch_inner(key, src, n, max_inflight, keep, tag, None) }
+    }
+
+    /// [`Engine::prefetch`] of the bytes of `src`, which the engine keeps alive (its lease) until
+    /// the copy has run: the memory may be dropped by the caller right after the call.
+    pub fn prefetch_slice(
+        &self,
+        key: Option<u64>,
+        src: &HostSlice,
+        max_inflight: usize,
+        keep: &[u64],
+        tag: u64,
+    ) -> Result<(usize, u64, bool)> {
+        // SAFETY: the slice's lease keeps its bytes readable until the copy retires (it travels
+        // with the copy's event in the queue).
+        unsafe {
+            self.prefetch_inner(
+                key,
+                src.as_ptr(),
+                src.len(),
+                max_inflight,
+                keep,
+                tag,
+                Some(src.lease()),
+            )
+        }
+    }
+
+    /// The prefetch; `hold` (when given) stays with the copy until it has retired.
+    ///
+    /// # Safety
+    /// As for [`Engine::prefetch`], where `hold` does not keep `src` alive.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn prefetch_inner(
+        &self,
+        key: Option<u64>,
+        src: *const u8,
+        n: usize,
+        max_inflight: usize,
+        keep: &[u64],
+        tag: u64,
+        hold: Option<Lease>,
     ) -> Result<(usize, u64, bool)> {
         let max_inflight = validate_max_inflight(max_inflight)?;
         let mut guard = self.lock()?;
@@ -528,10 +692,18 @@ impl<D: Device> Engine<D> {
             // not rewritten before its free event, which orders this copy after earlier readers.
             unsafe { self.dev.copy_to_device(Lane::Transfer, slot_ptr, src, n)? };
         }
-        self.span_end(s, t0, Lane::Transfer, Kind::H2d, tag, n as u64)?;
-        self.dev.record(&copied, Lane::Transfer)?;
-        self.dev.record(&s.slots[index].ready, Lane::Transfer)?;
-        s.h2d.push_back(copied);
+        let recorded = (|| {
+            self.span_end(s, t0, Lane::Transfer, Kind::H2d, tag, n as u64)?;
+            self.dev.record(&copied, Lane::Transfer)?;
+            self.dev.record(&s.slots[index].ready, Lane::Transfer)
+        })();
+        if let Err(e) = recorded {
+            // The copy is queued but cannot be tracked: keep its memory rather than free it under
+            // the copy (a leak on a failing device, never a use after free).
+            std::mem::forget(hold);
+            return Err(e);
+        }
+        s.h2d.push_back((copied, hold));
         let slot = &mut s.slots[index];
         slot.held = true;
         slot.owner = key;
@@ -542,7 +714,7 @@ impl<D: Device> Engine<D> {
     }
 
     /// Makes the compute lane `compute` wait (on the device) for the copy into held slot `index`.
-    pub fn claim(&self, index: usize, compute: u64, tag: u64) -> Result<()> {
+    pub fn claim(&self, index: usize, compute: ComputeStream, tag: u64) -> Result<()> {
         let mut guard = self.lock()?;
         let s = &mut *guard;
         match s.slots.get(index) {
@@ -563,7 +735,7 @@ impl<D: Device> Engine<D> {
     }
 
     /// Gives slot `index` back once the work queued so far on `compute` is done.
-    pub fn release(&self, index: usize, compute: u64) -> Result<()> {
+    pub fn release(&self, index: usize, compute: ComputeStream) -> Result<()> {
         let mut guard = self.lock()?;
         let s = &mut *guard;
         s.tick += 1;
@@ -594,7 +766,7 @@ impl<D: Device> Engine<D> {
     }
 
     /// Records an instant on `compute` for the trace (no effect while no trace is on).
-    pub fn mark(&self, compute: u64, tag: u64, code: u64) -> Result<()> {
+    pub fn mark(&self, compute: ComputeStream, tag: u64, code: u64) -> Result<()> {
         let mut guard = self.lock()?;
         let s = &mut *guard;
         if s.trace_base.is_none() || s.timings.len() >= MAX_PENDING_TIMINGS {
@@ -614,7 +786,7 @@ impl<D: Device> Engine<D> {
     }
 
     /// Starts a trace: timed records from now on are kept, relative to this point on `compute`.
-    pub fn trace_start(&self, compute: u64) -> Result<()> {
+    pub fn trace_start(&self, compute: ComputeStream) -> Result<()> {
         let mut guard = self.lock()?;
         let s = &mut *guard;
         self.harvest(s)?;
@@ -651,7 +823,7 @@ impl<D: Device> Engine<D> {
         src: u64,
         n: usize,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
     ) -> Result<usize> {
         // SAFETY: forwarded.
         unsafe { self.copy_to_host_tagged(dst, src, n, max_inflight, compute, 0) }
@@ -667,8 +839,55 @@ impl<D: Device> Engine<D> {
         src: u64,
         n: usize,
         max_inflight: usize,
-        compute: u64,
+        compute: ComputeStream,
         tag: u64,
+    ) -> Result<usize> {
+        // SAFETY: forwarded.
+        unsafe { self.copy_to_host_inner(dst, src, n, max_inflight, compute, tag, None) }
+    }
+
+    /// [`Engine::copy_to_host_tagged`] into the bytes of `dst` (all of them), which the engine keeps
+    /// alive (its lease) until the copy has run.
+    ///
+    /// # Safety
+    /// The device range `src..src+dst.len()` must stay readable until the copy has run.
+    pub unsafe fn copy_to_host_slice(
+        &self,
+        dst: &HostSlice,
+        src: u64,
+        max_inflight: usize,
+        compute: ComputeStream,
+        tag: u64,
+    ) -> Result<usize> {
+        // SAFETY: the host side is kept writable by the slice's lease, which travels with the
+        // copy's event; the device side is the caller's contract.
+        unsafe {
+            self.copy_to_host_inner(
+                dst.as_ptr(),
+                src,
+                dst.len(),
+                max_inflight,
+                compute,
+                tag,
+                Some(dst.lease()),
+            )
+        }
+    }
+
+    /// The device→host copy; `hold` (when given) stays with the copy until it has retired.
+    ///
+    /// # Safety
+    /// As for [`Engine::copy_to_host`], where `hold` does not keep `dst` alive.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn copy_to_host_inner(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        n: usize,
+        max_inflight: usize,
+        compute: ComputeStream,
+        tag: u64,
+        hold: Option<Lease>,
     ) -> Result<usize> {
         let max_inflight = validate_max_inflight(max_inflight)?;
         let mut guard = self.lock()?;
@@ -689,13 +908,24 @@ impl<D: Device> Engine<D> {
             // SAFETY: forwarded from the caller's contract.
             unsafe { self.dev.copy_to_host(Lane::Gradient, dst, src, n)? };
         }
-        self.span_end(s, t0, Lane::Gradient, Kind::D2h, tag, n as u64)?;
-        let done = match s.d2h_spare.pop() {
-            Some(e) => e,
-            None => self.dev.new_event()?,
+        let recorded = (|| {
+            self.span_end(s, t0, Lane::Gradient, Kind::D2h, tag, n as u64)?;
+            let done = match s.d2h_spare.pop() {
+                Some(e) => e,
+                None => self.dev.new_event()?,
+            };
+            self.dev.record(&done, Lane::Gradient)?;
+            Ok(done)
+        })();
+        let done = match recorded {
+            Ok(done) => done,
+            Err(e) => {
+                // As in `prefetch_inner`: an untracked copy keeps its memory.
+                std::mem::forget(hold);
+                return Err(e);
+            }
         };
-        self.dev.record(&done, Lane::Gradient)?;
-        s.d2h.push_back(done);
+        s.d2h.push_back((done, hold));
         s.stats.d2h_bytes += n as u64;
         s.stats.d2h_copies += 1;
         Ok(retired)
@@ -710,11 +940,9 @@ impl<D: Device> Engine<D> {
         self.dev.synchronize_lane(Lane::Transfer)?;
         self.dev.synchronize_lane(Lane::Gradient)?;
         s.stats.sync_wait_seconds += t.elapsed().as_secs_f64();
-        let h: Vec<_> = s.h2d.drain(..).collect();
-        s.h2d_spare.extend(h);
-        let d: Vec<_> = s.d2h.drain(..).collect();
-        let retired = d.len();
-        s.d2h_spare.extend(d);
+        s.h2d_spare.extend(s.h2d.drain(..).map(|(e, _)| e));
+        let retired = s.d2h.len();
+        s.d2h_spare.extend(s.d2h.drain(..).map(|(e, _)| e));
         self.harvest(s)?;
         Ok(retired)
     }
@@ -733,10 +961,54 @@ impl<D: Device> Engine<D> {
     }
 }
 
+/// A held device slot, released when dropped (after the work queued so far on its compute lane),
+/// so that an early return or a panic cannot leave the slot held for good.
+pub struct SlotGuard<'a, D: Device> {
+    engine: &'a Engine<D>,
+    index: usize,
+    ptr: u64,
+    compute: ComputeStream,
+}
+
+impl<D: Device> SlotGuard<'_, D> {
+    /// Index of the slot.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+    /// Device address of the slot's memory.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Makes the compute lane wait (on the device) for the copy into the slot.
+    pub fn claim(&self) -> Result<()> {
+        self.engine.claim(self.index, self.compute, 0)
+    }
+    /// Releases the slot now, reporting an error that dropping would ignore.
+    pub fn release(self) -> Result<()> {
+        let r = self.engine.release(self.index, self.compute);
+        std::mem::forget(self);
+        r
+    }
+}
+
+impl<D: Device> Drop for SlotGuard<'_, D> {
+    fn drop(&mut self) {
+        let _ = self.engine.release(self.index, self.compute);
+    }
+}
+
 impl<D: Device> Drop for Engine<D> {
     fn drop(&mut self) {
         // Copies may still read host regions or write slots: let them finish.
-        let _ = self.dev.synchronize_lane(Lane::Transfer);
-        let _ = self.dev.synchronize_lane(Lane::Gradient);
+        let t = self.dev.synchronize_lane(Lane::Transfer);
+        let g = self.dev.synchronize_lane(Lane::Gradient);
+        if t.is_err() || g.is_err() {
+            // Not known complete: keep the memory of the copies mapped rather than free it under
+            // them (a leak on a failing device, never a use after free).
+            if let Ok(s) = self.state.get_mut() {
+                std::mem::forget(std::mem::take(&mut s.h2d));
+                std::mem::forget(std::mem::take(&mut s.d2h));
+            }
+        }
     }
 }

@@ -8,17 +8,19 @@
 //! - [`shared`]: host memory mapped once by several processes of a node (a memfd), each pinning it.
 //!
 //! ```
-//! use ramtorch_core::{arena::Arena, device::HostDevice, engine::Engine};
+//! use ramtorch_core::{arena::Arena, device::{ComputeStream, HostDevice}, engine::Engine};
 //!
 //! let arena = Arena::new(None);
 //! let weights = arena.alloc(16, true).unwrap();
 //! let engine = Engine::new(HostDevice::new().unwrap());
 //! let mut slots = vec![vec![0u8; 16]; 3];
 //! let ptrs: Vec<u64> = slots.iter_mut().map(|s| s.as_mut_ptr() as u64).collect();
-//! engine.set_slots(&ptrs, 16).unwrap();
-//! // SAFETY: `weights` outlives the copy (synchronize below).
-//! let (slot, _) = unsafe { engine.acquire(weights.as_ptr(), 16, 2, 0) }.unwrap();
-//! engine.release(slot, 0).unwrap();
+//! // SAFETY: the slot buffers outlive the engine.
+//! unsafe { engine.set_slots(&ptrs, 16) }.unwrap();
+//! // The slice keeps `weights` alive until the copy has run.
+//! let compute = ComputeStream::DEFAULT;
+//! let (slot, _) = engine.acquire_slice(&weights.slice(0, 16).unwrap(), 2, compute).unwrap();
+//! engine.release(slot, compute).unwrap();
 //! engine.synchronize().unwrap();
 //! ```
 #![warn(missing_docs)]

@@ -15,12 +15,19 @@
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
-use crate::arena::Arena;
+use crate::arena::{Arena, HostSlice, Lease};
 use crate::error::{Error, Result};
 
-/// Host memory of an exact size shared with other processes of the node.
+/// Host memory of an exact size shared with other processes of the node. It is registered with its
+/// arena while alive, so [`Arena::slice`] finds it; leases on it keep the mapping alive.
 pub struct SharedRegion {
+    map: Arc<SharedMap>,
+}
+
+/// The mapping, shared by the region and the leases on it.
+struct SharedMap {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
@@ -33,9 +40,9 @@ pub struct SharedRegion {
 
 // SAFETY: the region is plain memory owned by this value (the mapping) and the kernel (the pages);
 // concurrent access to its bytes is the user's business, as for any tensor storage.
-unsafe impl Send for SharedRegion {}
-// SAFETY: as above; `&SharedRegion` only hands out the pointer and plain fields.
-unsafe impl Sync for SharedRegion {}
+unsafe impl Send for SharedMap {}
+// SAFETY: as above; `&SharedMap` only hands out the pointer and plain fields.
+unsafe impl Sync for SharedMap {}
 
 fn os_err() -> String {
     std::io::Error::last_os_error().to_string()
@@ -172,7 +179,7 @@ impl SharedRegion {
         // SAFETY: the mapping was just made, is page-aligned and lives until `drop`, which unpins
         // it before unmapping.
         let pinned = unsafe { arena.pin_external(ptr.as_ptr(), cap) };
-        Ok(Self {
+        let map = Arc::new(SharedMap {
             ptr,
             len,
             cap,
@@ -180,29 +187,50 @@ impl SharedRegion {
             name,
             pinned,
             arena: arena.clone(),
-        })
+        });
+        let keep: Arc<dyn Send + Sync> = map.clone();
+        arena.register_external(ptr.as_ptr() as usize, len, Arc::downgrade(&keep));
+        Ok(Self { map })
     }
 
     /// Start of this process's mapping.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.map.ptr.as_ptr()
     }
     /// Bytes of the region.
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len
     }
     /// Whether the region holds no bytes (never: a shared region holds at least one).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.map.len == 0
     }
     /// The name other processes attach with: `/proc/<creator pid>/fd/<fd>` (for an attached
     /// region, the name it was attached with).
     pub fn name(&self) -> &str {
-        &self.name
+        &self.map.name
     }
     /// Whether this process's mapping is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.pinned
+        self.map.pinned
+    }
+    /// Keeps this process's mapping alive, even after the region itself is dropped.
+    pub fn lease(&self) -> Lease {
+        Lease::new(self.map.clone())
+    }
+    /// The `len` bytes at `offset` of the region, kept alive by the result.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<HostSlice> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(HostSlice::new(
+                self.as_ptr() as usize + offset,
+                len,
+                self.lease(),
+            )),
+            _ => Err(Error::InvalidArgument(format!(
+                "bytes {offset}..+{len} are outside a shared region of {} bytes",
+                self.len()
+            ))),
+        }
     }
     /// The bytes, for tests and host-side kernels.
     ///
@@ -210,7 +238,7 @@ impl SharedRegion {
     /// No code, in this process or another, may write the region while the slice lives.
     pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is `cap >= len` readable bytes, live while `self` is.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
     }
 }
 
@@ -219,13 +247,17 @@ impl std::fmt::Debug for SharedRegion {
         write!(
             f,
             "SharedRegion({}, {} bytes, pinned: {})",
-            self.name, self.len, self.pinned
+            self.name(),
+            self.len(),
+            self.is_pinned()
         )
     }
 }
 
-impl Drop for SharedRegion {
+impl Drop for SharedMap {
     fn drop(&mut self) {
+        // Unregistered before the address can be mapped again.
+        self.arena.unregister_external(self.ptr.as_ptr() as usize);
         if self.pinned {
             // SAFETY: pinned by `pin_external` of this arena in `map`, unpinned once here.
             unsafe { self.arena.unpin_external(self.ptr.as_ptr(), self.cap) };
@@ -235,133 +267,5 @@ impl Drop for SharedRegion {
         unsafe {
             libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.cap);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::io::Write;
-    use std::sync::atomic::Ordering;
-    use std::sync::Arc;
-
-    use super::*;
-    use crate::arena::test_pinners::{Counting, Refuse};
-
-    fn is_invalid(e: &Error, needle: &str) -> bool {
-        matches!(e, Error::InvalidArgument(m) if m.contains(needle))
-    }
-
-    #[test]
-    fn create_attach_and_see_writes_both_ways() {
-        let a = Arena::new(None);
-        let len = 3 * 4096 + 17;
-        let r = SharedRegion::create(&a, len).expect("create");
-        assert_eq!(r.len(), len);
-        assert!(!r.is_pinned());
-        assert!(r
-            .name()
-            .starts_with(&format!("/proc/{}/fd/", std::process::id())));
-        // SAFETY: nobody writes while the slice lives.
-        assert!(unsafe { r.as_slice() }.iter().all(|&b| b == 0));
-        // SAFETY: `len` writable bytes; no slice of the region is alive.
-        unsafe { std::ptr::write_bytes(r.as_ptr(), 7, len) };
-
-        let b = SharedRegion::attach(&a, r.name(), len).expect("attach");
-        assert_ne!(b.as_ptr(), r.as_ptr(), "a second mapping");
-        // SAFETY: nobody writes while the slice lives.
-        assert!(unsafe { b.as_slice() }.iter().all(|&x| x == 7));
-        // SAFETY: the last byte is inside the region; no slice is alive.
-        unsafe { *b.as_ptr().add(len - 1) = 42 };
-        // SAFETY: as above.
-        unsafe { *r.as_ptr() = 9 };
-        // SAFETY: nobody writes while the slices live.
-        let (rs, bs) = unsafe { (r.as_slice(), b.as_slice()) };
-        assert_eq!((rs[len - 1], bs[0]), (42, 9));
-
-        // The region outlives its creator's handle while an attached one lives.
-        drop(r);
-        // SAFETY: nobody writes while the slice lives.
-        assert_eq!(unsafe { b.as_slice() }[len - 1], 42);
-    }
-
-    #[test]
-    fn big_regions_are_touched_in_parallel() {
-        let a = Arena::new(None);
-        let len = 3 * (16 << 20) + 5; // several chunks of the parallel fault-in
-        let r = SharedRegion::create(&a, len).expect("create");
-        let b = SharedRegion::attach(&a, r.name(), len).expect("attach");
-        // SAFETY: nobody writes while the slice lives.
-        assert!(unsafe { b.as_slice() }
-            .iter()
-            .step_by(4096)
-            .all(|&x| x == 0));
-    }
-
-    #[test]
-    fn size_mismatch_is_a_clear_error() {
-        let a = Arena::new(None);
-        let r = SharedRegion::create(&a, 10_000).expect("create");
-        let e = SharedRegion::attach(&a, r.name(), 10_001).expect_err("wrong size");
-        assert!(is_invalid(&e, "holds 10000 bytes, expected 10001"), "{e}");
-    }
-
-    #[test]
-    fn bad_names_are_clear_errors() {
-        let a = Arena::new(None);
-        for name in [
-            "",
-            "/dev/shm/x",
-            "/proc/self/fd/3",
-            "/proc/1/fd/",
-            "/proc/1/fd/3/x",
-        ] {
-            let e = SharedRegion::attach(&a, name, 10).expect_err(name);
-            assert!(is_invalid(&e, "is not a shared region name"), "{e}");
-        }
-        let gone = format!("/proc/{}/fd/999999", std::process::id());
-        let e = SharedRegion::attach(&a, &gone, 10).expect_err("no such fd");
-        assert!(is_invalid(&e, "cannot open shared region"), "{e}");
-
-        // An ordinary file is refused even at the right size.
-        let path =
-            std::env::temp_dir().join(format!("ramtorch-shared-test-{}", std::process::id()));
-        let mut f = std::fs::File::create(&path).expect("temp file");
-        f.write_all(&[0u8; 10]).expect("write");
-        let name = format!("/proc/{}/fd/{}", std::process::id(), f.as_raw_fd());
-        let e = SharedRegion::attach(&a, &name, 10).expect_err("not a memfd");
-        drop(f);
-        let _ = std::fs::remove_file(&path);
-        assert!(is_invalid(&e, "not a ramtorch shared region"), "{e}");
-
-        let e = SharedRegion::create(&a, 0).expect_err("empty");
-        assert!(is_invalid(&e, "at least one byte"), "{e}");
-    }
-
-    #[test]
-    fn each_mapping_is_pinned_and_unpinned() {
-        let c = Arc::new(Counting::default());
-        let a = Arena::new(Some(Box::new(c.clone())));
-        let r = SharedRegion::create(&a, 5000).expect("create");
-        let b = SharedRegion::attach(&a, r.name(), 5000).expect("attach");
-        assert!(r.is_pinned() && b.is_pinned());
-        assert_eq!(c.pins.load(Ordering::Relaxed), 2);
-        drop((r, b));
-        assert_eq!(c.unpins.load(Ordering::Relaxed), 2);
-        assert_eq!(a.stats().reserved_bytes, 0, "arena counts untouched");
-    }
-
-    #[test]
-    fn refused_pinning_falls_back_once_with_a_reason() {
-        let a = Arena::new(Some(Box::new(Refuse)));
-        let r = SharedRegion::create(&a, 4096).expect("pageable fallback");
-        assert!(!r.is_pinned() && !a.pins());
-        let w = a.take_pin_warning().expect("a warning");
-        assert!(
-            w.contains("pageable") && w.contains("CUDA_ERROR_OUT_OF_MEMORY"),
-            "{w}"
-        );
-        let b = SharedRegion::attach(&a, r.name(), 4096).expect("attach");
-        assert!(!b.is_pinned());
-        assert!(a.take_pin_warning().is_none(), "warned once");
     }
 }

@@ -5,15 +5,19 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ramtorch_core::arena::Arena;
-use ramtorch_core::device::{Device, HostDevice, Lane};
+use ramtorch_core::device::{ComputeStream, Device, HostDevice, Lane};
 use ramtorch_core::engine::Engine;
 use ramtorch_core::Error;
+
+/// The default compute stream (on the host device, the calling thread).
+const S: ComputeStream = ComputeStream::DEFAULT;
 
 fn host_engine(slots: usize, bytes: usize) -> (Engine<HostDevice>, Vec<Vec<u8>>) {
     let e = Engine::new(HostDevice::new().expect("host device"));
     let mut mem = vec![vec![0u8; bytes]; slots];
     let ptrs: Vec<u64> = mem.iter_mut().map(|s| s.as_mut_ptr() as u64).collect();
-    e.set_slots(&ptrs, bytes).expect("slots");
+    // SAFETY: the slot buffers outlive the engine's use of them.
+    unsafe { e.set_slots(&ptrs, bytes) }.expect("slots");
     (e, mem)
 }
 
@@ -31,14 +35,14 @@ fn acquire_puts_each_units_bytes_in_its_slot() {
         .collect();
     for (k, u) in units.iter().enumerate() {
         // SAFETY: `u` lives until the end of the test.
-        let (slot, ptr) = unsafe { e.acquire(u.as_ptr(), u.len(), 2, 0) }.expect("acquire");
+        let (slot, ptr) = unsafe { e.acquire(u.as_ptr(), u.len(), 2, S) }.expect("acquire");
         assert_eq!(ptr, mem[slot].as_ptr() as u64);
         // The compute lane (this thread) has waited for the copy: the bytes are there.
         assert!(
             mem[slot][..u.len()].iter().all(|&b| b == k as u8 + 1),
             "unit {k}"
         );
-        e.release(slot, 0).expect("release");
+        e.release(slot, S).expect("release");
     }
     let st = e.stats().expect("stats");
     assert_eq!(st.h2d_copies, 7);
@@ -53,7 +57,7 @@ fn gradients_come_back_and_are_retired_in_order() {
     let mut retired = 0;
     for k in 0..5 {
         // SAFETY: both buffers live until synchronize below.
-        retired += unsafe { e.copy_to_host(dst[k].as_mut_ptr(), src[k].as_ptr() as u64, 64, 2, 0) }
+        retired += unsafe { e.copy_to_host(dst[k].as_mut_ptr(), src[k].as_ptr() as u64, 64, 2, S) }
             .expect("d2h");
         assert!(e.in_flight().expect("in flight").1 <= 2);
     }
@@ -69,17 +73,18 @@ fn holding_every_slot_is_an_error_not_a_hang() {
     let (e, _mem) = host_engine(2, 8);
     for _ in 0..2 {
         // SAFETY: `r` outlives the engine's use.
-        unsafe { e.acquire(r.as_ptr(), 8, 1, 0) }.expect("acquire");
+        unsafe { e.acquire(r.as_ptr(), 8, 1, S) }.expect("acquire");
     }
     // SAFETY: as above.
-    let err = unsafe { e.acquire(r.as_ptr(), 8, 1, 0) }.expect_err("no free slot");
+    let err = unsafe { e.acquire(r.as_ptr(), 8, 1, S) }.expect_err("no free slot");
     assert!(matches!(err, Error::SlotsExhausted { slots: 2 }), "{err}");
     assert!(
-        e.set_slots(&[], 0).is_err(),
+        // SAFETY: the slot buffers outlive the engine's use of them.
+        unsafe { e.set_slots(&[], 0) }.is_err(),
         "slots cannot be swapped while held"
     );
-    e.release(0, 0).expect("release");
-    assert!(e.release(0, 0).is_err(), "double release is reported");
+    e.release(0, S).expect("release");
+    assert!(e.release(0, S).is_err(), "double release is reported");
 }
 
 #[test]
@@ -88,10 +93,10 @@ fn bad_arguments_are_errors() {
     let r = arena.alloc(100, true).expect("alloc");
     let (e, _mem) = host_engine(3, 64);
     // SAFETY: nothing is copied: the calls fail validation.
-    let too_big = unsafe { e.acquire(r.as_ptr(), 100, 2, 0) }.expect_err("too big");
+    let too_big = unsafe { e.acquire(r.as_ptr(), 100, 2, S) }.expect_err("too big");
     assert!(too_big.to_string().contains("does not fit"), "{too_big}");
     // SAFETY: as above.
-    let zero = unsafe { e.acquire(r.as_ptr(), 10, 0, 0) }.expect_err("max_inflight 0");
+    let zero = unsafe { e.acquire(r.as_ptr(), 10, 0, S) }.expect_err("max_inflight 0");
     assert!(zero.to_string().contains("max_inflight"), "{zero}");
 }
 
@@ -183,13 +188,14 @@ fn throttle_bounds_copies_in_flight_and_blocks_only_when_needed() {
         let ptrs: Vec<u64> = (0..=max_inflight as u64)
             .map(|i| 0x1000 * (i + 1))
             .collect();
-        e.set_slots(&ptrs, 64).expect("slots");
+        // SAFETY: the slot buffers outlive the engine's use of them.
+        unsafe { e.set_slots(&ptrs, 64) }.expect("slots");
         let src = [0u8; 64];
         for _ in 0..20 {
             // SAFETY: the scripted device never touches memory.
             let (slot, _) =
-                unsafe { e.acquire(src.as_ptr(), 64, max_inflight, 0) }.expect("acquire");
-            e.release(slot, 0).expect("release");
+                unsafe { e.acquire(src.as_ptr(), 64, max_inflight, S) }.expect("acquire");
+            e.release(slot, S).expect("release");
             assert!(e.in_flight().expect("in flight").0 <= max_inflight);
         }
         assert_eq!(
@@ -210,12 +216,13 @@ fn throttle_bounds_copies_in_flight_and_blocks_only_when_needed() {
 fn finished_copies_do_not_block() {
     let script = Arc::new(Script::default());
     let e = Engine::new(Scripted(script.clone()));
-    e.set_slots(&[0x1000, 0x2000, 0x3000], 64).expect("slots");
+    // SAFETY: the slot buffers outlive the engine's use of them.
+    unsafe { e.set_slots(&[0x1000, 0x2000, 0x3000], 64) }.expect("slots");
     let src = [0u8; 64];
     for _ in 0..10 {
         // SAFETY: the scripted device never touches memory.
-        let (slot, _) = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("acquire");
-        e.release(slot, 0).expect("release");
+        let (slot, _) = unsafe { e.acquire(src.as_ptr(), 64, 2, S) }.expect("acquire");
+        e.release(slot, S).expect("release");
         e.device()
             .synchronize_lane(Lane::Transfer)
             .expect("device catches up");
@@ -227,17 +234,18 @@ fn finished_copies_do_not_block() {
 fn slots_round_robin_skipping_held_ones() {
     let script = Arc::new(Script::default());
     let e = Engine::new(Scripted(script));
-    e.set_slots(&[0x1000, 0x2000, 0x3000], 64).expect("slots");
+    // SAFETY: the slot buffers outlive the engine's use of them.
+    unsafe { e.set_slots(&[0x1000, 0x2000, 0x3000], 64) }.expect("slots");
     let src = [0u8; 64];
     // SAFETY: the scripted device never touches memory.
-    let a = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("a").0;
+    let a = unsafe { e.acquire(src.as_ptr(), 64, 2, S) }.expect("a").0;
     // SAFETY: as above.
-    let b = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("b").0;
-    e.release(b, 0).expect("release b");
+    let b = unsafe { e.acquire(src.as_ptr(), 64, 2, S) }.expect("b").0;
+    e.release(b, S).expect("release b");
     // SAFETY: as above.
-    let c = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("c").0;
+    let c = unsafe { e.acquire(src.as_ptr(), 64, 2, S) }.expect("c").0;
     // SAFETY: as above.
-    let d = unsafe { e.acquire(src.as_ptr(), 64, 2, 0) }.expect("d").0;
+    let d = unsafe { e.acquire(src.as_ptr(), 64, 2, S) }.expect("d").0;
     assert_eq!((a, b, c), (0, 1, 2));
     assert_eq!(d, 1, "slot 0 is still held, slot 1 was released");
 }
@@ -254,12 +262,12 @@ fn prefetch_then_claim_and_keyed_slots_are_reused_without_a_copy() {
     let (b, _, copied_b) =
         unsafe { e.prefetch(Some(2), units[1].as_ptr(), 64, 2, &[], 2) }.expect("b");
     assert!(copied_a && copied_b && a != b);
-    e.claim(a, 0, 1).expect("claim a");
+    e.claim(a, S, 1).expect("claim a");
     assert!(mem[a].iter().all(|&x| x == 10));
-    e.claim(b, 0, 2).expect("claim b");
+    e.claim(b, S, 2).expect("claim b");
     assert!(mem[b].iter().all(|&x| x == 11));
-    e.release(a, 0).expect("release a");
-    e.release(b, 0).expect("release b");
+    e.release(a, S).expect("release a");
+    e.release(b, S).expect("release b");
     // Same key again: the slot still holds it, no copy.
     // SAFETY: as above.
     let (b2, _, copied) =
@@ -269,7 +277,7 @@ fn prefetch_then_claim_and_keyed_slots_are_reused_without_a_copy() {
     // SAFETY: as above.
     let err = unsafe { e.prefetch(Some(2), units[1].as_ptr(), 64, 2, &[], 2) };
     assert!(matches!(err, Err(Error::InvalidArgument(_))));
-    e.release(b2, 0).expect("release b2");
+    e.release(b2, S).expect("release b2");
     let st = e.stats().expect("stats");
     assert_eq!((st.h2d_copies, st.reuses, st.reused_bytes), (2, 1, 64));
     // After invalidate the key is copied again.
@@ -291,7 +299,7 @@ fn eviction_prefers_empty_slots_then_keys_not_kept() {
         // SAFETY: `u` lives until the end of the test.
         let (i, _, _) =
             unsafe { e.prefetch(Some(key), u.as_ptr(), 16, 2, &[], 0) }.expect("prefetch");
-        e.release(i, 0).expect("release");
+        e.release(i, S).expect("release");
         slot_of.insert(key, i);
     }
     // Key 1 is the least recently used, but it is kept: key 2's slot goes instead.
@@ -299,7 +307,7 @@ fn eviction_prefers_empty_slots_then_keys_not_kept() {
     let (i, _, copied) = unsafe { e.prefetch(Some(4), u.as_ptr(), 16, 2, &[1, 3], 0) }.expect("4");
     assert!(copied);
     assert_eq!(i, slot_of[&2]);
-    e.release(i, 0).expect("release");
+    e.release(i, S).expect("release");
     // Without a keep list the least recently used goes: key 1.
     // SAFETY: as above.
     let (i, _, _) = unsafe { e.prefetch(Some(5), u.as_ptr(), 16, 2, &[], 0) }.expect("5");
@@ -312,14 +320,14 @@ fn copies_and_waits_are_timed_and_traced() {
     let (e, _mem) = host_engine(3, 1 << 20);
     let u = vec![1u8; 1 << 20];
     let mut back = vec![0u8; 1 << 20];
-    e.trace_start(0).expect("trace");
+    e.trace_start(S).expect("trace");
     for tag in 1..=4u64 {
         // SAFETY: `u` lives until the end of the test.
-        let (i, ptr) = unsafe { e.acquire(u.as_ptr(), u.len(), 2, 0) }.expect("acquire");
-        e.mark(0, tag, 7).expect("mark");
+        let (i, ptr) = unsafe { e.acquire(u.as_ptr(), u.len(), 2, S) }.expect("acquire");
+        e.mark(S, tag, 7).expect("mark");
         // SAFETY: `back` lives until synchronize below; the slot is held.
-        unsafe { e.copy_to_host_tagged(back.as_mut_ptr(), ptr, 1 << 20, 2, 0, tag) }.expect("d2h");
-        e.release(i, 0).expect("release");
+        unsafe { e.copy_to_host_tagged(back.as_mut_ptr(), ptr, 1 << 20, 2, S, tag) }.expect("d2h");
+        e.release(i, S).expect("release");
     }
     e.synchronize().expect("sync");
     let recs = e.trace_stop().expect("trace stop");
@@ -350,10 +358,10 @@ fn markers_wait_for_the_copies_queued_before_them() {
     let mut dst = vec![0u8; 1 << 16];
     let (i, ptr) = {
         // SAFETY: `src` lives until the end of the test.
-        unsafe { e.acquire(src.as_ptr(), src.len(), 2, 0) }.expect("acquire")
+        unsafe { e.acquire(src.as_ptr(), src.len(), 2, S) }.expect("acquire")
     };
     // SAFETY: `dst` lives until the marker below has been waited for.
-    unsafe { e.copy_to_host(dst.as_mut_ptr(), ptr, 1 << 16, 2, 0) }.expect("d2h");
+    unsafe { e.copy_to_host(dst.as_mut_ptr(), ptr, 1 << 16, 2, S) }.expect("d2h");
     let m = e.marker().expect("marker");
     // Polled until done (the host device's copy thread finishes it), then waited for.
     let t = std::time::Instant::now();
@@ -365,6 +373,6 @@ fn markers_wait_for_the_copies_queued_before_them() {
     assert_eq!(dst, src);
     assert!(matches!(e.wait_marker(m), Err(Error::InvalidArgument(_))));
     assert!(matches!(e.marker_done(m), Err(Error::InvalidArgument(_))));
-    e.release(i, 0).expect("release");
+    e.release(i, S).expect("release");
     e.synchronize().expect("sync");
 }

@@ -1,22 +1,25 @@
 //! `ramtorch._core`: the PyO3 layer over `ramtorch-core`. Argument conversion, GIL release, error
 //! mapping and panic containment; no logic of its own.
 
+mod dlpack;
 mod io;
+mod memory;
 mod optim;
-use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use ramtorch_core::arena::{Arena, CudaPinner, Region};
-use ramtorch_core::device::{CudaDevice, Device, HostDevice, Lane};
-use ramtorch_core::engine::{Engine as CoreEngine, EngineStats};
+use ramtorch_core::arena::Arena;
+use ramtorch_core::device::{ComputeStream, CudaDevice, Device, HostDevice, Lane};
+use ramtorch_core::engine::{Engine as CoreEngine, EngineStats, Marker};
 use ramtorch_core::shared::SharedRegion;
 use ramtorch_core::{cuda, Error};
+
+use dlpack::{export, Memory};
 
 create_exception!(
     _core,
@@ -60,164 +63,11 @@ pub(crate) fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResu
 }
 
 // ---------------------------------------------------------------------------------------------
-// The host arena, exported to torch as DLPack capsules.
+// The host arena, exported to torch as DLPack capsules (see `dlpack`).
 
-static ARENA: OnceLock<Arena> = OnceLock::new();
-static ARENA_INIT: Mutex<()> = Mutex::new(());
-
-fn pinning_wanted() -> bool {
-    !matches!(
-        std::env::var("RAMTORCH_PIN").as_deref(),
-        Ok("0") | Ok("false") | Ok("no") | Ok("off")
-    )
-}
-
+/// The process-wide arena (see [`Arena::global`]).
 fn arena() -> Result<&'static Arena, Error> {
-    if let Some(a) = ARENA.get() {
-        return Ok(a);
-    }
-    let _init = ARENA_INIT
-        .lock()
-        .map_err(|_| Error::Worker("arena init lock poisoned".into()))?;
-    if let Some(a) = ARENA.get() {
-        return Ok(a);
-    }
-    let pinner: Option<Box<dyn ramtorch_core::arena::Pinner>> =
-        if pinning_wanted() && cuda::device_count()? > 0 {
-            Some(Box::new(CudaPinner(cuda::Context::new(0)?)))
-        } else {
-            None
-        };
-    Ok(ARENA.get_or_init(|| Arena::new(pinner)))
-}
-
-#[repr(C)]
-struct DLDevice {
-    device_type: i32,
-    device_id: i32,
-}
-#[repr(C)]
-struct DLDataType {
-    code: u8,
-    bits: u8,
-    lanes: u16,
-}
-#[repr(C)]
-struct DLTensor {
-    data: *mut c_void,
-    device: DLDevice,
-    ndim: i32,
-    dtype: DLDataType,
-    shape: *mut i64,
-    strides: *mut i64,
-    byte_offset: u64,
-}
-#[repr(C)]
-struct DLManagedTensor {
-    dl_tensor: DLTensor,
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
-}
-
-/// Host memory a capsule keeps alive: an arena region or a region shared between processes.
-enum Memory {
-    Arena(Region),
-    Shared(SharedRegion),
-}
-
-impl Memory {
-    fn as_ptr(&self) -> *mut u8 {
-        match self {
-            Memory::Arena(r) => r.as_ptr(),
-            Memory::Shared(r) => r.as_ptr(),
-        }
-    }
-    fn len(&self) -> usize {
-        match self {
-            Memory::Arena(r) => r.len(),
-            Memory::Shared(r) => r.len(),
-        }
-    }
-}
-
-/// What a capsule owns: the memory and the shape array the DLTensor points into.
-struct Export {
-    _memory: Memory,
-    shape: [i64; 1],
-}
-
-const DLTENSOR: &CStr = c"dltensor";
-const K_DL_CPU: i32 = 1;
-const K_DL_UINT: u8 = 1;
-
-unsafe extern "C" fn dl_deleter(m: *mut DLManagedTensor) {
-    if m.is_null() {
-        return;
-    }
-    // SAFETY: `m` and its context were made by `Box::into_raw` in `export` and are released once,
-    // by whoever owns the tensor last (torch, or the capsule destructor if never consumed). Dropping
-    // the Region is plain Rust and needs no GIL.
-    unsafe {
-        let m = Box::from_raw(m);
-        drop(Box::from_raw(m.manager_ctx as *mut Export));
-    }
-}
-
-unsafe extern "C" fn capsule_destructor(cap: *mut pyo3::ffi::PyObject) {
-    // SAFETY: called by Python with a live capsule. A consumed capsule was renamed by its consumer
-    // ("used_dltensor") and must not be freed here.
-    unsafe {
-        if pyo3::ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) == 1 {
-            let m = pyo3::ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) as *mut DLManagedTensor;
-            dl_deleter(m);
-        }
-    }
-}
-
-/// A DLPack capsule of a 1-D uint8 CPU tensor over `memory`, which it keeps alive.
-fn export(py: Python<'_>, memory: Memory) -> PyResult<Py<PyAny>> {
-    let ptr = memory.as_ptr();
-    let mut ctx = Box::new(Export {
-        shape: [memory.len() as i64],
-        _memory: memory,
-    });
-    let shape = ctx.shape.as_mut_ptr();
-    let managed = Box::new(DLManagedTensor {
-        dl_tensor: DLTensor {
-            data: ptr as *mut c_void,
-            device: DLDevice {
-                device_type: K_DL_CPU,
-                device_id: 0,
-            },
-            ndim: 1,
-            dtype: DLDataType {
-                code: K_DL_UINT,
-                bits: 8,
-                lanes: 1,
-            },
-            shape,
-            strides: std::ptr::null_mut(),
-            byte_offset: 0,
-        },
-        manager_ctx: Box::into_raw(ctx) as *mut c_void,
-        deleter: Some(dl_deleter),
-    });
-    let raw = Box::into_raw(managed);
-    // SAFETY: `raw` is a valid DLManagedTensor; the capsule owns it until a consumer renames it.
-    let cap = unsafe {
-        pyo3::ffi::PyCapsule_New(
-            raw as *mut c_void,
-            DLTENSOR.as_ptr() as *const c_char,
-            Some(capsule_destructor),
-        )
-    };
-    if cap.is_null() {
-        // SAFETY: the capsule was not created, so we still own `raw`.
-        unsafe { dl_deleter(raw) };
-        return Err(PyErr::fetch(py));
-    }
-    // SAFETY: `cap` is a new, owned reference.
-    Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+    Arena::global()
 }
 
 /// Allocates `nbytes` of host arena memory (page-locked when a GPU is present, unless `pin` is
@@ -312,6 +162,8 @@ macro_rules! with_engine {
 struct Engine {
     inner: AnyEngine,
     name: String,
+    /// The slot tensors given to `set_slots`, kept alive while they are the slots.
+    slot_tensors: Mutex<Vec<Py<PyAny>>>,
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: EngineStats) -> PyResult<Bound<'py, PyDict>> {
@@ -332,6 +184,19 @@ fn stats_dict<'py>(py: Python<'py>, s: EngineStats) -> PyResult<Bound<'py, PyDic
     d.set_item("reuses", s.reuses)?;
     d.set_item("reused_bytes", s.reused_bytes)?;
     Ok(d)
+}
+
+impl Engine {
+    /// Checks that a unit of `nbytes` fits the slots, before its memory is looked up.
+    fn fits(&self, nbytes: usize) -> Result<(), Error> {
+        let (_, slot_bytes) = with_engine!(self, e => e.slots())?;
+        if nbytes > slot_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "a unit of {nbytes} bytes does not fit the {slot_bytes} byte device slots"
+            )));
+        }
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -356,7 +221,11 @@ impl Engine {
             AnyEngine::Cuda(e) => e.device().name(),
             AnyEngine::Host(e) => e.device().name(),
         };
-        Ok(Self { inner, name })
+        Ok(Self {
+            inner,
+            name,
+            slot_tensors: Mutex::new(Vec::new()),
+        })
     }
 
     /// Device name, e.g. `cuda:0`.
@@ -370,54 +239,105 @@ impl Engine {
         guard("slots", || with_engine!(self, e => e.slots()))
     }
 
-    /// Uses the device buffers at `ptrs` (each `nbytes` long) as slots.
-    fn set_slots(&self, py: Python<'_>, ptrs: Vec<u64>, nbytes: usize) -> PyResult<()> {
+    /// Uses `slots` (each at least `nbytes` long) as the device slots: contiguous tensors on the
+    /// device, which the engine keeps alive while they are its slots, or raw device addresses
+    /// (which cannot be checked beyond being non-null and distinct: the caller keeps them alive).
+    fn set_slots(
+        &self,
+        py: Python<'_>,
+        slots: Vec<Bound<'_, PyAny>>,
+        nbytes: usize,
+    ) -> PyResult<()> {
+        let op = "set_slots";
+        let ptrs = guard(op, || {
+            slots
+                .iter()
+                .enumerate()
+                .map(|(i, s)| memory::device_address(&format!("slot {i}"), s, nbytes))
+                .collect::<Result<Vec<u64>, Error>>()
+        })?;
+        let tensors: Vec<Py<PyAny>> = slots
+            .iter()
+            .filter(|s| !memory::is_address(s))
+            .map(|s| s.clone().unbind())
+            .collect();
+        // SAFETY: tensors are kept alive below for as long as they are the slots; for raw
+        // addresses the caller keeps the memory alive (the documented contract of this method).
         py.detach(|| {
             guard(
-                "set_slots",
-                || with_engine!(self, e => e.set_slots(&ptrs, nbytes)),
+                op,
+                || with_engine!(self, e => unsafe { e.set_slots(&ptrs, nbytes) }),
             )
-        })
+        })?;
+        let old = match self.slot_tensors.lock() {
+            Ok(mut t) => std::mem::replace(&mut *t, tensors),
+            Err(_) => return Err(PyRuntimeError::new_err("set_slots: lock poisoned")),
+        };
+        drop(old);
+        Ok(())
     }
 
-    /// Copies `nbytes` at host address `src` into a free slot; the compute stream `stream` waits for
-    /// the copy. Returns `(slot index, slot device address)`.
+    /// Copies the first `nbytes` of `src` (a tensor over arena memory, or its address) into a free
+    /// slot; the compute stream `stream` waits for the copy. The engine keeps the memory alive
+    /// until the copy has run. Returns `(slot index, slot device address)`.
     fn acquire(
         &self,
         py: Python<'_>,
-        src: usize,
+        src: &Bound<'_, PyAny>,
         nbytes: usize,
         max_inflight: usize,
         stream: u64,
     ) -> PyResult<(usize, u64)> {
-        // SAFETY: the front-end passes the address of a live arena region that it keeps alive (the
-        // parameter) and never frees while copies may be pending (it synchronises first).
-        py.detach(|| guard("acquire", || with_engine!(self, e => unsafe { e.acquire(src as *const u8, nbytes, max_inflight, stream) })))
+        let op = "acquire";
+        let src = guard(op, || {
+            self.fits(nbytes)?;
+            memory::host_slice("src", src, nbytes)
+        })?;
+        py.detach(|| {
+            guard(
+                op,
+                || with_engine!(self, e => e.acquire_slice(&src, max_inflight, ComputeStream::from_raw(stream))),
+            )
+        })
     }
 
     /// Issues the copy of a unit into a free slot (held until `release`) without making any
     /// stream wait for it; returns `(slot, device address, copied)`. With a `key`, a slot still
     /// holding that key is reused without a copy; eviction spares the keys in `keep`.
+    /// `src` is as for `acquire`.
     #[pyo3(signature = (key, src, nbytes, max_inflight, keep, tag = 0))]
     #[allow(clippy::too_many_arguments)]
     fn prefetch(
         &self,
         py: Python<'_>,
         key: Option<u64>,
-        src: usize,
+        src: &Bound<'_, PyAny>,
         nbytes: usize,
         max_inflight: usize,
         keep: Vec<u64>,
         tag: u64,
     ) -> PyResult<(usize, u64, bool)> {
-        // SAFETY: as in `acquire`; a key names one arena region at one version (the front end
-        // derives it from the parameters' version counters).
-        py.detach(|| guard("prefetch", || with_engine!(self, e => unsafe { e.prefetch(key, src as *const u8, nbytes, max_inflight, &keep, tag) })))
+        let op = "prefetch";
+        let src = guard(op, || {
+            self.fits(nbytes)?;
+            memory::host_slice("src", src, nbytes)
+        })?;
+        py.detach(|| {
+            guard(
+                op,
+                || with_engine!(self, e => e.prefetch_slice(key, &src, max_inflight, &keep, tag)),
+            )
+        })
     }
 
     /// Captures the copies queued so far on both engine streams; returns an id for `wait_marker`.
     fn marker(&self, py: Python<'_>) -> PyResult<u64> {
-        py.detach(|| guard("marker", || with_engine!(self, e => e.marker())))
+        py.detach(|| {
+            guard(
+                "marker",
+                || with_engine!(self, e => e.marker().map(Marker::raw)),
+            )
+        })
     }
 
     /// Blocks (without the GIL) until the copies captured by `marker` are done.
@@ -425,7 +345,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "wait_marker",
-                || with_engine!(self, e => e.wait_marker(marker)),
+                || with_engine!(self, e => e.wait_marker(Marker::from_raw(marker))),
             )
         })
     }
@@ -435,7 +355,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "marker_done",
-                || with_engine!(self, e => e.marker_done(marker)),
+                || with_engine!(self, e => e.marker_done(Marker::from_raw(marker))),
             )
         })
     }
@@ -446,7 +366,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "claim",
-                || with_engine!(self, e => e.claim(slot, stream, tag)),
+                || with_engine!(self, e => e.claim(slot, ComputeStream::from_raw(stream), tag)),
             )
         })
     }
@@ -461,7 +381,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "mark",
-                || with_engine!(self, e => e.mark(stream, tag, code)),
+                || with_engine!(self, e => e.mark(ComputeStream::from_raw(stream), tag, code)),
             )
         })
     }
@@ -471,7 +391,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 "trace_start",
-                || with_engine!(self, e => e.trace_start(stream)),
+                || with_engine!(self, e => e.trace_start(ComputeStream::from_raw(stream))),
             )
         })
     }
@@ -491,28 +411,38 @@ impl Engine {
         py.detach(|| {
             guard(
                 "release",
-                || with_engine!(self, e => e.release(slot, stream)),
+                || with_engine!(self, e => e.release(slot, ComputeStream::from_raw(stream))),
             )
         })
     }
 
-    /// Queues a device→host copy on the gradient stream after the work queued on `stream`; returns
-    /// how many earlier gradient copies have completed since the last report.
+    /// Queues a device→host copy of `nbytes` on the gradient stream after the work queued on
+    /// `stream`; returns how many earlier gradient copies have completed since the last report.
+    /// `dst` is arena memory (a tensor over it, or its address), kept alive by the engine until
+    /// the copy has run; `src` is a tensor on the device (or its address), which the caller keeps
+    /// alive until the copy is reported complete.
     #[pyo3(signature = (dst, src, nbytes, max_inflight, stream, tag = 0))]
     #[allow(clippy::too_many_arguments)]
     fn copy_to_host(
         &self,
         py: Python<'_>,
-        dst: usize,
-        src: u64,
+        dst: &Bound<'_, PyAny>,
+        src: &Bound<'_, PyAny>,
         nbytes: usize,
         max_inflight: usize,
         stream: u64,
         tag: u64,
     ) -> PyResult<usize> {
-        // SAFETY: the front-end passes a live arena region as `dst` and keeps the device source
+        let op = "copy_to_host";
+        let (dst, src) = guard(op, || {
+            Ok((
+                memory::host_slice("dst", dst, nbytes)?,
+                memory::device_address("src", src, nbytes)?,
+            ))
+        })?;
+        // SAFETY: the host side is kept alive by the slice; the front end keeps the device source
         // alive until this engine reports the copy complete.
-        py.detach(|| guard("copy_to_host", || with_engine!(self, e => unsafe { e.copy_to_host_tagged(dst as *mut u8, src, nbytes, max_inflight, stream, tag) })))
+        py.detach(|| guard(op, || with_engine!(self, e => unsafe { e.copy_to_host_slice(&dst, src, max_inflight, ComputeStream::from_raw(stream), tag) })))
     }
 
     /// Waits for both engine streams; returns the number of gradient copies newly completed.

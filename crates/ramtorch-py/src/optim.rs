@@ -1,16 +1,158 @@
-//! Bindings of the CPU optimizer kernels (`ramtorch_core::optim`). Tensors come in as addresses
-//! (`tensor.data_ptr()`), an element count and a dtype name; the caller promises that each address
-//! is the start of a live, contiguous CPU buffer of `numel` elements of that dtype that nothing
-//! else reads or writes during the call. Everything else (null or misaligned addresses,
-//! overlapping buffers, unknown dtypes, mismatched modes, bad hyperparameters) is checked and
-//! raises `ValueError`. The GIL is released while the kernels run.
+//! Bindings of the CPU optimizer kernels (`ramtorch_core::optim`). Each buffer is a contiguous CPU
+//! torch tensor (pointer and size come from torch; its dtype and element count are checked against
+//! the call's), or the address of memory ramtorch allocated (`tensor.data_ptr()` of an arena or
+//! shared tensor), which must lie inside a live arena or shared region. The memory is kept alive
+//! for the call. The caller promises only that nothing else reads or writes the buffers during the
+//! call. Everything else (addresses outside ramtorch's memory, null or misaligned addresses, wrong
+//! sizes or dtypes, overlapping buffers, unknown dtypes, mismatched modes, bad hyperparameters) is
+//! checked and raises `ValueError`. The GIL is released while the kernels run.
 
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
+use ramtorch_core::arena::Lease;
 use ramtorch_core::optim::{self, bf16, f16, Dtype, Tensor, TensorMut};
 use ramtorch_core::Error;
 
-use crate::guard;
+use crate::memory::{is_address, named};
+use crate::{arena, guard};
+
+/// Address of a tensor's data, as the tensor gave it.
+struct TensorMemory {
+    addr: usize,
+}
+
+/// `torch.Tensor` (imported once).
+fn torch_tensor_type(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static TENSOR: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    TENSOR.import(py, "torch", "Tensor")
+}
+
+/// torch's dtype object for `d` (imported once).
+fn torch_dtype(py: Python<'_>, d: Dtype) -> PyResult<&Bound<'_, PyAny>> {
+    static F32: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static BF16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static F16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let (cell, name) = match d {
+        Dtype::F32 => (&F32, "float32"),
+        Dtype::BF16 => (&BF16, "bfloat16"),
+        Dtype::F16 => (&F16, "float16"),
+    };
+    cell.import(py, "torch", name)
+}
+
+/// What keeps a buffer's memory alive during a call: a lease on ramtorch memory (other memory is a
+/// torch tensor the caller holds for the call).
+enum Keep {
+    Lease(#[allow(dead_code)] Lease),
+}
+
+/// One buffer argument as given from Python: a tensor, an address, or absent (`None`, or `0` where
+/// a buffer is optional).
+type Arg<'a, 'py> = Option<&'a Bound<'py, PyAny>>;
+
+/// Turns the argument `obj` into a checked buffer of `numel` elements of `dtype`, pushing what keeps
+/// its memory alive onto `keeps`. `None` (and the address 0) give `None` where `optional`.
+fn resolve<'py>(
+    name: &'static str,
+    obj: Arg<'_, 'py>,
+    dtype: &str,
+    numel: usize,
+    optional: bool,
+    keeps: &mut Vec<Keep>,
+) -> Result<Option<Buf>, Error> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        if optional {
+            return Ok(None);
+        }
+        return Err(invalid(format!("{name} is required")));
+    };
+    if is_address(obj) {
+        let addr = obj
+            .extract::<usize>()
+            .map_err(|e| invalid(format!("{name}: {e}")))?;
+        if addr == 0 && optional {
+            return Ok(None);
+        }
+        let b = Buf::new(name, addr, dtype, numel)?;
+        let bytes = b.bytes()?;
+        if bytes > 0 {
+            let s = arena()?.slice(addr, bytes).map_err(|e| {
+                named(
+                    name,
+                    match e {
+                        Error::InvalidArgument(m) => Error::InvalidArgument(format!(
+                            "{m}; pass the tensor itself for memory torch allocated"
+                        )),
+                        e => e,
+                    },
+                )
+            })?;
+            keeps.push(Keep::Lease(s.lease()));
+        }
+        return Ok(Some(b));
+    }
+    let py = obj.py();
+    let want = Dtype::parse(dtype).map_err(|e| named(name, e))?;
+    let not_tensor = || invalid(format!("{name} must be a torch tensor or an int address"));
+    let tensor_type = torch_tensor_type(py).map_err(|e| invalid(format!("{name}: {e}")))?;
+    if !obj.is_instance(tensor_type).map_err(|_| not_tensor())? {
+        return Err(not_tensor());
+    }
+    let got = obj
+        .getattr(intern!(py, "dtype"))
+        .map_err(|_| not_tensor())?;
+    if !got.is(torch_dtype(py, want).map_err(|e| invalid(format!("{name}: {e}")))?) {
+        return Err(invalid(format!("{name} is {got}, expected {want}")));
+    }
+    let is_cpu = obj
+        .getattr(intern!(py, "is_cpu"))
+        .and_then(|v| v.extract::<bool>())
+        .map_err(|_| not_tensor())?;
+    if !is_cpu {
+        let dev = obj
+            .getattr(intern!(py, "device"))
+            .map(|d| d.to_string())
+            .unwrap_or_default();
+        return Err(invalid(format!(
+            "{name} must be a CPU tensor, got one on {dev}"
+        )));
+    }
+    let call = |m: &Bound<'py, pyo3::types::PyString>| -> Result<Bound<'py, PyAny>, Error> {
+        obj.call_method0(m)
+            .map_err(|e| invalid(format!("{name}: {e}")))
+    };
+    let addr = call(intern!(py, "data_ptr"))?
+        .extract::<usize>()
+        .map_err(|e| invalid(format!("{name}: {e}")))?;
+    let count = call(intern!(py, "numel"))?
+        .extract::<usize>()
+        .map_err(|e| invalid(format!("{name}: {e}")))?;
+    if count != numel {
+        return Err(invalid(format!(
+            "{name} has {count} elements, expected {numel}"
+        )));
+    }
+    if !call(intern!(py, "is_contiguous"))?
+        .extract::<bool>()
+        .map_err(|e| invalid(format!("{name}: {e}")))?
+    {
+        return Err(invalid(format!("{name} must be a contiguous tensor")));
+    }
+    let m = TensorMemory { addr };
+    let b = Buf::new(name, m.addr, dtype, numel)?;
+    let bytes = b.bytes()?;
+    if bytes > 0 {
+        // Memory ramtorch allocated is held by a lease. Other memory belongs to a real torch
+        // tensor (checked above), whose elements torch keeps inside its storage and which the
+        // caller's reference keeps alive for the call.
+        if let Ok(s) = arena()?.slice(m.addr, bytes) {
+            keeps.push(Keep::Lease(s.lease()));
+        }
+    }
+    Ok(Some(b))
+}
 
 fn invalid(msg: String) -> Error {
     Error::InvalidArgument(msg)
@@ -150,19 +292,23 @@ fn disjoint(bufs: &[Buf]) -> Result<(), Error> {
     Ok(())
 }
 
-/// The buffers of one step: `named` as `(name, address, dtype)`, then the float32 master weights
-/// when `master` is non-zero; each checked, and checked pairwise disjoint.
+/// The buffers of one step: `bufs` as `(name, argument, dtype)`, each required, then the float32
+/// master weights when given; each checked, and checked pairwise disjoint. What keeps them alive
+/// goes to `keeps`.
 fn step_buffers(
-    named: &[(&'static str, usize, &str)],
-    master: usize,
+    bufs: &[(&'static str, Arg<'_, '_>, &str)],
+    master: Arg<'_, '_>,
     numel: usize,
+    keeps: &mut Vec<Keep>,
 ) -> Result<Vec<Buf>, Error> {
-    let mut b = named
-        .iter()
-        .map(|&(name, addr, dtype)| Buf::new(name, addr, dtype, numel))
-        .collect::<Result<Vec<_>, Error>>()?;
-    if master != 0 {
-        b.push(Buf::new("master", master, "float32", numel)?);
+    let mut b = Vec::with_capacity(bufs.len() + 1);
+    for &(name, obj, dtype) in bufs {
+        if let Some(x) = resolve(name, obj, dtype, numel, false, keeps)? {
+            b.push(x);
+        }
+    }
+    if let Some(m) = resolve("master", master, "float32", numel, true, keeps)? {
+        b.push(m);
     }
     disjoint(&b)?;
     Ok(b)
@@ -178,20 +324,20 @@ fn step_buffers(
 #[pyfunction]
 #[pyo3(signature = (
     param, param_dtype, grad, grad_dtype, exp_avg, exp_avg_sq, state_dtype, *,
-    master = 0, numel, step, lr, beta1, beta2, eps, weight_decay,
+    master = None, numel, step, lr, beta1, beta2, eps, weight_decay,
     maximize = false, grad_scale = 1.0, seed = 0,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn adamw_step(
     py: Python<'_>,
-    param: usize,
+    param: &Bound<'_, PyAny>,
     param_dtype: &str,
-    grad: usize,
+    grad: &Bound<'_, PyAny>,
     grad_dtype: &str,
-    exp_avg: usize,
-    exp_avg_sq: usize,
+    exp_avg: &Bound<'_, PyAny>,
+    exp_avg_sq: &Bound<'_, PyAny>,
     state_dtype: &str,
-    master: usize,
+    master: Option<&Bound<'_, PyAny>>,
     numel: usize,
     step: u64,
     lr: f64,
@@ -216,12 +362,13 @@ fn adamw_step(
         seed,
     };
     let named = [
-        ("param", param, param_dtype),
-        ("grad", grad, grad_dtype),
-        ("exp_avg", exp_avg, state_dtype),
-        ("exp_avg_sq", exp_avg_sq, state_dtype),
+        ("param", Some(param), param_dtype),
+        ("grad", Some(grad), grad_dtype),
+        ("exp_avg", Some(exp_avg), state_dtype),
+        ("exp_avg_sq", Some(exp_avg_sq), state_dtype),
     ];
-    let bufs = guard(op, || step_buffers(&named, master, numel))?;
+    let mut keeps = Vec::with_capacity(5);
+    let bufs = guard(op, || step_buffers(&named, master, numel, &mut keeps))?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
@@ -252,19 +399,19 @@ fn adamw_step(
 #[pyfunction]
 #[pyo3(signature = (
     param, param_dtype, grad, grad_dtype, momentum_buffer, state_dtype, *,
-    master = 0, numel, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step,
+    master = None, numel, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step,
     grad_scale = 1.0, seed = 0, step = 0,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn sgd_step(
     py: Python<'_>,
-    param: usize,
+    param: &Bound<'_, PyAny>,
     param_dtype: &str,
-    grad: usize,
+    grad: &Bound<'_, PyAny>,
     grad_dtype: &str,
-    momentum_buffer: usize,
+    momentum_buffer: Option<&Bound<'_, PyAny>>,
     state_dtype: &str,
-    master: usize,
+    master: Option<&Bound<'_, PyAny>>,
     numel: usize,
     lr: f64,
     momentum: f64,
@@ -290,16 +437,28 @@ fn sgd_step(
         step,
         seed,
     };
-    let (has_buf, has_master) = (momentum_buffer != 0, master != 0);
-    let bufs = guard(op, || {
-        let mut named = vec![("param", param, param_dtype), ("grad", grad, grad_dtype)];
-        if has_buf {
-            named.push(("momentum_buffer", momentum_buffer, state_dtype));
-        } else {
-            // Checked even without a buffer, so that a typo is not silently ignored.
-            Dtype::parse(state_dtype)?;
+    let mut keeps = Vec::with_capacity(4);
+    let (bufs, has_buf, has_master) = guard(op, || {
+        let mut b = Vec::with_capacity(4);
+        for (name, obj, dtype) in [("param", param, param_dtype), ("grad", grad, grad_dtype)] {
+            b.extend(resolve(name, Some(obj), dtype, numel, false, &mut keeps)?);
         }
-        step_buffers(&named, master, numel)
+        // Checked even without a buffer, so that a typo is not silently ignored.
+        Dtype::parse(state_dtype)?;
+        let buf = resolve(
+            "momentum_buffer",
+            momentum_buffer,
+            state_dtype,
+            numel,
+            true,
+            &mut keeps,
+        )?;
+        let master = resolve("master", master, "float32", numel, true, &mut keeps)?;
+        let flags = (buf.is_some(), master.is_some());
+        b.extend(buf);
+        b.extend(master);
+        disjoint(&b)?;
+        Ok((b, flags.0, flags.1))
     })?;
     py.detach(|| {
         guard(op, || {
@@ -328,19 +487,19 @@ fn sgd_step(
 #[pyfunction]
 #[pyo3(signature = (
     param, param_dtype, grad, grad_dtype, exp_avg, state_dtype, *,
-    master = 0, numel, lr, beta1, beta2, weight_decay,
+    master = None, numel, lr, beta1, beta2, weight_decay,
     maximize = false, grad_scale = 1.0, seed = 0, step = 0,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn lion_step(
     py: Python<'_>,
-    param: usize,
+    param: &Bound<'_, PyAny>,
     param_dtype: &str,
-    grad: usize,
+    grad: &Bound<'_, PyAny>,
     grad_dtype: &str,
-    exp_avg: usize,
+    exp_avg: &Bound<'_, PyAny>,
     state_dtype: &str,
-    master: usize,
+    master: Option<&Bound<'_, PyAny>>,
     numel: usize,
     lr: f64,
     beta1: f64,
@@ -363,11 +522,12 @@ fn lion_step(
         seed,
     };
     let named = [
-        ("param", param, param_dtype),
-        ("grad", grad, grad_dtype),
-        ("exp_avg", exp_avg, state_dtype),
+        ("param", Some(param), param_dtype),
+        ("grad", Some(grad), grad_dtype),
+        ("exp_avg", Some(exp_avg), state_dtype),
     ];
-    let bufs = guard(op, || step_buffers(&named, master, numel))?;
+    let mut keeps = Vec::with_capacity(4);
+    let bufs = guard(op, || step_buffers(&named, master, numel, &mut keeps))?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
@@ -389,11 +549,18 @@ fn lion_step(
     })
 }
 
-/// `(sum of squares as a float64, whether any element is inf/NaN)` of `numel` elements at `ptr`.
+/// `(sum of squares as a float64, whether any element is inf/NaN)` of the `numel` elements of `ptr`
+/// (a CPU tensor, or the address of memory ramtorch allocated).
 #[pyfunction]
-fn grad_stats(py: Python<'_>, ptr: usize, dtype: &str, numel: usize) -> PyResult<(f64, bool)> {
+fn grad_stats(
+    py: Python<'_>,
+    ptr: &Bound<'_, PyAny>,
+    dtype: &str,
+    numel: usize,
+) -> PyResult<(f64, bool)> {
     let op = "grad_stats";
-    let b = guard(op, || Buf::new("tensor", ptr, dtype, numel))?;
+    let mut keeps = Vec::with_capacity(1);
+    let b = guard(op, || one_buffer(ptr, dtype, numel, &mut keeps))?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: checked in `Buf::new`; valid and not written during the call by contract.
@@ -403,17 +570,24 @@ fn grad_stats(py: Python<'_>, ptr: usize, dtype: &str, numel: usize) -> PyResult
     })
 }
 
-/// Multiplies `numel` elements at `ptr` by `factor` in place (bfloat16/float16 results rounded to
-/// nearest even).
+/// Multiplies the `numel` elements of `ptr` (as for `grad_stats`) by `factor` in place
+/// (bfloat16/float16 results rounded to nearest even).
 #[pyfunction]
 #[pyo3(name = "scale_")]
-fn scale(py: Python<'_>, ptr: usize, dtype: &str, numel: usize, factor: f64) -> PyResult<()> {
+fn scale(
+    py: Python<'_>,
+    ptr: &Bound<'_, PyAny>,
+    dtype: &str,
+    numel: usize,
+    factor: f64,
+) -> PyResult<()> {
     let op = "scale_";
+    let mut keeps = Vec::with_capacity(1);
     let b = guard(op, || {
         if !factor.is_finite() {
             return Err(invalid(format!("factor must be finite, got {factor}")));
         }
-        Buf::new("tensor", ptr, dtype, numel)
+        one_buffer(ptr, dtype, numel, &mut keeps)
     })?;
     py.detach(|| {
         guard(op, || {
@@ -422,6 +596,17 @@ fn scale(py: Python<'_>, ptr: usize, dtype: &str, numel: usize, factor: f64) -> 
             Ok(())
         })
     })
+}
+
+/// The one buffer of `grad_stats` and `scale_`.
+fn one_buffer(
+    obj: &Bound<'_, PyAny>,
+    dtype: &str,
+    numel: usize,
+    keeps: &mut Vec<Keep>,
+) -> Result<Buf, Error> {
+    resolve("tensor", Some(obj), dtype, numel, false, keeps)?
+        .ok_or_else(|| invalid("tensor is required".into()))
 }
 
 /// Number of threads the optimizer kernels run on (the rayon pool; set RAYON_NUM_THREADS before

@@ -246,7 +246,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                 if g is None or not self._owns(p):
                     continue
                 if g.device.type == "cpu" and g.dtype in _DTYPES and g.is_contiguous():
-                    sq, _ = _core.grad_stats(g.data_ptr(), _DTYPES[g.dtype], g.numel())
+                    sq, _ = _core.grad_stats(g, _DTYPES[g.dtype], g.numel())
                     total += sq
                 else:
                     total += float(g.detach().float().square().sum())

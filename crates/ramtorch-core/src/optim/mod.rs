@@ -1,0 +1,234 @@
+//! CPU optimizer kernels over host memory: AdamW, SGD (momentum, Nesterov) and Lion, plus the
+//! gradient statistics and scaling that global-norm clipping and loss scaling need.
+//!
+//! # Storage modes
+//!
+//! Every optimizer computes in `f32` and supports three ways of storing a parameter:
+//!
+//! - **float32**: `param` is `f32` and is updated in place;
+//! - **fp32 master**: `master` (`f32`) is updated, and `param` (`bf16` or `f16`, the compute copy)
+//!   is overwritten with `master` rounded to nearest even;
+//! - **bfloat16 everywhere**: `param` is `bf16`, loaded to `f32`, updated and written back with
+//!   stochastic rounding.
+//!
+//! Gradients may be `f32`, `bf16` or `f16` in every mode. Optimizer states are `f32` (stored
+//! exactly) or `bf16` (written back with stochastic rounding); `f16` states are refused because
+//! `exp_avg_sq` underflows in `f16`.
+//!
+//! # Stochastic rounding
+//!
+//! Rounding `x` to `bf16` adds 16 uniformly random bits below the `bf16` mantissa and truncates,
+//! so `x` rounds away from zero with probability exactly equal to its distance from the lower
+//! neighbour in ulps: `E[round(x)] = x`. The random bits come from a counter-based generator: a
+//! keyed integer hash of the element index, with keys drawn by SplitMix64 from `(seed, step)`.
+//! Element `i` of a call always gets the same bits whatever the chunking or the number of
+//! threads, so results are bitwise reproducible. Callers should vary `seed` (or `step`) from one
+//! call to the next, and between tensors.
+//!
+//! # Performance
+//!
+//! Each combination of storage types compiles to one fused loop (load, update, store every operand
+//! of an element) that LLVM vectorises; on x86-64 the loops are also compiled for AVX2 and for
+//! AVX-512, and the best the CPU has is chosen at run time (all paths give the same bits). Tensors
+//! above [`SERIAL_MAX`] elements are split into pieces of [`SERIAL_MAX`] / 2 to [`SERIAL_MAX`]
+//! elements that run on the rayon pool; smaller ones run on the calling thread.
+//!
+//! # Modules
+//!
+//! - [`adamw`](adamw_step), [`sgd`](sgd_step), [`lion`](lion_step): one update rule each (its
+//!   hyperparameters, their checks, the per-element update);
+//! - `kernel`: what the rules share (pieces on the rayon pool, instruction-set dispatch, storage
+//!   modes, the fused loop);
+//! - [`precision`]: `f32`↔`bf16`/`f16` conversions and stochastic rounding, used crate-wide;
+//! - `stats`: gradient statistics, in-place scaling, stochastic rounding of a whole tensor.
+//!
+//! ```
+//! use ramtorch_core::optim::{adamw_step, AdamW, Tensor, TensorMut};
+//!
+//! let mut p = vec![1.0f32; 4];
+//! let g = vec![0.5f32; 4];
+//! let (mut m, mut v) = (vec![0.0f32; 4], vec![0.0f32; 4]);
+//! let h = AdamW { lr: 0.1, step: 1, ..AdamW::default() };
+//! adamw_step(&h, TensorMut::F32(&mut p), None, Tensor::F32(&g),
+//!            TensorMut::F32(&mut m), TensorMut::F32(&mut v)).unwrap();
+//! assert!(p[0] < 1.0);
+//! ```
+
+use std::fmt;
+
+/// The 16-bit float types of the views, re-exported from the `half` crate.
+pub use half::{bf16, f16};
+
+use crate::{Error, Result};
+
+mod adamw;
+mod kernel;
+mod lion;
+pub mod precision;
+mod sgd;
+mod stats;
+#[cfg(test)]
+mod tests;
+
+pub use adamw::{adamw_step, AdamW};
+pub use lion::{lion_step, Lion};
+pub use sgd::{sgd_step, Sgd};
+pub use stats::{grad_stats, scale_in_place, stochastic_round_bf16, GradStats};
+
+/// Tensors with at most this many elements are processed on the calling thread; larger ones are
+/// split in halves (at multiples of 1024 elements) until every piece is at most this long, and the
+/// pieces run on the rayon pool.
+pub const SERIAL_MAX: usize = 1 << 15;
+
+/// Pieces start at multiples of this many elements (whole cache lines, whole vectors).
+pub(crate) const ALIGN: usize = 1024;
+
+/// Size of the rayon pool the kernels run on.
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}
+
+pub(crate) fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element types and tensor views.
+
+/// Element type of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// IEEE binary32.
+    F32,
+    /// bfloat16: the top half of a binary32.
+    BF16,
+    /// IEEE binary16.
+    F16,
+}
+
+impl Dtype {
+    /// Parses `"float32"`, `"bfloat16"` or `"float16"` (a `"torch."` prefix is accepted, so
+    /// `str(tensor.dtype)` works).
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.strip_prefix("torch.").unwrap_or(name) {
+            "float32" => Ok(Dtype::F32),
+            "bfloat16" => Ok(Dtype::BF16),
+            "float16" => Ok(Dtype::F16),
+            _ => Err(invalid(format!(
+                "unknown dtype {name:?}; expected \"float32\", \"bfloat16\" or \"float16\""
+            ))),
+        }
+    }
+
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::BF16 | Dtype::F16 => 2,
+        }
+    }
+
+    /// The torch name of the type.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "float32",
+            Dtype::BF16 => "bfloat16",
+            Dtype::F16 => "float16",
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A read-only, typed view of a contiguous tensor.
+#[derive(Clone, Copy, Debug)]
+pub enum Tensor<'a> {
+    /// `float32` elements.
+    F32(&'a [f32]),
+    /// `bfloat16` elements.
+    BF16(&'a [bf16]),
+    /// `float16` elements.
+    F16(&'a [f16]),
+}
+
+impl Tensor<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Tensor::F32(s) => s.len(),
+            Tensor::BF16(s) => s.len(),
+            Tensor::F16(s) => s.len(),
+        }
+    }
+
+    /// Whether the view has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            Tensor::F32(_) => Dtype::F32,
+            Tensor::BF16(_) => Dtype::BF16,
+            Tensor::F16(_) => Dtype::F16,
+        }
+    }
+
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        match self {
+            Tensor::F32(s) => {
+                let (a, b) = s.split_at(mid);
+                (Tensor::F32(a), Tensor::F32(b))
+            }
+            Tensor::BF16(s) => {
+                let (a, b) = s.split_at(mid);
+                (Tensor::BF16(a), Tensor::BF16(b))
+            }
+            Tensor::F16(s) => {
+                let (a, b) = s.split_at(mid);
+                (Tensor::F16(a), Tensor::F16(b))
+            }
+        }
+    }
+}
+
+/// A writable, typed view of a contiguous tensor.
+#[derive(Debug)]
+pub enum TensorMut<'a> {
+    /// `float32` elements.
+    F32(&'a mut [f32]),
+    /// `bfloat16` elements.
+    BF16(&'a mut [bf16]),
+    /// `float16` elements.
+    F16(&'a mut [f16]),
+}
+
+impl TensorMut<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            TensorMut::F32(s) => s.len(),
+            TensorMut::BF16(s) => s.len(),
+            TensorMut::F16(s) => s.len(),
+        }
+    }
+
+    /// Whether the view has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            TensorMut::F32(_) => Dtype::F32,
+            TensorMut::BF16(_) => Dtype::BF16,
+            TensorMut::F16(_) => Dtype::F16,
+        }
+    }
+}

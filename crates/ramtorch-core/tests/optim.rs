@@ -1,0 +1,973 @@
+//! The optimizer kernels against references in `f64`, the conversions against `half`, and the
+//! properties of stochastic rounding, through the public API.
+
+use ramtorch_core::optim::precision::*;
+use ramtorch_core::optim::*;
+use ramtorch_core::{Error, Result};
+
+/// SplitMix64's increment and finaliser, for the tests' own random data.
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+// -----------------------------------------------------------------------------------------
+// Helpers: data, references, comparisons.
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(GOLDEN);
+        mix64(self.0)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (1.0 - self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    }
+    fn vec(&mut self, n: usize, scale: f64) -> Vec<f32> {
+        (0..n).map(|_| (self.normal() * scale) as f32).collect()
+    }
+}
+
+fn bf(x: &[f32]) -> Vec<bf16> {
+    x.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+fn hf(x: &[f32]) -> Vec<f16> {
+    x.iter().map(|&v| f16::from_f32(v)).collect()
+}
+fn from_bf(x: &[bf16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+fn wide(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+/// `|got - want| <= rtol * max(|want|, 0.1 * max|want|)` everywhere: relative error, measured
+/// against a tenth of the tensor's scale for elements that cancelled to near zero (whose
+/// float32 rounding error is that of the larger terms they came from). NaN in `want` marks an
+/// element the reference could not decide (at most 0.1% of them).
+fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64) {
+    assert_eq!(got.len(), want.len());
+    let undecided = want.iter().filter(|w| w.is_nan()).count();
+    assert!(
+        undecided * 1000 <= want.len(),
+        "{what}: {undecided} undecided"
+    );
+    let scale = want.iter().fold(0.0f64, |a, w| a.max(w.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() {
+            continue;
+        }
+        let err = (*g as f64 - w).abs();
+        let tol = rtol * w.abs().max(0.1 * scale);
+        assert!(
+            err <= tol,
+            "{what}[{i}]: got {g}, want {w} (error {err:e} > {tol:e})"
+        );
+    }
+}
+
+/// `got` is `x` or one of its two `bf16` neighbours, as stochastic rounding allows.
+fn assert_neighbour(what: &str, got: &[bf16], want: &[f32]) -> (usize, usize) {
+    let (mut up, mut inexact) = (0, 0);
+    for (i, (g, x)) in got.iter().zip(want).enumerate() {
+        let (gb, xb) = (g.to_bits() as u32, x.to_bits());
+        if xb & 0xFFFF == 0 {
+            assert_eq!(
+                gb,
+                xb >> 16,
+                "{what}[{i}]: {x} is exact in bf16 but became {g}"
+            );
+        } else {
+            inexact += 1;
+            assert!(
+                gb == xb >> 16 || gb == (xb >> 16) + 1,
+                "{what}[{i}]: {g} is not a bf16 neighbour of {x}"
+            );
+            up += (gb != xb >> 16) as usize;
+        }
+    }
+    (up, inexact)
+}
+
+/// An optimizer configuration; `at(t)` gives its hyperparameters for step `t` (from 1).
+#[derive(Clone, Copy, Debug)]
+enum Opt {
+    Adam(AdamW),
+    Sgd(Sgd),
+    Lion(Lion),
+}
+
+impl Opt {
+    fn states(self) -> usize {
+        match self {
+            Opt::Adam(_) => 2,
+            Opt::Sgd(h) => (h.momentum != 0.0) as usize,
+            Opt::Lion(_) => 1,
+        }
+    }
+
+    fn at(self, t: u64) -> Opt {
+        match self {
+            Opt::Adam(h) => Opt::Adam(AdamW {
+                step: t,
+                seed: h.seed ^ t,
+                ..h
+            }),
+            Opt::Sgd(h) => Opt::Sgd(Sgd {
+                first_step: t == 1,
+                step: t,
+                ..h
+            }),
+            Opt::Lion(h) => Opt::Lion(Lion { step: t, ..h }),
+        }
+    }
+
+    fn run(
+        self,
+        p: TensorMut<'_>,
+        master: Option<&mut [f32]>,
+        g: Tensor<'_>,
+        a: Option<TensorMut<'_>>,
+        b: Option<TensorMut<'_>>,
+    ) -> Result<()> {
+        match self {
+            Opt::Adam(h) => adamw_step(&h, p, master, g, a.unwrap(), b.unwrap()),
+            Opt::Sgd(h) => sgd_step(&h, p, master, g, a),
+            Opt::Lion(h) => lion_step(&h, p, master, g, a.unwrap()),
+        }
+    }
+
+    /// Straight from the formulas of the torch docs (and the Lion paper), in f64.
+    fn reference(self, p: &mut [f64], g: &[f64], a: &mut [f64], b: &mut [f64]) {
+        match self {
+            Opt::Adam(h) => {
+                let t = h.step as f64;
+                for i in 0..p.len() {
+                    let g = if h.maximize { -1.0 } else { 1.0 } * g[i] * h.grad_scale;
+                    p[i] -= h.lr * h.weight_decay * p[i];
+                    a[i] = h.beta1 * a[i] + (1.0 - h.beta1) * g;
+                    b[i] = h.beta2 * b[i] + (1.0 - h.beta2) * g * g;
+                    let m_hat = a[i] / (1.0 - h.beta1.powf(t));
+                    let v_hat = b[i] / (1.0 - h.beta2.powf(t));
+                    p[i] -= h.lr * m_hat / (v_hat.sqrt() + h.eps);
+                }
+            }
+            Opt::Sgd(h) => {
+                for i in 0..p.len() {
+                    let mut g = g[i] * h.grad_scale;
+                    if h.maximize {
+                        g = -g;
+                    }
+                    if h.weight_decay != 0.0 {
+                        g += h.weight_decay * p[i];
+                    }
+                    if h.momentum != 0.0 {
+                        a[i] = if h.first_step {
+                            g
+                        } else {
+                            h.momentum * a[i] + (1.0 - h.dampening) * g
+                        };
+                        g = if h.nesterov {
+                            g + h.momentum * a[i]
+                        } else {
+                            a[i]
+                        };
+                    }
+                    p[i] -= h.lr * g;
+                }
+            }
+            Opt::Lion(h) => {
+                for i in 0..p.len() {
+                    let g = if h.maximize { -1.0 } else { 1.0 } * g[i] * h.grad_scale;
+                    p[i] *= 1.0 - h.lr * h.weight_decay;
+                    let (x, y) = (h.beta1 * a[i], (1.0 - h.beta1) * g);
+                    let c = x + y;
+                    // Where float32 rounding can flip the sign, the reference cannot say
+                    // which way the kernel goes: that element is left undecided (NaN).
+                    if c.abs() <= 1e-6 * (x.abs() + y.abs()) {
+                        p[i] = f64::NAN;
+                    }
+                    let sign = if c > 0.0 {
+                        1.0
+                    } else if c < 0.0 {
+                        -1.0
+                    } else {
+                        0.0
+                    };
+                    p[i] -= h.lr * sign;
+                    a[i] = h.beta2 * a[i] + (1.0 - h.beta2) * g;
+                }
+            }
+        }
+    }
+}
+
+fn configs() -> Vec<Opt> {
+    let adam = AdamW::default();
+    let sgd = Sgd {
+        lr: 1e-2,
+        ..Sgd::default()
+    };
+    let lion = Lion::default();
+    vec![
+        Opt::Adam(adam),
+        Opt::Adam(AdamW {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            maximize: true,
+            grad_scale: 0.25,
+            ..adam
+        }),
+        // beta1 <= 0.5: torch's lerp takes its other form.
+        Opt::Adam(AdamW {
+            beta1: 0.3,
+            beta2: 0.9,
+            eps: 1e-6,
+            weight_decay: 0.0,
+            ..adam
+        }),
+        Opt::Sgd(sgd),
+        Opt::Sgd(Sgd {
+            weight_decay: 1e-2,
+            maximize: true,
+            grad_scale: 2.0,
+            ..sgd
+        }),
+        Opt::Sgd(Sgd {
+            momentum: 0.9,
+            ..sgd
+        }),
+        Opt::Sgd(Sgd {
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 1e-3,
+            ..sgd
+        }),
+        Opt::Sgd(Sgd {
+            momentum: 0.8,
+            nesterov: true,
+            weight_decay: 1e-2,
+            maximize: true,
+            grad_scale: 0.5,
+            ..sgd
+        }),
+        Opt::Lion(lion),
+        Opt::Lion(Lion {
+            lr: 1e-3,
+            beta1: 0.95,
+            beta2: 0.98,
+            weight_decay: 0.1,
+            maximize: true,
+            grad_scale: 3.0,
+            ..lion
+        }),
+    ]
+}
+
+/// Sizes on the calling thread, with vector tails, and over several pieces on the pool.
+const SIZES: [usize; 5] = [1, 7, 1000, 33_000, 100_003];
+const STEPS: u64 = 5;
+
+// -----------------------------------------------------------------------------------------
+// Conversions and rounding.
+
+#[test]
+fn bf16_and_f16_loads_match_half_exhaustively() {
+    for bits in 0..=u16::MAX {
+        let (b, h) = (bf16::from_bits(bits), f16::from_bits(bits));
+        // NaNs stay NaNs (half quiets signalling ones; we keep the bits, as torch does).
+        for (ours, theirs) in [(bf16_to_f32(b), b.to_f32()), (f16_to_f32(h), h.to_f32())] {
+            if theirs.is_nan() {
+                assert!(ours.is_nan(), "{bits:#x}");
+            } else {
+                assert_eq!(ours.to_bits(), theirs.to_bits(), "{bits:#x}");
+            }
+        }
+    }
+}
+
+#[test]
+fn round_to_nearest_even_matches_half() {
+    let specials = [
+        0.0f32,
+        -0.0,
+        1.0,
+        65504.0,
+        65519.99,
+        65520.0,
+        65536.0,
+        6.1035156e-5,
+        5.9604645e-8,
+        2.9802322e-8,
+        2.9802326e-8,
+        8.940697e-8,
+        1e-45,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1.0 + f32::EPSILON * 32768.0,
+        1.0 + f32::EPSILON * 65536.0,
+    ];
+    let sweep = (0..=u32::MAX).step_by(997).map(f32::from_bits);
+    for x in specials.into_iter().chain(sweep) {
+        for x in [x, -x] {
+            let (ob, tb) = (bf16_rne(x), bf16::from_f32(x));
+            let (oh, th) = (f16_rne(x), f16::from_f32(x));
+            if x.is_nan() {
+                assert!(ob.is_nan() && oh.is_nan(), "{x}");
+            } else {
+                assert_eq!(ob.to_bits(), tb.to_bits(), "bf16 of {x:e}");
+                assert_eq!(oh.to_bits(), th.to_bits(), "f16 of {x:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn stochastic_rounding_picks_a_neighbour() {
+    let mut rng = Rng(1);
+    for _ in 0..100_000 {
+        let x = f32::from_bits(rng.next() as u32);
+        let r = rng.next() as u32;
+        let y = bf16_sr(x, r);
+        if x.is_nan() {
+            assert!(y.is_nan());
+            continue;
+        }
+        let (yb, xb) = (y.to_bits() as u32, x.to_bits());
+        assert!(yb == xb >> 16 || yb == (xb >> 16) + 1, "{x:e} -> {y}");
+        // Exact values never move; r = 0 truncates; all-ones rounds an inexact value away.
+        assert_eq!(bf16_sr(bf16_to_f32(y), r).to_bits(), y.to_bits());
+        assert_eq!(bf16_sr(x, 0).to_bits() as u32, xb >> 16);
+        if xb & 0xFFFF != 0 {
+            assert_eq!(bf16_sr(x, 0xFFFF).to_bits() as u32, (xb >> 16) + 1);
+        }
+    }
+    for r in [0, 1, 0x8000, 0xFFFF] {
+        assert_eq!(bf16_sr(f32::INFINITY, r), bf16::INFINITY);
+        assert_eq!(bf16_sr(f32::NEG_INFINITY, r), bf16::NEG_INFINITY);
+        assert!(bf16_sr(f32::from_bits(0x7FFF_FFFF), r).is_nan());
+        assert!(bf16_sr(f32::from_bits(0xFFFF_FFFF), r).is_nan());
+        assert!(bf16_sr(f32::from_bits(0x7F80_0001), r).is_nan());
+    }
+}
+
+/// Rounds `n` copies of `x` and checks the mean against `x` (within 5 standard errors).
+fn check_unbiased(x: f32, seed: u64) {
+    let n = 1 << 20;
+    let lo = f32::from_bits(x.to_bits() & 0xFFFF_0000) as f64;
+    let hi = f32::from_bits((x.to_bits() & 0xFFFF_0000) + 0x1_0000) as f64;
+    let q = (x as f64 - lo) / (hi - lo);
+    let src = vec![x; n];
+    let mut dst = vec![bf16::ZERO; n];
+    stochastic_round_bf16(&src, &mut dst, seed, 0).unwrap();
+    let mean = dst.iter().map(|v| v.to_f64()).sum::<f64>() / n as f64;
+    let se = (hi - lo).abs() * (q * (1.0 - q) / n as f64).sqrt();
+    assert!(
+        (mean - x as f64).abs() < 5.0 * se,
+        "x={x:e}: mean {mean:e}, off by {:.1} standard errors",
+        (mean - x as f64).abs() / se
+    );
+}
+
+#[test]
+fn stochastic_rounding_is_unbiased() {
+    for (k, base) in [1.0f32, 3.7e-3, 1.2e30, 2.5e-39].into_iter().enumerate() {
+        let b = base.to_bits() & 0xFFFF_0000;
+        for q in [0.01f64, 0.25, 0.5, 0.73, 0.99] {
+            let x = f32::from_bits(b + (q * 65536.0) as u32);
+            check_unbiased(x, k as u64);
+            check_unbiased(-x, 100 + k as u64);
+        }
+    }
+}
+
+fn round_half_way(seed: u64, step: u64, n: usize) -> Vec<bf16> {
+    let x = f32::from_bits(0x3F80_8000); // half way between two bf16 neighbours of 1.0
+    let mut dst = vec![bf16::ZERO; n];
+    stochastic_round_bf16(&vec![x; n], &mut dst, seed, step).unwrap();
+    dst
+}
+
+fn differing(a: &[bf16], b: &[bf16]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x != y).count()
+}
+
+#[test]
+fn random_streams_differ_by_seed_step_and_position() {
+    let n = 1 << 17;
+    let base = round_half_way(7, 3, n);
+    assert_eq!(
+        base,
+        round_half_way(7, 3, n),
+        "same seed and step, same bits"
+    );
+    // Independent fair coins differ half the time.
+    for other in [round_half_way(8, 3, n), round_half_way(7, 4, n)] {
+        let d = differing(&base, &other);
+        assert!((n * 2 / 5..n * 3 / 5).contains(&d), "{d} of {n} differ");
+    }
+    let d = differing(&base[..n / 2], &base[n / 2..]);
+    assert!(
+        (n / 5..n * 3 / 10).contains(&d),
+        "halves: {d} of {} differ",
+        n / 2
+    );
+    let d = differing(&base[..SERIAL_MAX], &base[SERIAL_MAX..2 * SERIAL_MAX]);
+    assert!(d > SERIAL_MAX * 2 / 5, "pieces: {d} differ");
+}
+
+// -----------------------------------------------------------------------------------------
+// The optimizers against the f64 references.
+
+#[test]
+fn float32_mode_matches_the_reference() {
+    for (c, opt) in configs().into_iter().enumerate() {
+        for &n in &SIZES {
+            let mut rng = Rng(1000 * c as u64 + n as u64);
+            let mut p = rng.vec(n, 1.0);
+            let mut a = vec![0.0f32; n];
+            let mut b = vec![0.0f32; n];
+            let (mut rp, mut ra, mut rb) = (wide(&p), vec![0.0; n], vec![0.0; n]);
+            for t in 1..=STEPS {
+                let g = rng.vec(n, 0.1);
+                let o = opt.at(t);
+                let states = o.states();
+                o.run(
+                    TensorMut::F32(&mut p),
+                    None,
+                    Tensor::F32(&g),
+                    (states >= 1).then_some(TensorMut::F32(&mut a)),
+                    (states >= 2).then_some(TensorMut::F32(&mut b)),
+                )
+                .unwrap();
+                o.reference(&mut rp, &wide(&g), &mut ra, &mut rb);
+            }
+            let what = format!("{opt:?} n={n}");
+            assert_close(&format!("{what} param"), &p, &rp, 1e-6);
+            if opt.states() >= 1 {
+                assert_close(&format!("{what} state 1"), &a, &ra, 1e-6);
+            }
+            if opt.states() >= 2 {
+                assert_close(&format!("{what} state 2"), &b, &rb, 1e-6);
+            }
+        }
+    }
+}
+
+#[test]
+fn master_mode_matches_the_reference_and_rounds_the_param() {
+    for (c, opt) in configs().into_iter().enumerate() {
+        for (k, &n) in SIZES.iter().enumerate() {
+            for param_dtype in [Dtype::BF16, Dtype::F16] {
+                let grad_dtype = [Dtype::F32, Dtype::BF16, Dtype::F16][(c + k) % 3];
+                let mut rng = Rng(7 + 1000 * c as u64 + n as u64);
+                let mut master = rng.vec(n, 1.0);
+                let mut pb = bf(&master);
+                let mut ph = hf(&master);
+                let mut a = vec![0.0f32; n];
+                let mut b = vec![0.0f32; n];
+                let (mut rp, mut ra, mut rb) = (wide(&master), vec![0.0; n], vec![0.0; n]);
+                for t in 1..=STEPS {
+                    let g = rng.vec(n, 0.1);
+                    let (gb, gh) = (bf(&g), hf(&g));
+                    let (grad, g64) = match grad_dtype {
+                        Dtype::F32 => (Tensor::F32(&g), wide(&g)),
+                        Dtype::BF16 => (Tensor::BF16(&gb), wide(&from_bf(&gb))),
+                        Dtype::F16 => {
+                            let w = gh.iter().map(|v| v.to_f64()).collect();
+                            (Tensor::F16(&gh), w)
+                        }
+                    };
+                    let param = match param_dtype {
+                        Dtype::BF16 => TensorMut::BF16(&mut pb),
+                        _ => TensorMut::F16(&mut ph),
+                    };
+                    let o = opt.at(t);
+                    let states = o.states();
+                    o.run(
+                        param,
+                        Some(&mut master),
+                        grad,
+                        (states >= 1).then_some(TensorMut::F32(&mut a)),
+                        (states >= 2).then_some(TensorMut::F32(&mut b)),
+                    )
+                    .unwrap();
+                    o.reference(&mut rp, &g64, &mut ra, &mut rb);
+                }
+                let what = format!("{opt:?} n={n} {param_dtype} grad {grad_dtype}");
+                assert_close(&format!("{what} master"), &master, &rp, 1e-6);
+                for (i, &m) in master.iter().enumerate() {
+                    match param_dtype {
+                        Dtype::BF16 => assert_eq!(pb[i], bf16::from_f32(m), "{what} [{i}]"),
+                        _ => assert_eq!(ph[i].to_bits(), f16::from_f32(m).to_bits()),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// bf16 param and/or states with stochastic rounding: every stored value is a neighbour of
+/// what the float32 kernel computes from the same (widened) inputs, rounding goes both ways in
+/// proportion, and after several steps the result stays within bf16 noise of the reference.
+#[test]
+fn bf16_mode_rounds_the_float32_result_stochastically() {
+    for (c, opt) in configs().into_iter().enumerate() {
+        for bf16_param in [true, false] {
+            let n = 50_001;
+            let mut rng = Rng(99 + c as u64);
+            let p0 = rng.vec(n, 1.0);
+            let mut pb = bf(&p0);
+            let mut pf = p0.clone();
+            let (mut a, mut b) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+            let (mut rp, mut ra, mut rb) = (wide(&from_bf(&pb)), vec![0.0; n], vec![0.0; n]);
+            if !bf16_param {
+                rp = wide(&pf);
+            }
+            let (mut ups, mut inexact) = (0, 0);
+            for t in 1..=STEPS {
+                let g = bf(&rng.vec(n, 0.1));
+                let o = opt.at(t);
+                let states = o.states();
+                // What the float32 kernel makes of the same inputs.
+                let mut ep = if bf16_param { from_bf(&pb) } else { pf.clone() };
+                let (mut ea, mut eb) = (from_bf(&a), from_bf(&b));
+                o.run(
+                    TensorMut::F32(&mut ep),
+                    None,
+                    Tensor::BF16(&g),
+                    (states >= 1).then_some(TensorMut::F32(&mut ea)),
+                    (states >= 2).then_some(TensorMut::F32(&mut eb)),
+                )
+                .unwrap();
+                let param = if bf16_param {
+                    TensorMut::BF16(&mut pb)
+                } else {
+                    TensorMut::F32(&mut pf)
+                };
+                o.run(
+                    param,
+                    None,
+                    Tensor::BF16(&g),
+                    (states >= 1).then_some(TensorMut::BF16(&mut a)),
+                    (states >= 2).then_some(TensorMut::BF16(&mut b)),
+                )
+                .unwrap();
+                let what = format!("{opt:?} step {t}");
+                if bf16_param {
+                    let (u, i) = assert_neighbour(&format!("{what} param"), &pb, &ep);
+                    (ups, inexact) = (ups + u, inexact + i);
+                } else {
+                    assert_eq!(pf, ep, "{what}: the f32 param is updated exactly");
+                }
+                if states >= 1 {
+                    let (u, i) = assert_neighbour(&format!("{what} state 1"), &a, &ea);
+                    (ups, inexact) = (ups + u, inexact + i);
+                }
+                if states >= 2 {
+                    let (u, i) = assert_neighbour(&format!("{what} state 2"), &b, &eb);
+                    (ups, inexact) = (ups + u, inexact + i);
+                }
+                o.reference(&mut rp, &wide(&from_bf(&g)), &mut ra, &mut rb);
+            }
+            // Rounding goes both ways (the fractions are spread over [0, 1)).
+            if inexact > 0 {
+                let f = ups as f64 / inexact as f64;
+                assert!((0.3..0.7).contains(&f), "{opt:?}: {f} of roundings go up");
+            }
+            // bf16 keeps 8 bits: a few ulps of 2^-8 of the magnitude.
+            let p = if bf16_param { from_bf(&pb) } else { pf.clone() };
+            assert_close(&format!("{opt:?} bf16 param"), &p, &rp, 0.03);
+        }
+    }
+}
+
+#[test]
+fn stochastic_rounding_through_an_optimizer_is_unbiased() {
+    // SGD with lr 1: the new param is p - g, rounded; its mean must be p - g.
+    let n = 1 << 20;
+    let h = Sgd {
+        lr: 1.0,
+        seed: 5,
+        ..Sgd::default()
+    };
+    let mut p = vec![bf16::from_f32(1.0); n];
+    let g = vec![-0.0037f32; n];
+    sgd_step(&h, TensorMut::BF16(&mut p), None, Tensor::F32(&g), None).unwrap();
+    let x = 1.0f32 + 0.0037;
+    let (lo, hi) = (1.0f64 + 2f64.powi(-7) * 0.0, 1.0 + 2f64.powi(-7));
+    let q = (x as f64 - lo) / (hi - lo);
+    let mean = p.iter().map(|v| v.to_f64()).sum::<f64>() / n as f64;
+    let se = (hi - lo) * (q * (1.0 - q) / n as f64).sqrt();
+    assert!((mean - x as f64).abs() < 5.0 * se, "mean {mean} vs {x}");
+}
+
+// -----------------------------------------------------------------------------------------
+// Determinism.
+
+#[allow(clippy::type_complexity)]
+fn bf16_run(n: usize) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>, Vec<u16>, Vec<f32>, f64) {
+    let mut rng = Rng(3);
+    let mut p = bf(&rng.vec(n, 1.0));
+    let (mut m, mut v) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+    let mut master = rng.vec(n, 1.0);
+    let mut ph = hf(&master);
+    let (mut m2, mut v2) = (vec![0.0f32; n], vec![0.0f32; n]);
+    for t in 1..=3 {
+        let g = bf(&rng.vec(n, 0.1));
+        let h = AdamW {
+            step: t,
+            seed: 11,
+            ..AdamW::default()
+        };
+        let (pm, gm) = (TensorMut::BF16(&mut p), Tensor::BF16(&g));
+        adamw_step(
+            &h,
+            pm,
+            None,
+            gm,
+            TensorMut::BF16(&mut m),
+            TensorMut::BF16(&mut v),
+        )
+        .unwrap();
+        let (pm, gm) = (TensorMut::F16(&mut ph), Tensor::BF16(&g));
+        let (am, bm) = (TensorMut::F32(&mut m2), TensorMut::F32(&mut v2));
+        adamw_step(&h, pm, Some(&mut master), gm, am, bm).unwrap();
+    }
+    let sum = grad_stats(Tensor::BF16(&p)).sum_sq + grad_stats(Tensor::F32(&master)).sum_sq;
+    let ph = ph.iter().map(|v| v.to_bits()).collect();
+    (p, m, v, ph, master, sum)
+}
+
+#[test]
+fn results_do_not_depend_on_the_number_of_threads() {
+    let n = 300_001;
+    let run = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| bf16_run(n))
+    };
+    let one = run(1);
+    for threads in [2, 3, 8] {
+        let other = run(threads);
+        assert!(one == other, "{threads} threads differ from 1");
+        assert_eq!(one.5.to_bits(), other.5.to_bits());
+    }
+}
+
+// -----------------------------------------------------------------------------------------
+// Gradient statistics and scaling.
+
+#[test]
+fn grad_stats_sums_squares_and_spots_non_finite_values() {
+    assert_eq!(
+        grad_stats(Tensor::F32(&[])),
+        GradStats {
+            sum_sq: 0.0,
+            non_finite: false
+        }
+    );
+    let mut rng = Rng(17);
+    for n in [5, 1000, 100_003] {
+        let g = rng.vec(n, 3.0);
+        let want: f64 = g.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let s = grad_stats(Tensor::F32(&g));
+        assert!(!s.non_finite);
+        assert!(
+            (s.sum_sq - want).abs() <= 1e-12 * want,
+            "{} vs {want}",
+            s.sum_sq
+        );
+        let gb = bf(&g);
+        let want: f64 = gb.iter().map(|v| v.to_f64() * v.to_f64()).sum();
+        let s = grad_stats(Tensor::BF16(&gb));
+        assert!((s.sum_sq - want).abs() <= 1e-12 * want);
+        let gh = hf(&g);
+        let want: f64 = gh.iter().map(|v| v.to_f64() * v.to_f64()).sum();
+        let s = grad_stats(Tensor::F16(&gh));
+        assert!((s.sum_sq - want).abs() <= 1e-12 * want);
+        for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            let mut g = g.clone();
+            g[n * 2 / 3] = bad;
+            assert!(grad_stats(Tensor::F32(&g)).non_finite);
+            assert!(grad_stats(Tensor::BF16(&bf(&g))).non_finite);
+            assert!(grad_stats(Tensor::F16(&hf(&g))).non_finite);
+        }
+        // Large but finite values do not overflow the f64 sum.
+        let big = vec![f32::MAX; n];
+        assert!(!grad_stats(Tensor::F32(&big)).non_finite);
+        // ...but they overflow f16, which is then infinite.
+        assert!(grad_stats(Tensor::F16(&hf(&big))).non_finite);
+    }
+}
+
+#[test]
+fn scale_multiplies_and_rounds_like_torch() {
+    let mut rng = Rng(23);
+    let n = 70_000;
+    let x = rng.vec(n, 10.0);
+    let k = 0.37f32;
+    let mut f = x.clone();
+    scale_in_place(TensorMut::F32(&mut f), k);
+    assert!(f
+        .iter()
+        .zip(&x)
+        .all(|(a, b)| a.to_bits() == (b * k).to_bits()));
+    let mut b = bf(&x);
+    scale_in_place(TensorMut::BF16(&mut b), k);
+    for (o, i) in b.iter().zip(bf(&x)) {
+        assert_eq!(*o, bf16::from_f32(i.to_f32() * k));
+    }
+    let mut h = hf(&x);
+    scale_in_place(TensorMut::F16(&mut h), k);
+    for (o, i) in h.iter().zip(hf(&x)) {
+        assert_eq!(o.to_bits(), f16::from_f32(i.to_f32() * k).to_bits());
+    }
+}
+
+// -----------------------------------------------------------------------------------------
+// Errors.
+
+fn err_of(r: Result<()>) -> String {
+    match r {
+        Err(Error::InvalidArgument(m)) => m,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_arguments_are_invalid_argument_errors() {
+    assert!(Dtype::parse("torch.bfloat16").is_ok());
+    assert!(err_of(Dtype::parse("float64").map(|_| ())).contains("unknown dtype"));
+    let h = AdamW::default();
+    let (mut p, g, mut m, mut v) = (vec![0f32; 4], vec![0f32; 4], vec![0f32; 4], vec![0f32; 4]);
+    let mut short = vec![0f32; 3];
+    let mut pb = vec![bf16::ZERO; 4];
+    let mut ph = vec![f16::ZERO; 4];
+    let mut mh = vec![f16::ZERO; 4];
+    fn f(x: &mut [f32]) -> TensorMut<'_> {
+        TensorMut::F32(x)
+    }
+    let cases: Vec<(Result<()>, &str)> = vec![
+        (
+            adamw_step(
+                &h,
+                f(&mut p),
+                None,
+                Tensor::F32(&g[..3]),
+                f(&mut m),
+                f(&mut v),
+            ),
+            "grad has 3 elements but param has 4",
+        ),
+        (
+            adamw_step(
+                &h,
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                f(&mut short),
+                f(&mut v),
+            ),
+            "exp_avg has 3",
+        ),
+        (
+            adamw_step(
+                &h,
+                TensorMut::BF16(&mut pb),
+                Some(&mut short),
+                Tensor::F32(&g),
+                f(&mut m),
+                f(&mut v),
+            ),
+            "master has 3",
+        ),
+        (
+            adamw_step(
+                &h,
+                f(&mut p),
+                Some(&mut short),
+                Tensor::F32(&g),
+                f(&mut m),
+                f(&mut v),
+            ),
+            "master has 3",
+        ),
+        (
+            adamw_step(
+                &h,
+                f(&mut p),
+                Some(&mut v),
+                Tensor::F32(&g),
+                f(&mut m),
+                f(&mut short),
+            ),
+            "its own master",
+        ),
+        (
+            adamw_step(
+                &h,
+                TensorMut::F16(&mut ph),
+                None,
+                Tensor::F32(&g),
+                f(&mut m),
+                f(&mut v),
+            ),
+            "needs float32 master",
+        ),
+        (
+            adamw_step(
+                &h,
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                TensorMut::F16(&mut mh),
+                f(&mut v),
+            ),
+            "float16 optimizer states",
+        ),
+        (
+            adamw_step(
+                &AdamW { step: 0, ..h },
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                f(&mut m),
+                f(&mut v),
+            ),
+            "step counts from 1",
+        ),
+        (
+            adamw_step(
+                &AdamW { beta1: 1.0, ..h },
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                f(&mut m),
+                f(&mut v),
+            ),
+            "beta1 must be in [0, 1)",
+        ),
+        (
+            adamw_step(
+                &AdamW { lr: f64::NAN, ..h },
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                f(&mut m),
+                f(&mut v),
+            ),
+            "lr must be finite",
+        ),
+        (
+            adamw_step(
+                &AdamW {
+                    grad_scale: f64::INFINITY,
+                    ..h
+                },
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                f(&mut m),
+                f(&mut v),
+            ),
+            "grad_scale must be finite",
+        ),
+        (
+            sgd_step(
+                &Sgd {
+                    nesterov: true,
+                    ..Sgd::default()
+                },
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                Some(f(&mut m)),
+            ),
+            "Nesterov momentum requires a momentum and zero dampening",
+        ),
+        (
+            sgd_step(
+                &Sgd {
+                    momentum: 0.9,
+                    ..Sgd::default()
+                },
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                None,
+            ),
+            "needs a momentum_buffer",
+        ),
+        (
+            sgd_step(
+                &Sgd {
+                    momentum: -0.5,
+                    ..Sgd::default()
+                },
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                Some(f(&mut m)),
+            ),
+            "momentum must be finite and >= 0",
+        ),
+        (
+            lion_step(
+                &Lion {
+                    beta2: 1.5,
+                    ..Lion::default()
+                },
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                f(&mut m),
+            ),
+            "beta2 must be in [0, 1]",
+        ),
+        (
+            lion_step(
+                &Lion::default(),
+                f(&mut p),
+                None,
+                Tensor::F32(&g),
+                f(&mut short),
+            ),
+            "exp_avg has 3",
+        ),
+        (
+            stochastic_round_bf16(&g, &mut pb[..2], 0, 0),
+            "src has 4 elements but dst has 2",
+        ),
+    ];
+    for (r, want) in cases {
+        let m = err_of(r);
+        assert!(m.contains(want), "{m:?} should mention {want:?}");
+    }
+    // Nothing was written by the refused calls.
+    assert!(p.iter().chain(&m).chain(&v).all(|&x| x == 0.0));
+    // Empty tensors are fine.
+    let h = AdamW::default();
+    adamw_step(
+        &h,
+        TensorMut::F32(&mut []),
+        None,
+        Tensor::F32(&[]),
+        TensorMut::F32(&mut []),
+        TensorMut::F32(&mut []),
+    )
+    .unwrap();
+}

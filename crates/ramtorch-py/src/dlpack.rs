@@ -1,0 +1,138 @@
+//! Host memory handed to torch as DLPack capsules: a 1-D `uint8` CPU tensor over an arena region
+//! or a shared region, which the capsule (then torch's tensor) keeps alive.
+
+use std::ffi::{c_char, c_void, CStr};
+
+use pyo3::prelude::*;
+
+use ramtorch_core::arena::Region;
+use ramtorch_core::shared::SharedRegion;
+
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// Host memory a capsule keeps alive: an arena region or a region shared between processes.
+pub(crate) enum Memory {
+    Arena(Region),
+    Shared(SharedRegion),
+}
+
+impl Memory {
+    fn as_ptr(&self) -> *mut u8 {
+        match self {
+            Memory::Arena(r) => r.as_ptr(),
+            Memory::Shared(r) => r.as_ptr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Memory::Arena(r) => r.len(),
+            Memory::Shared(r) => r.len(),
+        }
+    }
+}
+
+/// What a capsule owns: the memory and the shape array the DLTensor points into.
+struct Export {
+    _memory: Memory,
+    shape: [i64; 1],
+}
+
+const DLTENSOR: &CStr = c"dltensor";
+const K_DL_CPU: i32 = 1;
+const K_DL_UINT: u8 = 1;
+
+unsafe extern "C" fn dl_deleter(m: *mut DLManagedTensor) {
+    if m.is_null() {
+        return;
+    }
+    // SAFETY: `m` and its context were made by `Box::into_raw` in `export` and are released once,
+    // by whoever owns the tensor last (torch, or the capsule destructor if never consumed). Dropping
+    // the Region is plain Rust and needs no GIL.
+    unsafe {
+        let m = Box::from_raw(m);
+        drop(Box::from_raw(m.manager_ctx as *mut Export));
+    }
+}
+
+unsafe extern "C" fn capsule_destructor(cap: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by Python with a live capsule. A consumed capsule was renamed by its consumer
+    // ("used_dltensor") and must not be freed here.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) == 1 {
+            let m = pyo3::ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) as *mut DLManagedTensor;
+            dl_deleter(m);
+        }
+    }
+}
+
+/// A DLPack capsule of a 1-D uint8 CPU tensor over `memory`, which it keeps alive.
+pub(crate) fn export(py: Python<'_>, memory: Memory) -> PyResult<Py<PyAny>> {
+    let ptr = memory.as_ptr();
+    let mut ctx = Box::new(Export {
+        shape: [memory.len() as i64],
+        _memory: memory,
+    });
+    let shape = ctx.shape.as_mut_ptr();
+    let managed = Box::new(DLManagedTensor {
+        dl_tensor: DLTensor {
+            data: ptr as *mut c_void,
+            device: DLDevice {
+                device_type: K_DL_CPU,
+                device_id: 0,
+            },
+            ndim: 1,
+            dtype: DLDataType {
+                code: K_DL_UINT,
+                bits: 8,
+                lanes: 1,
+            },
+            shape,
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+        manager_ctx: Box::into_raw(ctx) as *mut c_void,
+        deleter: Some(dl_deleter),
+    });
+    let raw = Box::into_raw(managed);
+    // SAFETY: `raw` is a valid DLManagedTensor; the capsule owns it until a consumer renames it.
+    let cap = unsafe {
+        pyo3::ffi::PyCapsule_New(
+            raw as *mut c_void,
+            DLTENSOR.as_ptr() as *const c_char,
+            Some(capsule_destructor),
+        )
+    };
+    if cap.is_null() {
+        // SAFETY: the capsule was not created, so we still own `raw`.
+        unsafe { dl_deleter(raw) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: `cap` is a new, owned reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+}

@@ -1,0 +1,248 @@
+"""The compiled layer (``ramtorch._core``) is not a hole: addresses, counts and sizes passed from
+Python that do not name memory the call is entitled to are a clear ``ValueError``, never a crash
+or a write outside a buffer; memory a queued copy uses stays mapped until the copy has run."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import ramtorch
+import ramtorch.nn as rnn
+import torch
+from ramtorch import _arena, _core
+from torch import nn
+
+OUTSIDE = "not inside memory ramtorch allocated"
+HYPER = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _adamw(p, g, m, v, numel, **kw):
+    _core.adamw_step(p, "float32", g, "float32", m, v, "float32", numel=numel, **{**HYPER, **kw})
+
+
+def _arena_buffers(n: int) -> list[torch.Tensor]:
+    return [_arena.host_empty((n,), torch.float32, zeroed=True) for _ in range(4)]
+
+
+def test_optimizer_kernels_refuse_addresses_outside_ramtorch_memory():
+    p, g, m, v = _arena_buffers(16)
+    plain = torch.zeros(16)
+    bogus = [0x1000, 0xDEADBEE0, plain.data_ptr(), 2**62]
+    for addr in bogus:
+        with pytest.raises(ValueError, match=rf"p.*{OUTSIDE}|param: .*{OUTSIDE}"):
+            _adamw(addr, g, m, v, 16)
+        with pytest.raises(ValueError, match=rf"exp_avg_sq: .*{OUTSIDE}"):
+            _adamw(p, g, m, addr, 16)
+        with pytest.raises(ValueError, match=rf"master: .*{OUTSIDE}"):
+            _adamw(p, g, m, v, 16, master=addr)
+        with pytest.raises(ValueError, match=rf"tensor: .*{OUTSIDE}"):
+            _core.grad_stats(addr, "float32", 16)
+        with pytest.raises(ValueError, match=rf"tensor: .*{OUTSIDE}"):
+            _core.scale_(addr, "float32", 16, 2.0)
+        with pytest.raises(ValueError, match=rf"momentum_buffer: .*{OUTSIDE}"):
+            _core.sgd_step(
+                p, "float32", g, "float32", addr, "float32", numel=16, lr=0.1, momentum=0.9,
+                dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, first_step=True,
+            )  # fmt: skip
+        with pytest.raises(ValueError, match=rf"exp_avg: .*{OUTSIDE}"):
+            _core.lion_step(
+                p, "float32", g, "float32", addr, "float32", numel=16, lr=1e-4, beta1=0.9, beta2=0.99,
+                weight_decay=0.0,
+            )  # fmt: skip
+    assert not any(bool(t.any()) for t in (p, g, m, v, plain)), "refused calls write nothing"
+
+
+def test_counts_beyond_a_buffer_are_refused():
+    p, g, m, v = _arena_buffers(16)
+    # By address: the range must fit the region.
+    with pytest.raises(ValueError, match=OUTSIDE):
+        _adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 17)
+    with pytest.raises(ValueError, match=OUTSIDE):
+        _core.scale_(g.data_ptr(), "float32", 1 << 40, 2.0)
+    with pytest.raises(ValueError, match="too many"):
+        _core.scale_(g.data_ptr(), "float32", 2**62, 2.0)
+    # By tensor: the element count must be the tensor's.
+    with pytest.raises(ValueError, match="exp_avg has 8 elements, expected 16"):
+        _adamw(p, g, m[:8], v, 16)
+    with pytest.raises(ValueError, match="param has 16 elements, expected 17"):
+        _adamw(p, g, m, v, 17)
+    with pytest.raises(ValueError, match="tensor has 16 elements, expected 100000"):
+        _core.grad_stats(torch.zeros(16), "float32", 100_000)
+    # Plain (non-arena) tensors work, with the same checks.
+    q, h, a, b = (torch.zeros(16) for _ in range(4))
+    h.fill_(1.0)
+    _adamw(q, h, a, b, 16)
+    assert bool((q < 0).all())
+    with pytest.raises(ValueError, match="exp_avg_sq has 4 elements"):
+        _adamw(q, h, a, b[:4], 16)
+    assert not bool(p.any()), "refused calls write nothing"
+
+
+def test_tensor_buffers_are_checked_for_dtype_layout_and_device():
+    p, g, m, v = (torch.zeros(16) for _ in range(4))
+    with pytest.raises(ValueError, match=r"grad is torch.float16, expected float32"):
+        _adamw(p, g.half(), m, v, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        _adamw(p, torch.zeros(32)[::2], m, v, 16)
+    with pytest.raises(ValueError, match="must be a torch tensor or an int address"):
+        _adamw(p, "grad", m, v, 16)
+
+    class LooksLikeATensor:
+        """Duck-types a tensor over memory it does not own."""
+
+        dtype, is_cpu = torch.float32, True
+
+        def data_ptr(self) -> int:
+            return 0xDEADBEE0
+
+        def numel(self) -> int:
+            return 16
+
+        def is_contiguous(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match="grad must be a torch tensor or an int address"):
+        _adamw(p, LooksLikeATensor(), m, v, 16)
+    with pytest.raises(ValueError, match="must be a CPU tensor"):
+        _adamw(p, torch.zeros(16, device="meta"), m, v, 16)
+    # A view's bytes must lie in its storage; a view of an arena region keeps the region's checks.
+    flat = _arena.host_empty((64,), torch.float32, zeroed=True)
+    _adamw(flat[0:16], flat[16:32], flat[32:48], flat[48:64], 16)
+    with pytest.raises(ValueError, match="overlap"):
+        _adamw(flat[0:16], flat[8:24], flat[32:48], flat[48:64], 16)
+
+
+def test_a_freed_region_is_no_longer_writable_by_address():
+    p, g, m, v = _arena_buffers(1024)
+    addr = v.data_ptr()
+    del v
+    gc.collect()
+    with pytest.raises(ValueError, match=OUTSIDE):
+        _adamw(p, g, m, addr, 1024)
+
+
+def test_optimizer_state_loaded_for_other_shapes_is_refused_not_a_heap_write():
+    """A checkpoint loaded into an optimizer listing the same parameters in another order: the
+    states no longer match their parameters. A clear error, at load or at the next step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    opt = ramtorch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    before = [p.detach().clone() for p in model.parameters()]
+    other = ramtorch.optim.AdamW(list(model.parameters())[::-1], lr=1e-3)
+    with pytest.raises((ValueError, RuntimeError)):
+        other.load_state_dict(state)
+        model(torch.randn(4, 64)).sum().backward()
+        other.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b), "no parameter was written by the refused step"
+
+
+def test_engine_refuses_host_ranges_outside_ramtorch_memory():
+    eng = _core.Engine("cpu")
+    slots = [torch.zeros(256, dtype=torch.uint8) for _ in range(3)]
+    eng.set_slots(slots, 256)
+    plain = torch.zeros(256, dtype=torch.uint8)
+    unit = _arena.host_bytes(256)
+    for src in (0x1000, plain.data_ptr(), plain, unit.data_ptr() + 1):
+        with pytest.raises(ValueError, match=rf"acquire: src: .*{OUTSIDE}"):
+            eng.acquire(src, 256, 2, 0)
+        with pytest.raises(ValueError, match=rf"prefetch: src: .*{OUTSIDE}"):
+            eng.prefetch(None, src, 256, 2, [])
+        with pytest.raises(ValueError, match=rf"copy_to_host: dst: .*{OUTSIDE}"):
+            eng.copy_to_host(src, plain, 256, 2, 0)
+    with pytest.raises(ValueError, match="holds 128 bytes, 256 asked for"):
+        eng.acquire(unit[:128], 256, 2, 0)
+    with pytest.raises(ValueError, match=r"src: the tensor holds 16 bytes, 256 asked for"):
+        eng.copy_to_host(unit, torch.zeros(16, dtype=torch.uint8), 256, 2, 0)
+    with pytest.raises(ValueError, match=r"src: null address"):
+        eng.copy_to_host(unit, 0, 256, 2, 0)
+    assert eng.in_flight() == (0, 0), "refused calls queue nothing"
+    # An empty unit names no memory: nothing to check, nothing copied.
+    index, _ = eng.acquire(torch.empty(0, dtype=torch.uint8), 0, 2, 0)
+    eng.release(index, 0)
+    eng.synchronize()
+    # The same calls on valid memory work, by tensor and by address.
+    unit.copy_(torch.arange(256, dtype=torch.uint8))
+    for src in (unit, unit.data_ptr()):
+        index, _ = eng.acquire(src, 256, 2, 0)
+        assert torch.equal(slots[index], unit)
+        eng.release(index, 0)
+    dst = _arena.host_bytes(256, zeroed=True)
+    eng.copy_to_host(dst, slots[index], 256, 2, 0)
+    eng.synchronize()
+    assert torch.equal(dst, unit)
+
+
+def test_slots_are_checked():
+    eng = _core.Engine("cpu")
+    with pytest.raises(ValueError, match="slot 1: the tensor holds 64 bytes, 128 asked for"):
+        eng.set_slots([torch.zeros(128, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)], 128)
+    with pytest.raises(ValueError, match="slot 0: null address"):
+        eng.set_slots([0], 128)
+    t = torch.zeros(512, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        eng.set_slots([t.data_ptr(), t.data_ptr() + 64], 128)
+    with pytest.raises(ValueError, match="overflows"):
+        eng.set_slots([2**64 - 8], 128)
+    assert eng.slots() == (0, 0), "refused slots are not taken"
+    # Slot tensors are kept alive by the engine while they are its slots.
+    eng.set_slots([torch.zeros(128, dtype=torch.uint8) for _ in range(2)], 128)
+    gc.collect()
+    unit = _arena.host_bytes(128)
+    unit.fill_(7)
+    index, ptr = eng.acquire(unit, 128, 2, 0)
+    eng.release(index, 0)
+    eng.synchronize()
+
+
+def test_a_queued_copy_keeps_its_memory_until_it_has_run():
+    """The engine holds the memory of every copy it queued: freeing the tensors and emptying the
+    cache right after leaves the regions mapped until the engine has seen the copies complete."""
+    eng = _core.Engine("cpu")
+    eng.set_slots([torch.zeros(4096, dtype=torch.uint8) for _ in range(3)], 4096)
+    ramtorch.empty_cache()
+    base = _core.arena_stats()["regions"]
+    unit = _arena.host_bytes(4096)
+    unit.fill_(3)
+    slot, _, copied = eng.prefetch(1, unit, 4096, 2, [])
+    grad_dst = _arena.host_bytes(4096)
+    eng.copy_to_host(grad_dst, torch.ones(4096, dtype=torch.uint8), 4096, 2, 0)
+    del unit, grad_dst
+    gc.collect()
+    ramtorch.empty_cache()
+    assert copied
+    assert _core.arena_stats()["regions"] == base + 2, "memory of queued copies was freed"
+    eng.claim(slot, 0)
+    eng.release(slot, 0)
+    eng.synchronize()
+    assert _core.arena_stats()["regions"] == base, "retired copies let their memory go"
+
+
+@pytest.mark.parametrize("kind", ["linear", "offload"])
+def test_freeing_a_model_while_its_next_pass_is_prefetched_does_not_crash(kind):
+    """An inference pass ends by prefetching the next pass's first units; deleting the model and
+    emptying the cache right after must not unmap memory a queued copy still reads."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 1024)
+    for _ in range(4):
+        layers = [nn.Linear(1024, 1024) for _ in range(6)]
+        ref = nn.Sequential(*layers)
+        want = ref(x)
+        if kind == "linear":
+            model = nn.Sequential(*[rnn.Linear(1024, 1024) for _ in range(6)])
+            model.load_state_dict(ref.state_dict())
+        else:
+            model = ramtorch.offload(ref, device="cpu", unit=nn.Linear)
+        with torch.no_grad():
+            for _ in range(2):
+                got = model(x)
+                torch.testing.assert_close(got, want.detach())
+        del model, ref, layers
+        gc.collect()
+        ramtorch.empty_cache()
+    ramtorch.synchronize()
+    ramtorch.empty_cache()
