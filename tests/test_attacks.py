@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import ramtorch
 import torch
-from test_io_nonregular import not_hanging
+from conftest import changes, not_hanging, snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "attacks"))
 import make_attacks  # noqa: E402
@@ -23,37 +23,6 @@ CLEAR = (ValueError, OSError, RuntimeError)
 @pytest.fixture(scope="module")
 def attacks(tmp_path_factory: pytest.TempPathFactory) -> list[make_attacks.Attack]:
     return make_attacks.build(tmp_path_factory.mktemp("attacks"))
-
-
-def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict, torch.Tensor]:
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
-    osd = opt.state_dict()
-    state = {
-        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-        for i, s in osd["state"].items()
-    }
-    return sd, {"state": state, "param_groups": osd["param_groups"]}, torch.get_rng_state()
-
-
-def changes(
-    before: tuple[dict, dict, torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer
-) -> str:
-    """What differs from ``before`` ("" if nothing)."""
-    sd, osd, rng = before
-    now = model.state_dict()
-    if sd.keys() != now.keys() or not all(torch.equal(sd[k], now[k]) for k in sd):
-        return "the model changed"
-    cur = opt.state_dict()
-    if osd["param_groups"] != cur["param_groups"] or osd["state"].keys() != cur["state"].keys():
-        return "the optimizer changed"
-    for i, s in osd["state"].items():
-        for k, v in s.items():
-            w = cur["state"][i][k]
-            if not (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w):
-                return f"optimizer state {i}.{k} changed"
-    if not torch.equal(rng, torch.get_rng_state()):
-        return "the RNG changed"
-    return ""
 
 
 @pytest.mark.parametrize("target", ["load", "checkpoint"])

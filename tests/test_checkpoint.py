@@ -20,6 +20,7 @@ import ramtorch.io.format as fmt
 import ramtorch.nn as rnn
 import torch
 import torch.nn.functional as F
+from conftest import Doubling
 from ramtorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -597,15 +598,6 @@ def test_load_state_dict_copies_the_given_tensors():
     for i, s in sd["state"].items():
         for k, v in s.items():
             assert torch.equal(v, snapshot[i][k]), (i, k)
-
-
-class Doubling(nn.Linear):
-    """Loads its weight doubled: a module with its own loading, which must still be called."""
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002
-        state_dict = dict(state_dict)
-        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def test_modules_with_their_own_loading_or_hooks_still_get_it(tmp_path):

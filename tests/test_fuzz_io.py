@@ -18,7 +18,7 @@ import pytest
 import ramtorch
 import ramtorch.optim
 import torch
-from test_attacks import changes, snapshot
+from conftest import changes, snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "attacks"))
 import make_attacks  # noqa: E402

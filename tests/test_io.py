@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import ramtorch
 import torch
+from conftest import Doubling
 from ramtorch import _core
 from safetensors.torch import load_file, save_file
-from test_checkpoint import Doubling
 from torch import nn
 
 

@@ -5,44 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import ramtorch
 import torch
+from conftest import not_hanging
 from ramtorch.checkpoint import CheckpointError
 from torch import nn
-
-#: How long a load may take before the test calls it hung (generous: CI machines are slow).
-HUNG_AFTER_S = 300.0
-
-
-def not_hanging(call: Callable[[], object], fifo: Path) -> BaseException | None:
-    """Runs ``call`` in a thread and returns what it raised (None: nothing). If it is still blocked
-    after HUNG_AFTER_S (opening ``fifo`` for reading), a writer opens and closes ``fifo`` to free it
-    and the test fails."""
-    raised: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            call()
-            raised.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            raised.append(e)
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    th.join(HUNG_AFTER_S)
-    if th.is_alive():
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-        th.join(HUNG_AFTER_S)
-        pytest.fail(f"loading blocked on the FIFO {fifo} for {HUNG_AFTER_S} s")
-    return raised[0]
 
 
 @pytest.fixture

@@ -13,35 +13,10 @@ import ramtorch
 import ramtorch.optim as ropt
 import torch
 import torch.nn.functional as F
+from conftest import Net, slow_updates
 from torch import nn
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, p_drop: float = 0.0) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 2 * d)
-        self.down = nn.Linear(2 * d, d)
-        self.drop = nn.Dropout(p_drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 16, layers: int = 4, p_drop: float = 0.0) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, d)
-        self.blocks = nn.ModuleList(Block(d, p_drop) for _ in range(layers))
-        self.out = nn.Linear(d, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
 
 
 def pair(device: str, dtype: torch.dtype = torch.float32, seed: int = 0, **kw):
@@ -417,33 +392,6 @@ def test_per_layer_linear_model_with_ramtorch_adamw():
 
 
 # -- pipelined steps -----------------------------------------------------------------------------
-
-
-def slow_updates(
-    opt: ropt.AdamW,
-    seconds: float,
-    log: list | None = None,
-    fail: object = None,
-    gate: object = None,
-):
-    """Makes every host update of ``opt`` take ``seconds`` longer (and optionally record the
-    parameter, raise for one, or hold the first update until ``gate`` is set), so that the
-    updates of a step outlast its backward."""
-    import time
-
-    inner = opt._update_host
-
-    def update(p, grad, group, scale):
-        if gate is not None:
-            gate.wait()
-        time.sleep(seconds)
-        if log is not None:
-            log.append(id(p))
-        if p is fail:
-            raise ValueError("injected failure")
-        inner(p, grad, group, scale)
-
-    opt._update_host = update  # type: ignore[method-assign]
 
 
 def test_pipelined_step_returns_early_and_the_next_forward_waits():

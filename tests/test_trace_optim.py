@@ -14,8 +14,8 @@ import ramtorch
 import ramtorch.nn as rnn
 import ramtorch.optim as ropt
 import torch
+from conftest import Net, slow_updates
 from ramtorch import _engine, _trace
-from test_optim import Net, slow_updates
 from torch import nn
 
 UNITS = ["inp", "blocks.0", "blocks.1", "blocks.2", "out"]
