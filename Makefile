@@ -30,8 +30,8 @@ test-python: build
 lint: setup
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --release -q -- -D warnings
-	$(ACT) ruff check python tests bench examples
-	$(ACT) ruff format --check python tests bench examples
+	$(ACT) ruff check python tests bench examples attacks
+	$(ACT) ruff format --check python tests bench examples attacks
 
 demo: build
 	$(ACT) python examples/demo.py
