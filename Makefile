@@ -38,3 +38,14 @@ demo: build
 
 clean:
 	cargo clean
+
+# The engine's Rust tests under AddressSanitizer (not part of `test`). Stable rustc accepts the
+# -Z flag through RUSTC_BOOTSTRAP; the explicit --target keeps build scripts and proc macros
+# unsanitized, the separate target dir keeps the normal build's artefacts; doctests cannot link
+# under ASan, hence --lib --tests.
+ASAN_TARGET ?= x86_64-unknown-linux-gnu
+.PHONY: test-asan
+test-asan:
+	RUSTC_BOOTSTRAP=1 RUSTFLAGS=-Zsanitizer=address \
+	CARGO_TARGET_DIR=target/asan ASAN_OPTIONS=detect_leaks=1 \
+	cargo test -p ramtorch-core --release --lib --tests --target $(ASAN_TARGET)

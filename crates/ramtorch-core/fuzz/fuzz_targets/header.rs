@@ -1,7 +1,7 @@
 //! Fuzzes the safetensors header parser on arbitrary bytes: it must return `Ok` or
 //! `Err(InvalidArgument)`, never panic, and every accepted tensor must lie inside the input.
 //!
-//! Run with `cargo +nightly fuzz run header` from `crates/ramtorch-core`.
+//! Run with `RUSTC_BOOTSTRAP=1 cargo fuzz run header` from `crates/ramtorch-core` (see README.md).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
