@@ -311,3 +311,27 @@ def test_file_reads_fill_tensors_and_ramtorch_memory(tmp_path):
     assert torch.equal(bf[: w.numel() * 2].view(torch.bfloat16).view(64, 8), w.to(torch.bfloat16))
     with pytest.raises(ValueError, match=OUTSIDE):  # the range must fit the region
         f.copy_into("w", region.data_ptr() + n + 4, n, "F32")
+
+
+def test_front_end_hands_the_engine_its_slot_and_gradient_tensors():
+    """The front end passes its slot tensors and gradient sources to the engine as tensors (so the
+    size checks apply and the engine holds the slots); a streamed layer still matches torch."""
+    torch.manual_seed(0)
+    ref = nn.Linear(48, 24)
+    layer = rnn.Linear(48, 24, device="cpu")
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight)
+        layer.bias.copy_(ref.bias)
+    x = torch.randn(5, 48)
+    x_ref = x.clone().requires_grad_(True)
+    x.requires_grad_(True)
+    y = layer(x)
+    y.sum().backward()
+    ref(x_ref).sum().backward()
+    ramtorch._engine.engine_for(torch.device("cpu")).synchronize()
+    torch.testing.assert_close(y, ref(x_ref))
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    eng = ramtorch._engine.engine_for(torch.device("cpu"))
+    assert eng._core.slots() == (len(eng._slots), eng._slot_bytes)
+    assert len(eng._slots) > 0
