@@ -246,3 +246,92 @@ def test_freeing_a_model_while_its_next_pass_is_prefetched_does_not_crash(kind):
         ramtorch.empty_cache()
     ramtorch.synchronize()
     ramtorch.empty_cache()
+
+
+def _st_file(tmp_path) -> tuple[_core.SafetensorsFile, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    w = torch.randn(64, 8)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": w}, str(path))
+    return _core.SafetensorsFile(str(path)), w
+
+
+def test_file_reads_refuse_destinations_that_are_not_host_memory_they_may_write(tmp_path):
+    f, w = _st_file(tmp_path)
+    n = w.numel() * 4
+    plain = torch.zeros(w.numel())
+    for addr in (0x1000, 0xDEADBEE0, plain.data_ptr(), 2**62):
+        with pytest.raises(ValueError, match=OUTSIDE):
+            f.copy_into("w", addr, n, "F32")
+        with pytest.raises(ValueError, match=OUTSIDE):
+            f.copy_many([("w", addr, n, "F32")])
+    assert not bool(plain.any()), "refused calls write nothing"
+    with pytest.raises(ValueError, match="holds 1020 bytes, 2048 asked for"):
+        f.copy_into("w", torch.zeros(255), n, "F32")
+    with pytest.raises(ValueError, match="must be a CPU tensor"):
+        f.copy_into("w", torch.empty(w.numel(), device="meta"), n, "F32")
+    strided = torch.zeros(w.numel() * 2)[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        f.copy_into("w", strided, n, "F32")
+    assert not bool(strided.any())
+    with pytest.raises(ValueError, match="must be a torch tensor or an int address"):
+        f.copy_into("w", bytearray(n), n, "F32")
+    with pytest.raises((ValueError, OverflowError, TypeError)):
+        f.copy_into("w", -1, n, "F32")
+    # One bad destination refuses the whole batch before anything is written.
+    good = torch.zeros(w.numel())
+    with pytest.raises(ValueError, match=OUTSIDE):
+        f.copy_many([("w", good, n, "F32"), ("w", plain.data_ptr(), n, "F32")])
+    assert not bool(good.any())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_file_reads_refuse_a_cuda_destination(tmp_path):
+    f, w = _st_file(tmp_path)
+    with pytest.raises(ValueError, match="must be a CPU tensor"):
+        f.copy_into("w", torch.empty(w.numel(), device="cuda"), w.numel() * 4, "F32")
+
+
+def test_file_reads_fill_tensors_and_ramtorch_memory(tmp_path):
+    f, w = _st_file(tmp_path)
+    n = w.numel() * 4
+    fresh = torch.empty(w.numel())
+    f.copy_into("w", fresh, n, "F32")
+    assert torch.equal(fresh.view(64, 8), w)
+    region = _arena.host_empty((2 * w.numel(),), torch.float32, zeroed=True)
+    f.copy_many([("w", region.data_ptr() + n, n, "F32")])  # an address inside the region
+    assert torch.equal(region[w.numel() :].view(64, 8), w)
+    assert not bool(region[: w.numel()].any())
+    view = region[: w.numel()]  # a view into the region, passed as a tensor
+    f.copy_into("w", view, n, "F32")
+    assert torch.equal(view.view(64, 8), w)
+    bf = _arena.host_bytes(1 << 12)  # a staging buffer longer than the tensor, converted
+    f.copy_into("w", bf, w.numel() * 2, "BF16")
+    assert torch.equal(bf[: w.numel() * 2].view(torch.bfloat16).view(64, 8), w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=OUTSIDE):  # the range must fit the region
+        f.copy_into("w", region.data_ptr() + n + 4, n, "F32")
+
+
+def test_front_end_hands_the_engine_its_slot_and_gradient_tensors():
+    """The front end passes its slot tensors and gradient sources to the engine as tensors (so the
+    size checks apply and the engine holds the slots); a streamed layer still matches torch."""
+    torch.manual_seed(0)
+    ref = nn.Linear(48, 24)
+    layer = rnn.Linear(48, 24, device="cpu")
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight)
+        layer.bias.copy_(ref.bias)
+    x = torch.randn(5, 48)
+    x_ref = x.clone().requires_grad_(True)
+    x.requires_grad_(True)
+    y = layer(x)
+    y.sum().backward()
+    ref(x_ref).sum().backward()
+    ramtorch._engine.engine_for(torch.device("cpu")).synchronize()
+    torch.testing.assert_close(y, ref(x_ref))
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    eng = ramtorch._engine.engine_for(torch.device("cpu"))
+    assert eng._core.slots() == (len(eng._slots), eng._slot_bytes)
+    assert len(eng._slots) > 0

@@ -243,7 +243,7 @@ class DeviceEngine:
         self._core.set_slots([], 0)
         self._slots = []
         slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
-        self._core.set_slots([s.data_ptr() for s in slots], nbytes)
+        self._core.set_slots(slots, nbytes)  # the engine keeps the tensors alive
         self._slots, self._slot_bytes = slots, nbytes
 
     def _stream(self) -> int:
@@ -329,9 +329,7 @@ class DeviceEngine:
                 return  # ZeRO-2: reduced onto the rank that owns it, which keeps it
         dst = _arena.host_empty(param.shape, param.dtype)
         nbytes = grad.numel() * grad.element_size()
-        retired = self._core.copy_to_host(
-            dst.data_ptr(), grad.data_ptr(), nbytes, max_inflight, self._stream(), tag
-        )
+        retired = self._core.copy_to_host(dst.data_ptr(), grad, nbytes, max_inflight, self._stream(), tag)
         for _ in range(min(retired, len(self._grad_sources))):
             self._grad_sources.popleft()
         self._grad_sources.append(grad)

@@ -21,6 +21,8 @@ use std::path::{Path, PathBuf};
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+
+use crate::optim::precision::{bf16_rne, bf16_to_f32};
 use rayon::prelude::*;
 use serde_json::Value;
 
@@ -653,13 +655,18 @@ fn load16(b: &[u8]) -> u16 {
     u16::from_le_bytes([b[0], b[1]])
 }
 
-/// bf16 bits of the f32 with bits `x`, rounded to nearest even; NaNs stay NaN (quiet), as
-/// `half::bf16::from_f32`. Branch-free, so loops over it vectorize.
+/// bf16 bits of the f32 with bits `x`, rounded to nearest even; NaNs stay NaN (quiet): the
+/// crate's shared rounding, bit for bit `half::bf16::from_f32`. Branch-free, so loops over it
+/// vectorize.
 #[inline]
 fn f32_to_bf16_bits(x: u32) -> u16 {
-    let nan = x & 0x7fff_ffff > 0x7f80_0000;
-    let rounded = (x + 0x7fff + ((x >> 16) & 1)) >> 16;
-    (if nan { (x >> 16) | 0x40 } else { rounded }) as u16
+    bf16_rne(f32::from_bits(x)).to_bits()
+}
+
+/// f32 bits of the bf16 with bits `x` (exact; NaN payloads kept as they are).
+#[inline]
+fn bf16_bits_to_f32(x: u16) -> f32 {
+    bf16_to_f32(bf16::from_bits(x))
 }
 
 /// Plain-old-data element types a byte buffer may be viewed as.
@@ -717,12 +724,12 @@ fn convert_chunk(src: &[u8], from: Float, dst: &mut [u8], to: Float) {
         (BF16, F32) => {
             if let (Some(s), Some(d)) = (view::<u16>(src), view_mut::<u32>(dst)) {
                 for (d, &x) in d.iter_mut().zip(s) {
-                    *d = (x as u32) << 16;
+                    *d = bf16_bits_to_f32(x).to_bits();
                 }
                 return;
             }
             for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
-                d.copy_from_slice(&((load16(s) as u32) << 16).to_le_bytes());
+                d.copy_from_slice(&bf16_bits_to_f32(load16(s)).to_bits().to_le_bytes());
             }
         }
         (F16, F32) => {
@@ -746,14 +753,14 @@ fn convert_chunk(src: &[u8], from: Float, dst: &mut [u8], to: Float) {
         }
         (BF16, F16) => {
             for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(2)) {
-                let x = bf16::from_bits(load16(s)).to_f32();
+                let x = bf16_bits_to_f32(load16(s));
                 d.copy_from_slice(&f16::from_f32(x).to_bits().to_le_bytes());
             }
         }
         (F16, BF16) => {
             for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(2)) {
                 let x = f16::from_bits(load16(s)).to_f32();
-                d.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
+                d.copy_from_slice(&f32_to_bf16_bits(x.to_bits()).to_le_bytes());
             }
         }
         (F32, F32) | (BF16, BF16) | (F16, F16) => dst.copy_from_slice(src),
@@ -987,6 +994,57 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The bf16 conversions the reader uses (the crate's shared rounding) give the bits of
+    /// `half`'s, NaN payloads included, on every f32 edge case: zeros, infinities, quiet and
+    /// signalling NaNs, subnormals, the largest finite values and the overflow threshold, and the
+    /// values at, just below and just above every rounding tie of every bf16.
+    #[test]
+    fn bf16_rounding_is_bit_identical_to_half() {
+        let mut words: Vec<u32> = vec![
+            0x0000_0000,
+            0x8000_0000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0000,
+            0xffc0_0000,
+            0x7f80_0001,
+            0x7fbf_ffff,
+            0xff80_0001,
+            0x7fff_ffff,
+            0xffff_ffff,
+            0x0000_0001,
+            0x8000_0001,
+            0x007f_ffff,
+            0x807f_ffff,
+            0x0080_0000,
+            0x7f7f_ffff,
+            0xff7f_ffff,
+            0x7f7f_7fff,
+            0x7f7f_8000,
+        ];
+        for h in 0..=u16::MAX as u32 {
+            for low in [0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                words.push(h << 16 | low);
+            }
+        }
+        for &w in &words {
+            let got = f32_to_bf16_bits(w);
+            let want = bf16::from_f32(f32::from_bits(w)).to_bits();
+            assert_eq!(got, want, "f32 bits {w:#010x}: {got:#06x} != {want:#06x}");
+        }
+        for h in 0..=u16::MAX {
+            let got = bf16_bits_to_f32(h).to_bits();
+            // The reader's widening keeps NaN payloads as they are (a shift), as it always has;
+            // `half` quiets NaNs, so compare those by NaN-ness.
+            let want = bf16::from_bits(h).to_f32();
+            assert!(
+                got == want.to_bits() || (want.is_nan() && f32::from_bits(got).is_nan()),
+                "bf16 bits {h:#06x}"
+            );
+            assert_eq!(got, (h as u32) << 16, "bf16 bits {h:#06x}");
         }
     }
 

@@ -1,5 +1,6 @@
 //! Bindings of the safetensors reader (`ramtorch_core::io`): `SafetensorsFile(path)` opens a file
-//! once (never mapping it) and validates its header; `copy_into` copies one tensor to a caller's address and `copy_many` several
+//! once (never mapping it) and validates its header; `copy_into` copies one tensor into a torch
+//! CPU tensor or into ramtorch memory (an address checked against the arena), and `copy_many` several
 //! at once on all cores (converting among F32, BF16 and F16), without the GIL. A file that cannot
 //! be opened raises `OSError`; a file that is not valid safetensors raises `ValueError`, naming the
 //! path (and the tensor).
@@ -13,7 +14,7 @@ use pyo3::types::PyDict;
 use ramtorch_core::io::{self, OpenError};
 use ramtorch_core::Error;
 
-use crate::guard;
+use crate::{guard, memory};
 
 /// A validated `.safetensors` file, open for positioned reads (never mapped).
 #[pyclass(module = "ramtorch._core", frozen)]
@@ -83,55 +84,66 @@ impl SafetensorsFile {
         guard("nbytes", || Ok(self.inner.info(name)?.nbytes()))
     }
 
-    /// Copies tensor `name` to `dst_nbytes` bytes at host address `dst_ptr`, converted to
-    /// `dst_dtype` (the tensor's own dtype, or among F32/BF16/F16). The GIL is released.
+    /// Copies tensor `name` into the first `dst_nbytes` bytes of `dst`, converted to `dst_dtype`
+    /// (the tensor's own dtype, or among F32/BF16/F16). `dst` is a contiguous CPU torch tensor of
+    /// at least `dst_nbytes` bytes, or the int address of host memory ramtorch allocated (checked
+    /// to lie inside a live arena or shared region). The GIL is released.
     ///
-    /// The caller promises that `dst_ptr` is the start of a live, writable host buffer of
-    /// `dst_nbytes` bytes that nothing else uses during the call.
+    /// The caller promises only that nothing else uses the destination during the call.
     fn copy_into(
         &self,
         py: Python<'_>,
-        name: &str,
-        dst_ptr: usize,
+        name: String,
+        dst: Bound<'_, PyAny>,
         dst_nbytes: usize,
-        dst_dtype: &str,
+        dst_dtype: String,
     ) -> PyResult<()> {
-        self.copy_many(
-            py,
-            vec![(name.to_string(), dst_ptr, dst_nbytes, dst_dtype.to_string())],
-        )
+        self.copy_many(py, vec![(name, dst, dst_nbytes, dst_dtype)])
     }
 
-    /// Copies several tensors in one call, each as `copy_into`: a list of `(name, dst_ptr,
+    /// Copies several tensors in one call, each as `copy_into`: a list of `(name, dst,
     /// dst_nbytes, dst_dtype)`. All cores share the work of all of them. Every entry is checked
-    /// before anything is written. The GIL is released.
-    ///
-    /// The caller promises that each `dst_ptr` is the start of a live, writable host buffer of
-    /// `dst_nbytes` bytes that nothing else uses during the call, and that the buffers do not
-    /// overlap (checked).
+    /// before anything is written; destinations must not overlap (checked). The GIL is released.
     fn copy_many(
         &self,
         py: Python<'_>,
-        items: Vec<(String, usize, usize, String)>,
+        items: Vec<(String, Bound<'_, PyAny>, usize, String)>,
     ) -> PyResult<()> {
-        py.detach(|| {
+        // Resolved under the GIL: each destination's address, and the lease that keeps ramtorch
+        // memory alive; a tensor destination is kept alive by `items` (the caller's references)
+        // until this call returns.
+        let dsts = guard("copy_many", || {
+            items
+                .iter()
+                .map(|(name, dst, nbytes, _)| {
+                    let what = format!("destination of tensor {name:?}");
+                    memory::host_buffer(&what, dst, memory::Expect::Bytes(*nbytes))
+                })
+                .collect::<Result<Vec<_>, Error>>()
+        })?;
+        let jobs_in: Vec<(&str, usize, usize, &str)> = items
+            .iter()
+            .zip(&dsts)
+            .map(|((name, _, nbytes, dtype), d)| (name.as_str(), d.addr, *nbytes, dtype.as_str()))
+            .collect();
+        let r = py.detach(|| {
             guard("copy_many", || {
-                let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(items.len());
-                let mut dtypes = Vec::with_capacity(items.len());
-                for (name, ptr, nbytes, dtype) in &items {
+                let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(jobs_in.len());
+                let mut dtypes = Vec::with_capacity(jobs_in.len());
+                for &(name, ptr, nbytes, dtype) in &jobs_in {
                     dtypes.push(io::parse_dtype(dtype)?);
-                    if *nbytes > 0 && *ptr == 0 {
+                    if nbytes > 0 && ptr == 0 {
                         return Err(Error::InvalidArgument(format!(
                             "tensor {name:?}: null destination address for {nbytes} bytes"
                         )));
                     }
-                    if ptr.checked_add(*nbytes).is_none() || *nbytes > isize::MAX as usize {
+                    if ptr.checked_add(nbytes).is_none() || nbytes > isize::MAX as usize {
                         return Err(Error::InvalidArgument(format!(
                             "tensor {name:?}: destination range overflows"
                         )));
                     }
-                    if *nbytes > 0 {
-                        ranges.push((*ptr, *nbytes));
+                    if nbytes > 0 {
+                        ranges.push((ptr, nbytes));
                     }
                 }
                 ranges.sort_unstable();
@@ -141,28 +153,30 @@ impl SafetensorsFile {
                             .into(),
                     ));
                 }
-                let jobs = items
+                let jobs = jobs_in
                     .iter()
                     .zip(dtypes)
-                    .map(|((name, ptr, nbytes, _), dtype)| {
-                        let dst: &mut [u8] = if *nbytes == 0 {
+                    .map(|(&(name, ptr, nbytes, _), dtype)| {
+                        let dst: &mut [u8] = if nbytes == 0 {
                             &mut []
                         } else {
-                            // SAFETY: the caller promises a live, writable buffer that nothing
-                            // else uses (see above); the ranges were checked not to overlap, so
-                            // no two slices alias; u8 has no alignment requirement.
-                            unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *nbytes) }
+                            // SAFETY: `ptr` starts `nbytes` of live, writable host memory: a
+                            // contiguous CPU tensor at least that long (checked in `host_buffer`),
+                            // which the caller's reference in `items` keeps alive, or a range
+                            // inside a ramtorch region (checked), kept mapped by the lease in
+                            // `dsts`; the ranges were checked not to overlap, so no two slices
+                            // alias; nothing else uses them (the caller's promise); u8 has no
+                            // alignment requirement.
+                            unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, nbytes) }
                         };
-                        io::CopyJob {
-                            name: name.as_str(),
-                            dst,
-                            dtype,
-                        }
+                        io::CopyJob { name, dst, dtype }
                     })
                     .collect();
                 self.inner.copy_many(jobs)
             })
-        })
+        });
+        drop(dsts);
+        r
     }
 
     fn __len__(&self) -> usize {

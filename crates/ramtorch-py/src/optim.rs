@@ -7,40 +7,14 @@
 //! sizes or dtypes, overlapping buffers, unknown dtypes, mismatched modes, bad hyperparameters) is
 //! checked and raises `ValueError`. The GIL is released while the kernels run.
 
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 
 use ramtorch_core::arena::Lease;
 use ramtorch_core::optim::{self, bf16, f16, Dtype, Tensor, TensorMut};
 use ramtorch_core::Error;
 
-use crate::memory::{is_address, named};
-use crate::{arena, guard};
-
-/// Address of a tensor's data, as the tensor gave it.
-struct TensorMemory {
-    addr: usize,
-}
-
-/// `torch.Tensor` (imported once).
-fn torch_tensor_type(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
-    static TENSOR: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    TENSOR.import(py, "torch", "Tensor")
-}
-
-/// torch's dtype object for `d` (imported once).
-fn torch_dtype(py: Python<'_>, d: Dtype) -> PyResult<&Bound<'_, PyAny>> {
-    static F32: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    static BF16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    static F16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    let (cell, name) = match d {
-        Dtype::F32 => (&F32, "float32"),
-        Dtype::BF16 => (&BF16, "bfloat16"),
-        Dtype::F16 => (&F16, "float16"),
-    };
-    cell.import(py, "torch", name)
-}
+use crate::guard;
+use crate::memory::{host_buffer, is_address, named, Expect};
 
 /// What keeps a buffer's memory alive during a call: a lease on ramtorch memory (other memory is a
 /// torch tensor the caller holds for the call).
@@ -68,6 +42,7 @@ fn resolve<'py>(
         }
         return Err(invalid(format!("{name} is required")));
     };
+    let want = Dtype::parse(dtype).map_err(|e| named(name, e))?;
     if is_address(obj) {
         let addr = obj
             .extract::<usize>()
@@ -75,81 +50,13 @@ fn resolve<'py>(
         if addr == 0 && optional {
             return Ok(None);
         }
-        let b = Buf::new(name, addr, dtype, numel)?;
-        let bytes = b.bytes()?;
-        if bytes > 0 {
-            let s = arena()?.slice(addr, bytes).map_err(|e| {
-                named(
-                    name,
-                    match e {
-                        Error::InvalidArgument(m) => Error::InvalidArgument(format!(
-                            "{m}; pass the tensor itself for memory torch allocated"
-                        )),
-                        e => e,
-                    },
-                )
-            })?;
-            keeps.push(Keep::Lease(s.lease()));
-        }
-        return Ok(Some(b));
+        // Null, misaligned and overflowing addresses are named as such before the region check.
+        Buf::new(name, addr, dtype, numel)?;
     }
-    let py = obj.py();
-    let want = Dtype::parse(dtype).map_err(|e| named(name, e))?;
-    let not_tensor = || invalid(format!("{name} must be a torch tensor or an int address"));
-    let tensor_type = torch_tensor_type(py).map_err(|e| invalid(format!("{name}: {e}")))?;
-    if !obj.is_instance(tensor_type).map_err(|_| not_tensor())? {
-        return Err(not_tensor());
-    }
-    let got = obj
-        .getattr(intern!(py, "dtype"))
-        .map_err(|_| not_tensor())?;
-    if !got.is(torch_dtype(py, want).map_err(|e| invalid(format!("{name}: {e}")))?) {
-        return Err(invalid(format!("{name} is {got}, expected {want}")));
-    }
-    let is_cpu = obj
-        .getattr(intern!(py, "is_cpu"))
-        .and_then(|v| v.extract::<bool>())
-        .map_err(|_| not_tensor())?;
-    if !is_cpu {
-        let dev = obj
-            .getattr(intern!(py, "device"))
-            .map(|d| d.to_string())
-            .unwrap_or_default();
-        return Err(invalid(format!(
-            "{name} must be a CPU tensor, got one on {dev}"
-        )));
-    }
-    let call = |m: &Bound<'py, pyo3::types::PyString>| -> Result<Bound<'py, PyAny>, Error> {
-        obj.call_method0(m)
-            .map_err(|e| invalid(format!("{name}: {e}")))
-    };
-    let addr = call(intern!(py, "data_ptr"))?
-        .extract::<usize>()
-        .map_err(|e| invalid(format!("{name}: {e}")))?;
-    let count = call(intern!(py, "numel"))?
-        .extract::<usize>()
-        .map_err(|e| invalid(format!("{name}: {e}")))?;
-    if count != numel {
-        return Err(invalid(format!(
-            "{name} has {count} elements, expected {numel}"
-        )));
-    }
-    if !call(intern!(py, "is_contiguous"))?
-        .extract::<bool>()
-        .map_err(|e| invalid(format!("{name}: {e}")))?
-    {
-        return Err(invalid(format!("{name} must be a contiguous tensor")));
-    }
-    let m = TensorMemory { addr };
-    let b = Buf::new(name, m.addr, dtype, numel)?;
-    let bytes = b.bytes()?;
-    if bytes > 0 {
-        // Memory ramtorch allocated is held by a lease. Other memory belongs to a real torch
-        // tensor (checked above), whose elements torch keeps inside its storage and which the
-        // caller's reference keeps alive for the call.
-        if let Ok(s) = arena()?.slice(m.addr, bytes) {
-            keeps.push(Keep::Lease(s.lease()));
-        }
+    let hb = host_buffer(name, obj, Expect::Elements(want, numel))?;
+    let b = Buf::new(name, hb.addr, dtype, numel)?;
+    if let Some(l) = hb.lease {
+        keeps.push(Keep::Lease(l));
     }
     Ok(Some(b))
 }

@@ -72,11 +72,12 @@ class SafetensorsReader:
         t = torch.empty(shape, dtype=dtype)
         n = self.core.nbytes(key)
         if n:
-            self.copy_many([(key, t.data_ptr(), n, st)])
+            self.copy_many([(key, t, n, st)])
         return t
 
-    def copy_many(self, jobs: list[tuple[str, int, int, str]]) -> None:
-        """Copies tensors ``(key, host address, bytes, dtype)`` on all cores (see ``_core``)."""
+    def copy_many(self, jobs: list[tuple[str, torch.Tensor | int, int, str]]) -> None:
+        """Copies tensors ``(key, destination, bytes, dtype)`` on all cores (see ``_core``): the
+        destination is a contiguous CPU tensor, or the address of host memory ramtorch allocated."""
         try:
             self.core.copy_many(jobs)
         except ValueError as e:  # e.g. the file was cut short since it was opened
@@ -94,12 +95,15 @@ class Batches:
     def __init__(self, bar: Any) -> None:
         self.bar = bar
         self.file: SafetensorsReader | None = None
-        self.jobs: list[tuple[str, int, int, str]] = []
+        self.jobs: list[tuple[str, torch.Tensor | int, int, str]] = []
         self.written: list[torch.Tensor] = []
         self.size = 0
 
     def add(
-        self, f: SafetensorsReader, job: tuple[str, int, int, str], dest: torch.Tensor | None = None
+        self,
+        f: SafetensorsReader,
+        job: tuple[str, torch.Tensor | int, int, str],
+        dest: torch.Tensor | None = None,
     ) -> None:
         """Queues ``job`` (as :meth:`SafetensorsReader.copy_many`) of file ``f``."""
         if f is not self.file:

@@ -601,7 +601,7 @@ class _DirectReader:
 
     def __init__(self, f: SafetensorsReader, bar: Any) -> None:
         self.f, self.bar = f, bar
-        self.jobs: list[tuple[str, int, int, str]] = []
+        self.jobs: list[tuple[str, torch.Tensor | int, int, str]] = []
         self.fresh_cache: dict[str, torch.Tensor] = {}
 
     def _dtype(self, key: str) -> tuple[str, torch.dtype | None]:
@@ -642,7 +642,7 @@ class _DirectReader:
             if span in clash:
                 continue
             key = group[0]
-            self.jobs.append((keys[key], span[0], span[1], self._dtype(keys[key])[0]))
+            self.jobs.append((keys[key], dests[key], span[1], self._dtype(keys[key])[0]))
             for k in group:
                 out[k] = dests[k]
         return out
@@ -665,7 +665,7 @@ class _DirectReader:
             big = n >= 1 << 20
             t = _arena.host_empty(shape, dtype, pin=False) if big else torch.empty(shape, dtype=dtype)
             if n:
-                self.jobs.append((key, t.data_ptr(), n, st))
+                self.jobs.append((key, t, n, st))
         self.fresh_cache[key] = t
         return t
 

@@ -202,7 +202,7 @@ def _load_into(
             nbytes = f.nbytes(name)
             if not plain(name.rpartition(".")[0]):
                 tmp = torch.empty(t.shape, dtype=ST_TO_TORCH[dtype])
-                f.copy_many([(name, tmp.data_ptr(), nbytes, dtype)])
+                f.copy_many([(name, tmp, nbytes, dtype)])
                 routed[name] = tmp
                 if bar is not None:
                     bar.update(nbytes)
@@ -212,7 +212,7 @@ def _load_into(
             if t.numel() == 0:
                 pass
             elif native and t.device.type == "cpu" and t.is_contiguous():
-                batches.add(f, (name, t.data_ptr(), t.numel() * t.element_size(), want), t)
+                batches.add(f, (name, t, t.numel() * t.element_size(), want), t)
                 continue
             else:
                 # Through the staging buffer: converted by Rust when it can, else by torch.
@@ -220,7 +220,7 @@ def _load_into(
                 n = t.numel() * (t.element_size() if native else torch.empty(0, dtype=sdtype).element_size())
                 if staging is None or staging.numel() < n:
                     staging = _arena.host_bytes(max(n, 1 << 20))
-                f.copy_many([(name, staging.data_ptr(), n, want if native else dtype)])
+                f.copy_many([(name, staging, n, want if native else dtype)])
                 t.copy_(staging[:n].view(sdtype).view(t.shape))
             if bar is not None:
                 bar.update(nbytes)
