@@ -70,6 +70,21 @@ def main() -> None:
         common.append("--tiny")
     seconds: dict[tuple, dict[str, list[float]]] = {}
     records: list[dict] = []
+    cmd = "python3 bench/ab.py " + " ".join(
+        {"--a": "OLD", "--b": "NEW", "--out": os.path.basename(x)}.get(p, x)
+        for p, x in zip([""] + sys.argv[1:], sys.argv[1:])
+    )
+
+    def summary() -> list[dict]:
+        out = []
+        for (row, workload, tokens, phase, system), s in seconds.items():
+            ratio = statistics.mean(s["b"]) / statistics.mean(s["a"]) if s["a"] and s["b"] else None
+            out.append(
+                {"row": row, "workload": workload, "tokens": tokens, "phase": phase, "system": system,
+                 "a_seconds": s["a"], "b_seconds": s["b"], "b_over_a": ratio}
+            )  # fmt: skip
+        return out
+
     for _ in range(a.rounds):
         for row in a.rows:
             workload, args = ROWS[row]
@@ -80,20 +95,13 @@ def main() -> None:
                     records.append(r)
                     k = (row, r["workload"], r.get("tokens"), r["phase"], r["system"])
                     seconds.setdefault(k, {"a": [], "b": []})[build].append(r["seconds"])
-    summary = []
-    for (row, workload, tokens, phase, system), s in seconds.items():
-        ratio = statistics.mean(s["b"]) / statistics.mean(s["a"]) if s["a"] and s["b"] else None
-        summary.append(
-            {"row": row, "workload": workload, "tokens": tokens, "phase": phase, "system": system,
-             "a_seconds": s["a"], "b_seconds": s["b"], "b_over_a": ratio}
-        )  # fmt: skip
-        print(f"{row:11s} {phase:17s} {system:16s} A {s['a']} B {s['b']} B/A {ratio}", flush=True)
-    cmd = "python3 bench/ab.py " + " ".join(
-        {"--a": "OLD", "--b": "NEW", "--out": os.path.basename(x)}.get(p, x)
-        for p, x in zip([""] + sys.argv[1:], sys.argv[1:])
-    )
-    with open(a.out, "w") as fh:
-        json.dump({"command": cmd, "commit": a.commit, "summary": summary, "records": records}, fh, indent=1)
+                # Rewritten after every process: a run cut short keeps what it measured.
+                with open(a.out, "w") as fh:
+                    json.dump({"command": cmd, "commit": a.commit, "summary": summary(), "records": records},
+                              fh, indent=1)  # fmt: skip
+    for s in summary():
+        print(f"{s['row']:11s} {s['phase']:17s} {s['system']:16s} A {s['a_seconds']} B {s['b_seconds']} "
+              f"B/A {s['b_over_a']}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
