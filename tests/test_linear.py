@@ -329,3 +329,20 @@ def test_a_stack_of_layers_prefetches_along_its_itinerary_on_the_second_pass():
     for r, o in zip(refs, ours):
         close(r.weight.grad, o.weight.grad, torch.float32)
         close(r.bias.grad, o.bias.grad, torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@pytest.mark.parametrize(("fin", "fout"), [(0, 4), (4, 0), (0, 0)])
+def test_zero_feature_linear_matches_torch(fin: int, fout: int) -> None:
+    torch.manual_seed(0)
+    ref = nn.Linear(fin, fout)
+    layer = rnn.Linear.from_linear(ref)
+    x = torch.randn(2, 3, fin)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [m(v) for m, v in zip((layer, ref), xs)]
+    torch.testing.assert_close(ys[0], ys[1])
+    for y in ys:
+        (y.sum() * 2).backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(layer.bias.grad, ref.bias.grad)

@@ -625,3 +625,11 @@ def test_copying_or_pickling_an_offloaded_model_is_a_clear_error(tmp_path):
     twin = copy.deepcopy(model)  # a plain model copies again
     x = torch.randn(2, 4)
     torch.testing.assert_close(twin(x), model(x))
+
+
+@pytest.mark.parametrize("text", ["9" * 400, "9" * 300 + "TiB", "1e999"])
+def test_huge_or_unparseable_budget_strings_are_a_value_error(text):
+    with pytest.raises(ValueError, match="gpu_budget"):
+        parse_bytes(text, "gpu_budget")
+    with pytest.raises(ValueError, match="gpu_budget"):
+        ramtorch.offload(nn.Sequential(nn.Linear(2, 2)), gpu_budget=text, device="cpu")

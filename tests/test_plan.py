@@ -127,3 +127,22 @@ def test_auto_budget_needs_cuda():
 def test_build_meta_model_errors():
     with pytest.raises(ValueError, match="config.json"):
         build_meta_model("no_colon_here")
+
+
+@pytest.mark.parametrize("field", ["h2d_gbps", "d2h_gbps", "tflops", "efficiency", "host_gbps"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_ceilings_must_be_positive_and_finite(field, value):
+    with pytest.raises(ValueError, match=field):
+        Ceilings(**{field: value})
+    with pytest.raises(ValueError, match="efficiency"):
+        Ceilings(efficiency=1.5)
+
+
+@pytest.mark.parametrize("flag", ["--h2d-gbps", "--tflops", "--efficiency"])
+@pytest.mark.parametrize("value", ["0", "-3", "nan"])
+def test_cli_rejects_bad_ceilings_with_a_clear_error(flag, value, capsys):
+    from ramtorch.__main__ import main
+
+    assert main(["plan", "--model", "no_such_module:make", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ramtorch plan: ") and flag[2:].replace("-", "_") in err and "Traceback" not in err

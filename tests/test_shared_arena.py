@@ -273,7 +273,7 @@ def test_crash_leaves_nothing_behind():
         held = _shmem_kib() - s0
         assert held > 0.8 * n / 1024, f"{held} KiB of shared memory for a {n >> 20} MiB region"
         os.kill(creator.pid, signal.SIGKILL)
-        creator.wait(timeout=10)
+        creator.wait(timeout=300)  # generous: CI is a loaded two-core machine
         assert sorted(os.listdir("/dev/shm")) == shm_before
         attacher.stdin.write("\n")
         attacher.stdin.flush()
@@ -281,9 +281,10 @@ def test_crash_leaves_nothing_behind():
         assert _shmem_kib() - s0 > 0.8 * n / 1024, "freed while still mapped"
         attacher.stdin.write("\n")
         attacher.stdin.flush()
-        assert attacher.wait(timeout=10) == 0
+        assert attacher.wait(timeout=300) == 0
         freed = False
-        for _ in range(50):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
             if _shmem_kib() - s0 < 0.2 * n / 1024:
                 freed = True
                 break

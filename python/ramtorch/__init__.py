@@ -63,7 +63,9 @@ def stats() -> dict[str, object]:
 
 
 def synchronize() -> None:
-    """Waits for every copy the engine has queued, and writes pending gradients to ``.grad``.
+    """Waits for every copy the engine has queued, and writes pending gradients to ``.grad``
+    (the gradients of a backward pass that raised before its end are dropped instead: such a
+    pass writes no ``.grad`` at all).
 
     Device slots keep the weights they last received and are reused while the parameters'
     version counters say the weights are unchanged (so the layers that end a forward pass start

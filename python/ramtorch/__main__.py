@@ -30,12 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     a = ap.parse_args(argv)
     try:
+        ceilings = _plan.Ceilings(a.h2d_gbps, a.d2h_gbps, a.tflops, a.efficiency, a.host_gbps)
         model = _plan.build_meta_model(a.model)
         pred = _plan.predict(
             model,
             a.budget,
             a.tokens,
-            _plan.Ceilings(a.h2d_gbps, a.d2h_gbps, a.tflops, a.efficiency, a.host_gbps),
+            ceilings,
             unit=a.unit,
             max_inflight=a.max_inflight,
         )

@@ -220,6 +220,19 @@ class DeviceEngine:
         self._grad_sources: deque[torch.Tensor] = deque()
         # Host buffers receiving gradients this backward: id(param) -> (param, [buffers]).
         self._pending: dict[int, tuple[torch.nn.Parameter, list[torch.Tensor]]] = {}
+        # Who each held slot was taken for: slot -> id of its holder (a streamer). An interrupt
+        # (Ctrl-C) can land between the engine's answer and the holder's record of it:
+        # :meth:`reconcile` compares the two and gives back what no holder records. ``_unsettled``
+        # is set while a slot is taken or given back and not yet recorded here: then a slot may be
+        # held that not even ``_owned`` knows about.
+        self._owned: dict[int, int] = {}
+        self._unsettled = False
+        # The thread whose training step (from a forward with gradients to the end of its
+        # backward) is in progress on this engine: the gradient state above is one per engine,
+        # so a second thread's step is refused (see :meth:`_check_thread`). A lock of its own:
+        # never held while waiting for another.
+        self._user: threading.Thread | None = None
+        self._user_lock = threading.Lock()
 
     # -- slots --------------------------------------------------------------------------------
 
@@ -242,6 +255,7 @@ class DeviceEngine:
         count = max(self._want_count, len(self._slots))
         self._core.set_slots([], 0)
         self._slots = []
+        self._owned.clear()  # none is held (set_slots checks): nothing of the old slots is owned
         slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
         self._core.set_slots(slots, nbytes)  # the engine keeps the tensors alive
         self._slots, self._slot_bytes = slots, nbytes
@@ -271,20 +285,69 @@ class DeviceEngine:
 
     def reclaim(self) -> None:
         """Asks every holder of a speculative prefetch on this device (offloaded models, the
-        per-layer streamer) to release it: slots are shared between them."""
-        for holder in list(self._holders):
+        per-layer streamer) to release it: slots are shared between them. Slots an interrupt left
+        taken for a holder no longer alive are given back too."""
+        holders = list(self._holders)
+        for holder in holders:
             holder.drop_prefetched()
+        with self._lock:
+            live = {id(h) for h in holders}
+            for slot, who in list(self._owned.items()):
+                if who not in live:
+                    self.release(slot)
+
+    def reconcile(self, owner: int, legit: set[int]) -> int:
+        """Gives back the slots taken for ``owner`` (the id of a holder) that are not in ``legit``,
+        the slots its holder records, and (after an interrupted take or release) the slots held
+        that nobody recorded. Returns how many were given back.
+
+        Called by a holder at a point where its records are complete (an offloaded model at the
+        start of a pass, the shared streamer when no slot is free): an interrupt between taking a
+        slot and recording it then costs the slot until that point, not for good."""
+        n = 0
+        with self._lock:
+            for slot, who in list(self._owned.items()):
+                if who == owner and slot not in legit:
+                    self.release(slot)
+                    n += 1
+            if self._unsettled:
+                stream = self._stream()
+                for slot in range(len(self._slots)):
+                    if slot not in self._owned:
+                        try:
+                            self._core.release(slot, stream)  # held by nobody: leaked
+                            n += 1
+                        except (ValueError, RuntimeError):
+                            pass  # not held
+                self._unsettled = False
+        return n
 
     # -- split acquisition (prefetch ahead, claim at the point of use) ---------------------------
 
     def prefetch(
-        self, key: int, flat: torch.Tensor, nbytes: int, max_inflight: int, keep: list[int], tag: int
+        self,
+        key: int,
+        flat: torch.Tensor,
+        nbytes: int,
+        max_inflight: int,
+        keep: list[int],
+        tag: int,
+        owner: int = 0,
     ) -> tuple[int, bool]:
-        """Issues the copy of ``flat`` into a slot held from now on; returns ``(slot, copied)``.
-        A slot still holding ``key`` is reused without a copy."""
+        """Issues the copy of ``flat`` into a slot held from now on, for ``owner`` (the id of its
+        holder, see :meth:`reconcile`); returns ``(slot, copied)``. A slot still holding ``key``
+        is reused without a copy."""
         with self._lock:
             self._ensure_slots()
-            index, _, copied = self._core.prefetch(key, flat.data_ptr(), nbytes, max_inflight, keep, tag)
+            settled = not self._unsettled
+            self._unsettled = True  # until recorded in _owned
+            try:
+                index, _, copied = self._core.prefetch(key, flat.data_ptr(), nbytes, max_inflight, keep, tag)
+            except (_core.SlotsExhausted, ValueError):
+                self._unsettled = not settled  # refused: nothing was taken
+                raise
+            self._owned[index] = owner
+            self._unsettled = not settled
         return index, copied
 
     def claim(self, index: int, tag: int = 0) -> torch.Tensor:
@@ -297,7 +360,12 @@ class DeviceEngine:
 
     def release(self, index: int) -> None:
         """Gives slot ``index`` back after the work queued so far on the current stream."""
-        self._core.release(index, self._stream())
+        with self._lock:
+            settled = not self._unsettled
+            self._unsettled = True  # until the engine has it back
+            self._owned.pop(index, None)
+            self._core.release(index, self._stream())
+            self._unsettled = not settled
 
     def mark(self, tag: int, code: int) -> None:
         """A trace instant on the current stream; nothing (not even a call into the engine)
@@ -329,15 +397,25 @@ class DeviceEngine:
                 return  # ZeRO-2: reduced onto the rank that owns it, which keeps it
         dst = _arena.host_empty(param.shape, param.dtype)
         nbytes = grad.numel() * grad.element_size()
-        retired = self._core.copy_to_host(dst.data_ptr(), grad, nbytes, max_inflight, self._stream(), tag)
-        for _ in range(min(retired, len(self._grad_sources))):
-            self._grad_sources.popleft()
+        # Source and destination are recorded before the copy is queued: an interrupt (Ctrl-C)
+        # landing right after the engine queued it must not free either while the copy runs
+        # (an interrupted backward's records are dropped only after a synchronize).
         self._grad_sources.append(grad)
         entry = self._pending.get(id(param))
         if entry is None:
-            self._pending[id(param)] = (param, [dst])
-        else:
-            entry[1].append(dst)
+            entry = self._pending[id(param)] = (param, [])
+        entry[1].append(dst)
+        try:
+            retired = self._core.copy_to_host(dst.data_ptr(), grad, nbytes, max_inflight, self._stream(), tag)
+        except Exception:
+            self._core.synchronize()  # (refused: nothing queued; waited for in any case)
+            self._grad_sources.pop()
+            entry[1].pop()
+            if not entry[1]:
+                del self._pending[id(param)]
+            raise
+        for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
+            self._grad_sources.popleft()
 
     def finish(self) -> None:
         """Waits for every gradient copy (one synchronisation per backward) and accumulates the
@@ -347,6 +425,7 @@ class DeviceEngine:
         for listener in list(self._listeners):
             listener.before_finish()
         if not self._pending and not self._grad_sources:
+            self._user = None  # the training step's backward is over
             return
         self._core.synchronize()
         self._grad_sources.clear()
@@ -366,13 +445,46 @@ class DeviceEngine:
                         hook(param)
         for listener in list(self._listeners):
             listener.after_finish()
+        self._user = None  # the training step's backward is over: another thread may start one
 
-    def drop_interrupted(self) -> bool:
+    def _check_thread(self, claim: bool) -> None:
+        """Raises if another (live) thread has a training step in progress on this engine; with
+        ``claim``, the calling thread's training step begins."""
+        me = threading.current_thread()
+        with self._user_lock:
+            user = self._user
+            if user is not None and user is not me and user.is_alive():
+                raise RuntimeError(
+                    f"ramtorch: two threads use the streaming engine of {self.device} at once: thread "
+                    f"{me.name!r} starts a forward pass while thread {user.name!r} has a training step "
+                    "in progress on it (a forward with gradients whose backward has not finished). "
+                    "Models computing on one device share its engine, whose gradient path serves one "
+                    "training step at a time: train them from one thread, or one after the other."
+                )
+            if claim:
+                self._user = me
+
+    def drop_interrupted(self, claim: bool = False) -> bool:
         """Called outside backward: gradients still pending belong to a backward pass that raised
         (Ctrl-C, an error in a hook) before its end. They are dropped, so an interrupted backward
         writes no ``.grad`` at all, and the engine is ready for the next step. Returns whether
-        there was anything to drop."""
-        if (self._pending or self._grad_sources) and torch._C._current_graph_task_id() == -1:
+        there was anything to drop.
+
+        The optimizers may have updated some parameters during that backward (their update
+        rewrites host memory without bumping version counters): slots holding those units must
+        not be reused, so, as at the end of every backward, no slot is trusted anymore.
+
+        Called at the start of every forward (``claim``: one with gradients, which begins a
+        training step): raises if another thread's training step is in progress."""
+        if torch._C._current_graph_task_id() != -1:
+            return False  # a recomputation inside backward
+        user = self._user
+        if (user is not None and user is not threading.current_thread()) or (claim and user is None):
+            self._check_thread(claim)
+        if self._pending or self._grad_sources:
+            for holder in list(self._holders):
+                holder.drop_prefetched()
+            self._core.invalidate()
             for listener in list(self._listeners):
                 listener.drain(interrupted=True)
             self._core.synchronize()
@@ -412,12 +524,15 @@ class DeviceEngine:
             torch.cuda.synchronize(self.device)
 
     def synchronize(self) -> None:
-        """Waits for all copies of this device; pending gradients are written to ``.grad``.
+        """Waits for all copies of this device; pending gradients are written to ``.grad`` (within
+        backward; outside it they belong to an interrupted backward and are dropped).
         Prefetched copies are dropped and no slot is trusted to hold current weights anymore."""
         for holder in list(self._holders):
             holder.drop_prefetched()
         self._core.invalidate()
-        if self._pending or self._grad_sources:
+        # Outside backward, pending gradients are those of a backward that raised before its
+        # end: dropped (written, they would be a partial step's gradients in ``.grad``).
+        if not self.drop_interrupted() and (self._pending or self._grad_sources):
             self.finish()
         else:
             self._core.synchronize()

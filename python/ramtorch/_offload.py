@@ -188,7 +188,11 @@ def offload(
         )
     # A pipelined optimizer step may still be writing the weights that state_dict() hands out.
     params = [p for u in units for p in u.params]
-    handles.append(model.register_state_dict_pre_hook(lambda *_: _engine.wait_updates(params)))
+    handles.append(
+        model.register_state_dict_pre_hook(
+            lambda *_: streamer.settle_interrupted() or _engine.wait_updates(params)
+        )
+    )
     model._ramtorch_streamer = streamer  # type: ignore[assignment]
     if type(model)._apply is nn.Module._apply:
         model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]

@@ -17,6 +17,7 @@ allocated), runs the same planner, then simulates the streaming pipeline unit by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,6 +40,16 @@ class Ceilings:
     tflops: float = 790.0
     efficiency: float = 0.85
     host_gbps: float = 120.0
+
+    def __post_init__(self) -> None:
+        # Every time is a size divided by one of these: zero, negative or nan ceilings would
+        # give a ZeroDivisionError or a meaningless prediction.
+        for name in ("h2d_gbps", "d2h_gbps", "tflops", "efficiency", "host_gbps"):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            if not ok or (name == "efficiency" and v > 1):
+                want = "a fraction in (0, 1]" if name == "efficiency" else "a positive finite number"
+                raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 @dataclass

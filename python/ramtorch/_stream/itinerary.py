@@ -22,6 +22,7 @@ class Prefetcher:
     ahead into free ones (:meth:`_prefetch_along`)."""
 
     units: list[_Unit]
+    streamed: list[_Unit]
     by_uid: dict[int, _Unit]
     eng: _engine.DeviceEngine
     max_inflight: int
@@ -37,17 +38,44 @@ class Prefetcher:
         return self.slots - self.held - len(self.ahead)
 
     def drop_prefetched(self) -> None:
-        """Releases slots prefetched but not yet used."""
+        """Releases slots prefetched but not yet used (and, while none of its units runs, any
+        slot an interrupt left taken for this streamer)."""
         with self.lock:
             self._drop_ahead()
+            self.settle_interrupted()
+            if self._idle():
+                self.eng.reconcile(id(self), set())
+
+    def _idle(self) -> bool:
+        """Whether none of this streamer's units runs (then it records no slot but its prefetches)."""
+        raise NotImplementedError
+
+    def settle_interrupted(self) -> None:
+        """See :meth:`~ramtorch._stream.streamer.Streamer.settle_interrupted`."""
+
+    def _recorded(self) -> set[int]:
+        """The slots this streamer's running units record (forwards and backwards)."""
+        out = {u.bwd for u in self.streamed if u.bwd is not None}
+        for u in self.streamed:
+            for entry in u.fwd:
+                if entry[1]:  # a slot of its own (a recomputation runs on the backward slot)
+                    out.add(entry[0])
+        return out
+
+    def _reconcile(self) -> None:
+        """Matches the engine's record of this streamer's slots with its own: a slot an interrupt
+        left between the engine's answer and the record (or a give-back and its record) is given
+        back, and ``held`` counts what the running units record."""
+        legit = self._recorded()
+        self.held = len(legit)
+        self.eng.reconcile(id(self), legit | {slot for slot, _ in self.ahead.values()})
 
     def __del__(self) -> None:
         # Slots belong to the device's engine, shared with other models: give back what this
         # model's prefetches still hold.
         try:
-            for slot, _ in self.ahead.values():
-                self.eng.release(slot)
-            self.ahead.clear()
+            while self.ahead:
+                self.eng.release(self.ahead.popitem()[1][0])  # forgotten first: never freed twice
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -68,13 +96,14 @@ class Prefetcher:
                 "needs one (units nested deeper than the slots allow); raise gpu_budget or "
                 "max_inflight"
             )
+        nbytes = u.layout.nbytes
         try:
-            slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
+            slot, _ = self.eng.prefetch(key, u.flat, nbytes, self.max_inflight, keep, u.tag, id(self))
         except _core.SlotsExhausted:
             # The device's slots are shared with other models and layers: ask every holder of a
             # speculative prefetch to give it back, then try once more.
             self.eng.reclaim()
-            slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
+            slot, _ = self.eng.prefetch(key, u.flat, nbytes, self.max_inflight, keep, u.tag, id(self))
         return slot
 
     def _take(self, u: _Unit, keep: list[int]) -> int:
@@ -85,7 +114,7 @@ class Prefetcher:
             self._drop_ahead()
             u.pack()
         key = u.key()
-        hit = self.ahead.pop(u.uid, None)
+        hit = self.ahead.pop(u.uid, None)  # forgotten first: an interrupt leaks, never frees twice
         if hit is not None and hit[1] != key:
             self.eng.release(hit[0])
             self.counters["prefetch_wasted"] += 1
@@ -124,9 +153,10 @@ class Prefetcher:
                 break
             key = u.key()
             try:
-                slot, _ = self.eng.prefetch(key, u.flat, u.layout.nbytes, self.max_inflight, keep, u.tag)
-            except _core.SlotsExhausted:
-                break  # speculative: never worth an error
+                nbytes = u.layout.nbytes
+                slot, _ = self.eng.prefetch(key, u.flat, nbytes, self.max_inflight, keep, u.tag, id(self))
+            except (_core.SlotsExhausted, ValueError):
+                break  # speculative: never worth an error (nor a key an interrupt left held)
             self.ahead[u.uid] = (slot, key)
             self.counters["prefetches"] += 1
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _engine
+from .. import _core, _engine
 from .streamer import PassState, Streamer
 from .units import BackwardPhase, _Unit
 
@@ -63,6 +63,9 @@ class LayerStreamer(Streamer):
         # Hooked units with a forward running: one that a Ctrl-C cut short (torch skips forward
         # hooks on BaseExceptions) still holds its slot; the next forward releases it.
         self.in_forward: dict[int, _Unit] = {}
+        # Slots lent to running borrows: slot -> ident of the borrowing thread. Borrows do not nest,
+        # so an entry of the thread that starts one is the leftover of an interrupted one.
+        self.lent: dict[int, int] = {}
         # Reported by the engine's stats as ``layer_*``.
         self.counters = self.eng.layer_counters
         self.hook_handles: list[Any] = []
@@ -120,6 +123,33 @@ class LayerStreamer(Streamer):
             free = self.slots - self.held - len(self.ahead)
         return free
 
+    def _idle(self) -> bool:
+        return PassState.BACKWARD not in self.state and not (self.held or self.lent or self.in_forward)
+
+    def _recorded(self) -> set[int]:
+        me = threading.get_ident()
+        for slot, tid in list(self.lent.items()):
+            if tid == me:
+                del self.lent[slot]  # an interrupted borrow of this thread (they do not nest)
+        return super()._recorded() | set(self.lent)
+
+    def _prefetch(self, u: _Unit, key: int, keep: list[int]) -> int:
+        if self._free_slots() <= 0 and not self.ahead:
+            self._reconcile()  # every slot counted as held: perhaps one an interrupt left counted
+        try:
+            return super()._prefetch(u, key, keep)
+        except (_core.SlotsExhausted, ValueError):
+            # No slot free, or this unit's key still held: an interrupted take or give-back may
+            # have left a slot behind. Given back by the reconciliation, then once more.
+            self._reconcile()
+            return super()._prefetch(u, key, keep)
+
+    def _settle_held(self) -> None:
+        """At the start of a forward borrow or hooked forward (outside backward): a slot count
+        that differs from what the running units record is an interrupt's leftover."""
+        if self.held != len(self.lent) + len(self.in_forward) and PassState.BACKWARD not in self.state:
+            self._reconcile()
+
     def attach(self, module: nn.Module, name: str, max_inflight: int) -> tuple[_Unit, list[Any]]:
         """Streams ``module``'s own parameters as one unit of this device through its forward hooks,
         as an offloaded model's units run (``ramtorch.nn.Embedding``, ``Conv2d``): they move into
@@ -148,7 +178,9 @@ class LayerStreamer(Streamer):
                 always_call=True,
             ),
             # A pipelined optimizer step may still be writing the weights that state_dict() hands out.
-            module.register_state_dict_pre_hook(lambda *_, u=u: _engine.wait_updates(u.params)),
+            module.register_state_dict_pre_hook(
+                lambda *_, u=u: self.settle_interrupted() or _engine.wait_updates(u.params)
+            ),
         ]
         return u, handles
 
@@ -156,11 +188,12 @@ class LayerStreamer(Streamer):
         """Forward pre-hook of a hooked unit (see :meth:`attach`)."""
         if torch._C._current_graph_task_id() == -1:
             with self.lock:
-                self._check_interrupted()
+                self._check_interrupted(torch.is_grad_enabled() and any(p.requires_grad for p in u.params))
                 for x in list(self.in_forward.values()):
                     while x.fwd:
                         self._end_forward(x, *x.fwd.pop()[:5])
                 self.in_forward.clear()
+                self._settle_held()
         out = self.pre_forward(u, module, args, kwargs)
         with self.lock:
             self.in_forward[u.uid] = u
@@ -179,10 +212,11 @@ class LayerStreamer(Streamer):
 
     # -- passes -----------------------------------------------------------------------------------
 
-    def _check_interrupted(self) -> None:
+    def _check_interrupted(self, claim: bool = False) -> None:
         """Outside backward: a backward that raised before its end (Ctrl-C, an error in a hook)
-        left its state behind; drop it (see :meth:`Streamer.begin_pass`)."""
-        interrupted = self.eng.drop_interrupted()
+        left its state behind; drop it (see :meth:`Streamer.begin_pass`). ``claim``: a forward
+        with gradients, which begins a training step on the engine."""
+        interrupted = self.eng.drop_interrupted(claim)
         if PassState.BACKWARD in self.state:
             self.state &= ~PassState.BACKWARD
             self.cur_bwd = []
@@ -191,6 +225,7 @@ class LayerStreamer(Streamer):
             for u in self.streamed:
                 u.reset_backward_counts()
             self._release_backward()
+            self._pop_saved_tensor_hooks()
 
     def _record_forward(self, u: _Unit) -> None:
         if self.new_pass or u.uid in self.ran:
@@ -230,7 +265,7 @@ class LayerStreamer(Streamer):
         """A forward of ``u`` whose backward will deliver its weight gradients (not a recomputation:
         its backward is the original forward's)."""
         with self.lock:
-            self._check_interrupted()
+            self._check_interrupted(True)
             u.fetches += 1
 
     def delivered(self, u: _Unit, indices: Sequence[int]) -> None:
@@ -255,9 +290,12 @@ class LayerStreamer(Streamer):
                 itin, pos = self.bwd_itin, self.bwd_pos
             else:
                 self._check_interrupted()
+                self._settle_held()
                 self._record_forward(u)
                 itin, pos = self.fwd_itin, self.fwd_pos
             slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)])
+            me = threading.get_ident()
+            self.lent[slot] = me  # an interrupt before this line: given back by _reconcile
             try:
                 self._prefetch_along(itin, pos, u)
                 if inference and not backward and pos >= len(itin) and itin:
@@ -268,13 +306,19 @@ class LayerStreamer(Streamer):
                 assert u.layout is not None
                 views = u.layout.views(self.eng.slot(slot))
             except BaseException:
-                self._give(slot)
+                self._give_lent(slot, me)
                 raise
         try:
             yield views
         finally:
             with self.lock:
-                self._give(slot)
+                self._give_lent(slot, me)
+
+    def _give_lent(self, slot: int, me: int) -> None:
+        """Ends this thread's borrow of ``slot``, unless a reconciliation ended it already."""
+        if self.lent.get(slot) == me:
+            del self.lent[slot]  # forgotten first: an interrupt leaks, never frees twice
+            self._give(slot)
 
 
 _SHARED: dict[torch.device, LayerStreamer] = {}

@@ -98,7 +98,12 @@ class Streamer(Prefetcher, GradientHooks):
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward
         with self.lock:
-            interrupted = self.eng.drop_interrupted()
+            # A pass still open: the last forward was interrupted (Ctrl-C skips the end hooks).
+            interrupted = PassState.FORWARD in self.state
+            # A forward with gradients begins a training step on the engine (refused while
+            # another thread's is in progress).
+            trains = torch.is_grad_enabled() and any(p.requires_grad for u in self.streamed for p in u.params)
+            interrupted = self.eng.drop_interrupted(claim=trains) or interrupted
             if PassState.BACKWARD in self.state:
                 # A backward raised before its end, so its end-of-backward callback never ran:
                 # without this the next backward would not queue one, and no gradient would
@@ -115,9 +120,45 @@ class Streamer(Prefetcher, GradientHooks):
                 while u.fwd:
                     self._end_forward(u, *u.fwd.pop()[:5])
             self._release_backward()
+            # No unit of this model runs now: the slots it holds are its prefetches. Any other
+            # slot taken for it was lost by an interrupt between the take and its record (or
+            # the give-back and its record): given back here, whichever point it hit.
+            self._reconcile()
+            if interrupted:
+                self.slot_owner.clear()
+                for u in self.streamed:
+                    self._restore(u)  # parameters an interrupted forward left as device views
+                self._pop_saved_tensor_hooks()
             self.state |= PassState.FORWARD
             self.cur_fwd = []
             self.fwd_pos = 0
+
+    def _pop_saved_tensor_hooks(self) -> None:
+        """Removes a saved-tensor hook of this streamer left on torch's stack (an interrupt inside
+        the end of a unit's forward): later units would take it for an outer one."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        while top is not None and top[0] == self._pack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def _idle(self) -> bool:
+        return self.state is PassState.IDLE and not self.held
+
+    def settle_interrupted(self) -> None:
+        """Outside backward: a backward of this model that raised before its end (Ctrl-C, an
+        error in a hook) left its units' slots held and device views in place of their
+        parameters, so ``state_dict()`` would read the slots' (possibly pre-update) copies. The
+        slots are given back and the parameters restored; the next pass still sees the backward
+        as interrupted (``PassState.BACKWARD`` stays set)."""
+        if PassState.BACKWARD not in self.state or torch._C._current_graph_task_id() != -1:
+            return
+        user = self.eng._user
+        if user is not None and user is not threading.current_thread():
+            return  # another thread's training step: its backward may be running (its thread settles)
+        with self.lock:
+            self._release_backward()
+            for u in self.streamed:
+                self._restore(u)  # also those whose restore the interrupt cut short
 
     def _record_forward(self, u: _Unit) -> None:
         """``u`` runs next in the forward pass: recorded, and the itinerary position advanced."""
@@ -290,10 +331,10 @@ class Streamer(Prefetcher, GradientHooks):
         with self.lock:
             if u.bwd is not None:
                 self.eng.mark(u.tag, MARK_BWD_END)
-                self._restore(u)
-                self._give(u.bwd)
-                u.bwd = None
+                slot, u.bwd = u.bwd, None  # forgotten first: an interrupt leaks, never frees twice
                 u.phase = BackwardPhase.REACHED
+                self._restore(u)
+                self._give(slot)
 
     @staticmethod
     def _restore(u: _Unit) -> None:
@@ -304,9 +345,9 @@ class Streamer(Prefetcher, GradientHooks):
     def _release_backward(self) -> None:
         for u in self.streamed:
             if u.bwd is not None:
+                slot, u.bwd = u.bwd, None  # forgotten first: an interrupt leaks, never frees twice
                 self._restore(u)
-                self._give(u.bwd)
-                u.bwd = None
+                self._give(slot)
             u.phase = BackwardPhase.IDLE
 
     def end_of_backward(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,9 +74,12 @@ class _LinearFn(torch.autograd.Function):
             with streamer.borrow(unit) as views:
                 gx = g.matmul(views[0].to(cdtype)).to(x.dtype)
         if need_w or need_b:
-            g2 = g.reshape(-1, layer.out_features)
+            # The leading size spelled out: ``reshape(-1, 0)`` is ambiguous for a layer with no
+            # input or output features.
+            lead = math.prod(g.shape[:-1])
+            g2 = g.reshape(lead, layer.out_features)
             if need_w:
-                x2 = x.to(cdtype).reshape(-1, layer.in_features)
+                x2 = x.to(cdtype).reshape(lead, layer.in_features)
                 eng.push_grad(weight, g2.t().matmul(x2), layer.max_inflight)
             if need_b:
                 # Reduce over the leading dims as nn.Linear's backward does (same summation order).

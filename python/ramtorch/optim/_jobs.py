@@ -29,8 +29,7 @@ class _Jobs:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="ramtorch-optim", daemon=True)
                 self._thread.start()
-            self._queue.append((job, ready))
-            self._unfinished += 1
+            self._queue.append((job, ready))  # one step: an interrupt leaves it queued or not
             self._cv.notify_all()
 
     def _work(self) -> None:
@@ -41,6 +40,7 @@ class _Jobs:
                 if not self._queue:
                     return
                 job = self._queue.pop(self._pick())[0]
+                self._unfinished += 1  # running (counted here, where no interrupt can land)
             try:
                 job()  # jobs record their own errors
             finally:
@@ -67,11 +67,11 @@ class _Jobs:
     def wait(self) -> None:
         """Until every job submitted so far has finished."""
         with self._cv:
-            while self._unfinished:
+            while self._unfinished or self._queue:
                 self._cv.wait()
 
     def busy(self) -> bool:
-        return self._unfinished > 0
+        return self._unfinished > 0 or bool(self._queue)
 
     def close(self) -> None:
         self.wait()

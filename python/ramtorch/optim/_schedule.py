@@ -153,9 +153,16 @@ class OverlapSchedule(torch.optim.Optimizer):
                 self._reduced.add(id(p))  # ZeRO-2: reduced to its owner during backward
         update = _engine.Update(_describe(updated))
         _engine.updates_begin(updated, update)
-        self._jobs.submit(
-            lambda: self._run_job(eng, marker, work, updated, update), lambda: eng._core.marker_done(marker)
-        )
+        try:
+            self._jobs.submit(
+                lambda: self._run_job(eng, marker, work, updated, update),
+                lambda: eng._core.marker_done(marker),
+            )
+        except BaseException:
+            # Interrupted (Ctrl-C) around the submission: readers must not wait for an update that
+            # may never run (if it did get queued, the drain of the interrupted backward waits).
+            _engine.updates_end(updated, update)
+            raise
 
     def _run_job(
         self,
