@@ -448,3 +448,32 @@ def test_random_sigints_during_training_leave_it_right(setup: str) -> None:
         _step(ref, ref_opt, step)
         step += 1
     _assert_same(model, ref)
+
+
+def test_a_forward_without_backward_does_not_lock_out_other_threads() -> None:
+    """A forward with gradients that no backward follows (an evaluation outside ``no_grad``) holds
+    no training step: another thread may still synchronize, load and run inference."""
+    import threading
+
+    torch.manual_seed(0)
+    model = ramtorch.offload(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), device="cpu")
+    ref = copy.deepcopy(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8)
+    model(x)  # with gradients, never backpropagated
+    errors: list[BaseException] = []
+    out: list[torch.Tensor] = []
+
+    def other() -> None:
+        try:
+            ramtorch.synchronize()
+            with torch.no_grad():
+                out.append(model(x))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join(300)
+    assert not th.is_alive() and not errors, errors
+    torch.testing.assert_close(out[0], ref(x).detach())

@@ -478,8 +478,13 @@ class DeviceEngine:
         training step): raises if another thread's training step is in progress."""
         if torch._C._current_graph_task_id() != -1:
             return False  # a recomputation inside backward
-        user = self._user
-        if (user is not None and user is not threading.current_thread()) or (claim and user is None):
+        user, me = self._user, threading.current_thread()
+        if claim and user is not me:
+            self._check_thread(claim)
+        elif user is not None and user is not me and (self._pending or self._grad_sources):
+            # Without gradients of its own (inference, a load, synchronize), another thread only
+            # conflicts with a backward whose gradients are on their way; a forward with gradients
+            # that no backward followed (an evaluation outside no_grad) holds nothing.
             self._check_thread(claim)
         if self._pending or self._grad_sources:
             for holder in list(self._holders):
