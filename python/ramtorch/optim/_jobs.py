@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable
 
 
@@ -29,6 +31,7 @@ class _Jobs:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="ramtorch-optim", daemon=True)
                 self._thread.start()
+                _LIVE.add(self)
             self._queue.append((job, ready))  # one step: an interrupt leaves it queued or not
             self._cv.notify_all()
 
@@ -78,3 +81,24 @@ class _Jobs:
         with self._cv:
             self._closing = True
             self._cv.notify_all()
+
+    def shutdown(self) -> None:
+        """Runs the queued jobs to their end and ends the thread, waiting for it."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+#: Queues whose thread was started. At interpreter exit each thread is ended and joined before
+#: the interpreter finalizes: a daemon thread still inside torch or the engine then would be
+#: stopped mid-call (pthread_exit), and a C++ frame on its way out aborts the process.
+_LIVE: weakref.WeakSet[_Jobs] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for jobs in list(_LIVE):
+        jobs.shutdown()
