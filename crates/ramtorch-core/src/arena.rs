@@ -492,6 +492,23 @@ pub struct HostSlice {
 }
 
 impl HostSlice {
+    /// Address and length of the `len` bytes at `offset` of `what`, `region_len` bytes at `base`;
+    /// an error naming `what` if they reach past its end.
+    pub(crate) fn within(
+        base: usize,
+        region_len: usize,
+        offset: usize,
+        len: usize,
+        what: &str,
+    ) -> Result<(usize, usize)> {
+        match offset.checked_add(len) {
+            Some(end) if end <= region_len => Ok((base + offset, len)),
+            _ => Err(Error::InvalidArgument(format!(
+                "bytes {offset}..+{len} are outside {what} of {region_len} bytes"
+            ))),
+        }
+    }
+
     pub(crate) fn new(addr: usize, len: usize, keep: Lease) -> Self {
         Self {
             addr,
@@ -580,17 +597,8 @@ impl Region {
     }
     /// The `len` bytes at `offset` of the region, kept alive by the result.
     pub fn slice(&self, offset: usize, len: usize) -> Result<HostSlice> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(HostSlice::new(
-                self.as_ptr() as usize + offset,
-                len,
-                self.lease(),
-            )),
-            _ => Err(Error::InvalidArgument(format!(
-                "bytes {offset}..+{len} are outside a region of {} bytes",
-                self.len()
-            ))),
-        }
+        HostSlice::within(self.as_ptr() as usize, self.len(), offset, len, "a region")
+            .map(|(addr, len)| HostSlice::new(addr, len, self.lease()))
     }
     /// The bytes, for tests and host-side kernels.
     ///

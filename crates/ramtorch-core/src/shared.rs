@@ -220,17 +220,14 @@ impl SharedRegion {
     }
     /// The `len` bytes at `offset` of the region, kept alive by the result.
     pub fn slice(&self, offset: usize, len: usize) -> Result<HostSlice> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(HostSlice::new(
-                self.as_ptr() as usize + offset,
-                len,
-                self.lease(),
-            )),
-            _ => Err(Error::InvalidArgument(format!(
-                "bytes {offset}..+{len} are outside a shared region of {} bytes",
-                self.len()
-            ))),
-        }
+        HostSlice::within(
+            self.as_ptr() as usize,
+            self.len(),
+            offset,
+            len,
+            "a shared region",
+        )
+        .map(|(addr, len)| HostSlice::new(addr, len, self.lease()))
     }
     /// The bytes, for tests and host-side kernels.
     ///
