@@ -14,7 +14,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -264,24 +263,6 @@ class DeviceEngine:
         if self.device.type == "cuda":
             return torch.cuda.current_stream(self.device).cuda_stream
         return 0
-
-    @contextmanager
-    def borrow(
-        self, flat: torch.Tensor, layout: Layout, max_inflight: int
-    ) -> Iterator[list[torch.Tensor | None]]:
-        """Device views of a unit's tensors, valid inside the ``with`` block on the current stream.
-
-        The copy was queued on the transfer stream; the current stream waits for it on the device.
-        On exit the slot is released after the kernels queued inside the block.
-        """
-        with self._lock:
-            self._ensure_slots()
-            stream = self._stream()
-            index, _ = self._core.acquire(flat.data_ptr(), layout.nbytes, max_inflight, stream)
-        try:
-            yield layout.views(self._slots[index])
-        finally:
-            self._core.release(index, stream)
 
     def reclaim(self) -> None:
         """Asks every holder of a speculative prefetch on this device (offloaded models, the
