@@ -14,6 +14,7 @@ exits, crashes included.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import socket
 
@@ -49,6 +50,13 @@ def init(backend: str | None = None, timeout_seconds: float = 300.0) -> tuple[in
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # TorchDynamo, imported lazily by the first torch optimizer, keeps references to the process
+    # groups that exist when it is imported; destroy_process_group then leaves the gloo worker
+    # threads running, and one releasing a finished collective's tensors while the interpreter
+    # finalizes aborts the process ("terminate called without an active exception"). Imported
+    # before the group exists, it holds none and destroy_process_group ends the threads.
+    importlib.import_module("torch._dynamo")
+
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
     return dist.get_rank(), dist.get_world_size()
 
