@@ -12,7 +12,7 @@ $(RAMTORCH_VENV)/.ramtorch-deps: Makefile
 	@command -v cargo >/dev/null || { echo "a Rust toolchain (cargo) is required: https://rustup.rs"; exit 1; }
 	test -x $(PY) || python3 -m venv $(RAMTORCH_VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch>=2.4" numpy "hypothesis>=6" "pytest>=8" tqdm safetensors transformers "ruff>=0.6" "maturin>=1.7,<2"
+	$(PY) -m pip install -q "torch>=2.4" numpy "hypothesis>=6" "pytest>=8" tqdm safetensors transformers accelerate peft torchao "ruff>=0.6" "maturin>=1.7,<2"
 	touch $@
 
 build: setup
