@@ -50,7 +50,7 @@ def classifier_like(ref: torch.nn.Module) -> transformers.BertForSequenceClassif
     return model
 
 
-def test_base_checkpoint_into_a_classification_model(tmp_path):
+def test_base_checkpoint_into_a_classification_model(tmp_path, renaming):
     base_checkpoint(tmp_path)
     ref = transformers.BertForSequenceClassification.from_pretrained(tmp_path).eval()
     model = ramtorch.offload(classifier_like(ref), device="cpu")
@@ -67,7 +67,7 @@ def test_base_checkpoint_into_a_classification_model(tmp_path):
         torch.testing.assert_close(model(**inputs()).logits, ref(**inputs()).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_classification_checkpoint_into_a_base_model(tmp_path):
+def test_classification_checkpoint_into_a_base_model(tmp_path, renaming):
     torch.manual_seed(0)
     transformers.BertForSequenceClassification(bert_config()).save_pretrained(tmp_path)
     ref = transformers.BertModel.from_pretrained(tmp_path).eval()
@@ -86,7 +86,17 @@ def test_classification_checkpoint_into_a_base_model(tmp_path):
         )
 
 
-def test_legacy_key_names_and_position_ids(tmp_path):
+@pytest.fixture(params=["transformers", "own"])
+def renaming(request, monkeypatch):
+    """Keys renamed by transformers' own helpers, or by ramtorch's (releases without them)."""
+    if request.param == "own":
+        from ramtorch.io import _keys
+
+        monkeypatch.setattr(_keys, "_hf_renamer", lambda model, targets: None)
+    return request.param
+
+
+def test_legacy_key_names_and_position_ids(tmp_path, renaming):
     """A checkpoint of the older layout: ``LayerNorm.gamma``/``beta`` and a saved ``position_ids``."""
     base_checkpoint(tmp_path / "new")
     sd = load_file(tmp_path / "new" / "model.safetensors")

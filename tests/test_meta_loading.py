@@ -144,3 +144,12 @@ def test_readme_typical_flow_runs(tmp_path, monkeypatch):
     ids = torch.randint(0, 97, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_parameters_of_self_streaming_layers_are_refused():
+    """Layers that stream themselves (as ramtorch.nn's do) keep their own memory: not allocated."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1]._ramtorch_streams_itself = True
+    with pytest.raises(ValueError, match=r"\['1\.weight', '1\.bias'\]"):
+        ramtorch.offload(model, device="cpu")

@@ -112,6 +112,15 @@ def offload(
             )
 
     raw_units, shared = collect_units(model, unit)
+    if meta_names:
+        placed = {id(p) for _, _, entries, _ in raw_units for _, _, p in entries}
+        left = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in placed]
+        if left:
+            raise ValueError(
+                f"ramtorch.offload: parameters {left[:5]} are on the meta device in modules that "
+                "stream themselves (ramtorch.nn layers), which offload does not allocate: build those "
+                "with their weights"
+            )
     units = [_Unit(k, name, m, entries) for k, (name, m, entries, _) in enumerate(raw_units)]
     shared_ids = {id(p) for p in shared}
     for u, raw in zip(units, raw_units):
