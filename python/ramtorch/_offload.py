@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,7 @@ from ._stream.units import _packed_bytes as _packed_bytes
 from ._stream.units import _Unit as _Unit
 from ._stream.units import collect_units as collect_units
 from ._stream.units import find_unit_roots as find_unit_roots
+from ._stream.units import materialize
 from ._units import _GIB
 from ._units import format_bytes as _fmt
 from ._units import parse_bytes as parse_bytes
@@ -81,6 +83,13 @@ def offload(
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
     units, and buffers stay on the device and count against the budget.
+
+    A model built without weights (on the meta device, or under accelerate's
+    ``init_empty_weights``) is allocated here, zeroed, for :func:`ramtorch.load` to fill: a load
+    that leaves one of those tensors unwritten raises, naming it. Its buffers on the meta device
+    are computed again as a transformers model computes them (it is built once more from its
+    config, with parameters on the meta device); other models' get zeros, and a warning names the
+    non-persistent ones, which no checkpoint holds.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramtorch.offload: model must be an nn.Module, got {type(model).__name__}")
@@ -92,9 +101,9 @@ def offload(
     dev = _engine.normalize_device(device)
     auto = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
     budget = _auto_budget(dev) if auto else parse_bytes(gpu_budget, "gpu_budget")
-    for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            raise ValueError(f"ramtorch.offload: parameter {name!r} is on the meta device (no data to keep)")
+    meta_names = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    if meta_names and _transformers_model(model):
+        model.tie_weights()  # as from_pretrained does (not done under accelerate's init_empty_weights)
     for name, m in model.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             raise ValueError(
@@ -103,6 +112,15 @@ def offload(
             )
 
     raw_units, shared = collect_units(model, unit)
+    if meta_names:
+        placed = {id(p) for _, _, entries, _ in raw_units for _, _, p in entries}
+        left = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in placed]
+        if left:
+            raise ValueError(
+                f"ramtorch.offload: parameters {left[:5]} are on the meta device in modules that "
+                "stream themselves (ramtorch.nn layers), which offload does not allocate: build those "
+                "with their weights"
+            )
     units = [_Unit(k, name, m, entries) for k, (name, m, entries, _) in enumerate(raw_units)]
     shared_ids = {id(p) for p in shared}
     for u, raw in zip(units, raw_units):
@@ -136,18 +154,13 @@ def offload(
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="ramtorch.offload", leave=False)
     with torch.no_grad():
         for p in shared:
-            p.data = p.data.to(dev)
-        for mod in model.modules():
-            for bname, b in mod._buffers.items():
-                if b is not None:
-                    mod._buffers[bname] = b.to(dev)
+            _move(p, dev)
+        computed = _place_buffers(model, dev)
         for u in units:
             if u.uid in resident_ids:
                 u.resident = True
                 for p in u.params:
-                    p.data = p.data.to(dev)
-                    if p.grad is not None:
-                        p.grad = p.grad.to(dev)
+                    _move(p, dev)
             else:
                 u.pack()
             if bar is not None:
@@ -155,6 +168,12 @@ def offload(
     if bar is not None:
         bar.close()
 
+    if meta_names:
+        # What a load must still fill: each tensor with its version now (any write bumps it).
+        sd = model.state_dict(keep_vars=True)
+        model._ramtorch_unwritten = {  # type: ignore[assignment]
+            n: (sd[n], sd[n]._version) for n in meta_names if n in sd and n not in computed
+        }
     if auto:
         _report_auto_plan(model, units, pl, budget, dev)
     if recompute:
@@ -208,6 +227,97 @@ def offload(
     _STREAMERS.add(streamer)
     streamer.eng.add_holder(streamer)
     return model
+
+
+def _move(p: nn.Parameter, dev: torch.device) -> None:
+    """Moves ``p`` (and its gradient) to ``dev``; one on the meta device is allocated there, zeroed."""
+    if p.is_meta:
+        materialize(p, torch.zeros(p.shape, dtype=p.dtype, device=dev))
+        return
+    p.data = p.data.to(dev)
+    if p.grad is not None:
+        p.grad = p.grad.to(dev)
+
+
+def _place_buffers(model: nn.Module, dev: torch.device) -> set[str]:
+    """Moves the buffers to ``dev``. Buffers on the meta device are computed again where the model
+    says how (a transformers model is built once more with its parameters on the meta device: its
+    rotary ``inv_freq``, ``position_ids``, ... come from its own ``__init__``); the others are
+    zeroed, and the non-persistent ones among them, which no checkpoint holds, are named in a
+    warning. Returns the names of the buffers computed again."""
+    meta = [(n, m, b) for n, m, b in _named_buffer_slots(model) if m._buffers[b].is_meta]  # type: ignore[union-attr]
+    fresh = _fresh_buffers(model) if meta else {}
+    unset, computed = [], set()
+    for name, mod, bname in meta:
+        b = mod._buffers[bname]
+        value = fresh.get(name)
+        if value is not None and tuple(value.shape) == tuple(b.shape):
+            mod._buffers[bname] = value.to(device=dev, dtype=b.dtype)
+            computed.add(name)
+        else:
+            mod._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=dev)
+            if bname in mod._non_persistent_buffers_set:
+                unset.append(name)
+    for mod in model.modules():
+        for bname, b in mod._buffers.items():
+            if b is not None and not b.is_meta:
+                mod._buffers[bname] = b.to(dev)
+    if unset:
+        warnings.warn(
+            f"ramtorch.offload: the non-persistent buffers {unset} were on the meta device and no "
+            "checkpoint holds them: they are zeros now. Set them (e.g. buffer.copy_(...)) before "
+            "using the model, or build it with real buffers (accelerate's init_empty_weights() "
+            "keeps buffers off the meta device)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return computed
+
+
+def _named_buffer_slots(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(qualified name, owner, name)`` of each buffer, once per owner."""
+    out = []
+    for prefix, mod in model.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is not None:
+                out.append((f"{prefix}.{bname}" if prefix else bname, mod, bname))
+    return out
+
+
+def _transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (never imports transformers)."""
+    base = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    return base is not None and isinstance(model, base)
+
+
+def _fresh_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a transformers model computes in its ``__init__``, from a second instance built
+    from its config with its parameters on the meta device (``{}`` for other models)."""
+    config = getattr(model, "config", None)
+    if not _transformers_model(model) or config is None:
+        return {}
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and not p.is_meta:
+            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        fresh = type(model)(config)
+    except Exception as e:  # a model whose class cannot be built from its config alone
+        warnings.warn(
+            f"ramtorch.offload: could not rebuild {type(model).__name__} from its config to compute its "
+            f"buffers on the meta device ({e!r})",
+            UserWarning,
+            stacklevel=4,
+        )
+        return {}
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+    return {n: b for n, b in fresh.named_buffers(remove_duplicate=False) if not b.is_meta}
 
 
 _DEVICE_VIEWS: dict[type, type] = {}

@@ -133,6 +133,21 @@ def collect_units(
     return units, list(shared.values())
 
 
+def materialize(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Gives parameter ``p``, on the meta device, the storage of ``value`` (same shape and dtype),
+    keeping ``p``'s identity (every module and optimizer holding it sees the change):
+    ``p.data = value`` cannot move a tensor off the meta device."""
+    new = nn.Parameter(value, requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)
+    try:
+        torch.utils.swap_tensors(p, new)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"ramtorch.offload: a parameter of shape {list(p.shape)} on the meta device cannot be "
+            f"allocated in place ({e}); build the model without references to its meta parameters"
+        ) from e
+
+
 def _packed_bytes(params: Sequence[torch.Tensor]) -> int:
     """Bytes of the arena region :func:`ramtorch._arena.pack_mixed` makes for ``params``."""
     total = 0
@@ -222,6 +237,10 @@ class _Unit:
         flat, views = _arena.pack_mixed([(tuple(p.shape), p.dtype) for p in self.params])
         with torch.no_grad():
             for p, v in zip(self.params, views):
+                if p.is_meta:  # built on the meta device: allocated here, zeroed, filled by a load
+                    v.zero_()
+                    materialize(p, v)
+                    continue
                 v.copy_(p.detach())
                 grad = p.grad
                 p.data = v

@@ -15,10 +15,12 @@ written atomically (temporary file, fsync, rename, directory fsync), the index l
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from .. import _arena, _engine
 from .._units import parse_bytes
 from ._dtypes import NATIVE, ST_TO_TORCH, TORCH_TO_ST
 from ._files import fsync_dir, read_regular, write_atomic
+from ._keys import ignored_missing, ignored_unexpected, map_keys
 from ._progress import progress_bar
 from ._reader import Batches, SafetensorsReader, plain_loading, settle_engines
 from .format import check_storable, header, write_file
@@ -82,6 +85,13 @@ def _resolve(path_or_dir: str | os.PathLike[str]) -> list[tuple[Path, list[str] 
 def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
     """The model's state-dict tensors by name, and groups of names that share one tensor."""
     sd = model.state_dict(keep_vars=True)
+    meta = [name for name, t in sd.items() if t.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"ramtorch.load: {len(meta)} tensors of the model are on the meta device (e.g. {meta[:3]}), "
+            "with no memory to load into: ramtorch.offload(model) allocates them in host RAM "
+            "(or model.to_empty(device=...) allocates them uninitialised)"
+        )
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name, t in sd.items():
         key: tuple[Any, ...] = (id(t),)
@@ -111,11 +121,21 @@ def load(
         progress: show a progress bar over bytes (default: when loading more than 1 GiB).
 
     Returns:
-        ``{"missing": [...], "unexpected": [...], "bytes": n, "seconds": t}``.
+        ``{"missing": [...], "unexpected": [...], "bytes": n, "seconds": t}``: the model's keys
+        the files do not hold and the files' keys the model does not have (also in a
+        ``UserWarning`` with ``strict=False``).
+
+    A transformers model's keys are matched as its ``from_pretrained`` matches them: the base
+    model prefix (``bert.``, ``model.``) added or stripped, legacy names renamed
+    (``LayerNorm.gamma``), and the keys the model ignores (its ``_keys_to_ignore_on_load_*``
+    patterns, non-persistent buffers such as ``position_ids`` that older files hold) not reported.
+    A tensor :func:`ramtorch.offload` allocated for a model built on the meta device that the
+    files do not hold, and nothing has written since, is an error even with ``strict=False``.
 
     Raises:
-        RuntimeError: key mismatch (with ``strict``), shape mismatch, or a dtype that cannot be
-            converted; nothing has been written then.
+        RuntimeError: key mismatch (with ``strict``), shape mismatch, a dtype that cannot be
+            converted, a meta-device tensor left unloaded, or a model still on the meta device
+            (not offloaded); nothing has been written then.
         ValueError: a file that is not valid safetensors (truncated, inconsistent header, ...).
         OSError: a file that cannot be opened.
 
@@ -143,7 +163,7 @@ def _load_into(
     targets, groups = _targets(model)
 
     files = [(path, SafetensorsReader(path), keys) for path, keys in _resolve(path_or_dir)]
-    source: dict[str, tuple[SafetensorsReader, str, tuple[int, ...]]] = {}
+    source: dict[str, tuple[SafetensorsReader, str, tuple[int, ...], str]] = {}
     for path, f, keys in files:
         entries = {name: (dtype, shape) for name, (dtype, shape) in f.entries.items()}
         if keys is not None:
@@ -158,10 +178,13 @@ def _load_into(
             if name in source:
                 first = source[name][0].path
                 raise ValueError(f"ramtorch.load: key {name!r} is in both {first!r} and {str(path)!r}")
-            source[name] = (f, dtype, shape)
+            source[name] = (f, dtype, shape, name)
+    # Checkpoint keys under the model's names (transformers models: as from_pretrained maps them).
+    renamed = map_keys(model, source, targets)
+    source = {renamed[k]: v for k, v in source.items()}
 
     # Plan everything before writing anything.
-    plan: list[tuple[str, torch.Tensor, SafetensorsReader, str]] = []
+    plan: list[tuple[str, str, torch.Tensor, SafetensorsReader, str]] = []
     missing: list[str] = []
     for names in groups:
         present = [n for n in names if n in source]
@@ -170,39 +193,54 @@ def _load_into(
             continue
         name = present[0]
         t = targets[name]
-        f, dtype, shape = source[name]
+        f, dtype, shape, key = source[name]
         if tuple(t.shape) != shape:
             raise RuntimeError(
-                f"ramtorch.load: shape mismatch for {name!r}: the file ({f.path!r}) has {list(shape)}, "
-                f"the model has {list(t.shape)}"
+                f"ramtorch.load: shape mismatch for {name!r}: the file ({f.path!r}) has {list(shape)}"
+                + (f" under {key!r}" if key != name else "")
+                + f", the model has {list(t.shape)}"
             )
         if dtype not in ST_TO_TORCH:
-            raise RuntimeError(f"ramtorch.load: {name!r} has dtype {dtype}, which torch cannot hold")
-        plan.append((name, t, f, dtype))
-    unexpected = sorted(set(source) - set(targets))
-    if strict and (missing or unexpected):
+            raise RuntimeError(f"ramtorch.load: {key!r} has dtype {dtype}, which torch cannot hold")
+        plan.append((name, key, t, f, dtype))
+    # Tensors ramtorch.offload allocated for a meta-device model and nothing has written since.
+    unwritten = getattr(model, "_ramtorch_unwritten", None) or {}
+    never = [n for n in missing if n in unwritten and unwritten[n][0]._version == unwritten[n][1]]
+    if never:
         raise RuntimeError(
-            "ramtorch.load: keys do not match the model"
+            f"ramtorch.load: the checkpoint does not hold {never}, which the model was built without "
+            "(on the meta device): they would stay zeros. Load a checkpoint that has them, or set "
+            "them first (e.g. module.reset_parameters() after ramtorch.offload)"
+        )
+    skip_missing, skip_unexpected = ignored_missing(model), ignored_unexpected(model)
+    missing = [n for n in missing if not skip_missing(n)]
+    unexpected = sorted(source[n][3] for n in source if n not in targets and not skip_unexpected(n))
+    if missing or unexpected:
+        what = (
+            "keys do not match the model"
             + (f"; missing from the checkpoint: {missing}" if missing else "")
             + (f"; unexpected in the checkpoint: {unexpected}" if unexpected else "")
         )
+        if strict:
+            raise RuntimeError(f"ramtorch.load: {what}")
+        warnings.warn(f"ramtorch.load(strict=False): {what}", UserWarning, stacklevel=4)
 
-    total = sum(f.nbytes(name) for name, _, f, _ in plan)
+    total = sum(f.nbytes(key) for _, key, _, f, _ in plan)
     bar = progress_bar(progress, total, "ramtorch.load")
     # Tensors that go straight into host memory are copied in batches per file, which all cores
     # share; the rest go through a staging buffer.
     order = {id(f): i for i, (_, f, _) in enumerate(files)}
-    plan.sort(key=lambda e: order[id(e[2])])
+    plan.sort(key=lambda e: order[id(e[3])])
     staging: torch.Tensor | None = None
     batches = Batches(bar)
     plain = plain_loading(model)
     routed: dict[str, torch.Tensor] = {}  # for modules with their own loading: load_state_dict
     try:
-        for name, t, f, dtype in plan:
-            nbytes = f.nbytes(name)
+        for name, key, t, f, dtype in plan:
+            nbytes = f.nbytes(key)
             if not plain(name.rpartition(".")[0]):
                 tmp = torch.empty(t.shape, dtype=ST_TO_TORCH[dtype])
-                f.copy_many([(name, tmp, nbytes, dtype)])
+                f.copy_many([(key, tmp, nbytes, dtype)])
                 routed[name] = tmp
                 if bar is not None:
                     bar.update(nbytes)
@@ -212,7 +250,7 @@ def _load_into(
             if t.numel() == 0:
                 pass
             elif native and t.device.type == "cpu" and t.is_contiguous():
-                batches.add(f, (name, t, t.numel() * t.element_size(), want), t)
+                batches.add(f, (key, t, t.numel() * t.element_size(), want), t)
                 continue
             else:
                 # Through the staging buffer: converted by Rust when it can, else by torch.
@@ -220,7 +258,7 @@ def _load_into(
                 n = t.numel() * (t.element_size() if native else torch.empty(0, dtype=sdtype).element_size())
                 if staging is None or staging.numel() < n:
                     staging = _arena.host_bytes(max(n, 1 << 20))
-                f.copy_many([(name, staging, n, want if native else dtype)])
+                f.copy_many([(key, staging, n, want if native else dtype)])
                 t.copy_(staging[:n].view(sdtype).view(t.shape))
             if bar is not None:
                 bar.update(nbytes)
@@ -231,6 +269,10 @@ def _load_into(
         if bar is not None:
             bar.close()
     settle_engines()  # forget what device slots held before
+    if unwritten:
+        model._ramtorch_unwritten = {  # type: ignore[assignment]
+            n: (t, v) for n, (t, v) in unwritten.items() if t._version == v
+        }
     return {
         "missing": missing,
         "unexpected": unexpected,
@@ -260,7 +302,9 @@ def save(
     under a temporary name in ``save_dir``, flushed to disk and renamed; the index comes last, so a
     reader never sees an index naming incomplete shards. Tensors that several names share (tied
     weights) are written once, under their first name. Shards and an index from an earlier save
-    that this one does not rewrite are removed. Returns the names of the files written.
+    that this one does not rewrite are removed. A transformers model also gets its
+    ``config.json`` (and ``generation_config.json`` if it generates), so that ``from_pretrained`` of
+    ``save_dir`` builds it. Returns the names of the files written.
 
     Tensors are written straight from their memory (device tensors through host memory in
     chunks), so saving holds no second copy of a shard. ``progress``: a progress bar over bytes
@@ -329,5 +373,32 @@ def save(
     for f in out.iterdir():
         if stale.fullmatch(f.name) and f.name not in names:
             f.unlink()
+    names += _write_configs(model, out)
     fsync_dir(out)
     return names
+
+
+def _write_configs(model: nn.Module, out: Path) -> list[str]:
+    """A transformers model's ``config.json`` (with its class as the architecture and its weights'
+    dtype, as its ``save_pretrained`` writes them) and, if it generates, ``generation_config.json``:
+    then ``from_pretrained`` of the folder builds the same model. Nothing for other models."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return []
+    config = copy.deepcopy(config)
+    cls = type(model).__dict__.get("_ramtorch_base_class", type(model))
+    config.architectures = [cls.__name__]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is not None:
+        config.dtype = str(dtype).split(".")[1]
+    written = []
+    files = [("config.json", config)]
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        files.append(("generation_config.json", generation))
+    for fname, cfg in files:
+        text = cfg.to_json_string(use_diff=True).encode()
+        write_atomic(out / fname, lambda f, text=text: f.write(text), "ramtorch.save_pretrained")
+        written.append(fname)
+    return written
