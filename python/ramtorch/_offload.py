@@ -36,6 +36,7 @@ from ._stream.streamer import streamers as streamers
 from ._stream.units import _Entry as _Entry
 from ._stream.units import _packed_bytes as _packed_bytes
 from ._stream.units import _Unit as _Unit
+from ._stream.units import check_streamable, move_param, stream_tensors
 from ._stream.units import collect_units as collect_units
 from ._stream.units import find_unit_roots as find_unit_roots
 from ._units import _GIB
@@ -95,6 +96,8 @@ def offload(
     for name, p in model.named_parameters():
         if p.device.type == "meta":
             raise ValueError(f"ramtorch.offload: parameter {name!r} is on the meta device (no data to keep)")
+    for name, p in model.named_parameters():
+        check_streamable(name, p)
     for name, m in model.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             raise ValueError(
@@ -118,7 +121,7 @@ def offload(
     for k, u in enumerate(units):
         u.uid = k
     buffers = [b for b in model.buffers()]
-    fixed = sum(_arena._nbytes(p.shape, p.dtype) for p in shared)
+    fixed = sum(_arena._nbytes(t.shape, t.dtype) for t in stream_tensors(shared)[0])
     fixed += sum(_arena._nbytes(b.shape, b.dtype) for b in buffers)
     pl = plan(
         [u.nbytes for u in units], [k for k, u in enumerate(units) if u.container], budget, inflight, fixed
@@ -136,7 +139,7 @@ def offload(
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="ramtorch.offload", leave=False)
     with torch.no_grad():
         for p in shared:
-            p.data = p.data.to(dev)
+            move_param(p, dev)
         for mod in model.modules():
             for bname, b in mod._buffers.items():
                 if b is not None:
@@ -145,9 +148,7 @@ def offload(
             if u.uid in resident_ids:
                 u.resident = True
                 for p in u.params:
-                    p.data = p.data.to(dev)
-                    if p.grad is not None:
-                        p.grad = p.grad.to(dev)
+                    move_param(p, dev)
             else:
                 u.pack()
             if bar is not None:
