@@ -96,6 +96,19 @@ def test_int8_weights_stream_by_their_inner_tensors():
         torch.testing.assert_close(plain(sd[k]), plain(v), rtol=0, atol=0)
 
 
+def test_in_place_edit_of_a_quantized_weight_is_seen_by_the_next_pass():
+    ref = quantized_net()
+    m = copy.deepcopy(ref)
+    ramtorch.offload(m, device="cpu")
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        m(x), m(x)  # the first units of the next pass are prefetched
+        for model in (m, ref):
+            model.blocks[0].up.weight.qdata.mul_(-1)
+            model.blocks[2].down.weight.scale.mul_(3)
+        torch.testing.assert_close(m(x), ref(x), rtol=0, atol=0)
+
+
 def test_input_gradients_through_frozen_int8_weights():
     ref = quantized_net()
     for p in ref.parameters():

@@ -164,7 +164,11 @@ class GradientHooks:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device == self.device:
-            if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+            if (
+                type(t) is not torch.Tensor
+                and type(t) is not nn.Parameter
+                and is_traceable_wrapper_subclass(t)
+            ):
                 return self._pack_subclass(t)
             u = self.slot_owner.get(t.untyped_storage().data_ptr())
             if u is not None:

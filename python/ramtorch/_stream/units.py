@@ -441,4 +441,8 @@ class _Unit:
         return True
 
     def key(self) -> int:
+        if self.tree is not None:
+            # A subclass's own version counter does not see in-place edits of its inner tensors.
+            tensors = stream_tensors(self.params)[0]
+            return hash((self.gen, tuple(t._version for t in tensors))) & ((1 << 63) - 1)
         return hash((self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
