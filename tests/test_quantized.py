@@ -230,11 +230,11 @@ def lora_pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
     return ref, copy.deepcopy(ref)
 
 
-@pytest.mark.parametrize("opt", ["torch", "ramtorch"])
-def test_qlora_trains_like_the_plain_model(opt: str):
+@pytest.mark.parametrize(("opt", "recompute"), [("torch", False), ("ramtorch", False), ("ramtorch", True)])
+def test_qlora_trains_like_the_plain_model(opt: str, recompute: bool):
     ref, m = lora_pair()
     assert all(not p.requires_grad for n, p in m.named_parameters() if "lora_" not in n)
-    ramtorch.offload(m, device="cpu")
+    ramtorch.offload(m, device="cpu", recompute=recompute)
     assert type(m.base_model.model.blocks[0].up.base_layer.weight).__name__ == "Int8Tensor"
     lora = [p for p in m.parameters() if p.requires_grad]
     lora_ref = [p for p in ref.parameters() if p.requires_grad]
