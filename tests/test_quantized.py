@@ -96,6 +96,31 @@ def test_int8_weights_stream_by_their_inner_tensors():
         torch.testing.assert_close(plain(sd[k]), plain(v), rtol=0, atol=0)
 
 
+def test_float8_weights_stream_by_their_inner_tensors():
+    from torchao.quantization import Float8WeightOnlyConfig
+
+    torch.manual_seed(0)
+    ref = Net().to(torch.bfloat16)
+    quantize_(
+        ref, Float8WeightOnlyConfig(), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and fqn != "inp"
+    )
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    m = copy.deepcopy(ref)
+    ramtorch.offload(m, device="cpu")
+    assert type(m.blocks[1].down.weight).__name__ == "Float8Tensor"
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    out, out_ref = m(xs[0]), ref(xs[1])
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    out.float().square().sum().backward()
+    out_ref.float().square().sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=0, atol=0)
+    q, full = inner_bytes(m)
+    plain = sum(p.numel() * p.element_size() for p in m.parameters() if type(p) is nn.Parameter)
+    assert q + plain <= m._ramtorch_streamer.stats()["streamed_bytes_per_pass"] < full / 2 + plain + 4096
+
+
 def test_in_place_edit_of_a_quantized_weight_is_seen_by_the_next_pass():
     ref = quantized_net()
     m = copy.deepcopy(ref)
