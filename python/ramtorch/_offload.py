@@ -82,6 +82,12 @@ def offload(
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
     units, and buffers stay on the device and count against the budget.
+
+    Parameters that are tensor subclasses over plain tensors (torchao quantized weights: int8,
+    float8) stream by their inner tensors (``__tensor_flatten__``), so the quantized bytes cross
+    the link, and are rebuilt around them on the device (``__tensor_unflatten__``). They must be
+    frozen (``requires_grad=False``, as in QLoRA); a subclass that requires grad, or whose bytes
+    cannot be found that way, is refused with an error naming the parameter.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramtorch.offload: model must be an nn.Module, got {type(model).__name__}")
