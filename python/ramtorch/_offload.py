@@ -37,9 +37,9 @@ from ._stream.streamer import streamers as streamers
 from ._stream.units import _Entry as _Entry
 from ._stream.units import _packed_bytes as _packed_bytes
 from ._stream.units import _Unit as _Unit
+from ._stream.units import check_streamable, materialize, move_param, stream_tensors
 from ._stream.units import collect_units as collect_units
 from ._stream.units import find_unit_roots as find_unit_roots
-from ._stream.units import materialize
 from ._units import _GIB
 from ._units import format_bytes as _fmt
 from ._units import parse_bytes as parse_bytes
@@ -90,6 +90,12 @@ def offload(
     are computed again as a transformers model computes them (it is built once more from its
     config, with parameters on the meta device); other models' get zeros, and a warning names the
     non-persistent ones, which no checkpoint holds.
+
+    Parameters that are tensor subclasses over plain tensors (torchao quantized weights: int8,
+    float8) stream by their inner tensors (``__tensor_flatten__``), so the quantized bytes cross
+    the link, and are rebuilt around them on the device (``__tensor_unflatten__``). They must be
+    frozen (``requires_grad=False``, as in QLoRA); a subclass that requires grad, or whose bytes
+    cannot be found that way, is refused with an error naming the parameter.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramtorch.offload: model must be an nn.Module, got {type(model).__name__}")
@@ -104,6 +110,9 @@ def offload(
     meta_names = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
     if meta_names and _transformers_model(model):
         model.tie_weights()  # as from_pretrained does (not done under accelerate's init_empty_weights)
+    for name, p in model.named_parameters():
+        if not p.is_meta:
+            check_streamable(name, p)
     for name, m in model.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             raise ValueError(
@@ -136,7 +145,7 @@ def offload(
     for k, u in enumerate(units):
         u.uid = k
     buffers = [b for b in model.buffers()]
-    fixed = sum(_arena._nbytes(p.shape, p.dtype) for p in shared)
+    fixed = sum(_arena._nbytes(t.shape, t.dtype) for t in stream_tensors(shared)[0])
     fixed += sum(_arena._nbytes(b.shape, b.dtype) for b in buffers)
     pl = plan(
         [u.nbytes for u in units], [k for k, u in enumerate(units) if u.container], budget, inflight, fixed
@@ -234,9 +243,7 @@ def _move(p: nn.Parameter, dev: torch.device) -> None:
     if p.is_meta:
         materialize(p, torch.zeros(p.shape, dtype=p.dtype, device=dev))
         return
-    p.data = p.data.to(dev)
-    if p.grad is not None:
-        p.grad = p.grad.to(dev)
+    move_param(p, dev)  # a tensor subclass moves by its inner tensors
 
 
 def _place_buffers(model: nn.Module, dev: torch.device) -> set[str]:

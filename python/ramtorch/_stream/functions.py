@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import _engine
 from .units import _Unit
@@ -75,6 +76,20 @@ class _SlotRef:
         self.dtype = t.dtype
         self.offset = t.storage_offset()
         self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+
+
+class _SubRef:
+    """A saved tensor subclass some of whose inner tensors live in a unit's slot: rebuilt around
+    them (each a :class:`_SlotRef`) at unpack time."""
+
+    __slots__ = ("cls", "ctx", "inner", "size", "stride")
+
+    def __init__(self, t: torch.Tensor, inner: dict[str, Any], ctx: Any) -> None:
+        self.cls = type(t)
+        self.ctx = ctx
+        self.inner = inner
+        self.size = t.size()
         self.stride = tuple(t.stride())
 
 
@@ -149,14 +164,32 @@ class GradientHooks:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device == self.device:
+            if (
+                type(t) is not torch.Tensor
+                and type(t) is not nn.Parameter
+                and is_traceable_wrapper_subclass(t)
+            ):
+                return self._pack_subclass(t)
             u = self.slot_owner.get(t.untyped_storage().data_ptr())
             if u is not None:
                 return _SlotRef(u, t)
         return t
 
+    def _pack_subclass(self, t: torch.Tensor) -> Any:
+        """A saved tensor subclass (a quantized weight): its inner tensors that live in a slot
+        are kept as references, as plain tensors are."""
+        names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        inner = {n: self._pack(getattr(t, n)) for n in names}
+        if all(inner[n] is getattr(t, n) for n in names):
+            return t
+        return _SubRef(t, inner, ctx)
+
     def _unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, _SlotRef):
             return self.weight_for_backward(obj)
+        if type(obj) is _SubRef:
+            inner = {n: self._unpack(x) for n, x in obj.inner.items()}
+            return obj.cls.__tensor_unflatten__(inner, obj.ctx, obj.size, obj.stride)  # type: ignore[attr-defined]
         return obj
 
     def weight_for_backward(self, ref: _SlotRef) -> torch.Tensor:

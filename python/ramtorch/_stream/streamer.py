@@ -204,14 +204,24 @@ class Streamer(Prefetcher, GradientHooks):
             assert u.layout is not None
             buf = self.eng.slot(slot)
             views = u.layout.views(buf)
+            if u.tree is not None:
+                views = u.device_params(views)  # tensor subclasses rebuilt around their inner tensors
         self.eng.mark(u.tag, MARK_FWD_BEGIN)
         grad = torch.is_grad_enabled()
         wants = grad and not recompute and any(p.requires_grad for p in u.params)
         fetch = None
         if wants:
             u.fetches += 1
-            dev = _Fetch.apply(u.anchor, u, self, *views)
-            fetch = dev[0].grad_fn
+            if u.tree is None:
+                dev = _Fetch.apply(u.anchor, u, self, *views)
+                fetch = dev[0].grad_fn
+            else:
+                # Subclassed weights are frozen (offload checks): a placeholder passes for them.
+                dev = _Fetch.apply(
+                    u.anchor, u, self, *[v if type(v) is torch.Tensor else u.anchor for v in views]
+                )
+                fetch = dev[0].grad_fn
+                dev = [d if type(v) is torch.Tensor else v for d, v in zip(dev, views)]
             dev = [d if p.requires_grad else d.detach() for d, p in zip(dev, u.params)]
         elif recompute and grad:
             dev = _leaves(views, u.params)
@@ -308,7 +318,10 @@ class Streamer(Prefetcher, GradientHooks):
             # Code that runs the unit's submodules during its backward (a checkpointed region
             # inside the unit recomputing) must find the weights on the device.
             assert u.layout is not None
-            views = _leaves(u.layout.views(self.eng.slot(u.bwd)), u.params)
+            views = u.layout.views(self.eng.slot(u.bwd))
+            if u.tree is not None:
+                views = u.device_params(views)
+            views = _leaves(views, u.params)
             for e in u.entries:
                 e.owner._parameters[e.name] = views[e.index]  # type: ignore[assignment]
         self._prefetch_along(self.bwd_itin, self.bwd_pos, u)

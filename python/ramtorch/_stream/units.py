@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import _arena, _engine
 
@@ -148,10 +149,137 @@ def materialize(p: torch.Tensor, value: torch.Tensor) -> None:
         ) from e
 
 
-def _packed_bytes(params: Sequence[torch.Tensor]) -> int:
-    """Bytes of the arena region :func:`ramtorch._arena.pack_mixed` makes for ``params``."""
-    total = 0
+@dataclass
+class _Sub:
+    """A tensor subclass parameter (torchao quantized weights, float8) streamed by its inner
+    tensors: how to rebuild it (``__tensor_unflatten__``) around them. ``inner`` maps each inner
+    tensor's name to its index among the unit's packed tensors, or to the ``_Sub`` of an inner
+    subclass."""
+
+    cls: type
+    ctx: Any
+    size: torch.Size
+    stride: tuple[int, ...]
+    inner: dict[str, int | _Sub]
+
+    def build(self, leaves: Sequence[Any]) -> torch.Tensor:
+        """The subclass around ``leaves`` (the unit's packed tensors, on the host or in a slot)."""
+        inner = {n: x.build(leaves) if isinstance(x, _Sub) else leaves[x] for n, x in self.inner.items()}
+        return self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)  # type: ignore[attr-defined]
+
+
+def _is_plain(p: torch.Tensor) -> bool:
+    return type(p) is nn.Parameter or type(p) is torch.Tensor or not is_traceable_wrapper_subclass(p)
+
+
+def _subclass_tree(t: torch.Tensor, leaves: list[torch.Tensor]) -> _Sub:
+    """``t``'s inner tensors, appended to ``leaves`` (inner subclasses flattened in turn)."""
+    names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner: dict[str, int | _Sub] = {}
+    for n in names:
+        x = getattr(t, n)
+        if is_traceable_wrapper_subclass(x):
+            inner[n] = _subclass_tree(x, leaves)
+        else:
+            inner[n] = len(leaves)
+            leaves.append(x)
+    return _Sub(type(t), ctx, t.size(), tuple(t.stride()), inner)
+
+
+def stream_tensors(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int | _Sub] | None]:
+    """The plain tensors that carry ``params`` across the link, and per parameter its index among
+    them or, for a tensor subclass, its :class:`_Sub`; ``None`` when every parameter is plain (the
+    tensors are then the parameters themselves)."""
+    if all(_is_plain(p) for p in params):
+        return list(params), None
+    leaves: list[torch.Tensor] = []
+    tree: list[int | _Sub] = []
     for p in params:
+        if _is_plain(p):
+            tree.append(len(leaves))
+            leaves.append(p)
+        else:
+            tree.append(_subclass_tree(p, leaves))
+    return leaves, tree
+
+
+def _set_inner(t: torch.Tensor, sub: _Sub, leaves: Sequence[torch.Tensor]) -> None:
+    """Points the subclass tensor ``t``'s inner tensors at ``leaves`` (in place: ``t`` may be a
+    parameter the optimizer, hooks or the user hold)."""
+    for n, x in sub.inner.items():
+        if isinstance(x, _Sub):
+            _set_inner(getattr(t, n), x, leaves)
+        else:
+            setattr(t, n, leaves[x])
+
+
+def move_param(p: nn.Parameter, device: torch.device) -> None:
+    """Moves ``p`` (plain, or a tensor subclass: by its inner tensors) and its gradient to ``device``."""
+    leaves, tree = stream_tensors([p])
+    if tree is None:
+        p.data = p.data.to(device)
+    else:
+        assert isinstance(tree[0], _Sub)
+        _set_inner(p, tree[0], [t.to(device) for t in leaves])
+    if p.grad is not None:
+        p.grad = p.grad.to(device)
+
+
+def check_streamable(name: str, p: torch.Tensor) -> None:
+    """Refuses, naming ``name``, a parameter that cannot live in a unit's host region: a tensor
+    subclass whose storage is not plain dense tensors reachable through ``__tensor_flatten__``, or
+    one that requires grad (streamed subclasses are frozen weights)."""
+    what = f"ramtorch.offload: parameter {name!r} ({type(p).__module__}.{type(p).__qualname__})"
+    if _is_plain(p):
+        if p.is_quantized or p.layout != torch.strided:
+            raise TypeError(
+                f"{what} is a {'quantized' if p.is_quantized else str(p.layout)} tensor; streamed "
+                "parameters are dense tensors or tensor subclasses with dense inner tensors "
+                "(torchao quantized weights)"
+            )
+        try:
+            p.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError) as e:
+            raise TypeError(
+                f"{what} is a tensor subclass without storage of its own and without "
+                "__tensor_flatten__/__tensor_unflatten__: ramtorch cannot tell which bytes to stream"
+            ) from e
+        return
+    if p.requires_grad:
+        raise ValueError(
+            f"{what} is a tensor subclass that requires grad: ramtorch streams subclassed (quantized) "
+            "weights as frozen weights only, as QLoRA uses them. Freeze it (p.requires_grad_(False)) "
+            "and train adapters (peft LoRA) or plain parameters next to it"
+        )
+    leaves: list[torch.Tensor] = []
+    try:
+        sub = _subclass_tree(p, leaves)
+        _set_inner(p, sub, leaves)  # the attributes must be settable: the unit points them at its region
+        rebuilt = sub.build(leaves)
+    except Exception as e:
+        raise TypeError(
+            f"{what} is a tensor subclass that ramtorch cannot stream by its inner tensors "
+            f"(__tensor_flatten__, setting them, __tensor_unflatten__ failed: {e})"
+        ) from e
+    if type(rebuilt) is not type(p) or rebuilt.shape != p.shape or rebuilt.dtype != p.dtype:
+        raise TypeError(f"{what}: __tensor_unflatten__ of its inner tensors does not give it back")
+    for t in leaves:
+        if (
+            (type(t) is not torch.Tensor and type(t) is not nn.Parameter)
+            or t.is_quantized
+            or t.layout != torch.strided
+        ):
+            raise TypeError(
+                f"{what} holds an inner tensor of type {type(t).__name__} (layout {t.layout}); "
+                "only subclasses whose inner tensors are plain dense tensors can be streamed"
+            )
+
+
+def _packed_bytes(params: Sequence[torch.Tensor]) -> int:
+    """Bytes of the arena region :func:`ramtorch._arena.pack_mixed` makes for ``params`` (a tensor
+    subclass counts the bytes of its inner tensors: what crosses the link)."""
+    total = 0
+    for p in stream_tensors(params)[0]:
         total = -(-total // 64) * 64 + _arena._nbytes(p.shape, p.dtype)
     return total
 
@@ -216,6 +344,9 @@ class _Unit:
         self.resident = False
         self.container = False  # holds other units: stays resident (it would hold a slot all pass)
         self.gen = 0
+        # Per parameter, where its packed tensors are, when some parameter is a tensor subclass
+        # (see :func:`stream_tensors`); ``None`` (the fast path) when each parameter is one tensor.
+        self.tree: list[int | _Sub] | None = None
         self.flat: torch.Tensor | None = None
         self.layout: _engine.Layout | None = None
         self.home: list[int] = []
@@ -233,25 +364,52 @@ class _Unit:
         self.ready: list[nn.Parameter] = []
 
     def pack(self) -> None:
-        """Moves the parameters (and their grads) into one arena region."""
-        flat, views = _arena.pack_mixed([(tuple(p.shape), p.dtype) for p in self.params])
+        """Moves the parameters (and their grads) into one arena region; a tensor subclass moves
+        by its inner tensors."""
+        leaves, tree = stream_tensors(self.params)
+        flat, views = _arena.pack_mixed([(tuple(t.shape), t.dtype) for t in leaves])
         with torch.no_grad():
-            for p, v in zip(self.params, views):
-                if p.is_meta:  # built on the meta device: allocated here, zeroed, filled by a load
-                    v.zero_()
-                    materialize(p, v)
-                    continue
-                v.copy_(p.detach())
-                grad = p.grad
-                p.data = v
-                if grad is not None:
-                    g = _arena.host_empty(tuple(p.shape), p.dtype)
-                    g.copy_(grad)
-                    p.grad = g
+            if tree is None:
+                for p, v in zip(self.params, views):
+                    if p.is_meta:  # built on the meta device: allocated here, zeroed, filled by a load
+                        v.zero_()
+                        materialize(p, v)
+                        continue
+                    v.copy_(p.detach())
+                    grad = p.grad
+                    p.data = v
+                    if grad is not None:
+                        g = _arena.host_empty(tuple(p.shape), p.dtype)
+                        g.copy_(grad)
+                        p.grad = g
+            else:
+                for t, v in zip(leaves, views):
+                    v.copy_(t.detach())
+                self._place(tree, views)
+        self.tree = tree
         self.flat = flat
         self.layout = _engine.Layout(flat, views)
         self.home = [v.data_ptr() for v in views]
         self.gen = _engine.next_generation()  # unique across models: slot keys of one engine never collide
+
+    def _place(self, tree: list[int | _Sub], views: Sequence[torch.Tensor]) -> None:
+        """Points the parameters at ``views`` (their packed tensors), plain or subclass."""
+        for p, x in zip(self.params, tree):
+            if isinstance(x, _Sub):
+                _set_inner(p, x, views)
+            else:
+                grad = p.grad
+                p.data = views[x]
+                if grad is not None:
+                    g = _arena.host_empty(tuple(p.shape), p.dtype)
+                    g.copy_(grad)
+                    p.grad = g
+
+    def device_params(self, views: Sequence[Any]) -> list[Any]:
+        """Per parameter, its tensor made of ``views`` (the packed tensors in a slot): the view
+        itself, or a tensor subclass rebuilt around its inner views. For units with a ``tree``."""
+        assert self.tree is not None
+        return [x.build(views) if isinstance(x, _Sub) else views[x] for x in self.tree]
 
     def reset_backward_counts(self) -> None:
         self.fetches = 0
@@ -264,11 +422,18 @@ class _Unit:
         assert self.layout is not None
         views = self.layout.views(flat)
         with torch.no_grad():
-            for p, v in zip(self.params, views):
-                assert v is not None
+            if self.tree is None:
+                for p, v in zip(self.params, views):
+                    assert v is not None
+                    if copy:
+                        v.copy_(p.detach())
+                    p.data = v
+            else:
                 if copy:
-                    v.copy_(p.detach())
-                p.data = v
+                    for t, v in zip(stream_tensors(self.params)[0], views):
+                        assert v is not None
+                        v.copy_(t.detach())
+                self._place(self.tree, views)  # type: ignore[arg-type]
         self.flat = flat
         self.layout = _engine.Layout(flat, views)
         self.home = [v.data_ptr() for v in views if v is not None]
@@ -278,10 +443,25 @@ class _Unit:
         lay = self.layout
         if lay is None:
             return False
+        if self.tree is not None:
+            return self._is_home_tree(lay)
         for p, ptr, e in zip(self.params, self.home, lay.entries):
             if p.device.type != "cpu" or p.data_ptr() != ptr or e is None or p.dtype != e[2]:
                 return False
         return True
 
+    def _is_home_tree(self, lay: _engine.Layout) -> bool:
+        leaves, tree = stream_tensors(self.params)
+        if tree is None or len(leaves) != len(self.home):
+            return False
+        for t, ptr, e in zip(leaves, self.home, lay.entries):
+            if t.device.type != "cpu" or t.data_ptr() != ptr or e is None or t.dtype != e[2]:
+                return False
+        return True
+
     def key(self) -> int:
+        if self.tree is not None:
+            # A subclass's own version counter does not see in-place edits of its inner tensors.
+            tensors = stream_tensors(self.params)[0]
+            return hash((self.gen, tuple(t._version for t in tensors))) & ((1 << 63) - 1)
         return hash((self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
