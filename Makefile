@@ -4,7 +4,7 @@ RAMTORCH_VENV ?= $(HOME)/.cache/ramtorch/venv
 PY := $(RAMTORCH_VENV)/bin/python
 ACT := VIRTUAL_ENV=$(RAMTORCH_VENV) PATH=$(RAMTORCH_VENV)/bin:$$PATH
 
-.PHONY: setup build test test-rust test-python lint demo bench-stage clean
+.PHONY: setup build wheel test test-rust test-python lint demo bench-stage clean
 
 setup: $(RAMTORCH_VENV)/.ramtorch-deps
 
@@ -17,6 +17,13 @@ $(RAMTORCH_VENV)/.ramtorch-deps: Makefile
 
 build: setup
 	$(ACT) maturin develop --release -q
+
+# A wheel (distribution ramtorch-rs, import name ramtorch) into dist/: one abi3 wheel for every
+# CPython >= 3.10, installable with pip and no Rust toolchain. maturin tags it with the oldest
+# manylinux policy the binary satisfies (manylinux_2_34 with a glibc 2.34+ toolchain; build in a
+# manylinux_2_28 container for older systems).
+wheel: setup
+	$(ACT) maturin build --release --out dist
 
 test: build lint test-rust test-python
 

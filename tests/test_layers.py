@@ -25,6 +25,8 @@ LAYERS: dict[str, int] = {
     "ramtorch._arena": ENGINE,
     "ramtorch._config": ENGINE,
     "ramtorch._units": ENGINE,
+    "ramtorch._log": ENGINE,
+    "ramtorch._profile": ENGINE,
     "ramtorch._stream": STREAM,
     "ramtorch._offload": FEATURE,
     "ramtorch.nn": FEATURE,

@@ -22,7 +22,8 @@ from .io import load
 from .io import save as save_pretrained
 
 try:
-    __version__ = version("ramtorch")
+    # The distribution is "ramtorch-rs" (the index's "ramtorch" is another project).
+    __version__ = version("ramtorch-rs")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 

@@ -13,20 +13,55 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m ramtorch", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="which units stay resident, and the predicted times")
-    p.add_argument("--model", required=True, help="transformers config.json, or package.module:factory")
+    p = sub.add_parser(
+        "plan",
+        help="which units stay resident, and the predicted times",
+        description="Plans a model as ramtorch.offload would and predicts its pass times, without "
+        "running it (the model is built on the meta device). The ceilings' defaults are those "
+        "BENCHMARKS.md measured on one H200 (PCIe gen5, 16 host cores); give your machine's.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a transformers config.json (decoder, encoder, encoder-decoder or vision model), "
+        "or package.module:factory returning an nn.Module",
+    )
     p.add_argument("--budget", default=None, help="GPU budget, e.g. 24GiB (default: stream everything)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per pass (batch x sequence)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        help="tokens per pass: batch x sequence (vision: batch x patches; encoder-decoder: each "
+        "stack's) (default: %(default)s)",
+    )
     p.add_argument(
         "--unit", default=None, help="block class name (default: children of the largest ModuleList)"
     )
-    p.add_argument("--max-inflight", type=int, default=None)
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=None,
+        help="copies in flight (default: RAMTORCH_MAX_INFLIGHT, else 2)",
+    )
     c = _plan.Ceilings()
-    p.add_argument("--h2d-gbps", type=float, default=c.h2d_gbps, help="pinned host->device GB/s")
-    p.add_argument("--d2h-gbps", type=float, default=c.d2h_gbps, help="device->host GB/s")
-    p.add_argument("--tflops", type=float, default=c.tflops, help="GPU matmul TFLOP/s (peak)")
-    p.add_argument("--efficiency", type=float, default=c.efficiency, help="fraction of the peak reached")
-    p.add_argument("--host-gbps", type=float, default=c.host_gbps, help="optimizer host memory GB/s")
+    gb = "(default: %(default)s, measured)"
+    p.add_argument("--h2d-gbps", type=float, default=c.h2d_gbps, help=f"pinned host->device GB/s {gb}")
+    p.add_argument("--d2h-gbps", type=float, default=c.d2h_gbps, help=f"device->host GB/s {gb}")
+    p.add_argument(
+        "--tflops", type=float, default=c.tflops, help="GPU matmul TFLOP/s, peak (default: %(default)s)"
+    )
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=c.efficiency,
+        help="fraction of the peak reached (default: %(default)s)",
+    )
+    p.add_argument(
+        "--host-gbps",
+        type=float,
+        default=c.host_gbps,
+        help="optimizer host memory traffic GB/s, the AdamW kernel's (default: %(default)s, measured)",
+    )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     a = ap.parse_args(argv)
     try:

@@ -14,9 +14,11 @@ _ALIGN = 64
 
 
 def _warn_if_unpinned() -> None:
+    # A UserWarning, shown by default (a ResourceWarning is hidden unless warnings are enabled):
+    # pageable memory makes every copy to the GPU slower.
     msg = _core.take_pin_warning()
     if msg is not None:
-        warnings.warn(msg, ResourceWarning, stacklevel=3)
+        warnings.warn(msg, UserWarning, stacklevel=3)
 
 
 def host_bytes(nbytes: int, zeroed: bool = False, pin: bool = True) -> torch.Tensor:

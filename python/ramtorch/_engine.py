@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _arena, _core
+from . import _arena, _core, _profile
 
 if TYPE_CHECKING:
     from ._trace import HostSpans
@@ -158,7 +158,11 @@ def pending_updates() -> list[Update]:
 
 
 def _wait_update(u: Update) -> None:
-    u.done.wait()
+    if _profile.active() and not u.done.is_set():
+        with _profile.span(f"ramtorch.wait_update {u.name}"):
+            u.done.wait()
+    else:
+        u.done.wait()
     if u.error is not None:
         raise RuntimeError(
             f"ramtorch: the optimizer update of {u.name} failed, so its weights are not valid "
@@ -322,18 +326,28 @@ class DeviceEngine:
             self._ensure_slots()
             settled = not self._unsettled
             self._unsettled = True  # until recorded in _owned
+            # The copy is queued on the transfer stream; the host blocks here while max_inflight
+            # copies are in flight.
+            rng = _profile.begin("ramtorch.copy_to_device") if _profile.active() else None
             try:
                 index, _, copied = self._core.prefetch(key, flat.data_ptr(), nbytes, max_inflight, keep, tag)
             except (_core.SlotsExhausted, ValueError):
                 self._unsettled = not settled  # refused: nothing was taken
                 raise
+            finally:
+                if rng is not None:
+                    _profile.end(rng)
             self._owned[index] = owner
             self._unsettled = not settled
         return index, copied
 
     def claim(self, index: int, tag: int = 0) -> torch.Tensor:
         """Makes the current stream wait for the copy into slot ``index``; returns the slot."""
-        self._core.claim(index, self._stream(), tag)
+        if _profile.active():
+            with _profile.span("ramtorch.wait_copy"):  # a wait of the stream, not of the host
+                self._core.claim(index, self._stream(), tag)
+        else:
+            self._core.claim(index, self._stream(), tag)
         return self._slots[index]
 
     def slot(self, index: int) -> torch.Tensor:
@@ -386,6 +400,7 @@ class DeviceEngine:
         if entry is None:
             entry = self._pending[id(param)] = (param, [])
         entry[1].append(dst)
+        rng = _profile.begin("ramtorch.copy_to_host") if _profile.active() else None
         try:
             retired = self._core.copy_to_host(dst.data_ptr(), grad, nbytes, max_inflight, self._stream(), tag)
         except Exception:
@@ -395,6 +410,9 @@ class DeviceEngine:
             if not entry[1]:
                 del self._pending[id(param)]
             raise
+        finally:
+            if rng is not None:
+                _profile.end(rng)
         for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
             self._grad_sources.popleft()
 
@@ -408,7 +426,11 @@ class DeviceEngine:
         if not self._pending and not self._grad_sources:
             self._user = None  # the training step's backward is over
             return
-        self._core.synchronize()
+        if _profile.active():
+            with _profile.span("ramtorch.wait_gradient_copies"):
+                self._core.synchronize()
+        else:
+            self._core.synchronize()
         self._grad_sources.clear()
         pending, self._pending = self._pending, {}
         with torch.no_grad():

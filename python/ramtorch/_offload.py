@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import _arena, _config, _engine
+from ._log import logger
 from ._stream.functions import _READY_BATCH as _READY_BATCH
 from ._stream.functions import _WALK_LIMIT as _WALK_LIMIT
 from ._stream.functions import _Fetch as _Fetch
@@ -67,7 +68,8 @@ def offload(
             as an int or a string such as ``"24GiB"``. Units that fit stay resident, the rest
             stream. ``None``: stream every unit, with ``max_inflight + 1`` slots of the largest.
             ``"auto"``: the device's free memory less a reserve for activations (a fifth, at
-            least 2 GiB); the chosen plan and its predicted times are printed.
+            least 2 GiB); the chosen plan and its predicted times are logged
+            (INFO, logger ``ramtorch``).
         unit: the block classes (types or class-name patterns) that form units; default: each
             child of the model's largest ``nn.ModuleList``. Modules outside the blocks that hold
             parameters are units of their own.
@@ -397,20 +399,26 @@ def _auto_budget(dev: torch.device) -> int:
 
 
 def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: int, dev: torch.device) -> None:
-    """Prints the plan ``gpu_budget="auto"`` chose, with the predicted pass time (``ramtorch.plan``)."""
-    import sys
-
+    """Logs (INFO, logger ``ramtorch``) the plan ``gpu_budget="auto"`` chose, with the predicted
+    pass time (``ramtorch.plan``)."""
     from . import plan as _plan
 
     pred = _plan.predict(model, budget, 4096)
     resident = sum(1 for u in units if u.resident)
-    print(
-        f"ramtorch.offload(gpu_budget='auto') on {dev}: budget {_fmt(budget)}, {resident} of {len(units)} "
-        f"units resident ({_fmt(pl.resident_bytes)}), {pl.slots} slots of {_fmt(pl.slot_bytes)}, "
-        f"{_fmt(pl.streamed_bytes)} streamed per pass; predicted at 4096 tokens: forward "
-        f"{pred.forward_seconds * 1e3:.0f} ms, forward+backward {pred.forward_backward_seconds * 1e3:.0f} ms "
-        "(python -m ramtorch plan for other shapes)",
-        file=sys.stderr,
+    logger.info(
+        "ramtorch.offload(gpu_budget='auto') on %s: budget %s, %d of %d units resident (%s), %d slots "
+        "of %s, %s streamed per pass; predicted at 4096 tokens: forward %.0f ms, forward+backward "
+        "%.0f ms (python -m ramtorch plan for other shapes)",
+        dev,
+        _fmt(budget),
+        resident,
+        len(units),
+        _fmt(pl.resident_bytes),
+        pl.slots,
+        _fmt(pl.slot_bytes),
+        _fmt(pl.streamed_bytes),
+        pred.forward_seconds * 1e3,
+        pred.forward_backward_seconds * 1e3,
     )
 
 

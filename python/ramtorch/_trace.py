@@ -31,6 +31,7 @@ import torch
 from . import _engine
 from ._stream import shared as _shared
 from ._stream import streamer as _streamer
+from ._units import format_bytes
 
 _KIND_TRACK = {"h2d": "host→device", "d2h": "device→host", "wait": "compute waits", "mark": "compute"}
 
@@ -95,13 +96,6 @@ def _param_units() -> dict[int, tuple[str, torch.device]]:
     return units
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
 def _what(
     ids: list[int], nbytes: int, units_of: dict[int, tuple[str, torch.device]]
 ) -> tuple[str, list[str]]:
@@ -112,7 +106,7 @@ def _what(
         if len(units) <= 3:
             return ", ".join(units), units
         return f"{units[0]} … {units[-1]} ({len(units)} units)", units
-    return f"{len(ids)} param{'s' if len(ids) != 1 else ''}, {_size(nbytes)}", units
+    return f"{len(ids)} param{'s' if len(ids) != 1 else ''}, {format_bytes(nbytes)}", units
 
 
 def _host_events(

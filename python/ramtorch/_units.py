@@ -46,5 +46,13 @@ def parse_bytes(value: int | float | str | None, what: str = "size") -> int | No
 
 
 def format_bytes(n: int) -> str:
-    """``n`` bytes for a message: GiB from a quarter GiB up, else MiB."""
-    return f"{n / _GIB:.2f} GiB" if n >= (1 << 28) else f"{n / (1 << 20):.1f} MiB"
+    """``n`` bytes for a message: plain bytes under 1 KiB, then KiB and MiB with one decimal, GiB
+    and TiB with two (``"512 B"``, ``"1.5 KiB"``, ``"5.0 MiB"``, ``"3.00 GiB"``)."""
+    n = int(n)
+    for unit, scale, digits in _FORMATS:
+        if abs(n) >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n} B"
+
+
+_FORMATS = (("TiB", 1 << 40, 2), ("GiB", 1 << 30, 2), ("MiB", 1 << 20, 1), ("KiB", 1 << 10, 1))

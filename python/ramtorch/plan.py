@@ -28,18 +28,20 @@ from torch import nn
 from . import _config
 from ._stream import placement
 from ._stream import units as _stream_units
-from ._units import parse_bytes
+from ._units import format_bytes, parse_bytes
 
 
 @dataclass
 class Ceilings:
-    """Measured limits of the machine (defaults: one H200 on PCIe gen5, 16 host cores)."""
+    """Measured limits of the machine. The defaults are those BENCHMARKS.md measured on one H200
+    on PCIe gen5 with 16 host cores: 55 GB/s pinned copies each way, and 154 GB/s of optimizer
+    host traffic (the fp32-master AdamW kernel's speed); the GPU's dense bf16 peak at 0.85."""
 
     h2d_gbps: float = 55.0
     d2h_gbps: float = 55.0
     tflops: float = 790.0
     efficiency: float = 0.85
-    host_gbps: float = 120.0
+    host_gbps: float = 154.0
 
     def __post_init__(self) -> None:
         # Every time is a size divided by one of these: zero, negative or nan ceilings would
@@ -73,27 +75,41 @@ class Prediction:
     forward_backward_seconds: float
     step_seconds: float
     units: list[UnitPlan] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
-        gib = 1 << 30
         resident = [u.name for u in self.units if u.resident]
         n, held = len(self.units), self.resident_bytes + self.slots * self.slot_bytes
         lines = [
             f"units: {n} ({len(resident)} resident, {n - len(resident)} streamed)",
-            f"device memory held by ramtorch: {held / gib:.2f} GiB "
-            f"({self.resident_bytes / gib:.2f} resident + {self.slots} slots x {self.slot_bytes / gib:.3f})",
-            f"streamed per pass: {self.streamed_bytes_per_pass / gib:.2f} GiB",
-            f"predicted forward: {self.forward_seconds * 1e3:.1f} ms, forward+backward: "
-            f"{self.forward_backward_seconds * 1e3:.1f} ms, training step (AdamW, fp32 master): "
-            f"{self.step_seconds * 1e3:.1f} ms",
+            f"device memory held by ramtorch: {format_bytes(held)} ({format_bytes(self.resident_bytes)} "
+            f"resident + {self.slots} slots x {format_bytes(self.slot_bytes)})",
+            f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}",
+            f"predicted forward: {format_seconds(self.forward_seconds)}, forward+backward: "
+            f"{format_seconds(self.forward_backward_seconds)}, training step (AdamW, fp32 master): "
+            f"{format_seconds(self.step_seconds)}",
         ]
         if resident:
             shown = ", ".join(resident[:12]) + (" ..." if len(resident) > 12 else "")
             lines.append(f"resident: {shown}")
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def format_seconds(t: float) -> str:
+    """A duration for a message, with three significant digits where it has them: ``"2.50 s"``,
+    ``"12.3 ms"``, ``"456 µs"``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if t >= scale:
+            x = t / scale
+            return f"{x:.{2 if x < 10 else 1 if x < 100 else 0}f} {unit}"
+    x = t * 1e6
+    if x == 0:
+        return "0 µs"
+    return f"{x:.{max(0, 2 - math.floor(math.log10(x)))}f} µs"
 
 
 def _simulate(
@@ -172,27 +188,90 @@ def predict(
         forward_backward_seconds=fb_end,
         step_seconds=max(fb_end, opt_end),
         units=[UnitPlan(u.name, u.nbytes, n, k in resident) for k, (u, n) in enumerate(zip(units, counts))],
+        notes=_block_notes(model) if unit is None else [],
     )
+
+
+def _block_notes(model: nn.Module) -> list[str]:
+    """Blocks of the default units' class that are not units themselves (the encoder of an
+    encoder-decoder: the default takes the largest ``ModuleList`` only), with the ``unit=`` that
+    makes them units."""
+    roots = _stream_units.find_unit_roots(model, None)
+    classes = {type(m) for _, m in roots}
+    names = [n for n, _ in roots]
+    outside = [
+        name
+        for name, m in model.named_modules()
+        if type(m) in classes and not any(name == r or name.startswith(r + ".") for r in names)
+    ]
+    if not outside:
+        return []
+    cls = type(roots[0][1]).__name__
+    return [
+        f"{len(outside)} more {cls} modules ({outside[0]}, ...) are outside the default blocks "
+        f"and stream layer by layer; --unit {cls} (offload(..., unit={cls!r})) makes each one unit"
+    ]
 
 
 def build_meta_model(spec: str) -> nn.Module:
     """A model on the ``meta`` device from a transformers ``config.json`` path or a
-    ``package.module:factory`` callable."""
-    with torch.device("meta"):
-        if spec.endswith(".json"):
-            try:
-                from transformers import AutoConfig, AutoModelForCausalLM
-            except ImportError as e:  # pragma: no cover - depends on the environment
-                raise RuntimeError("--model config.json needs the transformers package") from e
-            config = AutoConfig.from_pretrained(spec)
-            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        module, _, attr = spec.partition(":")
-        if not attr:
-            raise ValueError(f"--model {spec!r}: give a config.json path or package.module:factory")
-        import importlib
+    ``package.module:factory`` callable.
 
-        factory = getattr(importlib.import_module(module), attr)
+    A ``config.json`` gives the class its ``architectures`` names (what ``from_pretrained`` builds:
+    ``BertModel`` for a sentence-embedding checkpoint, ``ViTForImageClassification``...), else
+    ``AutoModelForSeq2SeqLM`` for an encoder-decoder, ``AutoModelForCausalLM`` for a model type
+    that has a causal-LM class, and ``AutoModel`` for the rest (encoders, vision models)."""
+    if spec.endswith(".json"):
+        with torch.device("meta"):
+            return _build_from_config(spec)
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"--model {spec!r}: give a config.json path or package.module:factory")
+    import importlib
+
+    factory = getattr(importlib.import_module(module), attr)
+    with torch.device("meta"):
         model = factory()
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
-        return model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"--model {spec!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _build_from_config(path: str) -> nn.Module:
+    try:
+        import transformers
+        from transformers import AutoConfig
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("--model config.json needs the transformers package") from e
+
+    def failed(what: str, e: Exception) -> ValueError:
+        # transformers' messages can list every model type it knows (kilobytes): the first line.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if len(first) > 300:
+            first = first[:300] + "..."
+        return ValueError(f"--model {path}: {what}: {first}")
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as e:
+        raise failed("transformers cannot read this config", e) from None
+    dtype = torch.bfloat16
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "_from_config"):
+            try:
+                return cls._from_config(config, dtype=dtype)
+            except (ValueError, TypeError, AttributeError, KeyError) as e:
+                raise failed(f"building {arch}", e) from None
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    if getattr(config, "is_encoder_decoder", False):
+        auto: Any = AutoModelForSeq2SeqLM
+    elif type(config) in AutoModelForCausalLM._model_mapping:
+        auto = AutoModelForCausalLM
+    else:
+        auto = AutoModel
+    try:
+        return auto.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise failed(f"building a model with {auto.__name__}", e) from None

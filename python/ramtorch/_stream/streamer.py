@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .. import _engine
+from .. import _engine, _profile
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
 from .units import BackwardPhase, UnitState, _Unit
@@ -185,6 +185,7 @@ class Streamer(Prefetcher, GradientHooks):
         # Inside backward this is a recomputation (activation checkpointing): the unit's backward
         # slot serves it, and stays held until the unit's backward is done.
         recompute = torch._C._current_graph_task_id() != -1
+        rng = _profile.begin(f"ramtorch.forward {u.name}") if _profile.active() else None
         with self.lock:
             if recompute:
                 if u.bwd is None:
@@ -241,7 +242,7 @@ class Streamer(Prefetcher, GradientHooks):
                 ctx.__enter__()
             # Under another saved-tensor hook (a checkpointed region) that hook decides; the
             # recomputation in backward runs on the unit's backward slot.
-        u.fwd.append((slot, own, ctx, addr, before, fetch))
+        u.fwd.append((slot, own, ctx, addr, before, fetch, rng))
         if grad and not recompute:
             flat_args, _ = tree_flatten((args, kwargs))
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_args):
@@ -265,9 +266,11 @@ class Streamer(Prefetcher, GradientHooks):
     def post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
-        slot, own, ctx, addr, before, fetch = u.fwd.pop()
+        slot, own, ctx, addr, before, fetch, rng = u.fwd.pop()
         self._end_forward(u, slot, own, ctx, addr, before)
         self.eng.mark(u.tag, MARK_FWD_END)
+        if rng is not None:
+            _profile.end(rng)
         if own:
             if torch.is_grad_enabled():
                 flat = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -315,6 +318,8 @@ class Streamer(Prefetcher, GradientHooks):
             u.bwd = self._take(u, [x.key() for x in self._lookahead(self.bwd_itin, self.bwd_pos)])
             u.phase = BackwardPhase.HELD
             self.eng.mark(u.tag, MARK_BWD_BEGIN)
+            if _profile.active():
+                u.bwd_range = _profile.begin(f"ramtorch.backward {u.name}")
             # Code that runs the unit's submodules during its backward (a checkpointed region
             # inside the unit recomputing) must find the weights on the device.
             assert u.layout is not None
@@ -348,6 +353,9 @@ class Streamer(Prefetcher, GradientHooks):
                 u.phase = BackwardPhase.REACHED
                 self._restore(u)
                 self._give(slot)
+                if u.bwd_range is not None:
+                    rng, u.bwd_range = u.bwd_range, None
+                    _profile.end(rng)
 
     @staticmethod
     def _restore(u: _Unit) -> None:
@@ -361,6 +369,9 @@ class Streamer(Prefetcher, GradientHooks):
                 slot, u.bwd = u.bwd, None  # forgotten first: an interrupt leaks, never frees twice
                 self._restore(u)
                 self._give(slot)
+            if u.bwd_range is not None:
+                rng, u.bwd_range = u.bwd_range, None
+                _profile.end(rng)
             u.phase = BackwardPhase.IDLE
 
     def end_of_backward(self) -> None:

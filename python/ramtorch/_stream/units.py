@@ -353,6 +353,7 @@ class _Unit:
         # Running forwards (a unit may be called inside itself): (slot, saved-tensor hooks, slot address).
         self.fwd: list[tuple[int, Any, int]] = []
         self.bwd: int | None = None  # the slot of its running backward (phase HELD)
+        self.bwd_range: Any = None  # its backward's profiler range (ramtorch._profile), if one is open
         self.phase = BackwardPhase.IDLE
         self.anchor = torch.empty(0, requires_grad=True)
         # Weight-gradient nodes created since the last backward ended, and how many have run: when

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import _engine
+from .. import _engine, _profile
 from ._jobs import _Jobs
 from ._state import _is_host
 
@@ -174,7 +174,11 @@ class OverlapSchedule(torch.optim.Optimizer):
     ) -> None:
         error: BaseException | None = None
         try:
-            self._update_job(eng, marker, work)
+            if _profile.active():
+                with _profile.span("ramtorch.optimizer_update"):
+                    self._update_job(eng, marker, work)
+            else:
+                self._update_job(eng, marker, work)
         except BaseException as e:  # noqa: BLE001 - surfaced by drain()/step() and by readers
             error = self._error = e
         finally:
