@@ -80,7 +80,10 @@ def offload(
             weights fetched for the unit's backward: it costs compute, not PCIe bytes.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
-    units, and buffers stay on the device and count against the budget.
+    units, and buffers stay on the device and count against the budget. Not counted: in training,
+    the gradients of what stays on the device and the optimizer states that ``ramtorch.optim``
+    keeps there for it (an fp32 master and two fp32 moments a bf16 parameter with AdamW: with its
+    gradient, 14 bytes a parameter); ``python -m ramtorch plan`` reports them.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramtorch.offload: model must be an nn.Module, got {type(model).__name__}")

@@ -4,7 +4,9 @@ with the backward pass.
 ``ramtorch.optim.AdamW``, ``SGD`` and ``Lion`` are real :class:`torch.optim.Optimizer` s: param
 groups, LR schedulers, ``state_dict``/``load_state_dict`` and ``zero_grad`` work as usual, and
 parameters that are not in host RAM (units kept resident on the GPU, norms) are updated too, with
-torch's own kernels on their device.
+torch's own kernels on their device and the numerics of host parameters (an fp32 master and fp32
+states on the device for bf16/fp16 weights; bf16 states and stochastic rounding with
+``precision="bf16"``), so that a model trains the same with or without ``gpu_budget``.
 
 **Overlap.** In a model streamed by :func:`ramtorch.offload`, a unit's weights are updated as soon
 as the last of its gradients for the step has reached host RAM, on a CPU thread, while the GPU runs

@@ -19,6 +19,23 @@ from ._state import _DTYPES, _PRECISIONS, HostStates, _is_host
 from ._zero import Zero
 
 
+def _step_of(state: dict[str, Any]) -> float:
+    step = state.get("step", 0)
+    return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+
+
+def _round_stochastic(src: torch.Tensor, out: torch.Tensor, seed: int) -> None:
+    """Writes fp32 ``src`` into bf16 ``out`` with stochastic rounding (as the host kernels do):
+    a random 16-bit value is added below the bits bf16 keeps, then cut off. Inf and nan are
+    written as they are."""
+    gen = torch.Generator(device=src.device)
+    gen.manual_seed(seed & ((1 << 63) - 1))
+    bits = src.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=gen)
+    cut = ((bits + noise) & ~0xFFFF).view(torch.float32)
+    out.copy_(torch.where(torch.isfinite(src), cut, src))
+
+
 class _HostOptimizer(OverlapSchedule, HostStates):
     """Shared machinery: host parameters through Rust kernels, the rest through torch."""
 
@@ -284,9 +301,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     dev_params.append(p)
             if dev_params:
                 start = time.perf_counter() if spans is not None else 0.0
-                if scale != 1.0:
-                    torch._foreach_mul_([p.grad for p in dev_params], scale)
-                self._update_torch(dev_params, group)
+                self._update_device(dev_params, group, scale)
                 if spans is not None:  # on a GPU: the time to launch the kernels
                     end = time.perf_counter()
                     where = dev_params[0].device
@@ -331,8 +346,76 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         self.last_grad_norm = norm
         return min(1.0, self.max_grad_norm / (norm + 1e-6)) if self.max_grad_norm is not None else 1.0
 
-    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
-        """The rule's update of parameters torch updates (not in host RAM), with torch's kernels."""
+    def _update_device(self, params: list[torch.nn.Parameter], group: dict[str, Any], scale: float) -> None:
+        """Updates parameters that are not in host RAM (units kept resident on the GPU) with
+        torch's kernels on their device, with the numerics of a host parameter: a bf16/fp16
+        parameter gets an fp32 master copy and fp32 states on its device (``precision=
+        "fp32-master"``), the rule runs on the master with the gradient in fp32 (times
+        ``scale``), and the parameter is rewritten from the master, rounded to nearest. With
+        ``precision="bf16"``, bf16 states are computed on in fp32 and written back, as the
+        weight, with stochastic rounding. An fp32 parameter is updated in place (its gradient
+        scaled in place by ``scale``, as torch's clipping would). These states are device
+        memory outside ``gpu_budget`` (``ramtorch.plan`` reports them)."""
+        targets: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        states: list[dict[str, Any]] = []
+        rounded: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        stochastic: list[tuple[int, torch.nn.Parameter, dict[str, Any]]] = []
+        for p in params:
+            st = self.state[p]
+            grad = p.grad
+            assert grad is not None
+            sdtype, needs_master = self._state_layout(p) if p.dtype in _DTYPES else (p.dtype, False)
+            if needs_master:
+                if "master" not in st:
+                    st["master"] = p.detach().float()
+                    for name, v in list(st.items()):  # states of another precision: widened
+                        if name != "step" and isinstance(v, torch.Tensor) and v.dtype != torch.float32:
+                            st[name] = v.float()
+                target = st["master"]
+                rounded.append((p, target))
+                grad = grad.float()
+            elif sdtype == torch.bfloat16 and p.dtype == torch.bfloat16:
+                # precision="bf16": the rule runs on fp32 copies of the weight and the states
+                stochastic.append((len(targets), p, st))
+                target = p.detach().float()
+                st = {
+                    k: (v.float() if k != "step" and isinstance(v, torch.Tensor) else v)
+                    for k, v in st.items()
+                }
+                grad = grad.float()
+            else:
+                target = p
+            targets.append(target)
+            grads.append(grad)
+            states.append(st)
+        if scale != 1.0:
+            torch._foreach_mul_(grads, scale)
+        self._update_torch(targets, grads, states, group)
+        for k, p, st in stochastic:
+            wide = states[k]
+            seed = hash((self._seed, int(_step_of(wide)), self._index_of(p))) & ((1 << 62) - 1)
+            _round_stochastic(targets[k], p, seed)
+            for j, (name, v) in enumerate(sorted(wide.items())):
+                if name == "step" or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                    st[name] = v
+                    continue
+                if name not in st or st[name].dtype != torch.bfloat16:
+                    st[name] = torch.empty_like(p)
+                _round_stochastic(v, st[name], seed + 1 + j)
+        if rounded:  # rounded to nearest
+            torch._foreach_copy_([p for p, _ in rounded], [m for _, m in rounded])
+
+    def _update_torch(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        group: dict[str, Any],
+    ) -> None:
+        """The rule's update of ``params`` (device parameters, or their fp32 masters) with
+        ``grads`` and the per-parameter ``states`` (dicts, created on first use), with torch's
+        kernels."""
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
