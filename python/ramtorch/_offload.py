@@ -295,7 +295,9 @@ def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: in
         f"units resident ({_fmt(pl.resident_bytes)}), {pl.slots} slots of {_fmt(pl.slot_bytes)}, "
         f"{_fmt(pl.streamed_bytes)} streamed per pass; predicted at 4096 tokens: forward "
         f"{pred.forward_seconds * 1e3:.0f} ms, forward+backward {pred.forward_backward_seconds * 1e3:.0f} ms "
-        "(python -m ramtorch plan for other shapes)",
+        "(python -m ramtorch plan for other shapes); training adds "
+        f"{_fmt(pred.resident_training_bytes)} on the device outside the budget (gradients and "
+        "optimizer states of the resident units)",
         file=sys.stderr,
     )
 
