@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "ramtorch._trace": FEATURE,
     "ramtorch.distributed": FEATURE,
     "ramtorch.convert": FEATURE,
+    "ramtorch.integrations": FEATURE,
     "ramtorch": TOP,
     "ramtorch.__main__": TOP,
 }
@@ -46,6 +47,7 @@ FEATURE_EDGES = {
     ("ramtorch.convert", "ramtorch.nn"),  # replace_linear builds ramtorch.nn.Linear
     ("ramtorch._offload", "ramtorch.plan"),  # gpu_budget="auto" prints the predicted times
     ("ramtorch.checkpoint", "ramtorch.io"),  # the old import path of ramtorch.io.checkpoint
+    ("ramtorch.integrations", "ramtorch.optim"),  # the Trainer's optimizer is ramtorch.optim.AdamW
 }
 
 #: Imports known to break the layering, to be removed: each must still exist (the test says when

@@ -84,7 +84,10 @@ def offload(
             weights fetched for the unit's backward: it costs compute, not PCIe bytes.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
-    units, and buffers stay on the device and count against the budget.
+        units, and buffers stay on the device and count against the budget. Not counted: in training,
+    the gradients of what stays on the device and the optimizer states that ``ramtorch.optim``
+    keeps there for it (an fp32 master and two fp32 moments a bf16 parameter with AdamW: with its
+    gradient, 14 bytes a parameter); ``python -m ramtorch plan`` reports them.
 
     A model built without weights (on the meta device, or under accelerate's
     ``init_empty_weights``) is allocated here, zeroed, for :func:`ramtorch.load` to fill: a load
@@ -408,7 +411,8 @@ def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: in
     logger.info(
         "ramtorch.offload(gpu_budget='auto') on %s: budget %s, %d of %d units resident (%s), %d slots "
         "of %s, %s streamed per pass; predicted at 4096 tokens: forward %.0f ms, forward+backward "
-        "%.0f ms (python -m ramtorch plan for other shapes)",
+        "%.0f ms (python -m ramtorch plan for other shapes); training adds %s on the device outside "
+        "the budget (gradients and optimizer states of the resident units)",
         dev,
         _fmt(budget),
         resident,
@@ -419,6 +423,7 @@ def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: in
         _fmt(pl.streamed_bytes),
         pred.forward_seconds * 1e3,
         pred.forward_backward_seconds * 1e3,
+        _fmt(pred.resident_training_bytes),
     )
 
 

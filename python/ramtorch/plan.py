@@ -76,6 +76,11 @@ class Prediction:
     step_seconds: float
     units: list[UnitPlan] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Device memory that training adds and the budget does not count: the gradients and
+    #: optimizer states of what stays on the device (resident units, tied weights), as
+    #: ``ramtorch.optim.AdamW`` keeps them (``precision="fp32-master"``): per parameter its
+    #: gradient, two fp32 moments and, below fp32, an fp32 master (14 bytes a bf16 parameter).
+    resident_training_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,6 +92,8 @@ class Prediction:
             f"units: {n} ({len(resident)} resident, {n - len(resident)} streamed)",
             f"device memory held by ramtorch: {format_bytes(held)} ({format_bytes(self.resident_bytes)} "
             f"resident + {self.slots} slots x {format_bytes(self.slot_bytes)})",
+            "not counted in it, when training: gradients and optimizer states of the resident units "
+            f"on the device (AdamW, fp32 master): {format_bytes(self.resident_training_bytes)}",
             f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}",
             f"predicted forward: {format_seconds(self.forward_seconds)}, forward+backward: "
             f"{format_seconds(self.forward_backward_seconds)}, training step (AdamW, fp32 master): "
@@ -178,6 +185,7 @@ def predict(
         link_back = max(link_back, end) + nbytes / (c.d2h_gbps * 1e9)
         opt_end = max(opt_end, link_back) + optimizer_bytes_per_param * n / (c.host_gbps * 1e9)
     fb_end = max(fb, link_back)
+    on_device = [p for k in resident for p in units[k].params] + [p for p in shared if p.requires_grad]
     return Prediction(
         budget=parse_bytes(budget, "gpu_budget"),
         slots=pl.slots,
@@ -189,6 +197,7 @@ def predict(
         step_seconds=max(fb_end, opt_end),
         units=[UnitPlan(u.name, u.nbytes, n, k in resident) for k, (u, n) in enumerate(zip(units, counts))],
         notes=_block_notes(model) if unit is None else [],
+        resident_training_bytes=sum(_training_bytes(p) for p in on_device if p.is_floating_point()),
     )
 
 
@@ -211,6 +220,12 @@ def _block_notes(model: nn.Module) -> list[str]:
         f"{len(outside)} more {cls} modules ({outside[0]}, ...) are outside the default blocks "
         f"and stream layer by layer; --unit {cls} (offload(..., unit={cls!r})) makes each one unit"
     ]
+
+
+def _training_bytes(p: torch.Tensor) -> int:
+    """Device bytes a parameter updated on its device adds in training with ramtorch's AdamW
+    (fp32 master): its gradient, two fp32 moments, and an fp32 master below fp32."""
+    return p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
 
 
 def build_meta_model(spec: str) -> nn.Module:

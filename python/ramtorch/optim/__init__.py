@@ -4,7 +4,9 @@ with the backward pass.
 ``ramtorch.optim.AdamW``, ``SGD`` and ``Lion`` are real :class:`torch.optim.Optimizer` s: param
 groups, LR schedulers, ``state_dict``/``load_state_dict`` and ``zero_grad`` work as usual, and
 parameters that are not in host RAM (units kept resident on the GPU, norms) are updated too, with
-torch's own kernels on their device.
+torch's own kernels on their device and the numerics of host parameters (an fp32 master and fp32
+states on the device for bf16/fp16 weights; bf16 states and stochastic rounding with
+``precision="bf16"``), so that a model trains the same with or without ``gpu_budget``.
 
 **Overlap.** In a model streamed by :func:`ramtorch.offload`, a unit's weights are updated as soon
 as the last of its gradients for the step has reached host RAM, on a CPU thread, while the GPU runs
@@ -16,9 +18,11 @@ inside ``with opt.accumulate():`` (which also works); a step with fewer backward
 ``step()``. If gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a
 ``GradScaler`` unscaling them, more backwards than any step before outside ``accumulate()``), an
 update made during backward would have used the unchanged ones: ``step()`` detects it and raises.
-Use ``max_grad_norm=`` for clipping (global-norm clipping needs every gradient, so the updates then
-run in ``step()``: the overlap is lost). The first step's updates always run in ``step()``: a
-``torch.amp.GradScaler`` shows itself there (its gradients are scaled until ``step()`` unscales
+Use ``max_grad_norm=`` for clipping, or ``opt.clip_grad_norm_(max_norm)`` in place of torch's (it
+returns the norm and folds the clip into ``step()``; transformers' ``Trainer``:
+``ramtorch.integrations.transformers.RamtorchTrainer``). Global-norm clipping needs every gradient,
+so the updates then run in ``step()``: the overlap is lost. The first step's updates always run in
+``step()``: a ``torch.amp.GradScaler`` shows itself there (its gradients are scaled until ``step()`` unscales
 them), and the optimizer then updates in ``step()`` from then on, with the unscaling and the inf
 check folded into the kernels. A scaler that appears only after overlapped steps is an error; pass
 ``overlap=False`` for that.

@@ -19,6 +19,23 @@ from ._state import _DTYPES, _PRECISIONS, HostStates, _is_host
 from ._zero import Zero
 
 
+def _step_of(state: dict[str, Any]) -> float:
+    step = state.get("step", 0)
+    return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+
+
+def _round_stochastic(src: torch.Tensor, out: torch.Tensor, seed: int) -> None:
+    """Writes fp32 ``src`` into bf16 ``out`` with stochastic rounding (as the host kernels do):
+    a random 16-bit value is added below the bits bf16 keeps, then cut off. Inf and nan are
+    written as they are."""
+    gen = torch.Generator(device=src.device)
+    gen.manual_seed(seed & ((1 << 63) - 1))
+    bits = src.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=gen)
+    cut = ((bits + noise) & ~0xFFFF).view(torch.float32)
+    out.copy_(torch.where(torch.isfinite(src), cut, src))
+
+
 class _HostOptimizer(OverlapSchedule, HostStates):
     """Shared machinery: host parameters through Rust kernels, the rest through torch."""
 
@@ -64,6 +81,8 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         # the same step (more backwards than any step before, outside accumulate()): step() raises.
         self._late: set[int] = set()
         self._error: BaseException | None = None
+        # clip_grad_norm_() before step(): (norm of the gradients, max_norm), applied by step().
+        self._clip_request: tuple[float, float] | None = None
         self._zero: Zero | None = None  # shard(): the ZeRO strategy
         self._reduced: set[int] = set()  # ZeRO-2: ids of others' parameters reduced in backward
         self._reduced_dev: set[int] = set()  # ZeRO-2: ids of parameters reduced on the device
@@ -101,6 +120,61 @@ class _HostOptimizer(OverlapSchedule, HostStates):
             self._mode = UpdateMode.OVERLAP  # step() publishes the new weights to the other ranks
             listen(self)
         return self
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Clips the global norm of the gradients for the coming ``step()``, as
+        ``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` would, and returns the norm
+        before clipping (a 0-d float32 tensor). The gradients are not rewritten: ``step()``
+        folds the clip into its kernels. ``parameters``: whose gradients make the norm (default:
+        the optimizer's); those the optimizer does not update are scaled in place, as torch does.
+
+        Use this instead of ``torch.nn.utils.clip_grad_norm_``, which rewrites gradients that an
+        update during backward has already read. Clipping needs every gradient before any
+        update: build the optimizer with ``max_grad_norm=`` (or ``overlap=False``). With overlap,
+        a call that would change nothing (``max_norm`` inf, or at least the norm) still only
+        measures; one that would clip raises. ``transformers.Trainer`` calls this through
+        ``ramtorch.integrations.transformers.RamtorchTrainer``."""
+        max_norm = float(max_norm)
+        if not max_norm > 0:  # nan too
+            raise ValueError(
+                f"{type(self).__name__}.clip_grad_norm_: max_norm must be positive, got {max_norm!r}"
+            )
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"{type(self).__name__}.clip_grad_norm_: only norm_type=2 (the global L2 norm) is "
+                f"supported, got {norm_type!r}"
+            )
+        self.drain()
+        owned = self._param_ids()
+        others: list[torch.Tensor] = []
+        if parameters is None:
+            norm = self._grad_norm()
+        else:
+            if isinstance(parameters, torch.Tensor):
+                parameters = [parameters]
+            mine: list[torch.Tensor] = []
+            for p in parameters:
+                if p.grad is None:
+                    continue
+                (mine if id(p) in owned else others).append(p)
+            norm = (self._grad_norm(mine) ** 2 + self._grad_norm(others) ** 2) ** 0.5
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0 and self._done:
+            raise RuntimeError(
+                f"{type(self).__name__}.clip_grad_norm_: {len(self._done)} parameters were already "
+                "updated during backward with the unclipped gradients, so they cannot be clipped "
+                "now. Build the optimizer with max_grad_norm= (updates then wait for every "
+                "gradient, in step()) or overlap=False."
+            )
+        if others and coef < 1.0:
+            torch._foreach_mul_([p.grad for p in others], coef)
+        if self._clip_request is not None:
+            max_norm = min(max_norm, self._clip_request[1])
+        self._clip_request = (norm, max_norm)
+        return torch.tensor(norm, dtype=torch.float32)
 
     def reduce_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool | None:
         """Called by the engine with each gradient of a streamed parameter on the compute device,
@@ -190,15 +264,24 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     f"{type(self).__name__}: a gradient was changed or replaced after backward "
                     "(gradient clipping, GradScaler unscaling, a hook?) but its parameter was "
                     "already updated during backward with the gradient as it was. Use "
-                    "max_grad_norm= for clipping, overlap=False with a GradScaler, and accumulate() "
-                    "around the backward passes of micro-batches."
+                    "max_grad_norm= or opt.clip_grad_norm_() for clipping (with transformers' "
+                    "Trainer: ramtorch.integrations.transformers.RamtorchTrainer), overlap=False "
+                    "with a GradScaler, and accumulate() around the backward passes of micro-batches."
                 )
         reduced, self._reduced = self._reduced, set()
         reduced_dev, self._reduced_dev = self._reduced_dev, set()
         if self._zero is not None:
             self._zero.reduce(self.param_groups, reduced | reduced_dev | set(done))
         scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
-        if self.max_grad_norm is not None:
+        request, self._clip_request = self._clip_request, None
+        if request is not None:  # clip_grad_norm_(): the norm is known, the gradients unchanged
+            norm, max_norm = request
+            norm *= scale  # a GradScaler's gradients: the norm of the unscaled ones
+            if self.max_grad_norm is not None:
+                max_norm = min(max_norm, self.max_grad_norm)
+            self.last_grad_norm = norm
+            scale *= min(1.0, max_norm / (norm + 1e-6))
+        elif self.max_grad_norm is not None:
             scale *= self._clip_scale(scale)
         spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
         t = time.perf_counter()
@@ -218,9 +301,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     dev_params.append(p)
             if dev_params:
                 start = time.perf_counter() if spans is not None else 0.0
-                if scale != 1.0:
-                    torch._foreach_mul_([p.grad for p in dev_params], scale)
-                self._update_torch(dev_params, group)
+                self._update_device(dev_params, group, scale)
                 if spans is not None:  # on a GPU: the time to launch the kernels
                     end = time.perf_counter()
                     where = dev_params[0].device
@@ -238,26 +319,103 @@ class _HostOptimizer(OverlapSchedule, HostStates):
             self._zero.publish(self.param_groups)
         return loss
 
-    def _clip_scale(self, unscale: float = 1.0) -> float:
+    def _grad_norm(self, params: list[torch.Tensor] | None = None) -> float:
+        """The L2 norm of the gradients of ``params`` (default: the optimizer's parameters this
+        rank updates, summed over the ZeRO group)."""
         total = 0.0
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is None or not self._owns(p):
-                    continue
-                if g.device.type == "cpu" and g.dtype in _DTYPES and g.is_contiguous():
-                    sq, _ = _core.grad_stats(g, _DTYPES[g.dtype], g.numel())
-                    total += sq
-                else:
-                    total += float(g.detach().float().square().sum())
-        if self._zero is not None:
-            total = self._zero.all_reduce_sum(total)
-        norm = total**0.5 * unscale
+        if params is None:
+            params = [p for group in self.param_groups for p in group["params"] if self._owns(p)]
+            reduce = self._zero is not None
+        else:
+            reduce = False
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.device.type == "cpu" and g.dtype in _DTYPES and g.is_contiguous():
+                sq, _ = _core.grad_stats(g, _DTYPES[g.dtype], g.numel())
+                total += sq
+            else:
+                total += float(g.detach().float().square().sum())
+        if reduce:
+            total = self._zero.all_reduce_sum(total)  # type: ignore[union-attr]
+        return total**0.5
+
+    def _clip_scale(self, unscale: float = 1.0) -> float:
+        norm = self._grad_norm() * unscale
         self.last_grad_norm = norm
         return min(1.0, self.max_grad_norm / (norm + 1e-6)) if self.max_grad_norm is not None else 1.0
 
-    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
-        """The rule's update of parameters torch updates (not in host RAM), with torch's kernels."""
+    def _update_device(self, params: list[torch.nn.Parameter], group: dict[str, Any], scale: float) -> None:
+        """Updates parameters that are not in host RAM (units kept resident on the GPU) with
+        torch's kernels on their device, with the numerics of a host parameter: a bf16/fp16
+        parameter gets an fp32 master copy and fp32 states on its device (``precision=
+        "fp32-master"``), the rule runs on the master with the gradient in fp32 (times
+        ``scale``), and the parameter is rewritten from the master, rounded to nearest. With
+        ``precision="bf16"``, bf16 states are computed on in fp32 and written back, as the
+        weight, with stochastic rounding. An fp32 parameter is updated in place (its gradient
+        scaled in place by ``scale``, as torch's clipping would). These states are device
+        memory outside ``gpu_budget`` (``ramtorch.plan`` reports them)."""
+        targets: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        states: list[dict[str, Any]] = []
+        rounded: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        stochastic: list[tuple[int, torch.nn.Parameter, dict[str, Any]]] = []
+        for p in params:
+            st = self.state[p]
+            grad = p.grad
+            assert grad is not None
+            sdtype, needs_master = self._state_layout(p) if p.dtype in _DTYPES else (p.dtype, False)
+            if needs_master:
+                if "master" not in st:
+                    st["master"] = p.detach().float()
+                    for name, v in list(st.items()):  # states of another precision: widened
+                        if name != "step" and isinstance(v, torch.Tensor) and v.dtype != torch.float32:
+                            st[name] = v.float()
+                target = st["master"]
+                rounded.append((p, target))
+                grad = grad.float()
+            elif sdtype == torch.bfloat16 and p.dtype == torch.bfloat16:
+                # precision="bf16": the rule runs on fp32 copies of the weight and the states
+                stochastic.append((len(targets), p, st))
+                target = p.detach().float()
+                st = {
+                    k: (v.float() if k != "step" and isinstance(v, torch.Tensor) else v)
+                    for k, v in st.items()
+                }
+                grad = grad.float()
+            else:
+                target = p
+            targets.append(target)
+            grads.append(grad)
+            states.append(st)
+        if scale != 1.0:
+            torch._foreach_mul_(grads, scale)
+        self._update_torch(targets, grads, states, group)
+        for k, p, st in stochastic:
+            wide = states[k]
+            seed = hash((self._seed, int(_step_of(wide)), self._index_of(p))) & ((1 << 62) - 1)
+            _round_stochastic(targets[k], p, seed)
+            for j, (name, v) in enumerate(sorted(wide.items())):
+                if name == "step" or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                    st[name] = v
+                    continue
+                if name not in st or st[name].dtype != torch.bfloat16:
+                    st[name] = torch.empty_like(p)
+                _round_stochastic(v, st[name], seed + 1 + j)
+        if rounded:  # rounded to nearest
+            torch._foreach_copy_([p for p, _ in rounded], [m for _, m in rounded])
+
+    def _update_torch(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        group: dict[str, Any],
+    ) -> None:
+        """The rule's update of ``params`` (device parameters, or their fp32 masters) with
+        ``grads`` and the per-parameter ``states`` (dicts, created on first use), with torch's
+        kernels."""
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -265,6 +423,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         updates still reading them (``pipeline``)."""
         if not set_to_none and self._jobs.busy():
             self._jobs.wait()
+        self._clip_request = None  # measured on gradients that are gone
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

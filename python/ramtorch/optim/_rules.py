@@ -146,17 +146,22 @@ class AdamW(_Rule):
             seed=seed,
         )
 
-    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
-        states = [self.state[p] for p in params]
+    def _update_torch(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        group: dict[str, Any],
+    ) -> None:
         for p, st in zip(params, states):
-            if not st:
+            if "exp_avg" not in st:
                 st["step"] = torch.tensor(0.0, device=p.device) if p.is_cuda else torch.tensor(0.0)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         b1, b2 = group["betas"]
         _torch_adamw(
             params,
-            [p.grad for p in params],
+            grads,
             [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states],
             [],
@@ -239,11 +244,17 @@ class SGD(_Rule):
         if group.get("nesterov") and (group.get("momentum", 0) <= 0 or group.get("dampening", 0) != 0):
             raise ValueError("SGD: nesterov needs momentum > 0 and dampening = 0")
 
-    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
-        bufs = [self.state[p].get("momentum_buffer") for p in params]
+    def _update_torch(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        group: dict[str, Any],
+    ) -> None:
+        bufs = [st.get("momentum_buffer") for st in states]
         _torch_sgd(
             params,
-            [p.grad for p in params],
+            grads,
             bufs,
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
@@ -252,8 +263,9 @@ class SGD(_Rule):
             nesterov=group["nesterov"],
             maximize=group["maximize"],
         )
-        for p, b in zip(params, bufs):
-            self.state[p]["momentum_buffer"] = b
+        for st, b in zip(states, bufs):
+            if b is not None:
+                st["momentum_buffer"] = b
 
 
 class Lion(_Rule):
@@ -307,13 +319,18 @@ class Lion(_Rule):
             seed=seed,
         )
 
-    def _update_torch(self, params: list[torch.nn.Parameter], group: dict[str, Any]) -> None:
+    def _update_torch(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        group: dict[str, Any],
+    ) -> None:
         b1, b2 = group["betas"]
-        for p in params:
-            st = self.state[p]
+        for p, g, st in zip(params, grads, states):
             if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(p)
-            g = -p.grad if group["maximize"] else p.grad
+            g = -g if group["maximize"] else g
             m = st["exp_avg"]
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(torch.sign(m * b1 + g * (1 - b1)), alpha=-group["lr"])

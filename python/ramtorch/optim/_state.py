@@ -210,14 +210,25 @@ class HostStates(torch.optim.Optimizer):
         pairs = self._paired_params(state_dict)
         original = state_dict.get("state", {})
         host: dict[Any, torch.nn.Parameter] = {}
+        device: dict[Any, torch.nn.Parameter] = {}
         if pairs is not None:  # else torch's load_state_dict raises on the groups
             host = {i: p for i, _, p in pairs if _is_host(p)}
+            device = {i: p for i, _, p in pairs if not _is_host(p) and p.dtype in _DTYPES}
         # torch's own loading for the rest: it would cast host states to the parameter's dtype.
         rest = dict(state_dict)
         rest["state"] = {i: v for i, v in original.items() if i not in host}
         super().load_state_dict(rest)
         self.__dict__.pop("_ids_cache", None)
         with torch.no_grad():
+            # Parameters updated on their device keep their states' dtype too (an fp32 master
+            # and fp32 moments for a bf16 parameter): torch's loading cast them to the parameter's.
+            for i, p in device.items():
+                saved = original.get(i)
+                if isinstance(saved, dict) and p in self.state:
+                    st = self.state[p]
+                    for k, v in saved.items():
+                        if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                            st[k] = v.to(device=p.device, dtype=v.dtype, copy=True)
             for i, p in host.items():
                 saved = original.get(i)
                 if saved is None:
