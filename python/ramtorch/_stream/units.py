@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import _arena, _engine
+from . import guard
 
 
 @dataclass
@@ -233,6 +234,7 @@ class _Unit:
         self.layout = _engine.Layout(flat, views)
         self.home = [v.data_ptr() for v in views]
         self.gen = _engine.next_generation()  # unique across models: slot keys of one engine never collide
+        guard.register(self.params)
 
     def reset_backward_counts(self) -> None:
         self.fetches = 0
@@ -265,4 +267,12 @@ class _Unit:
         return True
 
     def key(self) -> int:
+        """Names the bytes of a device copy of this unit: equal keys, equal weights (the region's
+        generation and the parameters' version counters)."""
         return hash((self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
+
+    def forget_copies(self) -> None:
+        """Device copies made so far are not trusted anymore: a new pass copies the unit again.
+        Version counters do not see every write (``param.data`` edits, numpy views, raw
+        pointers), so a copy made before user code ran is never taken for the current weights."""
+        self.gen = _engine.next_generation()
