@@ -51,12 +51,24 @@ def _load_state_dict(m: nn.Module) -> None:
 
 
 # Each edit is applied to the plain model and to the streamed one alike.
+def _replace_parameter(m: nn.Module) -> None:
+    g = torch.Generator().manual_seed(5)
+    m.blocks[1].up.weight = nn.Parameter(torch.randn(m.blocks[1].up.weight.shape, generator=g))
+
+
+def _assign_state_dict(m: nn.Module) -> None:
+    torch.manual_seed(6)
+    m.load_state_dict(Net().state_dict(), assign=True)
+
+
 EDITS = {
     "data_mul": _data_mul,
     "data_assign": _data_assign,
     "init": _init,
     "copy_no_grad": _copy_no_grad,
     "load_state_dict": _load_state_dict,
+    "replace_parameter": _replace_parameter,
+    "assign_state_dict": _assign_state_dict,
 }
 
 # How the streamed model is made from a copy of the plain one.
@@ -228,8 +240,7 @@ def test_h2d_bytes_per_pass_are_what_the_passes_stream() -> None:
     without a copy)."""
     torch.manual_seed(0)
     model = ramtorch.offload(Net(d=32, layers=8), device="cpu")
-    info = next(s for s in ramtorch.stats()["models"] if s["units"] == 10)
-    per_pass = info["streamed_bytes_per_pass"]
+    per_pass = model._ramtorch_streamer.stats()["streamed_bytes_per_pass"]
     eng = "cpu"
 
     def h2d() -> int:
@@ -263,3 +274,15 @@ def test_autograd_grad_on_inputs_and_resident_weights_still_works() -> None:
         grads.append(torch.autograd.grad(loss, [x, m.blocks[2].up.weight]))  # blocks.2 is resident
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_weights_tied_after_offload_are_a_clear_error() -> None:
+    plain, streamed = _pair("offload")
+    with torch.no_grad():
+        streamed(_x(0))
+        own = streamed.blocks[1].up.weight
+        streamed.blocks[1].up.weight = streamed.blocks[0].up.weight
+        with pytest.raises(RuntimeError, match="tied after offload"):
+            streamed(_x(1))
+        streamed.blocks[1].up.weight = own  # untied again: the model works as before
+        torch.testing.assert_close(streamed(_x(2)), plain(_x(2)), rtol=0, atol=0)

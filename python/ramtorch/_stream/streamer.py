@@ -133,8 +133,12 @@ class Streamer(Prefetcher, GradientHooks):
             # version counter sees (``param.data``, as PEFT's merge, EMA helpers and init code
             # do): no device copy made before this point is taken for the current weights. The
             # first units are copied now, while the model's own code before them runs.
+            # A parameter replaced on its module (``module.weight = nn.Parameter(...)``) is taken
+            # into its unit, which is packed again.
             self._drop_ahead()
             for u in self.streamed:
+                if u.rebind():
+                    u.pack()
                 u.forget_copies()
             self.state |= PassState.FORWARD
             self.cur_fwd = []
@@ -204,6 +208,9 @@ class Streamer(Prefetcher, GradientHooks):
                 else:
                     # Called outside the model's forward (a submodule run on its own): a pass of
                     # its own, whose weights may have been edited since the last copy.
+                    if not u.fwd and u.bwd is None and u.rebind():
+                        self._drop_ahead()
+                        u.pack()
                     u.forget_copies()
                     itin, pos = [], 0
                 slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)])

@@ -271,6 +271,44 @@ class _Unit:
         generation and the parameters' version counters)."""
         return hash((self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
 
+    def rebind(self) -> bool:
+        """Takes the module's parameters again if one was replaced since the unit was made
+        (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``); returns whether
+        one was (the unit must then be packed again). Call it only while the unit does not run
+        (its parameters are not device views). A parameter removed, or one that another streamed
+        unit holds (weights tied after ``offload``), is a ``RuntimeError``."""
+        params = self.params
+        for e in self.entries:
+            if e.owner._parameters.get(e.name) is not params[e.index]:
+                break
+        else:
+            return False
+        own = {id(p) for p in params}
+        new: list[nn.Parameter] = []
+        seen: dict[int, int] = {}
+        entries = []
+        for e in self.entries:
+            p = e.owner._parameters.get(e.name)
+            if p is None:
+                raise RuntimeError(
+                    f"ramtorch.offload: parameter {e.name!r} of unit {self.name!r} was removed after "
+                    "offload; a streamed unit's parameters can be replaced, not removed"
+                )
+            if id(p) not in own and guard.is_streamed(p):
+                raise RuntimeError(
+                    f"ramtorch.offload: parameter {e.name!r} of unit {self.name!r} was replaced by a "
+                    "parameter another streamed unit holds (weights tied after offload); tie the "
+                    "weights before ramtorch.offload, which keeps tied weights on the device"
+                )
+            if id(p) not in seen:
+                seen[id(p)] = len(new)
+                new.append(p)
+            entries.append(_Entry(e.owner, e.name, seen[id(p)]))
+        self.params, self.entries = new, entries
+        self.nbytes = _packed_bytes(new)
+        self.reset_backward_counts()
+        return True
+
     def forget_copies(self) -> None:
         """Device copies made so far are not trusted anymore: a new pass copies the unit again.
         Version counters do not see every write (``param.data`` edits, numpy views, raw
