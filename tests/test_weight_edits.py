@@ -286,3 +286,19 @@ def test_weights_tied_after_offload_are_a_clear_error() -> None:
             streamed(_x(1))
         streamed.blocks[1].up.weight = own  # untied again: the model works as before
         torch.testing.assert_close(streamed(_x(2)), plain(_x(2)), rtol=0, atol=0)
+
+
+def test_streamed_embedding_and_conv2d_see_data_edits_between_calls() -> None:
+    torch.manual_seed(0)
+    plain = nn.ModuleList([nn.Embedding(10, 6), nn.Conv2d(1, 2, 3)])
+    streamed = nn.ModuleList([rnn.Embedding(10, 6, device="cpu"), rnn.Conv2d(1, 2, 3, device="cpu")])
+    streamed.load_state_dict(plain.state_dict())
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with torch.no_grad():
+        for k in range(4):
+            for a, b in zip(plain, streamed):
+                x = ids if isinstance(a, nn.Embedding) else a.weight.new_ones(1, 1, 5, 5) * k
+                torch.testing.assert_close(b(x), a(x), rtol=0, atol=0)
+            for m in (plain, streamed):
+                for p in m.parameters():
+                    p.data.add_(0.25)
