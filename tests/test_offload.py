@@ -558,14 +558,22 @@ def test_several_offloaded_models_share_the_device_slots():
 
 
 def test_a_larger_model_after_an_idle_one_gets_new_slots():
-    """An inference pass ends by prefetching the next pass's first units, which holds slots. A
+    """A pass that raised can leave prefetches of the units it did not reach, which hold slots. A
     second model with larger units makes the device's slots grow: the idle model's prefetches are
     given back instead of the larger model failing (``cannot replace device slots``)."""
     small = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
     ramtorch.offload(small, device="cpu", unit=nn.Linear)
+
+    def fail(*_: object) -> None:
+        raise ValueError("injected")
+
     with torch.no_grad():
-        small(torch.randn(2, 8))
-    assert small._ramtorch_streamer.ahead  # the next pass's first unit is on its way
+        small(torch.randn(2, 8))  # learns the itinerary
+        handle = small[1].register_forward_pre_hook(fail)
+        with pytest.raises(ValueError, match="injected"):
+            small(torch.randn(2, 8))
+        handle.remove()
+    assert small._ramtorch_streamer.ahead  # the unit after the one that raised is on its way
     big = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
     ref = copy.deepcopy(big)
     ramtorch.offload(big, device="cpu", unit=nn.Linear)

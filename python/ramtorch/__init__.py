@@ -68,13 +68,9 @@ def synchronize() -> None:
     (the gradients of a backward pass that raised before its end are dropped instead: such a
     pass writes no ``.grad`` at all).
 
-    Device slots keep the weights they last received and are reused while the parameters'
-    version counters say the weights are unchanged (so the layers that end a forward pass start
-    the backward pass without a copy). Call this after editing weights in a way no version counter
-    sees (through ``param.data``, or through a raw pointer) and before editing weights in place
-    right after a forward whose results you have not read (its copies run asynchronously).
-    Optimizer steps, ``load_state_dict`` and in-place edits of the parameters themselves need
-    nothing: each backward pass ends by forgetting what the slots hold, and versions cover the rest.
+    Weights edited between passes, in any way (``param.data`` included), need nothing: each pass
+    copies the streamed weights again. Call this before editing weights in place right after a
+    forward whose results you have not read (its copies run asynchronously).
 
     It also waits for the updates that pipelined optimizers (``ramtorch.optim.AdamW(...,
     pipeline=True)``) still run after ``step()``: read weights yourself only after this.

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import _core, _engine
+from . import guard
 from .streamer import PassState, Streamer
 from .units import BackwardPhase, _Unit
 
@@ -101,6 +102,7 @@ class LayerStreamer(Streamer):
             u.layout = _engine.Layout(flat, u.params)
             u.home = [p.data_ptr() for p in u.params]
             u.gen = _engine.next_generation()
+            guard.register(u.params)
             self.by_uid[u.uid] = u
             self.max_inflight = max(self.max_inflight, max_inflight)
             self.slots = max(self.slots, max_inflight + 1)
@@ -197,9 +199,6 @@ class LayerStreamer(Streamer):
         out = self.pre_forward(u, module, args, kwargs)
         with self.lock:
             self.in_forward[u.uid] = u
-            itin = self.fwd_itin
-            if itin and self.fwd_pos >= len(itin) and not torch.is_grad_enabled():
-                self._prefetch_along(itin, 0, u)  # the next inference pass (see borrow)
         return out
 
     def layer_post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -233,6 +232,11 @@ class LayerStreamer(Streamer):
             if self.cur_fwd:
                 self.fwd_itin = self.cur_fwd
             self.cur_fwd, self.ran, self.fwd_pos, self.new_pass = [], set(), 0, False
+            # User code ran since the last pass and may have rewritten weights in a way no
+            # version counter sees (``param.data``): no copy made before is trusted.
+            self._drop_ahead()
+            for x in self.by_uid.values():
+                x.forget_copies()
         self.cur_fwd.append(u.uid)
         self.ran.add(u.uid)
         self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
@@ -278,11 +282,9 @@ class LayerStreamer(Streamer):
     # -- use ----------------------------------------------------------------------------------------
 
     @contextmanager
-    def borrow(self, u: _Unit, inference: bool = False) -> Iterator[list[torch.Tensor | None]]:
+    def borrow(self, u: _Unit) -> Iterator[list[torch.Tensor | None]]:
         """Device views of ``u``'s parameters inside the block, on the current stream: in backward
-        (a gradient, or a recomputation) along the backward itinerary, else along the forward one.
-        ``inference``: the forward runs without grad (autograd functions' forwards always do: the
-        caller says), so the last unit of the pass prefetches the next pass's first units."""
+        (a gradient, or a recomputation) along the backward itinerary, else along the forward one."""
         backward = torch._C._current_graph_task_id() != -1
         with self.lock:
             if backward:
@@ -297,12 +299,9 @@ class LayerStreamer(Streamer):
             me = threading.get_ident()
             self.lent[slot] = me  # an interrupt before this line: given back by _reconcile
             try:
+                # (Nothing of the next pass is copied ahead: its weights may be edited before it
+                # begins. Its first unit starts it, and copies the units after it.)
                 self._prefetch_along(itin, pos, u)
-                if inference and not backward and pos >= len(itin) and itin:
-                    # The last unit of an inference pass: passes follow one another (generation,
-                    # evaluation), so the next one's first units come in now (as an offloaded
-                    # model's end of pass does).
-                    self._prefetch_along(itin, 0, u)
                 assert u.layout is not None
                 views = u.layout.views(self.eng.slot(slot))
             except BaseException:

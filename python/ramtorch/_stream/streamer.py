@@ -129,9 +129,22 @@ class Streamer(Prefetcher, GradientHooks):
                 for u in self.streamed:
                     self._restore(u)  # parameters an interrupted forward left as device views
                 self._pop_saved_tensor_hooks()
+            # User code ran since the last pass, and may have rewritten any weight in a way no
+            # version counter sees (``param.data``, as PEFT's merge, EMA helpers and init code
+            # do): no device copy made before this point is taken for the current weights. The
+            # first units are copied now, while the model's own code before them runs.
+            # A parameter replaced on its module (``module.weight = nn.Parameter(...)``) is taken
+            # into its unit, which is packed again.
+            self._drop_ahead()
+            for u in self.streamed:
+                if u.rebind():
+                    u.pack()
+                u.forget_copies()
             self.state |= PassState.FORWARD
             self.cur_fwd = []
             self.fwd_pos = 0
+            if self.fwd_itin:
+                self._prefetch_along(self.fwd_itin, 0, None)
 
     def _pop_saved_tensor_hooks(self) -> None:
         """Removes a saved-tensor hook of this streamer left on torch's stack (an interrupt inside
@@ -173,11 +186,8 @@ class Streamer(Prefetcher, GradientHooks):
             self.fwd_itin = self.cur_fwd
             self.cur_fwd = []
             self.counters["passes"] += 1
-            if not torch.is_grad_enabled() and self.fwd_itin:
-                # Inference: passes follow one another (generation, evaluation); the first units
-                # of the next pass come in while this one's last kernels run. Their keys are
-                # checked when the next pass claims them.
-                self._prefetch_along(self.fwd_itin, 0, None)
+            # Nothing of the next pass is copied now: its weights may be edited before it begins
+            # (see :meth:`begin_pass`, which copies its first units).
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -197,6 +207,12 @@ class Streamer(Prefetcher, GradientHooks):
                     self._record_forward(u)
                     itin, pos = self.fwd_itin, self.fwd_pos
                 else:
+                    # Called outside the model's forward (a submodule run on its own): a pass of
+                    # its own, whose weights may have been edited since the last copy.
+                    if not u.fwd and u.bwd is None and u.rebind():
+                        self._drop_ahead()
+                        u.pack()
+                    u.forget_copies()
                     itin, pos = [], 0
                 slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)])
                 own = True

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import _arena, _engine
+from . import guard
 
 
 @dataclass
@@ -392,6 +393,7 @@ class _Unit:
         self.layout = _engine.Layout(flat, views)
         self.home = [v.data_ptr() for v in views]
         self.gen = _engine.next_generation()  # unique across models: slot keys of one engine never collide
+        guard.register(self.params)
 
     def _place(self, tree: list[int | _Sub], views: Sequence[torch.Tensor]) -> None:
         """Points the parameters at ``views`` (their packed tensors), plain or subclass."""
@@ -461,8 +463,54 @@ class _Unit:
         return True
 
     def key(self) -> int:
+        """Names the bytes of a device copy of this unit: equal keys, equal weights (the region's
+        generation and the parameters' version counters)."""
         if self.tree is not None:
             # A subclass's own version counter does not see in-place edits of its inner tensors.
             tensors = stream_tensors(self.params)[0]
             return hash((self.gen, tuple(t._version for t in tensors))) & ((1 << 63) - 1)
         return hash((self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
+
+    def rebind(self) -> bool:
+        """Takes the module's parameters again if one was replaced since the unit was made
+        (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``); returns whether
+        one was (the unit must then be packed again). Call it only while the unit does not run
+        (its parameters are not device views). A parameter removed, or one that another streamed
+        unit holds (weights tied after ``offload``), is a ``RuntimeError``."""
+        params = self.params
+        for e in self.entries:
+            if e.owner._parameters.get(e.name) is not params[e.index]:
+                break
+        else:
+            return False
+        own = {id(p) for p in params}
+        new: list[nn.Parameter] = []
+        seen: dict[int, int] = {}
+        entries = []
+        for e in self.entries:
+            p = e.owner._parameters.get(e.name)
+            if p is None:
+                raise RuntimeError(
+                    f"ramtorch.offload: parameter {e.name!r} of unit {self.name!r} was removed after "
+                    "offload; a streamed unit's parameters can be replaced, not removed"
+                )
+            if id(p) not in own and guard.is_streamed(p):
+                raise RuntimeError(
+                    f"ramtorch.offload: parameter {e.name!r} of unit {self.name!r} was replaced by a "
+                    "parameter another streamed unit holds (weights tied after offload); tie the "
+                    "weights before ramtorch.offload, which keeps tied weights on the device"
+                )
+            if id(p) not in seen:
+                seen[id(p)] = len(new)
+                new.append(p)
+            entries.append(_Entry(e.owner, e.name, seen[id(p)]))
+        self.params, self.entries = new, entries
+        self.nbytes = _packed_bytes(new)
+        self.reset_backward_counts()
+        return True
+
+    def forget_copies(self) -> None:
+        """Device copies made so far are not trusted anymore: a new pass copies the unit again.
+        Version counters do not see every write (``param.data`` edits, numpy views, raw
+        pointers), so a copy made before user code ran is never taken for the current weights."""
+        self.gen = _engine.next_generation()

@@ -38,12 +38,12 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, layer: Linear, inference: bool
+        ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, layer: Linear
     ) -> torch.Tensor:
         weight, bias = layer.weight, layer.bias
         streamer = _shared.for_device(layer.compute_device)
         cdtype = _compute_dtype(x, weight)
-        with streamer.borrow(layer._unit, inference) as views:
+        with streamer.borrow(layer._unit) as views:
             w, b = views[0], (views[1] if len(views) > 1 else None)
             with torch.autocast(x.device.type, enabled=False):
                 y = F.linear(x.to(cdtype), w.to(cdtype), None if b is None else b.to(cdtype))
@@ -55,7 +55,7 @@ class _LinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         # The saved parameters only let autograd detect in-place changes since forward; under
         # activation checkpointing they come back as other tensor objects, so the gradients go
         # to the layer's own parameters.
@@ -86,7 +86,7 @@ class _LinearFn(torch.autograd.Function):
                 gb = g if g.dim() == 1 else g.sum(dim=tuple(range(g.dim() - 1)))
                 eng.push_grad(bias, gb, layer.max_inflight)
             streamer.delivered(unit, [i for i, need in ((0, need_w), (1, need_b)) if need])
-        return gx, None, None, None
+        return gx, None, None
 
 
 class Linear(nn.Linear):
@@ -266,8 +266,7 @@ class Linear(nn.Linear):
             # backward of every such forward has pushed its gradients (a recomputation inside
             # backward is not counted: its backward is the original forward's).
             self._streamer.count_forward(self._unit)
-        inference = not torch.is_grad_enabled()
-        return _LinearFn.apply(input, self._anchor if wants_grad else None, self, inference)
+        return _LinearFn.apply(input, self._anchor if wants_grad else None, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, compute_device={self.compute_device}, weights=host"

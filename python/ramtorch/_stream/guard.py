@@ -1,0 +1,84 @@
+"""Streamed weights are not in autograd's graph: ``torch.autograd.grad`` with respect to them is
+refused with a clear error instead of torch's "not used in the graph" (or ``None`` gradients with
+``allow_unused=True``).
+
+A unit's forward computes with device copies of its weights, and their gradients reach the host
+parameters through the engine (``.grad``, written at the end of ``backward()``). Autograd never
+sees the host parameters, so it would report them unused. The first streamed parameter installs a
+thin wrapper around ``torch.autograd.grad`` that checks its ``inputs`` against the registry of
+streamed parameters (a dictionary lookup per input; nothing else changes).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+# id(param) -> the parameter, weakly (a later tensor with the same id is told apart).
+_STREAMED: dict[int, weakref.ref[torch.Tensor]] = {}
+_LOCK = threading.Lock()
+_installed = False
+
+
+def register(params: Iterable[torch.Tensor]) -> None:
+    """``params`` are streamed from now on (their forward uses device copies)."""
+    with _LOCK:
+        for p in params:
+            _STREAMED[id(p)] = weakref.ref(p, _forgetter(id(p)))
+        _install()
+
+
+def _forgetter(key: int) -> Any:
+    """The callback that drops ``key``'s entry once its parameter is freed."""
+
+    def forget(_: object) -> None:
+        entry = _STREAMED.get(key)
+        if entry is not None and entry() is None:
+            _STREAMED.pop(key, None)
+
+    return forget
+
+
+def is_streamed(t: Any) -> bool:
+    """Whether ``t`` is a registered streamed parameter."""
+    entry = _STREAMED.get(id(t))
+    return entry is not None and entry() is t
+
+
+def _install() -> None:
+    global _installed
+    if _installed:
+        return
+    inner = torch.autograd.grad
+
+    @functools.wraps(inner)
+    def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if _STREAMED:
+            _check(inputs)
+        return inner(outputs, inputs, *args, **kwargs)
+
+    torch.autograd.grad = grad
+    _installed = True
+
+
+def _check(inputs: Any) -> None:
+    items = [inputs] if isinstance(inputs, torch.Tensor) else inputs
+    try:
+        items = list(items)
+    except TypeError:
+        return  # not a sequence: torch reports it
+    for t in items:
+        if isinstance(t, torch.Tensor) and is_streamed(t):
+            raise RuntimeError(
+                f"ramtorch: torch.autograd.grad cannot differentiate with respect to a streamed weight "
+                f"(a parameter of shape {tuple(t.shape)} kept in host RAM): the forward computes with "
+                "device copies of streamed weights, so autograd does not see them in the graph. "
+                "Streamed weights get their gradients in .grad after loss.backward(); "
+                "torch.autograd.grad works for inputs and for weights that are not streamed "
+                "(resident units)."
+            )
