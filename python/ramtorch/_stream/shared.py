@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import _core, _engine
+from .compiling import is_compiling, opaque
 from .streamer import PassState, Streamer
 from .units import BackwardPhase, _Unit
 
@@ -186,6 +187,8 @@ class LayerStreamer(Streamer):
 
     def layer_pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook of a hooked unit (see :meth:`attach`)."""
+        if is_compiling():
+            return opaque(LayerStreamer.layer_pre_forward)(self, u, module, args, kwargs)
         if torch._C._current_graph_task_id() == -1:
             with self.lock:
                 self._check_interrupted(torch.is_grad_enabled() and any(p.requires_grad for p in u.params))
@@ -204,6 +207,8 @@ class LayerStreamer(Streamer):
 
     def layer_post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of a hooked unit (always called, also when its forward raised)."""
+        if is_compiling():
+            return opaque(LayerStreamer.layer_post_forward)(self, u, module, args, kwargs, output)
         out = self.post_forward(u, module, args, kwargs, output)
         if not u.fwd:
             with self.lock:
