@@ -148,7 +148,26 @@ def test_fullgraph_is_refused_with_a_clear_message():
     torch.manual_seed(0)
     ours = ramtorch.offload(Net(layers=2), device="cpu")
     compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match="fullgraph=True"):
+    with pytest.raises(Exception, match="ramtorch_streaming__compile_without_fullgraph"):
         compiled(torch.randn(2, 8))
     eager = ours(torch.randn(2, 8))  # the model still runs after the refusal
     assert eager.shape == (2, 3)
+
+
+def test_many_kinds_of_units_compile_without_hitting_the_recompile_limit(caplog):
+    """The streaming hooks are not compiled frames: a model with more kinds of units than Dynamo
+    compiles one function for (its recompile limit, 8) neither recompiles them nor warns."""
+    kinds = [type(f"Kind{i}", (nn.Linear,), {}) for i in range(10)]
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[k(8, 8) for k in kinds])
+    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu")
+    compiled = torch.compile(ours, backend="aot_eager")
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        for _ in range(2):
+            x = torch.randn(3, 8)
+            y_ref, y = ref(x), compiled(x)
+            close(y_ref, y)
+            y_ref.square().mean().backward()
+            y.square().mean().backward()
+    compare_grads(ref, ours)
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import _arena, _config, _engine
 from .._stream import shared as _shared
-from .._stream.compiling import is_compiling, opaque
+from .._stream.compiling import is_compiling, opaque, run_eagerly
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -259,7 +259,7 @@ class Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
         if is_compiling():
             # Streaming runs as in eager mode between compiled regions (see ramtorch._stream.compiling).
-            return opaque(Linear.forward)(self, input)
+            return opaque(Linear.forward, self, input)
         self._check_input(input)
         if not self._is_home():
             self._rehome()
@@ -302,3 +302,6 @@ class Linear(nn.Linear):
         new.train(linear.training)
         new._set_home(flat)
         return new
+
+
+run_eagerly(Linear.forward)
