@@ -80,6 +80,18 @@ def test_compiled_offloaded_model_with_units_outside_the_blocks_matches_eager():
     _steps(ref, ours, compiled, _ramtorch_adamw, [torch.randn(4, 8) for _ in range(2)])
 
 
+def test_compiled_model_with_resident_and_streamed_units_matches_eager():
+    """Units kept resident by ``gpu_budget`` next to streamed ones, in one compiled model."""
+    torch.manual_seed(0)
+    ref = Net(d=32)
+    unit = sum(p.numel() * 4 for p in ref.blocks[0].parameters())
+    ours = ramtorch.offload(copy.deepcopy(ref), gpu_budget=4 * unit, device="cpu")
+    stats = ours._ramtorch_streamer.stats()
+    assert stats["resident_units"] and stats["streamed_units"]
+    compiled = torch.compile(ours, backend="aot_eager")
+    _steps(ref, ours, compiled, _torch_adamw, [torch.randn(4, 8) for _ in range(2)])
+
+
 class _PerLayer(nn.Module):
     """Per-layer drop-ins (``ramtorch.nn.Embedding``, ``ramtorch.nn.Linear``) in a plain module,
     built from the plain model's layers."""
