@@ -8,6 +8,7 @@ entry point :func:`offload` (plan, pack, hook), model surgery (``.to()``, copy a
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import warnings
@@ -207,16 +208,14 @@ def offload(
         if u.resident:
             continue
         u.module._ramtorch_unit = u  # type: ignore[assignment]
+        # Partials, not lambdas: the hooks' frames are the streamer's methods, which
+        # torch.compile runs as they are (ramtorch._stream.compiling).
         handles.append(
-            u.module.register_forward_pre_hook(
-                lambda m, a, k, u=u: streamer.pre_forward(u, m, a, k), with_kwargs=True
-            )
+            u.module.register_forward_pre_hook(functools.partial(streamer.pre_forward, u), with_kwargs=True)
         )
         handles.append(
             u.module.register_forward_hook(
-                lambda m, a, k, o, u=u: streamer.post_forward(u, m, a, k, o),
-                with_kwargs=True,
-                always_call=True,
+                functools.partial(streamer.post_forward, u), with_kwargs=True, always_call=True
             )
         )
     # A pipelined optimizer step may still be writing the weights that state_dict() hands out.

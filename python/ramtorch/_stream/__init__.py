@@ -41,7 +41,9 @@ Files, one concept each:
 - :mod:`.streamer`: :class:`Streamer`, the per-unit state machine driven by module hooks;
 - :mod:`.shared`: free-standing units (``ramtorch.nn.Linear``) on one shared streamer per device,
   whose itinerary records them in the order they run;
-- :mod:`.placement`: the planner (which units stay resident, how many slots).
+- :mod:`.placement`: the planner (which units stay resident, how many slots);
+- :mod:`.compiling`: under ``torch.compile`` the hooks run as in eager mode, between compiled
+  regions (a graph break at each streamed unit).
 
 This layer imports only the engine layer (``_engine``, ``_arena``, ``_core``, ``_config``,
 ``_units``); features (``ramtorch.offload``, ``ramtorch.nn``, ``ramtorch.plan``, ``ramtorch.trace``)

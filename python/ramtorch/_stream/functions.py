@@ -110,10 +110,9 @@ class GradientHooks:
         hooks the node that consumes each weight, where exactly one does: that weight's gradient
         leaves for the host as soon as the node has run, not at the end of the unit's backward.
         The walk stops at the unit's inputs (:class:`_PostBackward`), at other units' weights and at
-        leaves, and gives up past ``_WALK_LIMIT`` nodes. Not under ``torch.compile`` (a walk over
-        autograd nodes is nothing to trace): compiled units send their gradients at their end."""
-        if torch.compiler.is_compiling():
-            return
+        leaves, and gives up past ``_WALK_LIMIT`` nodes. Under ``torch.compile`` it runs eagerly
+        like the rest of the hooks, over the compiled regions' nodes: a weight's gradient leaves
+        once the backward of the compiled region that consumed it has run."""
         stop = (_PostBackward._backward_cls, _Fetch._backward_cls)
         seen: set[Any] = set()
         stack = list(roots)

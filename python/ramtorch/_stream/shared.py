@@ -18,6 +18,7 @@ has delivered them.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -29,6 +30,7 @@ from torch import nn
 
 from .. import _core, _engine
 from . import guard
+from .compiling import is_compiling, opaque, run_eagerly
 from .streamer import PassState, Streamer
 from .units import BackwardPhase, _Unit
 
@@ -171,13 +173,10 @@ class LayerStreamer(Streamer):
             self.slots = max(self.slots, max_inflight + 1)
             self.eng.reserve(u.layout.nbytes, max_inflight + 1)
         handles = [
-            module.register_forward_pre_hook(
-                lambda m, a, k, u=u: self.layer_pre_forward(u, m, a, k), with_kwargs=True
-            ),
+            # Partials: the hooks' frames are these methods (see .compiling).
+            module.register_forward_pre_hook(functools.partial(self.layer_pre_forward, u), with_kwargs=True),
             module.register_forward_hook(
-                lambda m, a, k, o, u=u: self.layer_post_forward(u, m, a, k, o),
-                with_kwargs=True,
-                always_call=True,
+                functools.partial(self.layer_post_forward, u), with_kwargs=True, always_call=True
             ),
             # A pipelined optimizer step may still be writing the weights that state_dict() hands out.
             module.register_state_dict_pre_hook(
@@ -188,6 +187,8 @@ class LayerStreamer(Streamer):
 
     def layer_pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook of a hooked unit (see :meth:`attach`)."""
+        if is_compiling():
+            return opaque(LayerStreamer.layer_pre_forward, self, u, module, args, kwargs)
         if torch._C._current_graph_task_id() == -1:
             with self.lock:
                 self._check_interrupted(torch.is_grad_enabled() and any(p.requires_grad for p in u.params))
@@ -203,6 +204,8 @@ class LayerStreamer(Streamer):
 
     def layer_post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of a hooked unit (always called, also when its forward raised)."""
+        if is_compiling():
+            return opaque(LayerStreamer.layer_post_forward, self, u, module, args, kwargs, output)
         out = self.post_forward(u, module, args, kwargs, output)
         if not u.fwd:
             with self.lock:
@@ -319,6 +322,8 @@ class LayerStreamer(Streamer):
             del self.lent[slot]  # forgotten first: an interrupt leaks, never frees twice
             self._give(slot)
 
+
+run_eagerly(LayerStreamer.layer_pre_forward, LayerStreamer.layer_post_forward)
 
 _SHARED: dict[torch.device, LayerStreamer] = {}
 _SHARED_LOCK = threading.Lock()

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import _engine, _profile
+from .compiling import is_compiling, opaque, run_eagerly
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
 from .units import BackwardPhase, UnitState, _Unit
@@ -95,6 +96,8 @@ class Streamer(Prefetcher, GradientHooks):
 
     def begin_pass(self) -> None:
         """Root forward pre-hook: a new forward pass begins."""
+        if is_compiling():
+            return opaque(Streamer.begin_pass, self)
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward
         with self.lock:
@@ -179,6 +182,8 @@ class Streamer(Prefetcher, GradientHooks):
         self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
 
     def end_pass(self) -> None:
+        if is_compiling():
+            return opaque(Streamer.end_pass, self)
         if PassState.FORWARD not in self.state:
             return
         with self.lock:
@@ -192,6 +197,10 @@ class Streamer(Prefetcher, GradientHooks):
     # -- forward --------------------------------------------------------------------------------
 
     def pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if is_compiling():
+            # Under torch.compile the hooks run as in eager mode (see .compiling); so do the
+            # other entry points of this layer.
+            return opaque(Streamer.pre_forward, self, u, module, args, kwargs)
         # Inside backward this is a recomputation (activation checkpointing): the unit's backward
         # slot serves it, and stays held until the unit's backward is done.
         recompute = torch._C._current_graph_task_id() != -1
@@ -280,6 +289,8 @@ class Streamer(Prefetcher, GradientHooks):
         return tuple(args), kwargs
 
     def post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if is_compiling():
+            return opaque(Streamer.post_forward, self, u, module, args, kwargs, output)
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
         slot, own, ctx, addr, before, fetch, rng = u.fwd.pop()
@@ -433,6 +444,8 @@ class Streamer(Prefetcher, GradientHooks):
             **self.counters,
         }
 
+
+run_eagerly(Streamer.begin_pass, Streamer.end_pass, Streamer.pre_forward, Streamer.post_forward)
 
 _STREAMERS: weakref.WeakSet[Streamer] = weakref.WeakSet()
 
