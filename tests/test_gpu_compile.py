@@ -23,12 +23,12 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
     torch.testing.assert_close(a.detach().float().cpu(), b.detach().float().cpu(), rtol=tol, atol=tol)
 
 
-def compare(ref: nn.Module, ours: nn.Module, what: str) -> None:
+def compare(ref: nn.Module, ours: nn.Module, what: str, tol: float = TOL) -> None:
     for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
         if what == "grad":
             assert (p.grad is None) == (q.grad is None), name
             if p.grad is not None:
-                close(p.grad, q.grad)
+                close(p.grad, q.grad, tol)
         else:
             # Adam divides by the gradients' size: a last-bit difference in a small gradient shows
             # in the step more than in the gradient.
@@ -42,7 +42,9 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _train_and_compare(ref: nn.Module, ours: nn.Module, batches: list[torch.Tensor], call=None) -> None:
+def _train_and_compare(
+    ref: nn.Module, ours: nn.Module, batches: list[torch.Tensor], call=None, tol: float = TOL
+) -> None:
     """Forward, backward and an AdamW step of the plain model (eager, torch's AdamW on the GPU) and
     of the compiled streamed one (ramtorch's AdamW on the host), compared at every stage."""
     compiled = torch.compile(ours)
@@ -51,10 +53,10 @@ def _train_and_compare(ref: nn.Module, ours: nn.Module, batches: list[torch.Tens
     opt = ramtorch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.01)
     for x in batches:
         y_ref, y = call(ref, x), call(compiled, x)
-        close(y_ref, y)
+        close(y_ref, y, tol)
         y_ref.float().square().mean().backward()
         y.float().square().mean().backward()
-        compare(ref, ours, "grad")
+        compare(ref, ours, "grad", tol)
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
@@ -62,7 +64,7 @@ def _train_and_compare(ref: nn.Module, ours: nn.Module, batches: list[torch.Tens
         compare(ref, ours, "param")
     with torch.no_grad():
         for _ in range(2):  # an inference pass prefetches the next one's first units
-            close(call(ref, batches[0]), call(compiled, batches[0]))
+            close(call(ref, batches[0]), call(compiled, batches[0]), tol)
 
 
 @pytest.mark.parametrize("budget", [None, "resident"])
@@ -116,4 +118,5 @@ def test_compiled_offloaded_llama_matches_eager_on_cuda():
     ref.cuda()
     ramtorch.offload(ours, device="cuda")
     batches = [torch.randint(0, 128, (2, 16), device="cuda") for _ in range(2)]
-    _train_and_compare(ref, ours, batches, call=lambda m, ids: m(ids, use_cache=False).logits)
+    # Attention and RMSNorm: inductor's fused CUDA kernels round differently from eager's (6e-5 seen).
+    _train_and_compare(ref, ours, batches, call=lambda m, ids: m(ids, use_cache=False).logits, tol=1e-4)

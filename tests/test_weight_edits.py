@@ -302,3 +302,34 @@ def test_streamed_embedding_and_conv2d_see_data_edits_between_calls() -> None:
             for m in (plain, streamed):
                 for p in m.parameters():
                     p.data.add_(0.25)
+
+
+def test_weights_unchanged_lets_inference_passes_prefetch_across_and_stays_correct():
+    torch.manual_seed(0)
+    plain = Net(d=32, layers=6)
+    model = ramtorch.offload(copy.deepcopy(plain), device="cpu")
+    streamer = model._ramtorch_streamer
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model(x)
+        assert not streamer.ahead  # by default nothing of the next pass is copied at a pass's end
+        with ramtorch.weights_unchanged(model) as m:
+            assert m is model
+            for _ in range(3):
+                torch.testing.assert_close(model(x), plain(x))
+                assert streamer.ahead  # the next pass's first units, copied at this pass's end
+                hits = streamer.counters["prefetch_hits"]
+            model(x)
+            assert streamer.counters["prefetch_hits"] > hits
+        # The block is over: an edit no version counter sees is seen by the next pass again.
+        for p, q in zip(model.parameters(), plain.parameters()):
+            p.data.mul_(0.5)
+            q.data.mul_(0.5)
+        torch.testing.assert_close(model(x), plain(x))
+        assert not streamer.ahead
+
+
+def test_weights_unchanged_needs_an_offloaded_model():
+    with pytest.raises(ValueError, match="not offloaded"):
+        with ramtorch.weights_unchanged(nn.Linear(2, 2)):
+            pass

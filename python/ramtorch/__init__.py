@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import _core, _engine, _offload, distributed, nn, optim
 from ._core import CudaError
-from ._offload import offload
+from ._offload import offload, weights_unchanged
 from ._trace import trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from .convert import replace_linear
@@ -35,6 +35,7 @@ __all__ = [
     "load_checkpoint",
     "nn",
     "offload",
+    "weights_unchanged",
     "optim",
     "replace_linear",
     "save_checkpoint",

@@ -8,12 +8,13 @@ entry point :func:`offload` (plan, pack, hook), model surgery (``.to()``, copy a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -240,6 +241,37 @@ def offload(
     _STREAMERS.add(streamer)
     streamer.eng.add_holder(streamer)
     return model
+
+
+@contextlib.contextmanager
+def weights_unchanged(model: nn.Module) -> Iterator[nn.Module]:
+    """A block in which ``model``'s weights are not edited between forward passes, by a promise of
+    the caller: each pass then starts on the copies the previous one prefetched at its end, so in
+    inference (``generate()``, an evaluation loop) the first units of a pass come in while the last
+    kernels of the one before run.
+
+    Outside such a block every pass copies its units afresh, because user code between passes may
+    rewrite weights in ways no version counter sees (``param.data`` edits: PEFT's
+    ``merge_and_unload``, EMA helpers, init code). Inside it, such an edit between passes is not
+    seen until the block ends; in-place edits that torch counts (``p.copy_()``, ``p.mul_()`` under
+    ``no_grad``, an optimizer's step) still are. Blocks nest.
+    ::
+
+        with torch.no_grad(), ramtorch.weights_unchanged(model):
+            out = model.generate(ids, max_new_tokens=256)
+    """
+    streamer = getattr(model, "_ramtorch_streamer", None)
+    if streamer is None:
+        raise ValueError(
+            "ramtorch.weights_unchanged: the model is not offloaded (call ramtorch.offload first)"
+        )
+    with streamer.lock:
+        streamer.unchanged += 1
+    try:
+        yield model
+    finally:
+        with streamer.lock:
+            streamer.unchanged -= 1
 
 
 def _move(p: nn.Parameter, dev: torch.device) -> None:

@@ -91,6 +91,9 @@ class Streamer(Prefetcher, GradientHooks):
         self.lock = threading.RLock()
         self.counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0, "passes": 0}
         self.hook_handles: list[Any] = []
+        # Open ``ramtorch.weights_unchanged`` blocks: while one is, the caller promises that no
+        # weight is edited between passes, so copies made for one pass may serve the next.
+        self.unchanged = 0
 
     # -- passes -------------------------------------------------------------------------------------
 
@@ -138,11 +141,12 @@ class Streamer(Prefetcher, GradientHooks):
             # first units are copied now, while the model's own code before them runs.
             # A parameter replaced on its module (``module.weight = nn.Parameter(...)``) is taken
             # into its unit, which is packed again.
-            self._drop_ahead()
-            for u in self.streamed:
-                if u.rebind():
-                    u.pack()
-                u.forget_copies()
+            if not self.unchanged:
+                self._drop_ahead()
+                for u in self.streamed:
+                    if u.rebind():
+                        u.pack()
+                    u.forget_copies()
             self.state |= PassState.FORWARD
             self.cur_fwd = []
             self.fwd_pos = 0
@@ -192,7 +196,12 @@ class Streamer(Prefetcher, GradientHooks):
             self.cur_fwd = []
             self.counters["passes"] += 1
             # Nothing of the next pass is copied now: its weights may be edited before it begins
-            # (see :meth:`begin_pass`, which copies its first units).
+            # (see :meth:`begin_pass`, which copies its first units). Unless the caller promised
+            # they are not (``ramtorch.weights_unchanged``): in inference, where passes follow one
+            # another (generation, evaluation), the next pass's first units then come in while
+            # this pass's last kernels run.
+            if self.unchanged and not torch.is_grad_enabled() and self.fwd_itin:
+                self._prefetch_along(self.fwd_itin, 0, None)
 
     # -- forward --------------------------------------------------------------------------------
 
