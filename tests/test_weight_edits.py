@@ -265,6 +265,27 @@ def test_autograd_grad_on_streamed_weights_is_a_clear_error(make: str) -> None:
         torch.autograd.grad(loss, weight, allow_unused=True, retain_graph=True)
 
 
+@pytest.mark.parametrize("make", ["offload", "linear"])
+def test_backward_with_streamed_inputs_is_a_clear_error(make: str) -> None:
+    """``backward(inputs=[...])`` naming a streamed weight would leave its ``.grad`` untouched."""
+    plain, streamed = _pair(make)
+    weight = streamed.blocks[0].up.weight
+    with pytest.raises(RuntimeError, match=r"backward\(inputs=\.\.\.\).*streamed"):
+        streamed(_x(0)).square().mean().backward(inputs=[weight])
+    with pytest.raises(RuntimeError, match=r"backward\(inputs=\.\.\.\).*streamed"):
+        torch.autograd.backward(streamed(_x(0)).square().mean(), inputs=weight)
+    # Inputs that are not streamed weights still work, and so does a plain backward afterwards.
+    xs = [_x(1).requires_grad_() for _ in range(2)]
+    for m, x in zip((plain, streamed), xs):
+        m(x).square().mean().backward(inputs=[x])
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-6, atol=1e-6)
+    assert weight.grad is None and plain.blocks[0].up.weight.grad is None
+    for m in (plain, streamed):
+        m(_x(2)).square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), streamed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
 def test_autograd_grad_on_inputs_and_resident_weights_still_works() -> None:
     plain, streamed = _pair("offload_budget")
     xs = [_x(0).requires_grad_() for _ in range(2)]

@@ -1,12 +1,14 @@
 """Streamed weights are not in autograd's graph: ``torch.autograd.grad`` with respect to them is
 refused with a clear error instead of torch's "not used in the graph" (or ``None`` gradients with
-``allow_unused=True``).
+``allow_unused=True``), and so is ``backward(inputs=...)`` naming them, which would leave their
+``.grad`` silently untouched.
 
 A unit's forward computes with device copies of its weights, and their gradients reach the host
 parameters through the engine (``.grad``, written at the end of ``backward()``). Autograd never
 sees the host parameters, so it would report them unused. The first streamed parameter installs a
-thin wrapper around ``torch.autograd.grad`` that checks its ``inputs`` against the registry of
-streamed parameters (a dictionary lookup per input; nothing else changes).
+thin wrapper around ``torch.autograd.grad`` and ``torch.autograd.backward`` (which
+``Tensor.backward`` calls) that checks their ``inputs`` against the registry of streamed
+parameters (a dictionary lookup per input; a backward without ``inputs`` pays one ``is None``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import torch
 _STREAMED: dict[int, weakref.ref[torch.Tensor]] = {}
 _LOCK = threading.Lock()
 _installed = False
+# Backwards running with ``inputs=`` (none of them streamed: those are refused): no streamed
+# weight's gradient is accumulated in them, as torch accumulates none but the inputs'.
+_restricted = 0
 
 
 def register(params: Iterable[torch.Tensor]) -> None:
@@ -44,6 +49,11 @@ def _forgetter(key: int) -> Any:
     return forget
 
 
+def restricted() -> bool:
+    """Whether a ``backward(inputs=...)`` runs: streamed weights get no gradient from it."""
+    return _restricted > 0
+
+
 def is_streamed(t: Any) -> bool:
     """Whether ``t`` is a registered streamed parameter."""
     entry = _STREAMED.get(id(t))
@@ -63,10 +73,31 @@ def _install() -> None:
         return inner(outputs, inputs, *args, **kwargs)
 
     torch.autograd.grad = grad
+
+    inner_backward = torch.autograd.backward
+
+    @functools.wraps(inner_backward)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        inputs = kwargs.get("inputs")
+        if inputs is None and len(args) > 5:
+            inputs = args[5]
+        if inputs is None or not _STREAMED:
+            return inner_backward(*args, **kwargs)
+        _check(inputs, "backward(inputs=...)")
+        global _restricted
+        with _LOCK:
+            _restricted += 1
+        try:
+            return inner_backward(*args, **kwargs)
+        finally:
+            with _LOCK:
+                _restricted -= 1
+
+    torch.autograd.backward = backward  # Tensor.backward calls it by this name
     _installed = True
 
 
-def _check(inputs: Any) -> None:
+def _check(inputs: Any, what: str = "torch.autograd.grad") -> None:
     items = [inputs] if isinstance(inputs, torch.Tensor) else inputs
     try:
         items = list(items)
@@ -75,10 +106,10 @@ def _check(inputs: Any) -> None:
     for t in items:
         if isinstance(t, torch.Tensor) and is_streamed(t):
             raise RuntimeError(
-                f"ramtorch: torch.autograd.grad cannot differentiate with respect to a streamed weight "
+                f"ramtorch: {what} cannot differentiate with respect to a streamed weight "
                 f"(a parameter of shape {tuple(t.shape)} kept in host RAM): the forward computes with "
                 "device copies of streamed weights, so autograd does not see them in the graph. "
                 "Streamed weights get their gradients in .grad after loss.backward(); "
-                "torch.autograd.grad works for inputs and for weights that are not streamed "
+                f"{what} works for inputs and for weights that are not streamed "
                 "(resident units)."
             )

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _arena, _config, _engine
+from .._stream import guard
 from .._stream import shared as _shared
 from .._stream.compiling import is_compiling, opaque, run_eagerly
 
@@ -65,6 +66,8 @@ class _LinearFn(torch.autograd.Function):
         weight, bias = layer.weight, layer.bias
         cdtype: torch.dtype = ctx.cdtype
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.need_w, ctx.need_b
+        if guard.restricted():  # backward(inputs=...): torch accumulates no weight gradient
+            need_w = need_b = False
         streamer = _shared.for_device(layer.compute_device)
         eng = streamer.eng
         unit = layer._unit
