@@ -57,10 +57,15 @@ def pack_mixed(
         offsets.append(total)
         total += _nbytes(shape, dtype)
     flat = host_bytes(total)
-    views = [
-        flat[off : off + _nbytes(shape, dtype)].view(dtype).view(tuple(shape))
-        for off, (shape, dtype) in zip(offsets, specs)
-    ]
+    base = flat.data_ptr()
+    views = []
+    for off, (shape, dtype) in zip(offsets, specs):
+        n = _nbytes(shape, dtype)
+        # Each tensor gets a storage of its own over its bytes of ``flat`` (kept alive by it), not
+        # a view of ``flat``'s: torch.save and safetensors refuse one storage seen as several
+        # dtypes, and a unit packs a bf16 weight next to an fp32 norm.
+        part = torch.from_dlpack(_core.arena_view(base + off, n)) if n else flat[off:off]
+        views.append(part.view(dtype).view(tuple(shape)))
     return flat, views
 
 

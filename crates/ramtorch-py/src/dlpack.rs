@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_void, CStr};
 
 use pyo3::prelude::*;
 
-use ramtorch_core::arena::Region;
+use ramtorch_core::arena::{HostSlice, Region};
 use ramtorch_core::shared::SharedRegion;
 
 #[repr(C)]
@@ -36,10 +36,12 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-/// Host memory a capsule keeps alive: an arena region or a region shared between processes.
+/// Host memory a capsule keeps alive: an arena region, a region shared between processes, or a
+/// byte range inside one of those (which keeps its region alive).
 pub(crate) enum Memory {
     Arena(Region),
     Shared(SharedRegion),
+    Slice(HostSlice),
 }
 
 impl Memory {
@@ -47,12 +49,14 @@ impl Memory {
         match self {
             Memory::Arena(r) => r.as_ptr(),
             Memory::Shared(r) => r.as_ptr(),
+            Memory::Slice(r) => r.as_ptr(),
         }
     }
     fn len(&self) -> usize {
         match self {
             Memory::Arena(r) => r.len(),
             Memory::Shared(r) => r.len(),
+            Memory::Slice(r) => r.len(),
         }
     }
 }

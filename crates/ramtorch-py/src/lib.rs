@@ -80,6 +80,15 @@ fn arena_alloc(py: Python<'_>, nbytes: usize, zeroed: bool, pin: bool) -> PyResu
     export(py, Memory::Arena(region))
 }
 
+/// The `nbytes` bytes at `addr` inside a live arena or shared region, as a DLPack capsule of a 1-D
+/// uint8 CPU tensor of their own (torch sees a storage of its own, aliasing the region), which
+/// keeps the region alive. Anything outside memory ramtorch allocated is an error.
+#[pyfunction]
+fn arena_view(py: Python<'_>, addr: usize, nbytes: usize) -> PyResult<Py<PyAny>> {
+    let slice = guard("arena_view", || arena()?.slice(addr, nbytes))?;
+    export(py, Memory::Slice(slice))
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host memory shared by the processes of one node, exported like arena regions.
 
@@ -487,6 +496,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("MAX_MAX_INFLIGHT", ramtorch_core::engine::MAX_MAX_INFLIGHT)?;
     m.add_function(wrap_pyfunction!(arena_alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(arena_view, m)?)?;
     m.add_function(wrap_pyfunction!(arena_stats, m)?)?;
     m.add_function(wrap_pyfunction!(arena_empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(take_pin_warning, m)?)?;

@@ -135,6 +135,13 @@ def write_file(
 
 def check_storable(what: str, key: str, t: torch.Tensor) -> None:
     """Raises ``TypeError`` naming ``key`` unless safetensors can store ``t``."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        raise TypeError(
+            f"{what}: {key!r} is a {type(t).__module__}.{type(t).__qualname__} (a tensor subclass, "
+            "such as a quantized weight), which a safetensors file of plain tensors cannot hold: "
+            "save the model with torch.save(model.state_dict(), path), or save only what you "
+            "trained (LoRA adapters: peft's save_pretrained)"
+        )
     if t.layout != torch.strided:
         raise TypeError(f"{what}: {key!r} is a {t.layout} tensor; only dense tensors can be saved")
     if t.dtype not in TORCH_TO_ST:
