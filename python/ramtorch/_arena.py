@@ -57,16 +57,22 @@ def pack_mixed(
         offsets.append(total)
         total += _nbytes(shape, dtype)
     flat = host_bytes(total)
-    base = flat.data_ptr()
-    views = []
-    for off, (shape, dtype) in zip(offsets, specs):
-        n = _nbytes(shape, dtype)
-        # Each tensor gets a storage of its own over its bytes of ``flat`` (kept alive by it), not
-        # a view of ``flat``'s: torch.save and safetensors refuse one storage seen as several
-        # dtypes, and a unit packs a bf16 weight next to an fp32 norm.
-        part = torch.from_dlpack(_core.arena_view(base + off, n)) if n else flat[off:off]
-        views.append(part.view(dtype).view(tuple(shape)))
+    views = [
+        own_storage(flat[off : off + _nbytes(shape, dtype)].view(dtype).view(tuple(shape)))
+        for off, (shape, dtype) in zip(offsets, specs)
+    ]
     return flat, views
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, inside a live arena or shared region) as a tensor with a storage of its
+    own over the same bytes, which keeps the region alive. A region packing several tensors then
+    shows torch one storage per tensor, not one storage seen as several dtypes, which torch.save
+    and safetensors refuse (a unit packs a bf16 weight next to an fp32 norm)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return t
+    return torch.from_dlpack(_core.arena_view(t.data_ptr(), n)).view(t.dtype).view(tuple(t.shape))
 
 
 def in_region(t: torch.Tensor, flat: torch.Tensor | None) -> bool:

@@ -423,7 +423,7 @@ class _Unit:
         """Moves the unit into ``flat`` (a ``uint8`` region of at least ``nbytes``, e.g. shared
         host memory), with the same layout; ``copy`` writes the current values there first."""
         assert self.layout is not None
-        views = self.layout.views(flat)
+        views = [None if v is None else _arena.own_storage(v) for v in self.layout.views(flat)]
         with torch.no_grad():
             if self.tree is None:
                 for p, v in zip(self.params, views):
