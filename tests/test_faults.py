@@ -200,3 +200,18 @@ def test_importing_ramtorch_does_not_load_the_compiler():
     r = _run("import sys, ramtorch; print('torch._dynamo' in sys.modules)")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_exit_does_not_hang_on_an_optimizer_job_that_never_ends():
+    """Interpreter exit waits for queued optimizer jobs, but a bounded time: a job blocked on
+    something the exiting program will never do leaves with a message instead of a hang."""
+    code = (
+        "import threading, ramtorch.optim._jobs as j\n"
+        "j.EXIT_WAIT_SECONDS = 0.5\n"
+        "q = j._Jobs()\n"
+        "q.submit(threading.Event().wait)\n"
+        "print('submitted', flush=True)\n"
+    )
+    r = _run(code, timeout=300)
+    assert "submitted" in r.stdout, r.stderr
+    assert "did not finish" in r.stderr, r.stderr

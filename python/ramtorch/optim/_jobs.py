@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -82,14 +83,17 @@ class _Jobs:
             self._closing = True
             self._cv.notify_all()
 
-    def shutdown(self) -> None:
-        """Runs the queued jobs to their end and ends the thread, waiting for it."""
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Runs the queued jobs to their end and ends the thread, waiting for it (at most
+        ``timeout`` seconds when given); returns whether the thread has ended."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
 
 #: Queues whose thread was started. At interpreter exit each thread is ended and joined before
@@ -98,7 +102,17 @@ class _Jobs:
 _LIVE: weakref.WeakSet[_Jobs] = weakref.WeakSet()
 
 
+#: How long interpreter exit waits for queued optimizer jobs. A job that never ends (one blocked
+#: on something the exiting program will not do) must not hang the exit: past this, the thread is
+#: left to the interpreter's teardown, with a message.
+EXIT_WAIT_SECONDS = 120.0
+
+
 @atexit.register
 def _shutdown_all() -> None:
     for jobs in list(_LIVE):
-        jobs.shutdown()
+        if not jobs.shutdown(EXIT_WAIT_SECONDS):
+            sys.stderr.write(
+                f"ramtorch.optim: queued optimizer updates did not finish within {EXIT_WAIT_SECONDS:.0f} s "
+                "of interpreter exit; exiting without them\n"
+            )
