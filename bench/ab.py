@@ -2,7 +2,7 @@
 run in the order A B B A (so drift over the run weighs on both alike), reported per row as B / A.
 
     python3 bench/ab.py --a /path/to/old/site --b /path/to/new/site --out ab.json [--rounds 1]
-        [--rows w1-linear w1-offload w1-step w2-forward] [--tokens 4096]
+        [--rows w1-linear w1-offload w1-step w2-forward] [--tokens 4096] [--b-extra=--weights-unchanged]
 
 Rows (BENCH.md names): W1 forward and forward+backward for ``ramtorch-linear`` (per-layer Linear)
 and ``ramtorch`` (offload); the W1 training step with the pipelined fp32-master AdamW; W2 forward
@@ -60,6 +60,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument(
+        "--b-extra",
+        default="",
+        help="arguments added to B's processes only (with --a and --b the same build: an A/B of an "
+        "option, e.g. --b-extra=--weights-unchanged)",
+    )
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -90,7 +96,8 @@ def main() -> None:
             workload, args = ROWS[row]
             extra = ["--tokens", str(a.tokens)] if workload == "w1" else []
             for build in ("a", "b", "b", "a"):
-                for r in run(workload, args + extra + common, getattr(a, build), a.timeout):
+                more = a.b_extra.split() if build == "b" else []
+                for r in run(workload, args + extra + common + more, getattr(a, build), a.timeout):
                     r["build"] = build
                     records.append(r)
                     k = (row, r["workload"], r.get("tokens"), r["phase"], r["system"])

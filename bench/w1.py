@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -309,6 +310,12 @@ def main() -> None:
         help="ramtorch, phase step: after the timed steps, run two more under ramtorch.trace(TRACE) "
         "and add each track's busy time to the record (trace_summary); {tokens} in TRACE is replaced",
     )
+    ap.add_argument(
+        "--weights-unchanged",
+        action="store_true",
+        help="ramtorch (offload), phase forward: time the passes inside ramtorch.weights_unchanged(model), "
+        "so each pass starts on the copies the previous one prefetched",
+    )
     # Hidden: run on the CPU with a tiny model, to check the harness without a GPU.
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -334,12 +341,22 @@ def main() -> None:
     if opt is not None:
         extra.update(optimizer=opt_name, optimizer_host_bytes=opt_bytes)
 
+    if a.weights_unchanged:
+        if a.system != "ramtorch":
+            ap.error("--weights-unchanged applies to --system ramtorch (offload) only")
+        import ramtorch
+
+        extra["weights_unchanged"] = True
+        unchanged = functools.partial(ramtorch.weights_unchanged, model)
+    else:
+        unchanged = contextlib.nullcontext
+
     for t in a.tokens:
         x = torch.randn(t, a.d, device=dev, dtype=torch.bfloat16)
         for phase in phases:
 
             def fwd(x: torch.Tensor = x) -> None:
-                with torch.no_grad():
+                with torch.no_grad(), unchanged():
                     model(x)
 
             def fwd_bwd(x: torch.Tensor = x) -> None:

@@ -48,8 +48,9 @@ def test_resident_units_match_streamed_units(precision):
         (torch.randn(8, 8, generator=g).to("cuda", torch.bfloat16), torch.randn(8, 3, generator=g).to("cuda"))
         for _ in range(STEPS)
     ]
-    ref = ramtorch.optim.AdamW(streamed.parameters(), lr=1e-3, precision=precision)
-    opt = ramtorch.optim.AdamW(split.parameters(), lr=1e-3, precision=precision)
+    lr = 1e-3
+    ref = ramtorch.optim.AdamW(streamed.parameters(), lr=lr, precision=precision)
+    opt = ramtorch.optim.AdamW(split.parameters(), lr=lr, precision=precision)
     want = _train(streamed, ref, batches)
     got = _train(split, opt, batches)
 
@@ -61,14 +62,23 @@ def test_resident_units_match_streamed_units(precision):
         else:
             assert "master" not in st and st["exp_avg"].dtype == torch.bfloat16
     assert got == pytest.approx(want, rel=2e-2, abs=1e-3)
-    for (name, p), q in zip(split.named_parameters(), streamed.parameters()):
-        p, q = p.detach().float().cpu(), q.detach().float().cpu()
-        d = (p - q).abs()
+    for (name, p), q, p0 in zip(split.named_parameters(), streamed.parameters(), base.parameters()):
+        p, q, p0 = p.detach().float().cpu(), q.detach().float().cpu(), p0.detach().float()
+        d, moved = (p - q).abs(), (q - p0).abs()
         ulp = 2.0 ** (torch.floor(torch.log2(q.abs().clamp_min(2**-8))) - 7)
         # The device (torch) and host (ramtorch kernel) updates round their fp32 arithmetic
-        # differently, and Adam's m / sqrt(v) carries that into every step: weights meet to a few
-        # bf16 steps, never further apart.
-        if precision == "fp32-master":
-            assert bool((d <= 2 * ulp + 1e-6).all()) and float((d / ulp).mean()) <= 1.0, name
-        else:  # stochastic rounding also draws different bits on the two paths
-            assert bool((d <= 8 * ulp + 1e-3).all()) and float(d.mean()) <= 5e-4, name
+        # differently; a one-step difference in a bf16 weight changes the next forward, and Adam's
+        # m / sqrt(v) turns a last-bit difference of a small gradient into up to a whole step (lr).
+        # So single elements may drift a few steps apart (bounded by Adam's steps), while the bulk of
+        # the update is the same on both paths: a unit not updated, updated twice or with other
+        # numerics would be far from these bounds.
+        far = float((d / ulp).mean()), float(d.max()), float(d.mean()), float(moved.mean())
+        msg = f"{name}: {far[0]:.2f} steps apart on average, max {far[1]:.2e}, mean {far[2]:.2e}"
+        msg += f", moved {far[3]:.2e}"
+        # Seen on an H200: at most 0.25 steps apart on average (fp32 master), 1.32 (stochastic rounding,
+        # which draws other bits on each path); mean distance at most 1% of the mean move.
+        mean_steps = 0.5 if precision == "fp32-master" else 2.0
+        assert far[0] <= mean_steps, msg
+        assert bool((d <= 2 * ulp + 2 * lr * STEPS).all()), msg
+        if precision == "fp32-master":  # (with stochastic rounding, moves under a step are noise)
+            assert far[2] <= 0.1 * far[3] + 1e-6, msg
