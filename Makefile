@@ -19,11 +19,12 @@ build: setup
 	$(ACT) maturin develop --release -q
 
 # A wheel (distribution ramtorch-rs, import name ramtorch) into dist/: one abi3 wheel for every
-# CPython >= 3.10, installable with pip and no Rust toolchain. maturin tags it with the oldest
-# manylinux policy the binary satisfies (manylinux_2_34 with a glibc 2.34+ toolchain; build in a
-# manylinux_2_28 container for older systems).
+# CPython >= 3.10 on Linux x86-64 with glibc >= 2.28 (the manylinux_2_28 policy, torch's own),
+# installable with pip and no Rust toolchain. zig (the ziglang package) links against glibc 2.28
+# whatever the build machine's glibc is.
 wheel: setup
-	$(ACT) maturin build --release --out dist
+	$(PY) -m pip install -q "ziglang>=0.13"
+	$(ACT) maturin build --release --zig --compatibility manylinux_2_28 --out dist
 
 test: build lint test-rust test-python
 

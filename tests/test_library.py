@@ -8,6 +8,7 @@ import ast
 import copy
 import logging
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -78,6 +79,13 @@ def test_built_wheel_is_abi3_typed_and_licensed():
             assert f"Name: {_pyproject()['project']['name']}" in text
             assert "License-Expression: Apache-2.0" in text and "Requires-Dist: torch" in text
             assert any(f.endswith(".dist-info/licenses/LICENSE") for f in files)
+            # The manylinux tag promises the glibc the binary needs at most: the newest symbol
+            # version it names (its dynamic string table) must not be newer than the tag's.
+            tag = re.search(r"manylinux_(\d+)_(\d+)_", whl.name)
+            assert tag is not None, whl.name
+            so = next(f for f in files if f.startswith("ramtorch/_core") and f.endswith(".so"))
+            needed = {tuple(map(int, v)) for v in re.findall(rb"GLIBC_(\d+)\.(\d+)", z.read(so))}
+            assert needed and max(needed) <= (int(tag[1]), int(tag[2])), (whl.name, max(needed))
 
 
 # -- messages ---------------------------------------------------------------------------------------
