@@ -316,6 +316,12 @@ def main() -> None:
         help="ramtorch (offload), phase forward: time the passes inside ramtorch.weights_unchanged(model), "
         "so each pass starts on the copies the previous one prefetched",
     )
+    ap.add_argument(
+        "--compile",
+        default=None,
+        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+        help="call the (wrapped) model through torch.compile with this mode; the warm-up passes compile",
+    )
     # Hidden: run on the CPU with a tiny model, to check the harness without a GPU.
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -341,6 +347,17 @@ def main() -> None:
     if opt is not None:
         extra.update(optimizer=opt_name, optimizer_host_bytes=opt_bytes)
 
+    call: Callable[[torch.Tensor], torch.Tensor] = model
+    if a.compile:
+        compiled = torch.compile(model, mode=None if a.compile == "default" else a.compile)
+        graphs = a.compile == "reduce-overhead"
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled(x)
+
+        extra["compile"] = a.compile
     if a.weights_unchanged:
         if a.system != "ramtorch":
             ap.error("--weights-unchanged applies to --system ramtorch (offload) only")
@@ -357,7 +374,7 @@ def main() -> None:
 
             def fwd(x: torch.Tensor = x) -> None:
                 with torch.no_grad(), unchanged():
-                    model(x)
+                    call(x)
 
             def fwd_bwd(x: torch.Tensor = x) -> None:
                 if a.system == "ramtorch-1.11":
@@ -368,7 +385,7 @@ def main() -> None:
                 # their gradients land: accumulate() keeps this phase forward+backward alone.
                 acc = getattr(opt, "accumulate", None)
                 with acc() if acc is not None else contextlib.nullcontext():
-                    loss_of(model(x)).backward()
+                    loss_of(call(x)).backward()
                 if a.system == "ramtorch":
                     import ramtorch
 
@@ -383,7 +400,7 @@ def main() -> None:
                     model.step(x, loss_fn=loss_of)
                     model.flush_grads()
                 else:
-                    loss_of(model(x)).backward()
+                    loss_of(call(x)).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 

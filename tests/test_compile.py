@@ -30,7 +30,10 @@ def compare_grads(ref: nn.Module, ours: nn.Module, tol: float = 1e-5) -> None:
         close(p.grad, q.grad, tol)
 
 
-def compare_params(ref: nn.Module, ours: nn.Module, tol: float = 1e-5) -> None:
+def compare_params(ref: nn.Module, ours: nn.Module, tol: float = 1e-4) -> None:
+    # Adam divides by the gradients' size: a last-bit difference in a small gradient (the graphs'
+    # decomposed ops round differently from eager's, by machine: 2.3e-5 seen after two steps on one
+    # CPU, within 1e-5 on another) shows in the step more than in the gradient (compared at 1e-5).
     for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
         assert q.device.type == "cpu", name
         close(p, q, tol)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import _engine
+from .compiling import run_eagerly
 from .units import _Unit
 
 if TYPE_CHECKING:
@@ -199,3 +200,8 @@ class GradientHooks:
             assert u.bwd is not None
             buf = self.eng.slot(u.bwd)
         return buf.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
+
+
+# Saved-tensor hooks run inside compiled models' eager stretches too: plain Python, never compiled
+# (each saved tensor's shape would be a new variant, up to Dynamo's recompile limit).
+run_eagerly(GradientHooks._pack, GradientHooks._pack_subclass, GradientHooks._unpack)
