@@ -103,7 +103,11 @@ def offload(
     float8) stream by their inner tensors (``__tensor_flatten__``), so the quantized bytes cross
     the link, and are rebuilt around them on the device (``__tensor_unflatten__``). They must be
     frozen (``requires_grad=False``, as in QLoRA); a subclass that requires grad, or whose bytes
-    cannot be found that way, is refused with an error naming the parameter.
+    cannot be found that way, is refused with an error naming the parameter. Quantizing after
+    ``offload`` works too: a parameter ``quantize_`` replaces is checked and packed into its unit
+    at the next forward (the plan stays the one made for the full-precision sizes). A model built
+    on the meta device is loaded (:func:`ramtorch.load`), then quantized: a quantized parameter on
+    the meta device is refused here.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramtorch.offload: model must be an nn.Module, got {type(model).__name__}")

@@ -146,8 +146,9 @@ def load(
 
     Raises:
         RuntimeError: key mismatch (with ``strict``), shape mismatch, a dtype that cannot be
-            converted, a meta-device tensor left unloaded, or a model still on the meta device
-            (not offloaded); nothing has been written then.
+            converted, a meta-device tensor left unloaded, a model still on the meta device
+            (not offloaded), or one with tensor subclasses (quantized weights: load, then
+            quantize); nothing has been written then.
         ValueError: a file that is not valid safetensors (truncated, inconsistent header, ...).
         OSError: a file that cannot be opened.
 
