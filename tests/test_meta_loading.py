@@ -146,6 +146,26 @@ def test_readme_typical_flow_runs(tmp_path, monkeypatch):
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_readme_load_then_quantize_flow_runs(tmp_path, monkeypatch):
+    quant = pytest.importorskip("torchao.quantization")
+    ref = saved_llama(tmp_path / "checkpoint", tied=True)
+    quant.quantize_(ref, quant.Int8WeightOnlyConfig())
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    m = re.search(r"From a checkpoint of plain weights(?:(?!```).)*```python\n(.*?)```", text, re.S)
+    assert m is not None, "README: no load-then-quantize snippet"
+    monkeypatch.chdir(tmp_path)
+    scope = {"config": llama_config(tied=True), "LlamaForCausalLM": transformers.LlamaForCausalLM}
+    exec("import torch, ramtorch\n" + textwrap.dedent(m.group(1)), scope)
+    model = scope["model"]
+    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    stats = model._ramtorch_streamer.stats()
+    # The three layers' int8 bytes stream: fewer than one layer's in fp32 (the slot size offload planned).
+    assert stats["streamed_units"] == 4 and stats["streamed_bytes_per_pass"] < stats["slot_bytes"]
+
+
 def test_meta_parameters_of_self_streaming_layers_are_refused():
     """Layers that stream themselves (as ramtorch.nn's do) keep their own memory: not allocated."""
     with torch.device("meta"):

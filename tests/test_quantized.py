@@ -289,3 +289,177 @@ def test_qlora_trains_like_the_plain_model(opt: str, recompute: bool):
     with torch.no_grad():
         x = torch.randn(2, 16)
         torch.testing.assert_close(m(x), ref(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing an offloaded model, loading it from a checkpoint, and its state dict
+
+
+def quant_config(kind: str) -> object:
+    from torchao.quantization import Float8WeightOnlyConfig
+
+    return Int8WeightOnlyConfig() if kind == "int8" else Float8WeightOnlyConfig()
+
+
+def plain_net(kind: str, seed: int = 0) -> Net:
+    """An unquantized ``Net`` in the dtype ``kind``'s quantization takes (float8: bf16)."""
+    torch.manual_seed(seed)
+    m = Net()
+    return m.to(torch.bfloat16) if kind == "float8" else m
+
+
+def quantize(m: nn.Module, kind: str) -> None:
+    """The blocks' and the output's Linear weights quantized (``inp`` stays plain)."""
+    quantize_(m, quant_config(kind), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and fqn != "inp")
+
+
+def inputs(kind: str, *shape: int) -> torch.Tensor:
+    torch.manual_seed(5)
+    return torch.randn(*shape, dtype=torch.bfloat16 if kind == "float8" else torch.float32)
+
+
+def assert_streams_from_its_region(m: nn.Module) -> None:
+    """Each quantized weight of the blocks has its inner tensors in its unit's host region."""
+    for b in m.blocks:
+        u = next(u for u in m._ramtorch_streamer.units if u.module is b)
+        for lin in (b.up, b.down):
+            w = lin.weight
+            assert type(w).__name__ in ("Int8Tensor", "Float8Tensor")
+            assert any(p is w for p in u.params)
+            assert all(ramtorch._arena.in_region(getattr(w, n), u.flat) for n in w.__tensor_flatten__()[0])
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8"])
+def test_quantize_after_offload_streams_the_quantized_weights(kind: str):
+    plain = plain_net(kind)
+    m = ramtorch.offload(copy.deepcopy(plain), device="cpu")
+    x = inputs(kind, 3, 16)
+    with torch.no_grad():
+        m(x), m(x)  # units packed and copied in full precision, the itinerary learnt
+    full_bytes = m._ramtorch_streamer.stats()["streamed_bytes_per_pass"]
+    quantize(plain, kind)
+    quantize(m, kind)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    out, out_ref = m(xs[0]), plain(xs[1])
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    out.float().square().sum().backward()
+    out_ref.float().square().sum().backward()
+    ramtorch.synchronize()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=0, atol=0)
+    trained = [(n, p, q) for (n, p), q in zip(m.named_parameters(), plain.parameters()) if p.requires_grad]
+    assert len(trained) == 2 + 3 * 4 + 1  # inp, the blocks' norms and biases, out's bias
+    for name, p, q in trained:
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    # The quantized bytes stream, from the units' regions, packed again at the pass after quantize_.
+    assert_streams_from_its_region(m)
+    q, _ = inner_bytes(m)
+    rest = sum(p.numel() * p.element_size() for p in m.parameters() if type(p) is nn.Parameter)
+    streamed = m._ramtorch_streamer.stats()["streamed_bytes_per_pass"]
+    assert q + rest <= streamed < q + rest + 64 * len(list(m.parameters()))
+    assert streamed < 0.6 * full_bytes
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), plain(x), rtol=0, atol=0)
+
+
+def test_quantize_inside_weights_unchanged_is_seen_by_the_next_pass():
+    plain = plain_net("int8")
+    m = ramtorch.offload(copy.deepcopy(plain), device="cpu")
+    x = inputs("int8", 2, 16)
+    with torch.no_grad(), ramtorch.weights_unchanged(m):
+        m(x), m(x)  # the first units of the next pass are prefetched
+        quantize(plain, "int8")
+        quantize(m, "int8")  # parameters replaced: seen by identity, whatever was promised
+        torch.testing.assert_close(m(x), plain(x), rtol=0, atol=0)
+    assert_streams_from_its_region(m)
+
+
+def test_a_parameter_set_after_offload_that_cannot_stream_is_refused_by_name():
+    m = ramtorch.offload(plain_net("int8"), device="cpu")
+    x = inputs("int8", 2, 16)
+    m(x)
+    m.blocks[2].up.weight = nn.Parameter(Opaque(m.blocks[2].up.weight.detach().clone()), requires_grad=False)
+    opaque = r"'blocks\.2\.up\.weight' .*Opaque.*after offload.*__tensor_flatten__"
+    with pytest.raises(TypeError, match=opaque):
+        m(x)
+    m = ramtorch.offload(plain_net("int8"), device="cpu")
+    quantize(m, "int8")
+    m.blocks[1].down.weight.requires_grad_(True)
+    grads = r"'blocks\.1\.down\.weight' .*Int8Tensor.*after offload.*requires grad"
+    with pytest.raises(ValueError, match=grads):
+        m(x)
+
+
+def save_checkpoint_file(kind: str, path: object) -> Net:
+    """A plain (unquantized) ``Net`` saved to the safetensors file ``path``, and returned."""
+    from safetensors.torch import save_file
+
+    plain = plain_net(kind, seed=3)
+    save_file(plain.state_dict(), str(path))
+    return plain
+
+
+def meta_net(kind: str) -> Net:
+    with torch.device("meta"):
+        m = Net()
+    return m.to(torch.bfloat16) if kind == "float8" else m
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8"])
+def test_meta_model_loaded_then_quantized_matches_the_quantized_plain_model(tmp_path, kind: str):
+    path = tmp_path / "model.safetensors"
+    plain = save_checkpoint_file(kind, path)
+    quantize(plain, kind)
+    m = meta_net(kind)
+    ramtorch.offload(m, device="cpu")
+    out = ramtorch.load(m, path)
+    assert out["missing"] == [] and out["unexpected"] == []
+    quantize(m, kind)
+    x = inputs(kind, 4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), plain(x), rtol=0, atol=0)
+    assert_streams_from_its_region(m)
+
+
+def test_quantized_weights_are_refused_by_offload_on_meta_and_by_load(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_checkpoint_file("int8", path)
+    # Quantized on the meta device: offload cannot allocate it, nor would a plain checkpoint fill it.
+    m = meta_net("int8")
+    quantize(m, "int8")
+    with pytest.raises(TypeError, match=r"'blocks\.0\.up\.weight' .*Int8Tensor.*meta device.*quantize_"):
+        ramtorch.offload(m, device="cpu")
+    # Quantized between offload and load (its zeros): refused before anything is written.
+    m = meta_net("int8")
+    ramtorch.offload(m, device="cpu")
+    quantize(m, "int8")
+    refused = r"ramtorch\.load: 7 tensors .*'blocks\.0\.up\.weight'.*Int8Tensor.*nothing was written"
+    with pytest.raises(RuntimeError, match=refused):
+        ramtorch.load(m, path)
+    assert all(torch.count_nonzero(p) == 0 for p in m.parameters() if type(p) is nn.Parameter)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("kind", ["int8", "float8"])
+def test_quantized_state_dict_round_trips_into_an_offloaded_quantized_model(kind: str, assign: bool):
+    import io
+
+    src = plain_net(kind)
+    quantize(src, kind)
+    saved = ramtorch.offload(copy.deepcopy(src), device="cpu")
+    buf = io.BytesIO()
+    torch.save(saved.state_dict(), buf)
+    x = inputs(kind, 4, 16)
+    fresh_plain, fresh = plain_net(kind, seed=1), plain_net(kind, seed=1)
+    quantize(fresh_plain, kind)
+    quantize(fresh, kind)
+    ramtorch.offload(fresh, device="cpu")
+    with torch.no_grad():
+        assert not torch.equal(fresh(x), src(x))
+        fresh(x)  # its own weights copied, the next pass's first units prefetched
+    for model in (fresh_plain, fresh):
+        buf.seek(0)
+        model.load_state_dict(torch.load(buf), assign=assign)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh_plain(x), src(x), rtol=0, atol=0)
+        torch.testing.assert_close(fresh(x), src(x), rtol=0, atol=0)
+    assert_streams_from_its_region(fresh)

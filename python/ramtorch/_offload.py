@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _arena, _config, _engine
 from ._log import logger
@@ -102,7 +103,11 @@ def offload(
     float8) stream by their inner tensors (``__tensor_flatten__``), so the quantized bytes cross
     the link, and are rebuilt around them on the device (``__tensor_unflatten__``). They must be
     frozen (``requires_grad=False``, as in QLoRA); a subclass that requires grad, or whose bytes
-    cannot be found that way, is refused with an error naming the parameter.
+    cannot be found that way, is refused with an error naming the parameter. Quantizing after
+    ``offload`` works too: a parameter ``quantize_`` replaces is checked and packed into its unit
+    at the next forward (the plan stays the one made for the full-precision sizes). A model built
+    on the meta device is loaded (:func:`ramtorch.load`), then quantized: a quantized parameter on
+    the meta device is refused here.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ramtorch.offload: model must be an nn.Module, got {type(model).__name__}")
@@ -120,6 +125,15 @@ def offload(
     for name, p in model.named_parameters():
         if not p.is_meta:
             check_streamable(name, p)
+        elif is_traceable_wrapper_subclass(p):
+            raise TypeError(
+                f"ramtorch.offload: parameter {name!r} ({type(p).__module__}.{type(p).__qualname__}) is "
+                "a tensor subclass (a quantized weight) on the meta device, which offload cannot "
+                "allocate, nor ramtorch.load fill from a checkpoint of plain tensors. Quantize after "
+                "loading: ramtorch.offload(model), ramtorch.load(model, path), then quantize_(model, "
+                "config); or load a quantized state dict into the quantized model first "
+                "(model.load_state_dict(sd, assign=True)) and offload it then"
+            )
     for name, m in model.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             raise ValueError(
@@ -254,7 +268,8 @@ def weights_unchanged(model: nn.Module) -> Iterator[nn.Module]:
     rewrite weights in ways no version counter sees (``param.data`` edits: PEFT's
     ``merge_and_unload``, EMA helpers, init code). Inside it, such an edit between passes is not
     seen until the block ends; in-place edits that torch counts (``p.copy_()``, ``p.mul_()`` under
-    ``no_grad``, an optimizer's step) still are. Blocks nest.
+    ``no_grad``, an optimizer's step) still are, and so is a parameter replaced on its module
+    (torchao's ``quantize_``). Blocks nest.
     ::
 
         with torch.no_grad(), ramtorch.weights_unchanged(model):

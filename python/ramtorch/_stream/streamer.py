@@ -139,13 +139,17 @@ class Streamer(Prefetcher, GradientHooks):
             # version counter sees (``param.data``, as PEFT's merge, EMA helpers and init code
             # do): no device copy made before this point is taken for the current weights. The
             # first units are copied now, while the model's own code before them runs.
-            # A parameter replaced on its module (``module.weight = nn.Parameter(...)``) is taken
-            # into its unit, which is packed again.
+            # A parameter replaced on its module (``module.weight = nn.Parameter(...)``, torchao's
+            # ``quantize_``) is taken into its unit, which is packed again: also inside
+            # ``weights_unchanged``, as a replacement is seen exactly (by identity), at no cost.
             if not self.unchanged:
                 self._drop_ahead()
-                for u in self.streamed:
-                    if u.rebind():
-                        u.pack()
+            for u in self.streamed:
+                if u.rebind():
+                    if u.uid in self.ahead:
+                        self._drop_ahead(u.uid)
+                    u.pack()
+                if not self.unchanged:
                     u.forget_copies()
             self.state |= PassState.FORWARD
             self.cur_fwd = []

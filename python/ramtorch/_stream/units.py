@@ -226,11 +226,15 @@ def move_param(p: nn.Parameter, device: torch.device) -> None:
         p.grad = p.grad.to(device)
 
 
-def check_streamable(name: str, p: torch.Tensor) -> None:
+def check_streamable(name: str, p: torch.Tensor, replaced: bool = False) -> None:
     """Refuses, naming ``name``, a parameter that cannot live in a unit's host region: a tensor
     subclass whose storage is not plain dense tensors reachable through ``__tensor_flatten__``, or
-    one that requires grad (streamed subclasses are frozen weights)."""
+    one that requires grad (streamed subclasses are frozen weights). ``replaced``: the parameter
+    was set on its module after ``offload`` (e.g. by torchao's ``quantize_``), and the message
+    says so."""
     what = f"ramtorch.offload: parameter {name!r} ({type(p).__module__}.{type(p).__qualname__})"
+    if replaced:
+        what += ", set on its module after offload,"
     if _is_plain(p):
         if p.is_quantized or p.layout != torch.strided:
             raise TypeError(
@@ -500,6 +504,10 @@ class _Unit:
                     "parameter another streamed unit holds (weights tied after offload); tie the "
                     "weights before ramtorch.offload, which keeps tied weights on the device"
                 )
+            if id(p) not in own and id(p) not in seen:
+                # A new parameter (torchao's quantize_ after offload): the same checks as offload's,
+                # before anything of the unit changes.
+                check_streamable(self._qualified_name(e), p, replaced=True)
             if id(p) not in seen:
                 seen[id(p)] = len(new)
                 new.append(p)
@@ -508,6 +516,12 @@ class _Unit:
         self.nbytes = _packed_bytes(new)
         self.reset_backward_counts()
         return True
+
+    def _qualified_name(self, e: _Entry) -> str:
+        """``e``'s parameter name as the model names it (the unit's name, the path to its owner)."""
+        path = next((n for n, m in self.module.named_modules() if m is e.owner), None)
+        parts = [x for x in (self.name if self.name != "<root>" else "", path) if x]
+        return ".".join([*parts, e.name])
 
     def forget_copies(self) -> None:
         """Device copies made so far are not trusted anymore: a new pass copies the unit again.

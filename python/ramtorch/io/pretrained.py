@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import _arena, _engine
 from .._units import parse_bytes
@@ -92,6 +93,17 @@ def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]
             "with no memory to load into: ramtorch.offload(model) allocates them in host RAM "
             "(or model.to_empty(device=...) allocates them uninitialised)"
         )
+    sub = [name for name, t in sd.items() if is_traceable_wrapper_subclass(t)]
+    if sub:
+        t = sd[sub[0]]
+        raise RuntimeError(
+            f"ramtorch.load: {len(sub)} tensors of the model are tensor subclasses (e.g. {sub[:3]}: "
+            f"{type(t).__module__}.{type(t).__qualname__}, a quantized weight), which ramtorch.load "
+            "cannot fill from safetensors files of plain tensors; nothing was written. Load the "
+            "full-precision checkpoint before quantizing: ramtorch.load(model, path), then "
+            "quantize_(model, config). A quantized state dict saved with torch.save loads with "
+            "model.load_state_dict(torch.load(path))"
+        )
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name, t in sd.items():
         key: tuple[Any, ...] = (id(t),)
@@ -134,8 +146,9 @@ def load(
 
     Raises:
         RuntimeError: key mismatch (with ``strict``), shape mismatch, a dtype that cannot be
-            converted, a meta-device tensor left unloaded, or a model still on the meta device
-            (not offloaded); nothing has been written then.
+            converted, a meta-device tensor left unloaded, a model still on the meta device
+            (not offloaded), or one with tensor subclasses (quantized weights: load, then
+            quantize); nothing has been written then.
         ValueError: a file that is not valid safetensors (truncated, inconsistent header, ...).
         OSError: a file that cannot be opened.
 
