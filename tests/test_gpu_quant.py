@@ -100,3 +100,27 @@ def test_qlora_trains_like_the_plain_model_on_the_gpu():
     ramtorch.synchronize()
     for p, q in zip(lora, lora_ref):
         torch.testing.assert_close(p.float(), q.float().cpu(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("config", _configs(), ids=lambda c: type(c).__name__)
+def test_quantize_after_offload_streams_the_quantized_weights(config: object):
+    """``quantize_`` on an offloaded model (which quantizes its host weights): the next pass streams
+    the quantized bytes and computes what the plain model quantized the same way computes."""
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    m = ramtorch.offload(copy.deepcopy(plain), device="cuda")
+    x = torch.randn(3, 5, 32, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        m(x)  # a pass on the full-precision weights first
+    before = m._ramtorch_streamer.stats()["streamed_bytes_per_pass"]
+
+    def blocks(mod: nn.Module, fqn: str) -> bool:
+        return isinstance(mod, nn.Linear) and fqn.startswith("blocks")
+
+    quantize_(plain, config, filter_fn=blocks)
+    quantize_(m, config, filter_fn=blocks)
+    ref = plain.cuda()
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), ref(x), rtol=0, atol=0)
+    assert m._ramtorch_streamer.stats()["streamed_bytes_per_pass"] < 0.7 * before
