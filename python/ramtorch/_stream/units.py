@@ -226,11 +226,11 @@ def move_param(p: nn.Parameter, device: torch.device) -> None:
         p.grad = p.grad.to(device)
 
 
-def check_streamable(name: str, p: torch.Tensor) -> None:
+def check_streamable(name: str, p: torch.Tensor, who: str = "ramtorch.offload") -> None:
     """Refuses, naming ``name``, a parameter that cannot live in a unit's host region: a tensor
     subclass whose storage is not plain dense tensors reachable through ``__tensor_flatten__``, or
-    one that requires grad (streamed subclasses are frozen weights)."""
-    what = f"ramtorch.offload: parameter {name!r} ({type(p).__module__}.{type(p).__qualname__})"
+    one that requires grad (streamed subclasses are frozen weights). ``who`` starts the message."""
+    what = f"{who}: parameter {name!r} ({type(p).__module__}.{type(p).__qualname__})"
     if _is_plain(p):
         if p.is_quantized or p.layout != torch.strided:
             raise TypeError(
@@ -248,9 +248,9 @@ def check_streamable(name: str, p: torch.Tensor) -> None:
         return
     if p.requires_grad:
         raise ValueError(
-            f"{what} is a tensor subclass that requires grad: ramtorch streams subclassed (quantized) "
-            "weights as frozen weights only, as QLoRA uses them. Freeze it (p.requires_grad_(False)) "
-            "and train adapters (peft LoRA) or plain parameters next to it"
+            f"{what} is a tensor subclass that requires grad: ramtorch keeps subclassed (quantized) "
+            "weights in host memory as frozen weights only, as QLoRA uses them. Freeze it "
+            "(p.requires_grad_(False)) and train adapters (peft LoRA) or plain parameters next to it"
         )
     leaves: list[torch.Tensor] = []
     try:
