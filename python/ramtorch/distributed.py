@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _arena
+from ._stream.units import _set_inner, _Sub, check_streamable, stream_tensors
 
 __all__ = ["init", "share_parameters"]
 
@@ -70,7 +71,15 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     ]
 
 
-def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], ref: list) -> str | None:
+def _stored(p: torch.Tensor) -> str:
+    """How ``p``'s bytes are held: ``""`` for a plain tensor, else its subclass and inner tensors."""
+    leaves, tree = stream_tensors([p])
+    if tree is None:
+        return ""
+    return f"{type(p).__qualname__} of " + ", ".join(f"{list(t.shape)} {t.dtype}" for t in leaves)
+
+
+def _first_difference(mine: list[tuple[str, tuple[int, ...], str, str]], ref: list) -> str | None:
     """Describes the first parameter where ``mine`` and ``ref`` (the source's) differ, or None."""
     for i in range(max(len(mine), len(ref))):
         a = mine[i] if i < len(mine) else None
@@ -83,6 +92,9 @@ def _first_difference(mine: list[tuple[str, tuple[int, ...], str]], ref: list) -
             return f"parameter {a[0]!r} (shape {list(a[1])}, {a[2]}) is extra"
         if a[0] != b[0]:
             return f"parameter #{i} is {a[0]!r} where the source has {b[0]!r}"
+        if a[1:3] == b[1:3]:
+            mine_, src = a[3] or "a plain tensor", b[3] or "a plain tensor"
+            return f"parameter {a[0]!r} is stored as {mine_} where the source has {src}"
         return (
             f"parameter {a[0]!r} has shape {list(a[1])}, {a[2]} where the source has shape "
             f"{list(b[1])}, {b[2]}"
@@ -101,7 +113,11 @@ def share_parameters(
     every rank, before any parameter is touched). The source rank copies its parameters into one new
     shared region (64-byte aligned, in ``named_parameters()`` order), the others map it, and every
     rank points its parameters' ``.data`` at views of it; then a barrier. Gradients, buffers and
-    parameters not on the CPU or not floating point are left alone.
+    parameters not on the CPU or not floating point are left alone. Frozen tensor-subclass weights
+    (torchao quantized weights, as in QLoRA) are shared by their inner tensors and stay the same
+    subclass; a subclass that cannot be (one without dense inner tensors reachable through
+    ``__tensor_flatten__``, or one that requires grad) is an error naming the parameter, raised on
+    every rank before any parameter is touched.
 
     After this, a write to a shared parameter by any rank is seen by all ranks (order writes and
     reads across ranks yourself, e.g. with a barrier). Returns the flat ``uint8`` region (``None``
@@ -121,12 +137,30 @@ def share_parameters(
         raise ValueError(f"share_parameters: src_rank {src_rank} is not in the group")
 
     params = _candidates(model)
-    fingerprint = [(name, tuple(p.shape), str(p.dtype)) for name, p in params]
+    # An offloaded model's streamed units keep their packed layout: each unit is one slice of the
+    # region, so it still crosses the link in one copy. Other CPU parameters follow, tensor
+    # subclasses by their inner tensors.
+    streamer = getattr(model, "_ramtorch_streamer", None)
+    units = list(streamer.streamed) if streamer is not None else []
+    in_units = {id(p) for u in units for p in u.params}
+    rest = [(n, p) for n, p in params if id(p) not in in_units]
+    problem: tuple[str, str] | None = None
+    for name, p in rest:
+        try:
+            check_streamable(name, p, who="ramtorch.distributed.share_parameters")
+        except (TypeError, ValueError) as e:
+            problem = (type(e).__name__, str(e))
+            break
+    fingerprint = [] if problem else [(name, tuple(p.shape), str(p.dtype), _stored(p)) for name, p in params]
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (socket.gethostname(), rank, fingerprint), group=group)
+    dist.all_gather_object(gathered, (socket.gethostname(), rank, fingerprint, problem), group=group)
 
-    src_host, _, ref = gathered[src_index]
-    for host, r, fp in gathered:
+    for _, r, _, prob in gathered:
+        if prob is not None:
+            kind = TypeError if prob[0] == "TypeError" else ValueError
+            raise kind(prob[1] if r == rank else f"{prob[1]} (on rank {r})")
+    src_host, _, ref, _ = gathered[src_index]
+    for host, r, fp, _ in gathered:
         if host != src_host:
             raise RuntimeError(
                 f"share_parameters: rank {r} runs on host {host!r}, the source rank {src_rank} on "
@@ -141,19 +175,14 @@ def share_parameters(
         dist.barrier(group=group)
         return None
 
-    # An offloaded model's streamed units keep their packed layout: each unit is one slice of the
-    # region, so it still crosses the link in one copy. Other CPU parameters follow.
-    streamer = getattr(model, "_ramtorch_streamer", None)
-    units = list(streamer.streamed) if streamer is not None else []
-    in_units = {id(p) for u in units for p in u.params}
     unit_offsets, total = [], 0
     for u in units:
         total = -(-total // _ALIGN) * _ALIGN
         unit_offsets.append(total)
         total += u.nbytes
-    rest = [(n, p) for n, p in params if id(p) not in in_units]
+    leaves, tree = stream_tensors([p for _, p in rest])
     offsets = []
-    for _, p in rest:
+    for p in leaves:
         total = -(-total // _ALIGN) * _ALIGN
         offsets.append(total)
         total += p.numel() * p.element_size()
@@ -184,18 +213,24 @@ def share_parameters(
         raise RuntimeError("share_parameters: " + "; ".join(failed))
     assert flat is not None
 
+    # Each tensor gets a storage of its own over its bytes (torch.save and safetensors refuse one
+    # storage seen as several dtypes, as an int8 weight next to its fp32 scales would be).
     views = [
-        flat[off : off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-        for off, (_, p) in zip(offsets, rest)
+        _arena.own_storage(flat[off : off + p.numel() * p.element_size()].view(p.dtype).view(p.shape))
+        for off, p in zip(offsets, leaves)
     ]
     with torch.no_grad():
         for u, off in zip(units, unit_offsets):
             u.adopt(flat[off : off + u.nbytes], copy=rank == src_rank)
         if rank == src_rank:
-            for (_, p), v in zip(rest, views):
-                v.copy_(p.detach())
-        for (_, p), v in zip(rest, views):
-            p.data = v
+            for t, v in zip(leaves, views):
+                v.copy_(t.detach())
+        for k, (_, p) in enumerate(rest):
+            x = k if tree is None else tree[k]
+            if isinstance(x, _Sub):
+                _set_inner(p, x, views)  # the same subclass tensor, its inner tensors shared
+            else:
+                p.data = views[x]
     for _, p in params:
         p._ramtorch_shared = True  # ZeRO: the owner's update reaches every rank without a broadcast
     # Every rank has mapped the region and the source has filled it before anyone returns.

@@ -226,13 +226,15 @@ def move_param(p: nn.Parameter, device: torch.device) -> None:
         p.grad = p.grad.to(device)
 
 
-def check_streamable(name: str, p: torch.Tensor, replaced: bool = False) -> None:
+def check_streamable(
+    name: str, p: torch.Tensor, replaced: bool = False, who: str = "ramtorch.offload"
+) -> None:
     """Refuses, naming ``name``, a parameter that cannot live in a unit's host region: a tensor
     subclass whose storage is not plain dense tensors reachable through ``__tensor_flatten__``, or
     one that requires grad (streamed subclasses are frozen weights). ``replaced``: the parameter
     was set on its module after ``offload`` (e.g. by torchao's ``quantize_``), and the message
-    says so."""
-    what = f"ramtorch.offload: parameter {name!r} ({type(p).__module__}.{type(p).__qualname__})"
+    says so. ``who`` starts the message."""
+    what = f"{who}: parameter {name!r} ({type(p).__module__}.{type(p).__qualname__})"
     if replaced:
         what += ", set on its module after offload,"
     if _is_plain(p):
@@ -252,9 +254,9 @@ def check_streamable(name: str, p: torch.Tensor, replaced: bool = False) -> None
         return
     if p.requires_grad:
         raise ValueError(
-            f"{what} is a tensor subclass that requires grad: ramtorch streams subclassed (quantized) "
-            "weights as frozen weights only, as QLoRA uses them. Freeze it (p.requires_grad_(False)) "
-            "and train adapters (peft LoRA) or plain parameters next to it"
+            f"{what} is a tensor subclass that requires grad: ramtorch keeps subclassed (quantized) "
+            "weights in host memory as frozen weights only, as QLoRA uses them. Freeze it "
+            "(p.requires_grad_(False)) and train adapters (peft LoRA) or plain parameters next to it"
         )
     leaves: list[torch.Tensor] = []
     try:
