@@ -67,17 +67,23 @@ def _train_and_compare(
             close(call(ref, batches[0]), call(compiled, batches[0]), tol)
 
 
-@pytest.mark.parametrize("budget", [None, "resident"])
-def test_compiled_offloaded_model_matches_eager_on_cuda(budget):
+def _offloaded_pair(budget: str | None) -> tuple[nn.Module, nn.Module]:
+    """A plain model on the GPU and its offloaded copy; ``budget="resident"``: room for some units
+    to stay resident next to the slots, so both kinds are in one compiled model."""
     torch.manual_seed(0)
     ref = Net(d=64, layers=4)
     ours = copy.deepcopy(ref)
     ref.cuda()
+    gpu_budget = None
     if budget == "resident":
-        # Room for some units to stay resident next to the slots: both kinds in one compiled model.
-        unit = sum(p.numel() * 4 for p in ref.blocks[0].parameters())
-        budget = 4 * unit
-    ramtorch.offload(ours, gpu_budget=budget, device="cuda")
+        gpu_budget = 4 * sum(p.numel() * 4 for p in ref.blocks[0].parameters())
+    ramtorch.offload(ours, gpu_budget=gpu_budget, device="cuda")
+    return ref, ours
+
+
+@pytest.mark.parametrize("budget", [None, "resident"])
+def test_compiled_offloaded_model_matches_eager_on_cuda(budget):
+    ref, ours = _offloaded_pair(budget)
     _train_and_compare(ref, ours, [torch.randn(8, 8, device="cuda") for _ in range(3)])
 
 
@@ -127,14 +133,7 @@ def test_reduce_overhead_mode_matches_eager_on_cuda(budget):
     """``mode="reduce-overhead"`` (CUDA graphs of the compiled regions): the streamed weights are
     device views of rotating slots, so a region's graph sees its weights at other addresses from
     pass to pass; torch must record again or replay on the right data, never on stale weights."""
-    torch.manual_seed(0)
-    ref = Net(d=64, layers=4)
-    ours = copy.deepcopy(ref)
-    ref.cuda()
-    if budget == "resident":
-        unit = sum(p.numel() * 4 for p in ref.blocks[0].parameters())
-        budget = 4 * unit
-    ramtorch.offload(ours, gpu_budget=budget, device="cuda")
+    ref, ours = _offloaded_pair(budget)
     compiled = torch.compile(ours, mode="reduce-overhead")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = ramtorch.optim.AdamW(ours.parameters(), lr=1e-2)
