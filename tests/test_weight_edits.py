@@ -200,8 +200,8 @@ def test_peft_lora_merge_and_unload_is_seen() -> None:
 
 
 def test_peft_merge_and_unload_of_an_offloaded_base_model() -> None:
-    """The adapters wrap a model that was offloaded first (the PEFT model's own root runs no
-    streaming hook)."""
+    """The model inside the PEFT model is offloaded, with its adapters (the PEFT model's own root
+    runs no streaming hook); merging replaces the adapter layers after offload."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     base = Net(d=16, layers=4)
@@ -209,8 +209,9 @@ def test_peft_merge_and_unload_of_an_offloaded_base_model() -> None:
     torch.manual_seed(1)
     plain = peft.get_peft_model(copy.deepcopy(base), config)
     torch.manual_seed(1)
-    streamed = peft.get_peft_model(ramtorch.offload(copy.deepcopy(base), device="cpu"), config)
+    streamed = peft.get_peft_model(copy.deepcopy(base), config)
     streamed.load_state_dict(plain.state_dict())
+    ramtorch.offload(streamed.base_model.model, device="cpu")
     with torch.no_grad():
         for k in range(2):
             torch.testing.assert_close(streamed(_x(k)), plain(_x(k)), rtol=0, atol=0)

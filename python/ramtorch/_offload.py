@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _arena, _config, _engine
 from ._log import logger
+from ._stream import added as _added
 from ._stream.functions import _READY_BATCH as _READY_BATCH
 from ._stream.functions import _WALK_LIMIT as _WALK_LIMIT
 from ._stream.functions import _Fetch as _Fetch
@@ -105,7 +106,10 @@ def offload(
     frozen (``requires_grad=False``, as in QLoRA); a subclass that requires grad, or whose bytes
     cannot be found that way, is refused with an error naming the parameter. Quantizing after
     ``offload`` works too: a parameter ``quantize_`` replaces is checked and packed into its unit
-    at the next forward (the plan stays the one made for the full-precision sizes). A model built
+    at the next forward (the plan stays the one made for the full-precision sizes). Parameters
+    added under new names after ``offload`` (peft's ``get_peft_model``, ``register_parameter``, a
+    submodule set in place of another) are in no unit: the next forward refuses them, naming
+    them; add adapters before ``offload``. A model built
     on the meta device is loaded (:func:`ramtorch.load`), then quantized: a quantized parameter on
     the meta device is refused here.
     """
@@ -252,6 +256,7 @@ def offload(
     if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
         model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
     _report_compute_device(model)
+    _added.watch(model, streamer)  # parameters added after this are refused (by name) at the next forward
     _STREAMERS.add(streamer)
     streamer.eng.add_holder(streamer)
     return model
@@ -536,6 +541,7 @@ def detach_streamer(model: nn.Module) -> None:
         if getattr(u.module, "_ramtorch_unit", None) is u:
             del u.module._ramtorch_unit
     _STREAMERS.discard(streamer)
+    _added.unwatch(streamer)
     streamer.eng.remove_holder(streamer)
     model._ramtorch_streamer = None
     base = type(model).__dict__.get("_ramtorch_base_class")

@@ -44,6 +44,8 @@ Files, one concept each:
 - :mod:`.placement`: the planner (which units stay resident, how many slots);
 - :mod:`.compiling`: under ``torch.compile`` the hooks run as in eager mode, between compiled
   regions (a graph break at each streamed unit).
+- :mod:`.added`: parameters added to an offloaded model after ``offload`` (in no unit), found
+  through torch's registration hooks and refused by name at the next forward.
 
 This layer imports only the engine layer (``_engine``, ``_arena``, ``_core``, ``_config``,
 ``_units``); features (``ramtorch.offload``, ``ramtorch.nn``, ``ramtorch.plan``, ``ramtorch.trace``)

@@ -63,6 +63,7 @@ class LayerStreamer(Streamer):
         # Free-standing units are always in a forward pass (no root module begins or ends one).
         self.state = PassState.FORWARD
         self.lock = threading.RLock()
+        self.touched: set[nn.Module] = set()  # no model whose additions to watch (see .added)
         # Hooked units with a forward running: one that a Ctrl-C cut short (torch skips forward
         # hooks on BaseExceptions) still holds its slot; the next forward releases it.
         self.in_forward: dict[int, _Unit] = {}

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import _engine, _profile
+from . import added
 from .compiling import is_compiling, opaque, run_eagerly
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
@@ -94,6 +95,9 @@ class Streamer(Prefetcher, GradientHooks):
         # Open ``ramtorch.weights_unchanged`` blocks: while one is, the caller promises that no
         # weight is edited between passes, so copies made for one pass may serve the next.
         self.unchanged = 0
+        # Modules of the model on which a parameter or a submodule was registered since the last
+        # check (torch's registration hooks, :mod:`ramtorch._stream.added`).
+        self.touched: set[nn.Module] = set()
 
     # -- passes -------------------------------------------------------------------------------------
 
@@ -104,6 +108,10 @@ class Streamer(Prefetcher, GradientHooks):
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward
         with self.lock:
+            # Parameters added to the model since offload are refused here, before anything
+            # changes (their modules were marked touched as they were registered).
+            if self.touched:
+                added.check(self)
             # A pass still open: the last forward was interrupted (Ctrl-C skips the end hooks).
             interrupted = PassState.FORWARD in self.state
             # A forward with gradients begins a training step on the engine (refused while
@@ -217,6 +225,9 @@ class Streamer(Prefetcher, GradientHooks):
         # Inside backward this is a recomputation (activation checkpointing): the unit's backward
         # slot serves it, and stays held until the unit's backward is done.
         recompute = torch._C._current_graph_task_id() != -1
+        if self.touched and not recompute and PassState.FORWARD not in self.state:
+            with self.lock:
+                added.check(self)  # a unit run on its own
         rng = _profile.begin(f"ramtorch.forward {u.name}") if _profile.active() else None
         with self.lock:
             if recompute:
