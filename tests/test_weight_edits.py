@@ -355,3 +355,21 @@ def test_weights_unchanged_needs_an_offloaded_model():
     with pytest.raises(ValueError, match="not offloaded"):
         with ramtorch.weights_unchanged(nn.Linear(2, 2)):
             pass
+
+
+def test_parameters_replaced_by_larger_ones_are_a_clear_error_at_every_pass() -> None:
+    """A unit whose parameters are replaced after offload by wider ones (fp32 into a bf16 model)
+    no longer fits the device slots planned for it: each pass says so by name, and replacing them
+    with parameters of the planned size makes the model run again, equal to the plain one."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]).bfloat16()
+    m = ramtorch.offload(copy.deepcopy(plain), device="cpu")
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        m(x)
+        m.load_state_dict({k: v.float() for k, v in plain.state_dict().items()}, assign=True)
+        for _ in range(2):  # not only at the pass that takes the new parameters in
+            with pytest.raises(RuntimeError, match=r"unit '0' now takes 1.1 KiB, more than the 576 B"):
+                m(x.float())
+        m.load_state_dict(plain.state_dict(), assign=True)
+        assert torch.equal(m(x), plain(x))

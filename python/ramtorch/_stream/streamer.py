@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import _engine, _profile
+from .._units import format_bytes
 from . import added
 from .compiling import is_compiling, opaque, run_eagerly
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
@@ -157,6 +158,15 @@ class Streamer(Prefetcher, GradientHooks):
                     if u.uid in self.ahead:
                         self._drop_ahead(u.uid)
                     u.pack()
+                if u.nbytes > self.slot_bytes:
+                    raise RuntimeError(
+                        f"ramtorch.offload: unit {u.name!r} now takes {format_bytes(u.nbytes)}, more "
+                        f"than the {format_bytes(self.slot_bytes)} device slots that offload reserved: "
+                        "its parameters were replaced after offload by larger ones (a wider dtype, "
+                        "e.g. load_state_dict(..., assign=True) of fp32 weights into a bf16 model). "
+                        "Replace them with parameters of the planned sizes, or offload a model built "
+                        "with the new ones"
+                    )
                 if not self.unchanged:
                     u.forget_copies()
             self.state |= PassState.FORWARD
