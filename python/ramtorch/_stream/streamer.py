@@ -268,7 +268,13 @@ class Streamer(Prefetcher, GradientHooks):
                 views = u.device_params(views)  # tensor subclasses rebuilt around their inner tensors
         self.eng.mark(u.tag, MARK_FWD_BEGIN)
         grad = torch.is_grad_enabled()
-        wants = grad and not recompute and any(p.requires_grad for p in u.params)
+        # Reentrant activation checkpointing (``use_reentrant=True``) runs the unit's forward
+        # without grad and this recomputation, inside backward, with grad for a nested backward:
+        # no forward of the step fetched the weights, so this one does (its gradients leave
+        # through ``_Fetch`` as a forward's do). A non-reentrant recomputation only refills
+        # tensors saved by a forward that fetched already.
+        first = not recompute or u.fetches == 0
+        wants = grad and first and any(p.requires_grad for p in u.params)
         fetch = None
         if wants:
             u.fetches += 1
@@ -395,20 +401,50 @@ class Streamer(Prefetcher, GradientHooks):
     def weights_backward(self, u: _Unit, grads: Sequence[torch.Tensor | None], sent: set[int]) -> None:
         """:class:`_Fetch`'s backward: gradients of the unit's weights not ``sent`` already leave for
         the host."""
+        leaf = self._take_leaf_grads(u)
         for i, (p, g) in enumerate(zip(u.params, grads)):
             if i in sent:
                 sent.discard(i)  # (a graph kept for another backward hooks them again)
                 continue
             if not p.requires_grad:
                 continue
+            if i in leaf:
+                g = leaf[i] if g is None else g + leaf[i]
             if g is not None:
                 self.eng.push_grad(p, g, self.max_inflight, u.tag)
             self._delivered(u, i)
         self.end_backward(u)
 
+    def _take_leaf_grads(self, u: _Unit) -> dict[int, torch.Tensor]:
+        """Gradients that a region under reentrant activation checkpointing (``use_reentrant=True``,
+        e.g. transformers' ``gradient_checkpointing_enable`` with it) left in ``u``'s backward-time
+        weights (:func:`_leaves`): its forward ran without grad on the fetched weights, and its
+        recomputation inside backward runs on these leaves, into which a nested backward
+        accumulates. They are taken (the leaves' ``.grad`` cleared), by parameter index."""
+        out: dict[int, torch.Tensor] = {}
+        if u.bwd is None:
+            return out
+        for e in u.entries:
+            t = e.owner._parameters.get(e.name)
+            if t is None or t is u.params[e.index] or e.index in out or not t.is_leaf:
+                continue
+            g = t.grad
+            if g is not None:
+                out[e.index] = g
+                t.grad = None
+        return out
+
+    def _push_leaf_grads(self, u: _Unit) -> None:
+        """Sends what :meth:`_take_leaf_grads` finds to the host, as the weights' gradients."""
+        for i, g in self._take_leaf_grads(u).items():
+            if u.params[i].requires_grad:
+                self.eng.push_grad(u.params[i], g, self.max_inflight, u.tag)
+                self._delivered(u, i)
+
     def end_backward(self, u: _Unit) -> None:
         with self.lock:
             if u.bwd is not None:
+                self._push_leaf_grads(u)
                 self.eng.mark(u.tag, MARK_BWD_END)
                 slot, u.bwd = u.bwd, None  # forgotten first: an interrupt leaks, never frees twice
                 u.phase = BackwardPhase.REACHED
@@ -427,6 +463,7 @@ class Streamer(Prefetcher, GradientHooks):
     def _release_backward(self) -> None:
         for u in self.streamed:
             if u.bwd is not None:
+                self._push_leaf_grads(u)
                 slot, u.bwd = u.bwd, None  # forgotten first: an interrupt leaks, never frees twice
                 self._restore(u)
                 self._give(slot)
