@@ -31,7 +31,7 @@ from torch import nn
 from .. import _core, _engine
 from . import guard
 from .compiling import is_compiling, opaque, run_eagerly
-from .streamer import PassState, Streamer
+from .streamer import PassState, Streamer, inside_ddp_forward, refuse_ddp
 from .units import BackwardPhase, _Unit
 
 
@@ -191,8 +191,11 @@ class LayerStreamer(Streamer):
         if is_compiling():
             return opaque(LayerStreamer.layer_pre_forward, self, u, module, args, kwargs)
         if torch._C._current_graph_task_id() == -1:
+            trains = torch.is_grad_enabled() and any(p.requires_grad for p in u.params)
+            if trains and inside_ddp_forward():
+                refuse_ddp(f"a layer streamed by ramtorch ({type(module).__name__}, trainable)")
             with self.lock:
-                self._check_interrupted(torch.is_grad_enabled() and any(p.requires_grad for p in u.params))
+                self._check_interrupted(trains)
                 for x in list(self.in_forward.values()):
                     while x.fwd:
                         self._end_forward(x, *x.fwd.pop()[:5])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -45,6 +46,29 @@ class PassState(enum.Flag):
     IDLE = 0
     FORWARD = enum.auto()
     BACKWARD = enum.auto()
+
+
+def inside_ddp_forward() -> bool:
+    """Whether a ``torch.nn.parallel.DistributedDataParallel`` forward is running (torch marks it on
+    the class for TorchDynamo; its module is loaded with ``torch.nn``)."""
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    cls = getattr(ddp, "DistributedDataParallel", None)
+    return getattr(cls, "_active_ddp_module", None) is not None
+
+
+def refuse_ddp(what: str) -> None:
+    """``what`` trains streamed weights inside a ``DistributedDataParallel`` forward. DDP averages
+    gradients in hooks on autograd's accumulation into each parameter, which streamed weights'
+    gradients never pass (they are copied to host memory): each rank would step with its own
+    gradients and the ranks drift apart, silently. A clear error instead."""
+    raise RuntimeError(
+        f"ramtorch: {what} runs inside torch's DistributedDataParallel, which cannot average the "
+        "gradients of streamed weights: they reach host memory without passing through autograd's "
+        "accumulation, where DDP's hooks are, so the ranks would train apart silently. Use "
+        "ramtorch.distributed instead of DDP: ramtorch.distributed.init(), ramtorch.offload(model), "
+        "ramtorch.optim.AdamW(model.parameters()).shard(stage=2) (README: Several GPUs); or freeze "
+        "the offloaded part (requires_grad_(False))"
+    )
 
 
 class Streamer(Prefetcher, GradientHooks):
@@ -108,6 +132,8 @@ class Streamer(Prefetcher, GradientHooks):
             return opaque(Streamer.begin_pass, self)
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward
+        if inside_ddp_forward() and torch.is_grad_enabled():
+            self._refuse_ddp()
         with self.lock:
             # Parameters added to the model since offload are refused here, before anything
             # changes (their modules were marked touched as they were registered).
@@ -174,6 +200,14 @@ class Streamer(Prefetcher, GradientHooks):
             self.fwd_pos = 0
             if self.fwd_itin:
                 self._prefetch_along(self.fwd_itin, 0, None)
+
+    def _refuse_ddp(self) -> None:
+        """This model's forward runs inside a DDP forward with grad (see :func:`refuse_ddp`):
+        refused when a streamed weight trains."""
+        names = [u.name for u in self.streamed if any(p.requires_grad for p in u.params)]
+        if names:  # (frozen, as a text encoder inside a DDP-trained model: no gradient to average)
+            refuse_ddp(f"an offloaded model with trainable streamed weights (units {names[:4]}"
+                       f"{' ...' if len(names) > 4 else ''})")  # fmt: skip
 
     def _pop_saved_tensor_hooks(self) -> None:
         """Removes a saved-tensor hook of this streamer left on torch's stack (an interrupt inside

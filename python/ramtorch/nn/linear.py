@@ -14,6 +14,7 @@ from .. import _arena, _config, _engine
 from .._stream import guard
 from .._stream import shared as _shared
 from .._stream.compiling import is_compiling, opaque, run_eagerly
+from .._stream.streamer import inside_ddp_forward, refuse_ddp
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -269,6 +270,8 @@ class Linear(nn.Linear):
         b = self.bias
         wants_grad = self.weight.requires_grad or (b is not None and b.requires_grad)
         if wants_grad and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            if inside_ddp_forward():
+                refuse_ddp(f"{self._label()} (trainable)")
             # Counted so that optimizers can update this layer during backward, as soon as the
             # backward of every such forward has pushed its gradients (a recomputation inside
             # backward is not counted: its backward is the original forward's).
