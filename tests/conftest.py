@@ -1,11 +1,14 @@
 """Shared fixtures and helpers of the test modules: which devices the tests run on, the small
 models the optimizer and trace tests train, slowed-down optimizer updates, a module with its own
 loading, a guard against loads that hang, and snapshots of a model's, an optimizer's and the RNG's
-state. Test modules take these from here, never from each other."""
+state, free ports and an exit for spawned ranks, and a tiny Llama configuration. Test modules take
+these from here, never from each other."""
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -155,3 +158,45 @@ def changes(
     if not torch.equal(rng, torch.get_rng_state()):
         return "the RNG changed"
     return ""
+
+
+# -- processes of multi-rank tests ---------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exit_rank() -> None:
+    """Ends a rank whose work is done and written, skipping the interpreter's native teardown.
+    A rank that called ``dist.init_process_group`` itself (not ``ramtorch.distributed.init``)
+    before the first torch optimizer imported TorchDynamo keeps its gloo threads after
+    destroy_process_group and can abort at exit ("terminate called without an active
+    exception"), a torch problem that plain torch training shows too (see BENCHMARKS.md).
+    These tests check what the ranks computed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# -- transformers -----------------------------------------------------------------------------------
+
+
+def tiny_llama_config(**overrides: object) -> object:
+    """A transformers ``LlamaConfig`` small enough for CPU tests (2 layers of width 32, grouped
+    KV heads), with ``overrides`` applied."""
+    import transformers
+
+    kw: dict[str, object] = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)

@@ -13,7 +13,7 @@ import ramtorch
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from conftest import Net
+from conftest import Net, tiny_llama_config
 from torch import nn
 
 
@@ -133,15 +133,7 @@ def test_compiled_per_layer_streamed_layers_match_eager():
 
 def test_compiled_offloaded_llama_matches_eager():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_llama_config()
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg)
     ours = ramtorch.offload(copy.deepcopy(ref), device="cpu")

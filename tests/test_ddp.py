@@ -15,7 +15,7 @@ import ramtorch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_zero import exit_rank, free_port
+from conftest import exit_rank, free_port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -11,7 +11,7 @@ import ramtorch
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from conftest import Net
+from conftest import Net, tiny_llama_config
 from torch import nn
 
 pytestmark = pytest.mark.gpu
@@ -109,15 +109,7 @@ def test_compiled_per_layer_linear_matches_eager_on_cuda():
 
 def test_compiled_offloaded_llama_matches_eager_on_cuda():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = tiny_llama_config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg)
     ours = copy.deepcopy(ref)

@@ -16,6 +16,7 @@ import ramtorch
 import ramtorch.optim
 import torch
 import torch.nn.functional as F
+from conftest import tiny_llama_config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -97,14 +98,7 @@ def test_reentrant_checkpointing_trains_like_the_plain_model(inner: str, outer: 
 
 def test_transformers_gradient_checkpointing_with_use_reentrant():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = tiny_llama_config()
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg)
     ours = copy.deepcopy(ref)

@@ -16,19 +16,11 @@ pytest.importorskip("accelerate")
 
 import ramtorch  # noqa: E402
 import ramtorch.optim  # noqa: E402
+from conftest import tiny_llama_config  # noqa: E402
 
 
 def _tiny_llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config(tie_word_embeddings=False)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).float()
 

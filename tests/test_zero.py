@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import socket
 import sys
 
 import pytest
@@ -15,15 +14,10 @@ import ramtorch.optim as ropt
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import exit_rank, free_port
 from torch import nn
 
 STEPS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Net(nn.Module):
@@ -39,18 +33,6 @@ class Net(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.out(x)
-
-
-def exit_rank() -> None:
-    """Ends a rank whose work is done and written, skipping the interpreter's native teardown.
-    A rank that called ``dist.init_process_group`` itself (not ``ramtorch.distributed.init``)
-    before the first torch optimizer imported TorchDynamo keeps its gloo threads after
-    destroy_process_group and can abort at exit ("terminate called without an active
-    exception"), a torch problem that plain torch training shows too (see BENCHMARKS.md).
-    These tests check what the ranks computed."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def batches() -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from test_zero import exit_rank, free_port
+from conftest import exit_rank, free_port
 from torch import nn
 
 pytest.importorskip("torchao")
