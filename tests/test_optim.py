@@ -76,9 +76,10 @@ def test_ten_adamw_steps_equal_torch(device, mode):
     assert streamed and all(not o_ours.state[p]["exp_avg"].is_cuda for p in streamed)
 
 
-def test_updates_happen_during_backward():
+def test_updates_committed_during_backward_with_overlap_backward():
+    """overlap="backward" (the explicit option) writes the weights during backward."""
     _, ours = pair("cpu")
-    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, overlap="backward")
     x = torch.randn(4, 8)
     loss_of(ours, x).backward()  # first backward: nothing learned, every gradient node counted
     opt.step()
@@ -133,11 +134,11 @@ def test_micro_batches_in_the_usual_loop_equal_one_big_batch(pipeline):
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_more_micro_batches_than_any_step_before_are_refused(pipeline):
-    """A step with more backwards than the optimizer has seen adds gradients to weights that an
-    update during an earlier backward already used: step() says so instead of training on part of
-    the batch."""
+    """Updates committed during backward (overlap="backward", pipeline): a step with more
+    backwards than the optimizer has seen adds gradients to weights that an update during an
+    earlier backward already used: step() says so instead of training on part of the batch."""
     ref, ours = pair("cpu")
-    opt = ropt.AdamW(ours.parameters(), lr=1e-2, pipeline=pipeline)
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, overlap="backward", pipeline=pipeline)
     x = torch.randn(4, 8)
     for _ in range(2):  # one backward a step (the first step's updates run in step())
         loss_of(ours, x).backward()
@@ -168,9 +169,9 @@ def test_max_grad_norm_equals_torch_clipping():
     assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
 
 
-def test_clipping_after_an_overlapped_update_is_an_error():
+def test_clipping_after_an_update_committed_in_backward_is_an_error():
     _, ours = pair("cpu")
-    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, overlap="backward")
     x = torch.randn(4, 8)
     loss_of(ours, x).backward()
     opt.step()
@@ -359,9 +360,9 @@ def test_grad_scaler_from_the_first_step_turns_overlap_off(linear):
     assert not o_ours.overlap and o_ours.timings["in_backward_updates"] == 0
 
 
-def test_grad_scaler_after_overlapped_steps_is_refused():
+def test_grad_scaler_after_steps_committed_in_backward_is_refused():
     _, ours = pair("cpu")
-    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, overlap="backward")
     x = torch.randn(4, 8)
     for _ in range(2):  # the second step's updates run during backward
         loss_of(ours, x).backward()
@@ -569,9 +570,9 @@ def linear_pair(**kw) -> tuple[nn.Module, nn.Module]:
     return ref, ours
 
 
-def test_per_layer_linear_weights_are_updated_during_backward():
+def test_per_layer_linear_weights_are_updated_during_backward_with_overlap_backward():
     _, ours = linear_pair()
-    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, overlap="backward")
     x = torch.randn(4, 8)
     loss_of(ours, x).backward()  # the first step updates in step()
     opt.step()

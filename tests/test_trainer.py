@@ -150,7 +150,7 @@ def test_clip_grad_norm_on_the_optimizer_matches_torch():
     with pytest.raises(ValueError, match="norm_type"):
         opt.clip_grad_norm_(1.0, norm_type=1.0)
 
-    over = ramtorch.optim.AdamW(model.parameters(), lr=1e-2)
+    over = ramtorch.optim.AdamW(model.parameters(), lr=1e-2, overlap="backward")
     for _ in range(2):  # the second step updates during backward
         over.zero_grad()
         model(x).square().sum().backward()

@@ -971,3 +971,251 @@ fn bad_arguments_are_invalid_argument_errors() {
     )
     .unwrap();
 }
+
+// -----------------------------------------------------------------------------------------
+// Out-of-place steps (`*_step_from`): the same bits as in place, and the old values untouched.
+
+/// The operands of one step in one storage mode, as owned vectors.
+#[derive(Clone, PartialEq, Debug)]
+struct Operands {
+    p32: Vec<f32>,
+    pbf: Vec<bf16>,
+    master: Vec<f32>,
+    s32: [Vec<f32>; 2],
+    sbf: [Vec<bf16>; 2],
+}
+
+fn operands(rng: &mut Rng, n: usize) -> Operands {
+    let p = rng.vec(n, 1.0);
+    Operands {
+        pbf: bf(&p),
+        master: p.clone(),
+        p32: p,
+        s32: [
+            rng.vec(n, 0.1),
+            rng.vec(n, 0.01).iter().map(|v| v.abs()).collect(),
+        ],
+        sbf: [
+            bf(&rng.vec(n, 0.1)),
+            bf(&rng.vec(n, 0.01).iter().map(|v| v.abs()).collect::<Vec<_>>()),
+        ],
+    }
+}
+
+/// Runs `rule` (0: AdamW, 1: SGD with momentum, 2: Lion) over `ops` in `mode` (0: f32 param, 1:
+/// bf16 with stochastic rounding, 2: bf16 with an f32 master) with `bf16_states`, in place
+/// (`old` None) or reading `old`.
+fn step_mode(
+    rule: usize,
+    mode: usize,
+    bf16_states: bool,
+    ops: &mut Operands,
+    g: &[f32],
+    old: Option<&Operands>,
+) -> Result<()> {
+    let o = old.map(|o| Old {
+        param: match mode {
+            0 => Some(Tensor::F32(&o.p32)),
+            1 => Some(Tensor::BF16(&o.pbf)),
+            _ => None,
+        },
+        master: (mode == 2).then_some(&o.master[..]),
+        states: if bf16_states {
+            [Some(Tensor::BF16(&o.sbf[0])), Some(Tensor::BF16(&o.sbf[1]))]
+        } else {
+            [Some(Tensor::F32(&o.s32[0])), Some(Tensor::F32(&o.s32[1]))]
+        },
+    });
+    let mut o = o.unwrap_or_default();
+    let Operands {
+        p32,
+        pbf,
+        master,
+        s32,
+        sbf,
+    } = ops;
+    let (param, master) = match mode {
+        0 => (TensorMut::F32(p32), None),
+        1 => (TensorMut::BF16(pbf), None),
+        _ => (TensorMut::BF16(pbf), Some(&mut master[..])),
+    };
+    let [s0, s1] = s32;
+    let [b0, b1] = sbf;
+    let (a, b) = if bf16_states {
+        (TensorMut::BF16(b0), TensorMut::BF16(b1))
+    } else {
+        (TensorMut::F32(s0), TensorMut::F32(s1))
+    };
+    let g = Tensor::F32(g);
+    match rule {
+        0 => adamw_step_from(
+            &AdamW {
+                lr: 0.01,
+                step: 3,
+                seed: 7,
+                ..AdamW::default()
+            },
+            param,
+            master,
+            g,
+            a,
+            b,
+            &o,
+        ),
+        1 => {
+            o.states[1] = None;
+            let h = Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+                step: 3,
+                seed: 7,
+                ..Sgd::default()
+            };
+            sgd_step_from(&h, param, master, g, Some(a), &o)
+        }
+        _ => {
+            o.states[1] = None;
+            lion_step_from(
+                &Lion {
+                    lr: 0.01,
+                    step: 3,
+                    seed: 7,
+                    ..Lion::default()
+                },
+                param,
+                master,
+                g,
+                a,
+                &o,
+            )
+        }
+    }
+}
+
+#[test]
+fn out_of_place_steps_equal_in_place_bitwise() {
+    let mut rng = Rng(41);
+    // Small (one piece, the calling thread) and large (pieces on the pool, an odd tail).
+    for n in [1000, 3 * SERIAL_MAX + 77] {
+        let g = rng.vec(n, 0.5);
+        for rule in 0..3 {
+            for mode in 0..3 {
+                for bf16_states in [false, true] {
+                    let before = operands(&mut rng, n);
+                    let mut in_place = before.clone();
+                    step_mode(rule, mode, bf16_states, &mut in_place, &g, None).unwrap();
+                    // The destination starts as garbage: every value it ends with is computed.
+                    let old = before.clone();
+                    let mut out = operands(&mut rng, n);
+                    step_mode(rule, mode, bf16_states, &mut out, &g, Some(&old)).unwrap();
+                    assert_eq!(
+                        old, before,
+                        "rule {rule} mode {mode}: the old values changed"
+                    );
+                    let what = format!("rule {rule} mode {mode} bf16 states {bf16_states} n {n}");
+                    match mode {
+                        0 => assert_eq!(out.p32, in_place.p32, "{what}: param"),
+                        1 => assert_eq!(out.pbf, in_place.pbf, "{what}: param"),
+                        _ => {
+                            assert_eq!(out.pbf, in_place.pbf, "{what}: param");
+                            assert_eq!(out.master, in_place.master, "{what}: master");
+                        }
+                    }
+                    let states = if rule == 0 { 2 } else { 1 };
+                    for k in 0..states {
+                        if bf16_states {
+                            assert_eq!(out.sbf[k], in_place.sbf[k], "{what}: state {k}");
+                        } else {
+                            assert_eq!(out.s32[k], in_place.s32[k], "{what}: state {k}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn out_of_place_steps_check_their_old_values() {
+    let n = 64;
+    let (mut p, g, mut m, mut v) = (
+        vec![1.0f32; n],
+        vec![0.5f32; n],
+        vec![0.0f32; n],
+        vec![0.0f32; n],
+    );
+    let short = vec![0.0f32; n - 1];
+    let bf_old = vec![bf16::ZERO; n];
+    let h = AdamW {
+        step: 1,
+        ..AdamW::default()
+    };
+    let cases: [(Old<'_>, &str); 4] = [
+        (
+            Old {
+                param: Some(Tensor::F32(&short)),
+                ..Old::default()
+            },
+            "elements",
+        ),
+        (
+            Old {
+                states: [Some(Tensor::BF16(&bf_old)), None],
+                ..Old::default()
+            },
+            "is bfloat16",
+        ),
+        (
+            Old {
+                master: Some(&short),
+                ..Old::default()
+            },
+            "no master",
+        ),
+        (
+            Old {
+                param: Some(Tensor::BF16(&bf_old)),
+                ..Old::default()
+            },
+            "is bfloat16",
+        ),
+    ];
+    for (old, says) in cases {
+        let err = adamw_step_from(
+            &h,
+            TensorMut::F32(&mut p),
+            None,
+            Tensor::F32(&g),
+            TensorMut::F32(&mut m),
+            TensorMut::F32(&mut v),
+            &old,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains(says)),
+            "{err}"
+        );
+    }
+    assert_eq!(p, vec![1.0f32; n], "a refused step changed nothing");
+    // With master weights the param is written, not read: an old param is refused.
+    let mut pb = vec![bf16::ONE; n];
+    let mut master = vec![1.0f32; n];
+    let old = Old {
+        param: Some(Tensor::BF16(&bf_old)),
+        ..Old::default()
+    };
+    let err = adamw_step_from(
+        &h,
+        TensorMut::BF16(&mut pb),
+        Some(&mut master),
+        Tensor::F32(&g),
+        TensorMut::F32(&mut m),
+        TensorMut::F32(&mut v),
+        &old,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("old master")),
+        "{err}"
+    );
+}

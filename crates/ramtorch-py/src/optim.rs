@@ -10,7 +10,7 @@
 use pyo3::prelude::*;
 
 use ramtorch_core::arena::Lease;
-use ramtorch_core::optim::{self, bf16, f16, Dtype, Tensor, TensorMut};
+use ramtorch_core::optim::{self, bf16, f16, Dtype, Old, Tensor, TensorMut};
 use ramtorch_core::Error;
 
 use crate::guard;
@@ -205,6 +205,7 @@ fn disjoint(bufs: &[Buf]) -> Result<(), Error> {
 fn step_buffers(
     bufs: &[(&'static str, Arg<'_, '_>, &str)],
     master: Arg<'_, '_>,
+    old: impl Iterator<Item = Buf>,
     numel: usize,
     keeps: &mut Vec<Keep>,
 ) -> Result<Vec<Buf>, Error> {
@@ -217,8 +218,60 @@ fn step_buffers(
     if let Some(m) = resolve("master", master, "float32", numel, true, keeps)? {
         b.push(m);
     }
+    let operands = b.len();
+    b.extend(old);
     disjoint(&b)?;
+    b.truncate(operands);
     Ok(b)
+}
+
+/// The old values of an out-of-place step (`old_param`, `old_master`, `old_state1`,
+/// `old_state2`), each resolved and checked as the operands are.
+#[derive(Clone, Copy, Default)]
+struct OldBufs([Option<Buf>; 4]);
+
+impl OldBufs {
+    #[allow(clippy::too_many_arguments)]
+    fn resolve(
+        param: Arg<'_, '_>,
+        param_dtype: &str,
+        master: Arg<'_, '_>,
+        states: [Arg<'_, '_>; 2],
+        state_dtype: &str,
+        numel: usize,
+        keeps: &mut Vec<Keep>,
+    ) -> Result<OldBufs, Error> {
+        Ok(OldBufs([
+            resolve("old_param", param, param_dtype, numel, true, keeps)?,
+            resolve("old_master", master, "float32", numel, true, keeps)?,
+            resolve("old_state1", states[0], state_dtype, numel, true, keeps)?,
+            resolve("old_state2", states[1], state_dtype, numel, true, keeps)?,
+        ]))
+    }
+
+    fn bufs(&self) -> impl Iterator<Item = Buf> + '_ {
+        self.0.iter().flatten().copied()
+    }
+
+    /// The views of the old values.
+    ///
+    /// # Safety
+    /// As for [`Buf::view`]: nothing writes these buffers during the call, and they overlap no
+    /// operand (checked by [`disjoint`] over operands and old values together).
+    unsafe fn old<'a>(&self) -> Result<Old<'a>, Error> {
+        // SAFETY: forwarded contract.
+        let view = |b: &Option<Buf>| b.map(|b| unsafe { b.view() });
+        let master = match view(&self.0[1]) {
+            None => None,
+            Some(Tensor::F32(m)) => Some(m),
+            Some(_) => return Err(invalid("old_master must be float32".to_string())),
+        };
+        Ok(Old {
+            param: view(&self.0[0]),
+            master,
+            states: [view(&self.0[2]), view(&self.0[3])],
+        })
+    }
 }
 
 /// One AdamW step (torch.optim.AdamW semantics) over one tensor of `numel` elements.
@@ -233,6 +286,7 @@ fn step_buffers(
     param, param_dtype, grad, grad_dtype, exp_avg, exp_avg_sq, state_dtype, *,
     master = None, numel, step, lr, beta1, beta2, eps, weight_decay,
     maximize = false, grad_scale = 1.0, seed = 0,
+    old_param = None, old_master = None, old_state1 = None, old_state2 = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn adamw_step(
@@ -255,6 +309,10 @@ fn adamw_step(
     maximize: bool,
     grad_scale: f64,
     seed: u64,
+    old_param: Arg<'_, '_>,
+    old_master: Arg<'_, '_>,
+    old_state1: Arg<'_, '_>,
+    old_state2: Arg<'_, '_>,
 ) -> PyResult<()> {
     let op = "adamw_step";
     let h = optim::AdamW {
@@ -274,8 +332,20 @@ fn adamw_step(
         ("exp_avg", Some(exp_avg), state_dtype),
         ("exp_avg_sq", Some(exp_avg_sq), state_dtype),
     ];
-    let mut keeps = Vec::with_capacity(5);
-    let bufs = guard(op, || step_buffers(&named, master, numel, &mut keeps))?;
+    let mut keeps = Vec::with_capacity(9);
+    let (bufs, old) = guard(op, || {
+        let old = OldBufs::resolve(
+            old_param,
+            param_dtype,
+            old_master,
+            [old_state1, old_state2],
+            state_dtype,
+            numel,
+            &mut keeps,
+        )?;
+        let bufs = step_buffers(&named, master, old.bufs(), numel, &mut keeps)?;
+        Ok((bufs, old))
+    })?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
@@ -285,13 +355,14 @@ fn adamw_step(
                     Some(b) => Some(b.f32_mut()?),
                     None => None,
                 };
-                optim::adamw_step(
+                optim::adamw_step_from(
                     &h,
                     bufs[0].view_mut(),
                     m,
                     bufs[1].view(),
                     bufs[2].view_mut(),
                     bufs[3].view_mut(),
+                    &old.old()?,
                 )
             }
         })
@@ -307,7 +378,7 @@ fn adamw_step(
 #[pyo3(signature = (
     param, param_dtype, grad, grad_dtype, momentum_buffer, state_dtype, *,
     master = None, numel, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step,
-    grad_scale = 1.0, seed = 0, step = 0,
+    grad_scale = 1.0, seed = 0, step = 0, old_param = None, old_master = None, old_state1 = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn sgd_step(
@@ -330,6 +401,9 @@ fn sgd_step(
     grad_scale: f64,
     seed: u64,
     step: u64,
+    old_param: Arg<'_, '_>,
+    old_master: Arg<'_, '_>,
+    old_state1: Arg<'_, '_>,
 ) -> PyResult<()> {
     let op = "sgd_step";
     let h = optim::Sgd {
@@ -344,8 +418,8 @@ fn sgd_step(
         step,
         seed,
     };
-    let mut keeps = Vec::with_capacity(4);
-    let (bufs, has_buf, has_master) = guard(op, || {
+    let mut keeps = Vec::with_capacity(7);
+    let (bufs, has_buf, has_master, old) = guard(op, || {
         let mut b = Vec::with_capacity(4);
         for (name, obj, dtype) in [("param", param, param_dtype), ("grad", grad, grad_dtype)] {
             b.extend(resolve(name, Some(obj), dtype, numel, false, &mut keeps)?);
@@ -364,8 +438,20 @@ fn sgd_step(
         let flags = (buf.is_some(), master.is_some());
         b.extend(buf);
         b.extend(master);
+        let old = OldBufs::resolve(
+            old_param,
+            param_dtype,
+            old_master,
+            [old_state1, None],
+            state_dtype,
+            numel,
+            &mut keeps,
+        )?;
+        let operands = b.len();
+        b.extend(old.bufs());
         disjoint(&b)?;
-        Ok((b, flags.0, flags.1))
+        b.truncate(operands);
+        Ok((b, flags.0, flags.1, old))
     })?;
     py.detach(|| {
         guard(op, || {
@@ -382,7 +468,7 @@ fn sgd_step(
                 } else {
                     None
                 };
-                optim::sgd_step(&h, bufs[0].view_mut(), m, bufs[1].view(), buf)
+                optim::sgd_step_from(&h, bufs[0].view_mut(), m, bufs[1].view(), buf, &old.old()?)
             }
         })
     })
@@ -396,6 +482,7 @@ fn sgd_step(
     param, param_dtype, grad, grad_dtype, exp_avg, state_dtype, *,
     master = None, numel, lr, beta1, beta2, weight_decay,
     maximize = false, grad_scale = 1.0, seed = 0, step = 0,
+    old_param = None, old_master = None, old_state1 = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn lion_step(
@@ -416,6 +503,9 @@ fn lion_step(
     grad_scale: f64,
     seed: u64,
     step: u64,
+    old_param: Arg<'_, '_>,
+    old_master: Arg<'_, '_>,
+    old_state1: Arg<'_, '_>,
 ) -> PyResult<()> {
     let op = "lion_step";
     let h = optim::Lion {
@@ -433,8 +523,20 @@ fn lion_step(
         ("grad", Some(grad), grad_dtype),
         ("exp_avg", Some(exp_avg), state_dtype),
     ];
-    let mut keeps = Vec::with_capacity(4);
-    let bufs = guard(op, || step_buffers(&named, master, numel, &mut keeps))?;
+    let mut keeps = Vec::with_capacity(7);
+    let (bufs, old) = guard(op, || {
+        let old = OldBufs::resolve(
+            old_param,
+            param_dtype,
+            old_master,
+            [old_state1, None],
+            state_dtype,
+            numel,
+            &mut keeps,
+        )?;
+        let bufs = step_buffers(&named, master, old.bufs(), numel, &mut keeps)?;
+        Ok((bufs, old))
+    })?;
     py.detach(|| {
         guard(op, || {
             // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
@@ -444,12 +546,13 @@ fn lion_step(
                     Some(b) => Some(b.f32_mut()?),
                     None => None,
                 };
-                optim::lion_step(
+                optim::lion_step_from(
                     &h,
                     bufs[0].view_mut(),
                     m,
                     bufs[1].view(),
                     bufs[2].view_mut(),
+                    &old.old()?,
                 )
             }
         })

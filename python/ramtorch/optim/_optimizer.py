@@ -15,6 +15,7 @@ import torch
 from .. import _core, _engine
 from ._jobs import _Jobs
 from ._schedule import OverlapSchedule, UpdateMode, listen
+from ._speculation import Shadows
 from ._state import _DTYPES, _PRECISIONS, HostStates, _is_host
 from ._zero import Zero
 
@@ -49,7 +50,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         defaults: dict[str, Any],
         *,
         precision: str = "fp32-master",
-        overlap: bool = True,
+        overlap: bool | str = True,
         pipeline: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
@@ -57,20 +58,28 @@ class _HostOptimizer(OverlapSchedule, HostStates):
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
+        if overlap not in (True, False, "backward"):
+            raise ValueError(f"overlap must be True, False or 'backward', got {overlap!r}")
         self._check_group(defaults)
         super().__init__(params, defaults)  # each group is checked in add_param_group
         self.precision = precision
         self.max_grad_norm = max_grad_norm
-        if not overlap or max_grad_norm is not None:  # clipping needs every gradient first
+        if not overlap:
             self._mode = UpdateMode.IN_STEP
+        elif pipeline or overlap == "backward":
+            # Committed during backward: clipping needs every gradient first, so it turns them off.
+            in_backward = UpdateMode.PIPELINE if pipeline else UpdateMode.OVERLAP
+            self._mode = UpdateMode.IN_STEP if max_grad_norm is not None else in_backward
         else:
-            self._mode = UpdateMode.PIPELINE if pipeline else UpdateMode.OVERLAP
+            # Speculative: a clip (or anything else step() sees changed) recomputes in step().
+            self._mode = UpdateMode.SPECULATE
         self._accumulating = 0
         self._stepped = False
         # Backward passes since the last step(), and the most any step has had: with k micro-
         # batches a step, the first k - 1 backwards only accumulate, as inside accumulate().
         self._backwards = 0
         self._micro = 1
+        self._saw_grads = False  # this backward delivered gradients of our parameters
         self._last_backward = -1  # autograd's id of the last backward counted
         self._seed = 0x5EED
         self._jobs = _Jobs()
@@ -81,6 +90,10 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         # the same step (more backwards than any step before, outside accumulate()): step() raises.
         self._late: set[int] = set()
         self._error: BaseException | None = None
+        # Speculative updates (UpdateMode.SPECULATE): id(param) -> what each read, and the spare
+        # buffers they are computed into.
+        self._spec = {}
+        self._shadows = Shadows()
         # clip_grad_norm_() before step(): (norm of the gradients, max_norm), applied by step().
         self._clip_request: tuple[float, float] | None = None
         self._zero: Zero | None = None  # shard(): the ZeRO strategy
@@ -94,6 +107,11 @@ class _HostOptimizer(OverlapSchedule, HostStates):
             "in_backward_updates": 0,
             "in_step_seconds": 0.0,
             "in_step_updates": 0,
+            # Speculative updates computed during backward, committed by step(), and computed but
+            # then updated again in step() (their inputs had changed, or the step clipped).
+            "speculated_updates": 0,
+            "committed_updates": 0,
+            "recomputed_updates": 0,
         }
 
     # -- user API ----------------------------------------------------------------------------------
@@ -117,7 +135,9 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         if stage == 1:
             self._mode = UpdateMode.IN_STEP
         elif self._mode is not UpdateMode.IN_STEP:
-            self._mode = UpdateMode.OVERLAP  # step() publishes the new weights to the other ranks
+            # Committed during backward, as each unit's gradients are reduced to its owner; step()
+            # publishes the new weights to the other ranks.
+            self._mode = UpdateMode.OVERLAP
             listen(self)
         return self
 
@@ -237,6 +257,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         else:
             self.drain()
         done, self._done = self._done, {}
+        spec, self._spec = self._spec, {}
         late, self._late = self._late, set()
         backwards, self._backwards = self._backwards, 0
         if late:
@@ -285,10 +306,11 @@ class _HostOptimizer(OverlapSchedule, HostStates):
             scale *= self._clip_scale(scale)
         spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
         t = time.perf_counter()
+        committed = self._commit(spec, scale)
         for index, group in enumerate(self.param_groups):
             dev_params = []
             for p in group["params"]:
-                if p.grad is None or id(p) in done or not self._owns(p):
+                if p.grad is None or id(p) in done or id(p) in committed or not self._owns(p):
                     continue
                 if _is_host(p):
                     start = time.perf_counter() if spans is not None else 0.0

@@ -123,6 +123,7 @@ class AdamW(_Rule):
         group: dict[str, Any],
         scale: float,
         seed: int,
+        old: dict[str, torch.Tensor] | None = None,
     ) -> None:
         b1, b2 = group["betas"]
         _core.adamw_step(
@@ -144,6 +145,7 @@ class AdamW(_Rule):
             maximize=bool(group["maximize"]),
             grad_scale=scale,
             seed=seed,
+            **(old or {}),
         )
 
     def _update_torch(
@@ -218,6 +220,7 @@ class SGD(_Rule):
         group: dict[str, Any],
         scale: float,
         seed: int,
+        old: dict[str, torch.Tensor] | None = None,
     ) -> None:
         _core.sgd_step(
             param=p,
@@ -237,6 +240,7 @@ class SGD(_Rule):
             first_step=step == 1,
             grad_scale=scale,
             seed=seed,
+            **(old or {}),
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -299,6 +303,7 @@ class Lion(_Rule):
         group: dict[str, Any],
         scale: float,
         seed: int,
+        old: dict[str, torch.Tensor] | None = None,
     ) -> None:
         b1, b2 = group["betas"]
         _core.lion_step(
@@ -317,6 +322,7 @@ class Lion(_Rule):
             maximize=bool(group["maximize"]),
             grad_scale=scale,
             seed=seed,
+            **(old or {}),
         )
 
     def _update_torch(

@@ -16,15 +16,20 @@ import torch
 
 from .. import _engine, _profile
 from ._jobs import _Jobs
+from ._speculation import Shadows, Speculation, freeze_group, same_group
 from ._state import _is_host
 
 
 class UpdateMode(enum.Enum):
     """Where an optimizer's updates of host parameters run."""
 
-    #: In ``step()`` only (``overlap=False``, ``max_grad_norm``, a GradScaler, ZeRO stage 1).
+    #: In ``step()`` only (``overlap=False``, a GradScaler, ZeRO stage 1).
     IN_STEP = "in step"
-    #: During the last backward of a step, as gradients land; ``backward()`` returns with them done.
+    #: The default: computed during backward, out of place, and committed by ``step()`` when
+    #: everything they read is unchanged (``_speculation``); nothing changes before ``step()``.
+    SPECULATE = "speculate"
+    #: Committed during the last backward of a step, as gradients land (``overlap="backward"``);
+    #: ``backward()`` returns with them done.
     OVERLAP = "overlap"
     #: As OVERLAP, but they run on past ``backward()`` and ``step()`` into the next forward.
     PIPELINE = "pipeline"
@@ -68,6 +73,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     _accumulating: int
     _stepped: bool
     _backwards: int
+    _saw_grads: bool
     _micro: int
     _last_backward: int
     _done: dict[int, tuple[torch.Tensor, int]]
@@ -75,19 +81,33 @@ class OverlapSchedule(torch.optim.Optimizer):
     _reduced: set[int]
     _reduced_dev: set[int]
     _error: BaseException | None
+    _spec: dict[int, Speculation]
+    _shadows: Shadows
+    _state_names: tuple[str, ...]
     timings: dict[str, Any]
 
     @property
     def overlap(self) -> bool:
-        """Whether updates run during backward (``UpdateMode.OVERLAP`` or ``PIPELINE``)."""
+        """Whether updates are computed during backward (``UpdateMode.SPECULATE``, ``OVERLAP`` or
+        ``PIPELINE``). Setting it True turns on speculation (if updates ran in ``step()``);
+        ``"backward"`` commits them during backward (``UpdateMode.OVERLAP``)."""
         return self._mode is not UpdateMode.IN_STEP
 
     @overlap.setter
-    def overlap(self, on: bool) -> None:
-        if not on:
+    def overlap(self, on: bool | str) -> None:
+        if on == "backward":
+            self._mode = UpdateMode.OVERLAP
+        elif not on:
             self._mode = UpdateMode.IN_STEP
         elif self._mode is UpdateMode.IN_STEP:
-            self._mode = UpdateMode.OVERLAP
+            self._mode = UpdateMode.SPECULATE
+        if self._mode is not UpdateMode.IN_STEP:
+            listen(self)
+
+    @property
+    def speculation_bytes(self) -> int:
+        """Host memory held by the spare buffers that speculative updates are computed into."""
+        return self._shadows.nbytes
 
     @property
     def pipeline(self) -> bool:
@@ -113,6 +133,11 @@ class OverlapSchedule(torch.optim.Optimizer):
 
     def on_grads(self, eng: _engine.DeviceEngine, params: list[torch.nn.Parameter]) -> None:
         """Called by the engine during backward once every gradient of ``params`` is queued."""
+        if not self._saw_grads:
+            # Only backwards that reach this optimizer's parameters count as its micro-batches
+            # (another model's backward on the same engine does not).
+            owned = self._param_ids()
+            self._saw_grads = any(id(p) in owned for p in params)
         if (
             self._mode is UpdateMode.IN_STEP
             or self._accumulating
@@ -122,6 +147,9 @@ class OverlapSchedule(torch.optim.Optimizer):
             # The first step's updates run in step(), which learns whether a GradScaler hands it
             # scaled gradients (overlap is then turned off before any update used them) and how
             # many backwards a step has (all but the last only accumulate).
+            return
+        if self._mode is UpdateMode.SPECULATE:
+            self._speculate(eng, params)
             return
         owned = self._param_ids()
         work = []
@@ -163,6 +191,109 @@ class OverlapSchedule(torch.optim.Optimizer):
             # may never run (if it did get queued, the drain of the interrupted backward waits).
             _engine.updates_end(updated, update)
             raise
+
+    def _speculate(self, eng: _engine.DeviceEngine, params: list[torch.nn.Parameter]) -> None:
+        """Queues the updates of ``params`` into their shadows (``_speculation``): nothing the
+        user sees changes until ``step()`` commits them."""
+        owned = self._param_ids()
+        names = (*self._state_names, "master")
+        work = []
+        for p in params:
+            entry = owned.get(id(p))
+            if entry is None or not _is_host(p) or not self._owns(p):
+                continue
+            bufs = eng.pending_buffers(p)
+            if len(bufs) != 1:
+                continue  # several contributions: summed at the end of backward, updated in step()
+            state = self.state.get(p)
+            if not state or "step" not in state:
+                continue  # a first update makes the states: in step()
+            shadow = self._shadows.get(p, state, self._state_names)
+            if shadow is None:
+                continue  # the host cannot spare the memory: updated in step()
+            step = state["step"]
+            spec = Speculation(
+                hyper=freeze_group(entry[1]),
+                step=int(step.item() if isinstance(step, torch.Tensor) else step) + 1,
+                read={n: (state[n], state[n]._version) for n in names if n in state},
+                param_version=p._version,
+            )
+            # A later backward of the same step replaces it (the gradient read is then the sum).
+            self._spec[id(p)] = spec
+            work.append((p, spec, shadow, bufs[0], p.grad))
+        if not work:
+            return
+        marker = eng._core.marker()
+        self._jobs.submit(
+            lambda: self._speculate_job(eng, marker, work),
+            lambda: eng._core.marker_done(marker),
+        )
+
+    def _speculate_job(self, eng: _engine.DeviceEngine, marker: int, work: list[Any]) -> None:
+        spans = _engine.host_spans
+        begin = time.perf_counter() if spans is not None else 0.0
+        try:
+            eng._core.wait_marker(marker)
+        except BaseException:  # noqa: BLE001 - the copies failed: nothing commits; step() recomputes
+            return
+        t = time.perf_counter()
+        done = []
+        for p, spec, shadow, buf, prior in work:
+            if self._spec.get(id(p)) is not spec:
+                continue  # replaced by a later backward's, or dropped
+            try:
+                grad = buf if prior is None else prior + buf
+                self._update_host_into(p, grad, spec.hyper, spec.step, shadow)
+            except Exception:  # noqa: BLE001 - never committed; step() updates it and meets the error
+                continue
+            spec.done = True
+            done.append(p)
+        end = time.perf_counter()
+        self.timings["in_backward_seconds"] += end - t
+        self.timings["in_backward_updates"] += len(done)
+        self.timings["speculated_updates"] += len(done)
+        if spans is not None and done:
+            spans.add(spans.WORKER, "wait for gradients of", begin, t, done, eng.device)
+            spans.add(spans.WORKER, "speculative update", t, end, done, eng.device)
+
+    def _commit(self, spec: dict[int, Speculation], scale: float) -> set[int]:
+        """In ``step()``: commits each speculation whose inputs are as ``step()`` sees them (the
+        same gradient at the same version, hyperparameters, states and weight, and no scaling);
+        returns the ids of the parameters committed. The others are updated by ``step()``."""
+        committed: set[int] = set()
+        if not spec:
+            return committed
+        owned = self._param_ids()
+        for pid, s in spec.items():
+            entry = owned.get(pid)
+            if entry is None:
+                continue
+            p, group = entry
+            g = p.grad
+            state = self.state.get(p)
+            valid = (
+                scale == 1.0
+                and s.done
+                and s.grad is not None
+                and g is s.grad[0]
+                and g._version == s.grad[1]
+                and p._version == s.param_version
+                and bool(state)
+                and int(state["step"]) + 1 == s.step
+                and all(state.get(n) is t and t._version == v for n, (t, v) in s.read.items())
+                and same_group(s.hyper, group)
+            )
+            if not valid:
+                if s.done:
+                    self.timings["recomputed_updates"] += 1
+                continue
+            assert state is not None
+            new = self._shadows.swap(pid, state, self._state_names)
+            p.copy_(new)
+            state["step"] += 1
+            committed.add(pid)
+        self.timings["committed_updates"] += len(committed)
+        return committed
 
     def _run_job(
         self,
@@ -217,13 +348,22 @@ class OverlapSchedule(torch.optim.Optimizer):
         ``pipeline`` the updates made during backward are waited for (``backward()`` returns with
         them done); with it they run on, unless a gradient they read is about to be added to."""
         task = torch._C._current_graph_task_id()  # once per backward (engines may call it again)
-        if task == -1 or task != self._last_backward:
+        if self._saw_grads and (task == -1 or task != self._last_backward):
             self._backwards += 1
             self._last_backward = task
+        self._saw_grads = False
+        owned = self._param_ids()
+        if self._mode is UpdateMode.SPECULATE:
+            # Speculative updates run on past backward (step() waits for them), unless one reads a
+            # gradient that the end of backward is about to add to.
+            if any(
+                not s.done and owned[pid][0].grad is not None for pid, s in self._spec.items() if pid in owned
+            ):
+                self.drain()
+            return
         if self._mode is not UpdateMode.PIPELINE or self._zero is not None:
             self.drain()
             return
-        owned = self._param_ids()
         if any(owned[pid][0].grad is not None for pid in self._done if pid in owned):
             self.drain()
 
@@ -233,6 +373,7 @@ class OverlapSchedule(torch.optim.Optimizer):
         self._jobs.wait()
         self._raise_failed()
         if interrupted:
+            self._spec.clear()
             self._done.clear()
             self._late.clear()
             self._reduced.clear()
@@ -252,6 +393,11 @@ class OverlapSchedule(torch.optim.Optimizer):
     def after_finish(self) -> None:
         """Called by the engine once backward has written ``.grad``: remembers each gradient the
         updates used, to detect later changes to it."""
+        for pid, s in self._spec.items():
+            entry = self._param_ids().get(pid)
+            if s.grad is None and entry is not None and entry[0].grad is not None:
+                g = entry[0].grad
+                s.grad = (g, g._version)
         for pid in list(self._done):
             entry = self._param_ids().get(pid)
             if pid not in self._late and entry is not None and entry[0].grad is not None:

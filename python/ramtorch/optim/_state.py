@@ -43,8 +43,11 @@ class HostStates(torch.optim.Optimizer):
         group: dict[str, Any],
         scale: float,
         seed: int,
+        old: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """The rule's update of one host parameter (``_rules``)."""
+        """The rule's update of one host parameter (``_rules``). With ``old`` (``old_param``,
+        ``old_master``, ``old_state1``, ``old_state2``) the update is out of place: it reads the
+        old values there and writes the new ones to ``p``, ``states`` and ``master``."""
         raise NotImplementedError
 
     def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, bool]:
@@ -96,6 +99,46 @@ class HostStates(torch.optim.Optimizer):
             group,
             scale,
             hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1),
+        )
+
+    def _update_host_into(
+        self,
+        p: torch.nn.Parameter,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        step: int,
+        shadow: dict[str, torch.Tensor],
+    ) -> None:
+        """The update of host parameter ``p`` for step ``step`` with ``grad`` and ``group``'s
+        hyperparameters, out of place: the new weight, states and master go to ``shadow``
+        (``_speculation``); ``p`` and its states are read, never written. The same bits as
+        :meth:`_update_host` would write in place."""
+        if not p.is_contiguous():
+            raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
+        if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
+            grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
+        state = self.state[p]
+        names = self._state_names
+        master = state.get("master")
+        old: dict[str, torch.Tensor] = {}
+        if master is not None:
+            old["old_master"] = master
+        else:
+            old["old_param"] = p.detach()
+        for k, name in enumerate(names):
+            old[f"old_state{k + 1}"] = state[name]
+        sdt = state[names[0]].dtype if names else torch.float32
+        self._kernel(
+            shadow["param"],
+            grad,
+            [shadow[n] for n in names],
+            _DTYPES[sdt],
+            shadow.get("master"),
+            step,
+            group,
+            1.0,
+            hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1),
+            old=old,
         )
 
     def _index_of(self, p: torch.nn.Parameter) -> int:

@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{invalid, Tensor, TensorMut};
+use super::{invalid, Old, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -102,6 +102,20 @@ pub fn adamw_step(
     exp_avg: TensorMut<'_>,
     exp_avg_sq: TensorMut<'_>,
 ) -> Result<()> {
+    adamw_step_from(h, param, master, grad, exp_avg, exp_avg_sq, &Old::default())
+}
+
+/// As [`adamw_step`], out of place: reads the old values from `old` (see [`Old`]) instead of
+/// from the operands, which receive the new ones.
+pub fn adamw_step_from(
+    h: &AdamW,
+    param: TensorMut<'_>,
+    master: Option<&mut [f32]>,
+    grad: Tensor<'_>,
+    exp_avg: TensorMut<'_>,
+    exp_avg_sq: TensorMut<'_>,
+    old: &Old<'_>,
+) -> Result<()> {
     check_nonneg("lr", h.lr)?;
     check_beta("beta1", h.beta1, false)?;
     check_beta("beta2", h.beta2, false)?;
@@ -142,6 +156,7 @@ pub fn adamw_step(
         eps: h.eps as f32,
         neg_step_size: (-(h.lr / bc1)) as f32,
     };
-    run_step(rule, Stream::new(h.seed, h.step), param, grad, states);
+    let old = sources(old, &param, Some(&states.0), Some(&states.1))?;
+    run_step(rule, Stream::new(h.seed, h.step), param, grad, states, old);
     Ok(())
 }

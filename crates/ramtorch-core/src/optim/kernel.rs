@@ -3,7 +3,7 @@
 //! and stored) and the fused per-element loop that runs a [`Rule`].
 
 use super::precision::*;
-use super::{bf16, f16, invalid, Tensor, TensorMut, ALIGN, SERIAL_MAX};
+use super::{bf16, f16, invalid, Old, Tensor, TensorMut, ALIGN, SERIAL_MAX};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -259,6 +259,8 @@ pub(super) trait ParamIo: Split {
     fn len(&self) -> usize;
     fn get(&self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32, r: u32);
+    /// Copies `old` (the values the update reads: the parameter, or its master) over this piece.
+    fn fill(&mut self, old: Tensor<'_>);
 }
 
 /// Read access to the gradient of element `i`.
@@ -275,6 +277,8 @@ pub(super) trait StateIo: Split {
     fn fits(&self, n: usize) -> bool;
     fn get(&self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32, r: u32);
+    /// Copies `old` over this piece of the state.
+    fn fill(&mut self, old: Tensor<'_>);
 }
 
 /// A `f32` parameter, updated in place.
@@ -302,6 +306,10 @@ impl ParamIo for PF32<'_> {
     fn set(&mut self, i: usize, x: f32, _: u32) {
         self.0[i] = x;
     }
+    #[inline]
+    fn fill(&mut self, old: Tensor<'_>) {
+        fill_f32(self.0, old);
+    }
 }
 
 impl ParamIo for PBf16Sr<'_> {
@@ -317,6 +325,10 @@ impl ParamIo for PBf16Sr<'_> {
     #[inline(always)]
     fn set(&mut self, i: usize, x: f32, r: u32) {
         self.0[i] = bf16_sr(x, r);
+    }
+    #[inline]
+    fn fill(&mut self, old: Tensor<'_>) {
+        fill_bf16(self.0, old);
     }
 }
 
@@ -335,6 +347,10 @@ impl ParamIo for PMasterBf16<'_> {
         self.0[i] = x;
         self.1[i] = bf16_rne(x);
     }
+    #[inline]
+    fn fill(&mut self, old: Tensor<'_>) {
+        fill_f32(self.0, old); // the compute copy is written, never read
+    }
 }
 
 impl ParamIo for PMasterF16<'_> {
@@ -351,6 +367,10 @@ impl ParamIo for PMasterF16<'_> {
     fn set(&mut self, i: usize, x: f32, _: u32) {
         self.0[i] = x;
         self.1[i] = f16_rne(x);
+    }
+    #[inline]
+    fn fill(&mut self, old: Tensor<'_>) {
+        fill_f32(self.0, old); // the compute copy is written, never read
     }
 }
 
@@ -401,6 +421,10 @@ impl StateIo for &mut [f32] {
     fn set(&mut self, i: usize, x: f32, _: u32) {
         self[i] = x;
     }
+    #[inline]
+    fn fill(&mut self, old: Tensor<'_>) {
+        fill_f32(self, old);
+    }
 }
 
 impl StateIo for &mut [bf16] {
@@ -417,6 +441,10 @@ impl StateIo for &mut [bf16] {
     fn set(&mut self, i: usize, x: f32, r: u32) {
         self[i] = bf16_sr(x, r);
     }
+    #[inline]
+    fn fill(&mut self, old: Tensor<'_>) {
+        fill_bf16(self, old);
+    }
 }
 
 impl StateIo for NoState {
@@ -431,6 +459,119 @@ impl StateIo for NoState {
     }
     #[inline(always)]
     fn set(&mut self, _: usize, _: f32, _: u32) {}
+    #[inline]
+    fn fill(&mut self, _: Tensor<'_>) {}
+}
+
+/// Copies `old` over `dst` when both are `f32` of one length ([`sources`] checked that they are).
+#[inline]
+fn fill_f32(dst: &mut [f32], old: Tensor<'_>) {
+    if let Tensor::F32(s) = old {
+        if s.len() == dst.len() {
+            dst.copy_from_slice(s);
+        }
+    }
+}
+
+/// Copies `old` over `dst` when both are `bf16` of one length.
+#[inline]
+fn fill_bf16(dst: &mut [bf16], old: Tensor<'_>) {
+    if let Tensor::BF16(s) = old {
+        if s.len() == dst.len() {
+            dst.copy_from_slice(s);
+        }
+    }
+}
+
+/// The old values of an out-of-place step, checked against the operands they stand for: the
+/// parameter's (or, with a master, the master's), the first and the second state's. Each piece
+/// copies its part of them over its destination just before updating it, while it is in cache,
+/// so an out-of-place step moves the bytes of an in-place one (read old, write new).
+#[derive(Clone, Copy, Default)]
+pub(super) struct Sources<'a>([Option<Tensor<'a>>; 3]);
+
+impl Split for Sources<'_> {
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let mut a = [None; 3];
+        let mut b = [None; 3];
+        for (k, t) in self.0.into_iter().enumerate() {
+            if let Some(t) = t {
+                let (x, y) = t.split_at(mid);
+                a[k] = Some(x);
+                b[k] = Some(y);
+            }
+        }
+        (Sources(a), Sources(b))
+    }
+}
+
+/// Checks `old` against the step's operands (`param` and the states `a`, `b` when present) and
+/// returns the sources of the pieces. With a master, the old parameter is not read (the compute
+/// copy is rewritten from the master), so it must not be given; every other old value must have
+/// its operand's dtype and length.
+pub(super) fn sources<'a>(
+    old: &Old<'a>,
+    param: &ParamMode<'_>,
+    a: Option<&StateMode<'_>>,
+    b: Option<&StateMode<'_>>,
+) -> Result<Sources<'a>> {
+    fn check<'a>(
+        what: &str,
+        t: Option<Tensor<'a>>,
+        dtype: Option<super::Dtype>,
+        n: usize,
+    ) -> Result<Option<Tensor<'a>>> {
+        let Some(t) = t else { return Ok(None) };
+        let Some(want) = dtype else {
+            return Err(invalid(format!(
+                "old {what} given, but the step has no {what}"
+            )));
+        };
+        if t.dtype() != want {
+            return Err(invalid(format!(
+                "old {what} is {}, but {what} is {want}",
+                t.dtype()
+            )));
+        }
+        check_len(&format!("old {what}"), t.len(), n)?;
+        Ok(Some(t))
+    }
+    use super::Dtype;
+    let (n, read) = match param {
+        ParamMode::F32(p) => (p.len(), Some(("param", Dtype::F32))),
+        ParamMode::Bf16Sr(p) => (p.len(), Some(("param", Dtype::BF16))),
+        ParamMode::MasterBf16(m, _) | ParamMode::MasterF16(m, _) => (m.len(), None),
+    };
+    let state_dtype = |s: Option<&StateMode<'_>>| {
+        s.map(|s| match s {
+            StateMode::F32(_) => Dtype::F32,
+            StateMode::Bf16(_) => Dtype::BF16,
+        })
+    };
+    let first = match read {
+        Some((what, dtype)) => {
+            if old.master.is_some() {
+                return Err(invalid(
+                    "old master given, but the step has no master weights",
+                ));
+            }
+            check(what, old.param, Some(dtype), n)?
+        }
+        None => {
+            if old.param.is_some() {
+                return Err(invalid(
+                    "old param given for a step with master weights: the param is rewritten from \
+                     the master, give the old master instead",
+                ));
+            }
+            check("master", old.master.map(Tensor::F32), Some(Dtype::F32), n)?
+        }
+    };
+    Ok(Sources([
+        first,
+        check("state 1", old.states[0], state_dtype(a), n)?,
+        check("state 2", old.states[1], state_dtype(b), n)?,
+    ]))
 }
 
 impl Split for PF32<'_> {
@@ -480,16 +621,32 @@ pub(super) struct Step<R> {
     stream: Stream,
 }
 
-impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<((P, G), (A, B))> for Step<R> {
+impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, B)), Sources<'_>)>
+    for Step<R>
+{
     type Out = ();
 
     #[inline(always)]
-    fn run(&self, start: usize, ((mut p, g), (mut a, mut b)): ((P, G), (A, B))) {
+    fn run(
+        &self,
+        start: usize,
+        (((mut p, g), (mut a, mut b)), old): (((P, G), (A, B)), Sources<'_>),
+    ) {
         let n = g.len();
         // The lengths were validated before the split; stating them lets the compiler drop the
         // bounds checks in the loop.
         if p.len() != n || !a.fits(n) || !b.fits(n) {
             return;
+        }
+        // An out-of-place step: this piece's old values, copied in while they will be in cache.
+        if let Some(t) = old.0[0] {
+            p.fill(t);
+        }
+        if let Some(t) = old.0[1] {
+            a.fill(t);
+        }
+        if let Some(t) = old.0[2] {
+            b.fill(t);
         }
         // Random word 0 of an element rounds the param (bits 0..16) and the first state (bits
         // 16..32); word 1 rounds the second state. Pieces do not straddle a multiple of 2^32.
@@ -514,7 +671,7 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<((P, G), (A, B
 
 /// The states of an optimizer, dispatched to their accessor types.
 pub(super) trait States {
-    fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G);
+    fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>);
 }
 
 pub(super) fn go<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo>(
@@ -523,38 +680,39 @@ pub(super) fn go<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo>(
     g: G,
     a: A,
     b: B,
+    old: Sources<'_>,
 ) {
-    for_pieces(g.len(), ((p, g), (a, b)), step);
+    for_pieces(g.len(), (((p, g), (a, b)), old), step);
 }
 
 /// Two states (AdamW).
 impl States for (StateMode<'_>, StateMode<'_>) {
-    fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G) {
+    fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
-            (StateMode::F32(a), StateMode::F32(b)) => go(step, p, g, a, b),
-            (StateMode::F32(a), StateMode::Bf16(b)) => go(step, p, g, a, b),
-            (StateMode::Bf16(a), StateMode::F32(b)) => go(step, p, g, a, b),
-            (StateMode::Bf16(a), StateMode::Bf16(b)) => go(step, p, g, a, b),
+            (StateMode::F32(a), StateMode::F32(b)) => go(step, p, g, a, b, old),
+            (StateMode::F32(a), StateMode::Bf16(b)) => go(step, p, g, a, b, old),
+            (StateMode::Bf16(a), StateMode::F32(b)) => go(step, p, g, a, b, old),
+            (StateMode::Bf16(a), StateMode::Bf16(b)) => go(step, p, g, a, b, old),
         }
     }
 }
 
 /// One state (Lion).
 impl States for StateMode<'_> {
-    fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G) {
+    fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
-            StateMode::F32(a) => go(step, p, g, a, NoState),
-            StateMode::Bf16(a) => go(step, p, g, a, NoState),
+            StateMode::F32(a) => go(step, p, g, a, NoState, old),
+            StateMode::Bf16(a) => go(step, p, g, a, NoState, old),
         }
     }
 }
 
 /// One optional state (SGD's momentum buffer).
 impl States for Option<StateMode<'_>> {
-    fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G) {
+    fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
-            Some(s) => s.run(step, p, g),
-            None => go(step, p, g, NoState, NoState),
+            Some(s) => s.run(step, p, g, old),
+            None => go(step, p, g, NoState, NoState, old),
         }
     }
 }
@@ -564,11 +722,12 @@ pub(super) fn with_grad<R: Rule, P: ParamIo, S: States>(
     p: P,
     grad: Tensor<'_>,
     states: S,
+    old: Sources<'_>,
 ) {
     match grad {
-        Tensor::F32(g) => states.run(step, p, g),
-        Tensor::BF16(g) => states.run(step, p, g),
-        Tensor::F16(g) => states.run(step, p, g),
+        Tensor::F32(g) => states.run(step, p, g, old),
+        Tensor::BF16(g) => states.run(step, p, g, old),
+        Tensor::F16(g) => states.run(step, p, g, old),
     }
 }
 
@@ -578,12 +737,13 @@ pub(super) fn run_step<R: Rule, S: States>(
     param: ParamMode<'_>,
     grad: Tensor<'_>,
     states: S,
+    old: Sources<'_>,
 ) {
     let step = &Step { rule, stream };
     match param {
-        ParamMode::F32(p) => with_grad(step, PF32(p), grad, states),
-        ParamMode::Bf16Sr(p) => with_grad(step, PBf16Sr(p), grad, states),
-        ParamMode::MasterBf16(m, p) => with_grad(step, PMasterBf16(m, p), grad, states),
-        ParamMode::MasterF16(m, p) => with_grad(step, PMasterF16(m, p), grad, states),
+        ParamMode::F32(p) => with_grad(step, PF32(p), grad, states, old),
+        ParamMode::Bf16Sr(p) => with_grad(step, PBf16Sr(p), grad, states, old),
+        ParamMode::MasterBf16(m, p) => with_grad(step, PMasterBf16(m, p), grad, states, old),
+        ParamMode::MasterF16(m, p) => with_grad(step, PMasterF16(m, p), grad, states, old),
     }
 }

@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{Tensor, TensorMut};
+use super::{Old, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -92,6 +92,19 @@ pub fn lion_step(
     grad: Tensor<'_>,
     exp_avg: TensorMut<'_>,
 ) -> Result<()> {
+    lion_step_from(h, param, master, grad, exp_avg, &Old::default())
+}
+
+/// As [`lion_step`], out of place: reads the old values from `old` (see [`Old`]) instead of
+/// from the operands, which receive the new ones.
+pub fn lion_step_from(
+    h: &Lion,
+    param: TensorMut<'_>,
+    master: Option<&mut [f32]>,
+    grad: Tensor<'_>,
+    exp_avg: TensorMut<'_>,
+    old: &Old<'_>,
+) -> Result<()> {
     check_nonneg("lr", h.lr)?;
     check_beta("beta1", h.beta1, true)?;
     check_beta("beta2", h.beta2, true)?;
@@ -115,6 +128,7 @@ pub fn lion_step(
         c2: (1.0 - h.beta2) as f32,
         neg_lr: (-h.lr) as f32,
     };
-    run_step(rule, Stream::new(h.seed, h.step), param, grad, state);
+    let old = sources(old, &param, Some(&state), None)?;
+    run_step(rule, Stream::new(h.seed, h.step), param, grad, state, old);
     Ok(())
 }

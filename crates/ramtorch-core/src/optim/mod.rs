@@ -70,9 +70,9 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
-pub use adamw::{adamw_step, AdamW};
-pub use lion::{lion_step, Lion};
-pub use sgd::{sgd_step, Sgd};
+pub use adamw::{adamw_step, adamw_step_from, AdamW};
+pub use lion::{lion_step, lion_step_from, Lion};
+pub use sgd::{sgd_step, sgd_step_from, Sgd};
 pub use stats::{grad_stats, scale_in_place, stochastic_round_bf16, GradStats};
 
 /// Tensors with at most this many elements are processed on the calling thread; larger ones are
@@ -142,6 +142,26 @@ impl fmt::Display for Dtype {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// The old values of an out-of-place step (`adamw_step_from` and the other `_from` functions):
+/// the step reads these and writes its results to its own operands, leaving these unchanged, so
+/// an update can be computed ahead and committed, or dropped, later. Per piece, the old values
+/// are copied over the operand right before the piece is updated (while it is in cache): the
+/// step moves the bytes of an in-place one. `None`: that operand is read in place.
+///
+/// `param` is the old parameter for a float32 or stochastically rounded bfloat16 parameter;
+/// with master weights the parameter is only written (rounded from the master), so `master` is
+/// given instead. `states` are the old optimizer states, in the rule's order. Each must have its
+/// operand's dtype and length, and none may overlap an operand.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Old<'a> {
+    /// The old parameter (no master weights).
+    pub param: Option<Tensor<'a>>,
+    /// The old master weights.
+    pub master: Option<&'a [f32]>,
+    /// The old states: AdamW's `exp_avg`, `exp_avg_sq`; SGD's momentum buffer; Lion's `exp_avg`.
+    pub states: [Option<Tensor<'a>>; 2],
 }
 
 /// A read-only, typed view of a contiguous tensor.

@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{invalid, Tensor, TensorMut};
+use super::{invalid, Old, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -107,6 +107,19 @@ pub fn sgd_step(
     grad: Tensor<'_>,
     momentum_buffer: Option<TensorMut<'_>>,
 ) -> Result<()> {
+    sgd_step_from(h, param, master, grad, momentum_buffer, &Old::default())
+}
+
+/// As [`sgd_step`], out of place: reads the old values from `old` (see [`Old`]) instead of
+/// from the operands, which receive the new ones.
+pub fn sgd_step_from(
+    h: &Sgd,
+    param: TensorMut<'_>,
+    master: Option<&mut [f32]>,
+    grad: Tensor<'_>,
+    momentum_buffer: Option<TensorMut<'_>>,
+    old: &Old<'_>,
+) -> Result<()> {
     check_nonneg("lr", h.lr)?;
     check_nonneg("momentum", h.momentum)?;
     check_finite("dampening", h.dampening)?;
@@ -147,6 +160,7 @@ pub fn sgd_step(
         first: h.first_step,
         neg_lr: (-h.lr) as f32,
     };
-    run_step(rule, Stream::new(h.seed, h.step), param, grad, state);
+    let old = sources(old, &param, state.as_ref(), None)?;
+    run_step(rule, Stream::new(h.seed, h.step), param, grad, state, old);
     Ok(())
 }
