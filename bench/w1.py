@@ -215,11 +215,13 @@ def make_optimizer(system: str, kind: str, params: list[torch.Tensor]) -> tuple[
         import ramtorch.optim as ropt
 
         pipe = kind.endswith("-pipeline")
-        tail = ", pipelined" if pipe else ""
+        # -backward: updates committed during backward (overlap="backward"), the earlier default.
+        overlap: bool | str = "backward" if kind.endswith("-backward") else True
+        tail = ", pipelined" if pipe else ", committed in backward" if overlap == "backward" else ""
         if kind.startswith("rust-bf16"):
-            opt = ropt.AdamW(params, lr=1e-5, precision="bf16", pipeline=pipe)
+            opt = ropt.AdamW(params, lr=1e-5, precision="bf16", pipeline=pipe, overlap=overlap)
             return opt, f"ramtorch.optim.AdamW(bf16{tail})", 14 * nh
-        opt = ropt.AdamW(params, lr=1e-5, pipeline=pipe)
+        opt = ropt.AdamW(params, lr=1e-5, pipeline=pipe, overlap=overlap)
         return opt, f"ramtorch.optim.AdamW(fp32 master{tail})", 28 * nh
     if system == "resident":
         return torch.optim.AdamW(params, lr=1e-5, fused=True), "torch.optim.AdamW(fused, GPU)", 0
@@ -300,9 +302,17 @@ def main() -> None:
     ap.add_argument(
         "--optimizer",
         default="rust",
-        choices=["rust", "rust-pipeline", "rust-bf16", "rust-bf16-pipeline", "torch-fused"],
-        help="phase 'step' of ramtorch: ramtorch.optim.AdamW (fp32 master, bf16 states; -pipeline: "
-        "pipeline=True) or torch's fused",
+        choices=[
+            "rust",
+            "rust-backward",
+            "rust-pipeline",
+            "rust-bf16",
+            "rust-bf16-backward",
+            "rust-bf16-pipeline",
+            "torch-fused",
+        ],
+        help="phase 'step' of ramtorch: ramtorch.optim.AdamW (fp32 master, bf16 states; -backward: "
+        "overlap='backward'; -pipeline: pipeline=True) or torch's fused",
     )
     ap.add_argument(
         "--trace",
@@ -422,6 +432,10 @@ def main() -> None:
             ours = a.system in ("ramtorch", "ramtorch-linear")
             if a.trace and phase == "step" and ours:
                 rec["trace_summary"] = traced_steps(fn, opt, a.trace.format(tokens=t), dev)
+            if phase == "step" and hasattr(opt, "speculation_bytes"):
+                # The default schedule: updates computed during backward and committed by step().
+                rec["optimizer_timings"] = dict(opt.timings)  # type: ignore[union-attr]
+                rec["speculation_bytes"] = opt.speculation_bytes  # type: ignore[union-attr]
             if a.system == "ramtorch-linear":
                 import ramtorch
 
