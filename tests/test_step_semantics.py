@@ -311,3 +311,38 @@ def test_a_state_dict_loaded_between_backward_and_step_is_used() -> None:
         opt.step()
         opt.zero_grad()
     _assert_bitwise(sync, ours)
+
+
+def test_the_default_keeps_the_cheaper_of_speculation_and_step() -> None:
+    """The default measures what speculation adds to a step (its first step left out), then what
+    updating in step() adds, and keeps the cheaper; choosing step() frees the spare buffers."""
+    from ramtorch.optim._speculation import AutoChoice
+
+    a = AutoChoice()
+    a.observe_speculative(9.0)  # the first speculative step: pages touched, not counted
+    assert a.wants_speculation()
+    a.observe_speculative(0.5)
+    a.observe_speculative(0.4)
+    assert not a.wants_speculation() and a.choice is None  # now measuring step()
+    a.observe_in_step(0.3)
+    a.observe_in_step(0.2)
+    assert not a.wants_speculation() and a.choice == "in step"
+    b = AutoChoice()
+    for t in (9.0, 0.1, 0.1):
+        b.observe_speculative(t)
+    for t in (0.3, 0.2):
+        b.observe_in_step(t)
+    assert b.wants_speculation() and b.choice == "speculate"
+
+    _, ours, sync = _models("cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2)
+    o_sync = ropt.AdamW(sync.parameters(), lr=1e-2, overlap=False)
+    _run([ours, sync], [opt, o_sync], [[torch.randn(5, 8)] for _ in range(9)])
+    _assert_bitwise(sync, ours)
+    assert opt._auto is not None and opt._auto.choice in ("speculate", "in step")
+    assert opt.timings["committed_updates"] > 0
+    if opt._auto.choice == "in step":
+        assert opt.speculation_bytes == 0
+    # A mode the user sets is kept.
+    opt.overlap = "backward"
+    assert opt._auto is None

@@ -15,7 +15,7 @@ import torch
 from .. import _core, _engine
 from ._jobs import _Jobs
 from ._schedule import OverlapSchedule, UpdateMode, listen
-from ._speculation import Shadows
+from ._speculation import AutoChoice, Shadows
 from ._state import _DTYPES, _PRECISIONS, HostStates, _is_host
 from ._zero import Zero
 
@@ -80,6 +80,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         self._backwards = 0
         self._micro = 1
         self._saw_grads = False  # this backward delivered gradients of our parameters
+        self._stepped_once = False
         self._last_backward = -1  # autograd's id of the last backward counted
         self._seed = 0x5EED
         self._jobs = _Jobs()
@@ -94,6 +95,8 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         # buffers they are computed into.
         self._spec = {}
         self._shadows = Shadows()
+        # overlap=True: the choice between speculating and updating in step(), measured per run.
+        self._auto: AutoChoice | None = AutoChoice() if self._mode is UpdateMode.SPECULATE else None
         # clip_grad_norm_() before step(): (norm of the gradients, max_norm), applied by step().
         self._clip_request: tuple[float, float] | None = None
         self._zero: Zero | None = None  # shard(): the ZeRO strategy
@@ -131,6 +134,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         self.drain()
         self._zero = zero
         self.zero_stage = stage
+        self._auto = None
         self._jobs.lifo = False  # collectives in the same order on every rank
         if stage == 1:
             self._mode = UpdateMode.IN_STEP
@@ -252,10 +256,13 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         if (grad_scale is not None or found_inf is not None) and self._mode is not UpdateMode.IN_STEP:
             # Gradients are scaled until step() unscales them: updates cannot run in backward.
             self._mode = UpdateMode.IN_STEP
+            self._auto = None
+        t_enter = time.perf_counter()
         if self._mode is UpdateMode.PIPELINE and grad_scale is None and found_inf is None:
             self._raise_failed()  # the updates of this step run on; the next forward waits for them
         else:
             self.drain()
+        waited = time.perf_counter() - t_enter
         done, self._done = self._done, {}
         spec, self._spec = self._spec, {}
         late, self._late = self._late, set()
@@ -307,6 +314,8 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
         t = time.perf_counter()
         committed = self._commit(spec, scale)
+        t_committed = time.perf_counter()
+        host_updates = self.timings["in_step_updates"]
         for index, group in enumerate(self.param_groups):
             dev_params = []
             for p in group["params"]:
@@ -336,10 +345,46 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     # The kernels wrote through raw pointers: tell autograd and the streaming
                     # engine (which keys device copies on version counters) that p changed.
                     torch.autograd.graph.increment_version(p)
-        self.timings["in_step_seconds"] += time.perf_counter() - t
+        end = time.perf_counter()
+        self.timings["in_step_seconds"] += end - t
+        self._choose(
+            spec,
+            committed,
+            self.timings["in_step_updates"] - host_updates,
+            waited + t_committed - t,
+            end - t_committed,
+        )
         if self._zero is not None:
             self._zero.publish(self.param_groups)
         return loss
+
+    def _choose(
+        self,
+        spec: dict[int, Any],
+        committed: set[int],
+        in_step: int,
+        spec_seconds: float,
+        step_seconds: float,
+    ) -> None:
+        """The default schedule (``overlap=True``): feeds this step's costs to the choice between
+        speculating and updating in ``step()`` (``_speculation.AutoChoice``), and applies it."""
+        auto = self._auto
+        if auto is None or auto.choice is not None:
+            return
+        if self._mode is not UpdateMode.SPECULATE and self._mode is not UpdateMode.IN_STEP:
+            self._auto = None  # the user chose a mode since
+            return
+        if self._mode is UpdateMode.SPECULATE and committed and in_step == 0:
+            auto.observe_speculative(spec_seconds)
+        elif self._mode is UpdateMode.IN_STEP and not spec and in_step:
+            auto.observe_in_step(step_seconds)
+        elif not self._stepped_once:
+            self._stepped_once = True  # the first step makes the states: not a measure of either
+            return
+        speculate = auto.wants_speculation()
+        self._mode = UpdateMode.SPECULATE if speculate else UpdateMode.IN_STEP
+        if auto.choice == "in step":
+            self._shadows.clear()  # the spare buffers' memory goes back
 
     def _grad_norm(self, params: list[torch.Tensor] | None = None) -> float:
         """The L2 norm of the gradients of ``params`` (default: the optimizer's parameters this

@@ -83,6 +83,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     _error: BaseException | None
     _spec: dict[int, Speculation]
     _shadows: Shadows
+    _auto: Any
     _state_names: tuple[str, ...]
     timings: dict[str, Any]
 
@@ -95,6 +96,7 @@ class OverlapSchedule(torch.optim.Optimizer):
 
     @overlap.setter
     def overlap(self, on: bool | str) -> None:
+        self.__dict__["_auto"] = None  # the user's choice, kept
         if on == "backward":
             self._mode = UpdateMode.OVERLAP
         elif not on:

@@ -166,3 +166,49 @@ class Shadows:
             self._bufs.clear()
             self._refused.clear()
             self.nbytes = 0
+
+
+class AutoChoice:
+    """The default schedule's choice, per run, between speculating and updating in ``step()``
+    (both give ``overlap=False``'s bits), by what each adds to a step, measured: for speculation,
+    the time ``step()`` waits for the speculative updates plus the commits; for updates in
+    ``step()``, their time. When the host's memory bandwidth bounds the step, computing the update
+    out of place during backward costs more than it hides, and ``step()`` wins; when backward is
+    long against the update (long sequences, compute-bound models), speculation hides it.
+
+    Speculation is measured first (its first step is left out: the spare buffers' pages are
+    touched for the first time), then updates in ``step()``; the cheaper one is kept for the run,
+    and a choice of ``step()`` frees the spare buffers."""
+
+    #: Speculative steps measured, then steps in ``step()`` measured.
+    SPECULATIVE_STEPS = 2
+    IN_STEP_STEPS = 2
+
+    def __init__(self) -> None:
+        self.speculative: list[float] = []
+        self.in_step: list[float] = []
+        self._skipped_first = False
+        #: None while measuring, then ``"speculate"`` or ``"in step"``.
+        self.choice: str | None = None
+
+    def observe_speculative(self, seconds: float) -> None:
+        """A step whose updates were all committed speculations added ``seconds``."""
+        if not self._skipped_first:
+            self._skipped_first = True
+            return
+        self.speculative.append(seconds)
+
+    def observe_in_step(self, seconds: float) -> None:
+        """A step whose updates all ran in ``step()`` added ``seconds``."""
+        self.in_step.append(seconds)
+
+    def wants_speculation(self) -> bool:
+        """Whether the next step should speculate."""
+        if self.choice is not None:
+            return self.choice == "speculate"
+        if len(self.speculative) < self.SPECULATIVE_STEPS:
+            return True
+        if len(self.in_step) < self.IN_STEP_STEPS:
+            return False
+        self.choice = "speculate" if min(self.speculative) <= min(self.in_step) else "in step"
+        return self.choice == "speculate"
