@@ -160,3 +160,35 @@ def test_clip_grad_norm_on_the_optimizer_matches_torch():
     model(x).square().sum().backward()
     with pytest.raises(RuntimeError, match="max_grad_norm="):
         over.clip_grad_norm_(1e-3)
+
+
+@pytest.mark.parametrize("trainer_class", ["RamtorchTrainer", "Trainer"])
+def test_the_users_own_ramtorch_adamw_through_optimizers_trains_as_the_plain_model(tmp_path, trainer_class):
+    """optimizers=(ramtorch.optim.AdamW(...), scheduler), the README's way to bring one's own: with
+    clipping at 1.0 (the Trainer's default) it trains past step 2 and as the plain model does,
+    in RamtorchTrainer (clipping folded into step()) and in a plain Trainer (accelerate rewrites
+    the gradients: the step's updates are computed in step())."""
+    from ramtorch.integrations.transformers import RamtorchTrainer
+
+    data = _data()
+    plain = _tiny_llama()
+    model = ramtorch.offload(copy.deepcopy(plain), device="cpu")
+    args = _args(tmp_path / "ref", max_steps=5, save_steps=100)
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (s + 1))
+    ref = transformers.Trainer(model=plain, args=args, train_dataset=data, optimizers=(ref_opt, ref_sched))
+    ref.train()
+    opt = ramtorch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    cls = RamtorchTrainer if trainer_class == "RamtorchTrainer" else transformers.Trainer
+    trainer = cls(
+        model=model,
+        args=_args(tmp_path / "rt", max_steps=5, save_steps=100),
+        train_dataset=data,
+        optimizers=(opt, sched),
+    )
+    trainer.train()
+    assert max(_norms(ref)) > 1.0  # the clipping clips
+    assert len(_losses(trainer)) == 5
+    assert _losses(trainer) == pytest.approx(_losses(ref), rel=1e-4, abs=1e-5)
+    _assert_weights_close(model, plain)

@@ -8,26 +8,37 @@ torch's own kernels on their device and the numerics of host parameters (an fp32
 states on the device for bf16/fp16 weights; bf16 states and stochastic rounding with
 ``precision="bf16"``), so that a model trains the same with or without ``gpu_budget``.
 
-**Overlap.** In a model streamed by :func:`ramtorch.offload`, a unit's weights are updated as soon
-as the last of its gradients for the step has reached host RAM, on a CPU thread, while the GPU runs
-the backward of the units before it. ``loss.backward()`` returns when the updates are done, and
-``step()`` has only the GPU-resident parameters left. Updates run during the last backward before
-``step()``: the optimizer learns from the first step (whose updates run in ``step()``) how many
-backward passes a step has, k, and the first k - 1 of each step only accumulate gradients, as
-inside ``with opt.accumulate():`` (which also works); a step with fewer backwards updates in
-``step()``. If gradients are changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a
-``GradScaler`` unscaling them, more backwards than any step before outside ``accumulate()``), an
-update made during backward would have used the unchanged ones: ``step()`` detects it and raises.
-Use ``max_grad_norm=`` for clipping, or ``opt.clip_grad_norm_(max_norm)`` in place of torch's (it
-returns the norm and folds the clip into ``step()``; transformers' ``Trainer``:
-``ramtorch.integrations.transformers.RamtorchTrainer``). Global-norm clipping needs every gradient,
-so the updates then run in ``step()``: the overlap is lost. The first step's updates always run in
-``step()``: a ``torch.amp.GradScaler`` shows itself there (its gradients are scaled until ``step()`` unscales
-them), and the optimizer then updates in ``step()`` from then on, with the unscaling and the inf
-check folded into the kernels. A scaler that appears only after overlapped steps is an error; pass
-``overlap=False`` for that.
+**Torch's step, by default.** Nothing changes before ``step()``: no weight, gradient or state
+moves during ``backward()``, and ``step()`` uses the gradients and hyperparameters as they are
+when it is called, bitwise as ``overlap=False``. A skipped step (non-finite loss), a learning rate
+set after ``backward()``, a backward with no step, a growing number of micro-batches, torch's
+``clip_grad_norm_`` or a late ``GradScaler`` all train as under torch.
 
-**Pipelined steps** (``pipeline=True``). The optimizer work of a step (reading and writing
+**Overlap, by speculation** (``_speculation``). In a model streamed by :func:`ramtorch.offload`, a
+unit's update can be computed as soon as the last of its gradients for the step has reached host
+RAM, on a CPU thread, while the GPU runs the backward of the units before it. The default computes
+it out of place, into spare buffers, and ``step()`` commits it (states swapped, weight copied)
+only if everything it read is unchanged and nothing clips or scales; otherwise ``step()`` computes
+it. The spare buffers cost host memory (14 bytes a parameter with fp32 masters and AdamW) and the
+out-of-place update more host memory traffic, so the default measures a few speculative steps and
+a few steps updated in ``step()`` on the run itself, and keeps the cheaper
+(``_speculation.AutoChoice``). Only the last backward before ``step()`` speculates: the optimizer
+learns from the first step (whose updates run in ``step()``) how many backward passes a step has,
+k, and the first k - 1 of each step only accumulate, as inside ``with opt.accumulate():`` (which
+also works); a wrong guess costs time, never a different result.
+
+``overlap="backward"`` commits each update during the last backward instead (no spare memory, the
+fastest when host memory bounds the step), which changes the semantics: the weights change before
+``step()``, and gradients changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a
+``GradScaler`` unscaling them, more backwards than any step before outside ``accumulate()``) make
+``step()`` raise. Use ``max_grad_norm=`` for clipping then (the updates then run in ``step()``), or
+``opt.clip_grad_norm_(max_norm)`` in place of torch's (it returns the norm and folds the clip into
+``step()``; transformers' ``Trainer``: ``ramtorch.integrations.transformers.RamtorchTrainer``). A
+``torch.amp.GradScaler`` shows itself in ``step()`` and the optimizer then updates in ``step()``
+from then on, with the unscaling and the inf check folded into the kernels. ``overlap=False`` runs
+every update in ``step()``.
+
+**Pipelined steps** (``pipeline=True``; commits during backward, as ``overlap="backward"``). The optimizer work of a step (reading and writing
 every state in host RAM) usually takes longer than the backward it overlaps, and the first unit's
 gradient arrives last. With ``pipeline=True``, ``backward()`` and ``step()`` return without waiting
 for the updates still queued: they run on while the next forward starts, in the order that forward
@@ -59,8 +70,12 @@ Where each part lives:
 - ``_state.py``: host state and precision (moments, fp32 masters, bf16 states), the update of one
   host parameter, and the loading of states, each checked against its parameter.
 - ``_schedule.py``: the overlap and pipeline scheduler (:class:`UpdateMode`): updates started as
-  gradients land (``on_grads``), the end of backward (``before_finish``/``after_finish``),
-  ``drain``; the registration of optimizers with the engines.
+  gradients land (``on_grads``), speculative or committed, the end of backward
+  (``before_finish``/``after_finish``), the commit of speculations (``_commit``), ``drain``; the
+  registration of optimizers with the engines.
+- ``_speculation.py``: what a speculative update read and where it is computed (spare buffers
+  made while the host can spare them), and the per-run choice between speculating and updating in
+  ``step()``.
 - ``_jobs.py``: the worker thread and its queue of update jobs.
 - ``_zero.py``: ZeRO as a strategy object (``Zero``): ownership, gradient reduction, publication
   of new weights, consolidation of states.

@@ -94,6 +94,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         # Speculative updates (UpdateMode.SPECULATE): id(param) -> what each read, and the spare
         # buffers they are computed into.
         self._spec = {}
+        self._spec_closed = False  # step() has begun: speculations not begun are dropped
         self._shadows = Shadows()
         # overlap=True: the choice between speculating and updating in step(), measured per run.
         self._auto: AutoChoice | None = AutoChoice() if self._mode is UpdateMode.SPECULATE else None
@@ -261,8 +262,13 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         if self._mode is UpdateMode.PIPELINE and grad_scale is None and found_inf is None:
             self._raise_failed()  # the updates of this step run on; the next forward waits for them
         else:
-            self.drain()
-        waited = time.perf_counter() - t_enter
+            # Speculations not begun by now are not begun: step() updates those parameters in place
+            # (cheaper than out of place, and the wait is over sooner).
+            self._spec_closed = True
+            try:
+                self.drain()
+            finally:
+                self._spec_closed = False
         done, self._done = self._done, {}
         spec, self._spec = self._spec, {}
         late, self._late = self._late, set()
@@ -314,7 +320,6 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
         t = time.perf_counter()
         committed = self._commit(spec, scale)
-        t_committed = time.perf_counter()
         host_updates = self.timings["in_step_updates"]
         for index, group in enumerate(self.param_groups):
             dev_params = []
@@ -347,40 +352,27 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     torch.autograd.graph.increment_version(p)
         end = time.perf_counter()
         self.timings["in_step_seconds"] += end - t
-        self._choose(
-            spec,
-            committed,
-            self.timings["in_step_updates"] - host_updates,
-            waited + t_committed - t,
-            end - t_committed,
-        )
+        self._choose(bool(spec), self.timings["in_step_updates"] - host_updates, end - t_enter)
         if self._zero is not None:
             self._zero.publish(self.param_groups)
         return loss
 
-    def _choose(
-        self,
-        spec: dict[int, Any],
-        committed: set[int],
-        in_step: int,
-        spec_seconds: float,
-        step_seconds: float,
-    ) -> None:
-        """The default schedule (``overlap=True``): feeds this step's costs to the choice between
-        speculating and updating in ``step()`` (``_speculation.AutoChoice``), and applies it."""
+    def _choose(self, speculated: bool, in_step: int, seconds: float) -> None:
+        """The default schedule (``overlap=True``): feeds what this ``step()`` took (waiting for
+        speculations, commits, updates in place) to the choice between speculating and updating
+        in ``step()`` (``_speculation.AutoChoice``), and applies it."""
         auto = self._auto
         if auto is None or auto.choice is not None:
             return
         if self._mode is not UpdateMode.SPECULATE and self._mode is not UpdateMode.IN_STEP:
             self._auto = None  # the user chose a mode since
             return
-        if self._mode is UpdateMode.SPECULATE and committed and in_step == 0:
-            auto.observe_speculative(spec_seconds)
-        elif self._mode is UpdateMode.IN_STEP and not spec and in_step:
-            auto.observe_in_step(step_seconds)
-        elif not self._stepped_once:
+        if not self._stepped_once:
             self._stepped_once = True  # the first step makes the states: not a measure of either
-            return
+        elif self._mode is UpdateMode.SPECULATE and speculated:
+            auto.observe_speculative(seconds)
+        elif self._mode is UpdateMode.IN_STEP and not speculated and in_step:
+            auto.observe_in_step(seconds)
         speculate = auto.wants_speculation()
         self._mode = UpdateMode.SPECULATE if speculate else UpdateMode.IN_STEP
         if auto.choice == "in step":

@@ -69,7 +69,7 @@ class HostOptions(TypedDict, total=False):
     :class:`AdamW`)."""
 
     precision: str
-    overlap: bool
+    overlap: bool | str
     pipeline: bool
     max_grad_norm: float | None
 
@@ -90,10 +90,17 @@ class AdamW(_Rule):
         params: parameters or param groups.
         lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW``.
         precision: ``"fp32-master"`` (default) or ``"bf16"`` (bf16 states, stochastic rounding).
-        overlap: update units during backward as their gradients land.
-        pipeline: let ``step()`` return while the last updates run on; the next forward waits
-            for each unit's update before streaming it (see the module documentation).
-        max_grad_norm: clip the global gradient norm to this (disables the overlap).
+        overlap: ``True`` (default): updates computed during backward, out of place, and
+            committed by ``step()`` when their inputs are unchanged, or computed in ``step()``,
+            whichever the run measures cheaper: bitwise ``overlap=False``, nothing changes
+            before ``step()``. ``"backward"``: committed during backward as gradients land
+            (faster when host memory bounds the step; the weights change before ``step()``).
+            ``False``: every update in ``step()``.
+        pipeline: commit during backward and let ``step()`` return while the last updates run
+            on; the next forward waits for each unit's update before streaming it (see the
+            module documentation).
+        max_grad_norm: clip the global gradient norm to this (with ``overlap="backward"`` or
+            ``pipeline``, the updates then run in ``step()``).
     """
 
     _state_names = ("exp_avg", "exp_avg_sq")

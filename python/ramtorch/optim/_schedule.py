@@ -82,6 +82,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     _reduced_dev: set[int]
     _error: BaseException | None
     _spec: dict[int, Speculation]
+    _spec_closed: bool
     _shadows: Shadows
     _auto: Any
     _state_names: tuple[str, ...]
@@ -234,6 +235,8 @@ class OverlapSchedule(torch.optim.Optimizer):
     def _speculate_job(self, eng: _engine.DeviceEngine, marker: int, work: list[Any]) -> None:
         spans = _engine.host_spans
         begin = time.perf_counter() if spans is not None else 0.0
+        if self._spec_closed:
+            return
         try:
             eng._core.wait_marker(marker)
         except BaseException:  # noqa: BLE001 - the copies failed: nothing commits; step() recomputes
@@ -241,8 +244,8 @@ class OverlapSchedule(torch.optim.Optimizer):
         t = time.perf_counter()
         done = []
         for p, spec, shadow, buf, prior in work:
-            if self._spec.get(id(p)) is not spec:
-                continue  # replaced by a later backward's, or dropped
+            if self._spec_closed or self._spec.get(id(p)) is not spec:
+                continue  # step() has begun (it updates the rest), or replaced, or dropped
             try:
                 grad = buf if prior is None else prior + buf
                 self._update_host_into(p, grad, spec.hyper, spec.step, shadow)

@@ -170,9 +170,9 @@ class Shadows:
 
 class AutoChoice:
     """The default schedule's choice, per run, between speculating and updating in ``step()``
-    (both give ``overlap=False``'s bits), by what each adds to a step, measured: for speculation,
-    the time ``step()`` waits for the speculative updates plus the commits; for updates in
-    ``step()``, their time. When the host's memory bandwidth bounds the step, computing the update
+    (both give ``overlap=False``'s bits), by what each adds to a step, measured: the time ``step()``
+    takes (after speculation: waiting for the one running, committing those done, updating the
+    rest in place; without: updating everything in place). When the host's memory bandwidth bounds the step, computing the update
     out of place during backward costs more than it hides, and ``step()`` wins; when backward is
     long against the update (long sequences, compute-bound models), speculation hides it.
 
@@ -192,14 +192,15 @@ class AutoChoice:
         self.choice: str | None = None
 
     def observe_speculative(self, seconds: float) -> None:
-        """A step whose updates were all committed speculations added ``seconds``."""
+        """A ``step()`` after speculation (waiting for the one running, commits, the rest updated
+        in place) took ``seconds``."""
         if not self._skipped_first:
             self._skipped_first = True
             return
         self.speculative.append(seconds)
 
     def observe_in_step(self, seconds: float) -> None:
-        """A step whose updates all ran in ``step()`` added ``seconds``."""
+        """A ``step()`` that updated everything in place took ``seconds``."""
         self.in_step.append(seconds)
 
     def wants_speculation(self) -> bool:
