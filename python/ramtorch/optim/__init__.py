@@ -38,7 +38,8 @@ fastest when host memory bounds the step), which changes the semantics: the weig
 from then on, with the unscaling and the inf check folded into the kernels. ``overlap=False`` runs
 every update in ``step()``.
 
-**Pipelined steps** (``pipeline=True``; commits during backward, as ``overlap="backward"``). The optimizer work of a step (reading and writing
+**Pipelined steps** (``pipeline=True``; commits during backward, as ``overlap="backward"``).
+The optimizer work of a step (reading and writing
 every state in host RAM) usually takes longer than the backward it overlaps, and the first unit's
 gradient arrives last. With ``pipeline=True``, ``backward()`` and ``step()`` return without waiting
 for the updates still queued: they run on while the next forward starts, in the order that forward
