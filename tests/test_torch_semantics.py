@@ -1,0 +1,200 @@
+"""Models that do what torch allows inside a forward train as they do in torch: a forward that
+writes its own weights in place (an EMA codebook, a clamp, ``nn.Embedding(max_norm=...)``) keeps
+the write; a forward that returns its weight, or a view of it, hands out memory of its own. Each
+streamed model is compared with the same plain model on the same inputs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ramtorch
+import ramtorch.nn as rnn
+import torch
+from torch import nn
+
+# -- writes made inside a forward ------------------------------------------------------------------
+
+
+class Codebook(nn.Module):
+    """A block with a codebook that its forward moves towards the batch (an EMA, written in place
+    as vector-quantisation layers do), and a projection it may clamp in place."""
+
+    def __init__(self, d: int, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(d, d)
+        self.codebook = nn.Parameter(torch.randn(6, d), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.how == "clamp":
+            with torch.no_grad():  # weight clipping, before the weight is used
+                self.proj.weight.clamp_(-0.2, 0.2)
+        h = self.proj(x)
+        idx = torch.cdist(h.detach(), self.codebook).argmin(-1)
+        out = h + self.codebook[idx]
+        if self.training and self.how == "ema":
+            with torch.no_grad():
+                self.codebook.mul_(0.8).add_(0.2 * h.detach().mean(0))
+        return out
+
+
+class CodebookNet(nn.Module):
+    def __init__(self, how: str, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Codebook(d, how) for _ in range(3))
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _train(model: nn.Module, steps: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    outs = []
+    for k in range(steps):
+        y = model(inputs[k])
+        outs.append(y.detach().clone())
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return outs
+
+
+def _assert_same_state(ref: nn.Module, ours: nn.Module) -> None:
+    for (name, a), (_, b) in zip(ref.state_dict().items(), ours.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("how", ["ema", "clamp"])
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_a_forward_that_writes_its_weights_in_place_keeps_the_write(how: str, max_inflight: int) -> None:
+    torch.manual_seed(0)
+    ref = CodebookNet(how)
+    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", max_inflight=max_inflight)
+    inputs = [torch.randn(5, 8) for _ in range(3)]
+    for a, b in zip(_train(ref, 3, inputs), _train(ours, 3, inputs)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    _assert_same_state(ref, ours)
+    with torch.no_grad():
+        ref.eval(), ours.eval()
+        torch.testing.assert_close(ours(inputs[0]), ref(inputs[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_write_in_an_inference_forward_is_kept_too() -> None:
+    torch.manual_seed(0)
+    ref = CodebookNet("ema")
+    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", max_inflight=1)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
+    _assert_same_state(ref, ours)
+
+
+class EmbeddingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 6, max_norm=1.0)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.out(x)
+
+
+def test_embedding_max_norm_renormalises_the_host_weights_under_offload() -> None:
+    torch.manual_seed(0)
+    ref = EmbeddingNet()
+    with torch.no_grad():
+        ref.emb.weight.mul_(3.0)  # rows well above max_norm
+    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu")
+    inputs = [torch.randint(0, 12, (4, 3)) for _ in range(3)]
+    for a, b in zip(_train(ref, 3, inputs), _train(ours, 3, inputs)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    _assert_same_state(ref, ours)
+
+
+def test_ramtorch_nn_embedding_max_norm_renormalises_its_host_weights() -> None:
+    torch.manual_seed(0)
+    ref = nn.Embedding(10, 4, max_norm=1.0, norm_type=2.0)
+    with torch.no_grad():
+        ref.weight.mul_(3.0)
+    ours = rnn.Embedding(10, 4, max_norm=1.0, norm_type=2.0, device="cpu")
+    ours.load_state_dict(ref.state_dict())
+    inputs = [torch.randint(0, 10, (5,)) for _ in range(3)]
+    for a, b in zip(_train(ref, 3, inputs), _train(ours, 3, inputs)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=1e-5, atol=1e-6)
+    # The rows looked up were renormalised (in place, as torch does), the others not.
+    assert ours.weight.norm(dim=1).max() > 1.5
+
+
+# -- nothing escapes a slot ------------------------------------------------------------------------
+
+
+class Table(nn.Module):
+    """A position table (or soft prompt) returned as it is, or as a view of it."""
+
+    def __init__(self, t: int, d: int, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.pos = nn.Parameter(torch.randn(t, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "itself":
+            return self.pos
+        if self.how == "tuple":
+            return x, {"pos": self.pos.unsqueeze(0)}
+        return self.pos.unsqueeze(0)
+
+
+class Prompted(nn.Module):
+    def __init__(self, how: str, t: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.how = how
+        self.blocks = nn.ModuleList([Table(t, d, how)] + [nn.Linear(d, d) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = self.blocks[0](x)
+        if self.how == "tuple":
+            pos = pos[1]["pos"]
+        h = x
+        for b in self.blocks[1:]:  # each takes a slot: the table's is overwritten
+            h = torch.tanh(b(h))
+        return h + pos
+
+
+@pytest.mark.parametrize("how", ["itself", "view", "tuple"])
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_weight_returned_by_a_forward_is_not_overwritten_by_later_units(how: str, grad: bool) -> None:
+    torch.manual_seed(0)
+    ref = Prompted(how)
+    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", max_inflight=1)
+    x = torch.randn(2, 4, 8)
+    with torch.set_grad_enabled(grad):
+        a, b = ref(x), ours(x)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    if grad:
+        a.square().sum().backward()
+        b.square().sum().backward()
+        for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_returned_weight_does_not_change_with_the_slot_in_later_steps() -> None:
+    torch.manual_seed(0)
+    ref = Prompted("view")
+    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", max_inflight=1)
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        kept = ours.blocks[0](x)  # a unit run on its own
+        expected = ref.blocks[0](x)
+        ours(x)
+        ours(x)
+    torch.testing.assert_close(kept, expected)
