@@ -1,7 +1,8 @@
 """Models that do what torch allows inside a forward train as they do in torch: a forward that
 writes its own weights in place (an EMA codebook, a clamp, ``nn.Embedding(max_norm=...)``) keeps
-the write; a forward that returns its weight, or a view of it, hands out memory of its own. Each
-streamed model is compared with the same plain model on the same inputs."""
+the write; a forward that returns its weight, or a view of it, hands out memory of its own; the
+recompute mode updates BatchNorm's running statistics once a step. Each streamed model is
+compared with the same plain model on the same inputs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import ramtorch
 import ramtorch.nn as rnn
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # -- writes made inside a forward ------------------------------------------------------------------
@@ -198,3 +200,46 @@ def test_a_returned_weight_does_not_change_with_the_slot_in_later_steps() -> Non
         ours(x)
         ours(x)
     torch.testing.assert_close(kept, expected)
+
+
+# -- recompute mode and buffers --------------------------------------------------------------------
+
+
+class NormBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.bn(self.lin(x)))
+
+
+class NormNet(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(NormBlock(d) for _ in range(3))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_recompute_updates_batchnorm_statistics_once_a_step(momentum: float | None) -> None:
+    torch.manual_seed(0)
+    ref = NormNet()
+    for m in ref.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.momentum = momentum
+    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", recompute=True)
+    inputs = [torch.randn(6, 8) for _ in range(3)]
+    for a, b in zip(_train(ref, 3, inputs), _train(ours, 3, inputs)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert int(ours.blocks[0].bn.num_batches_tracked) == 3
+    _assert_same_state(ref, ours)
+    ref.eval(), ours.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(inputs[0]), ref(inputs[0]), rtol=1e-5, atol=1e-6)

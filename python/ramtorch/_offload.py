@@ -84,8 +84,10 @@ def offload(
         recompute: backward mode of the streamed units: ``False`` keeps their activations for
             backward; ``True`` (or a predicate on the unit's name) recomputes the unit's forward in
             backward instead (activation checkpointing, non-reentrant, with the RNG state of the
-            forward restored, so dropout draws the same mask). The recomputation runs on the
-            weights fetched for the unit's backward: it costs compute, not PCIe bytes.
+            forward restored, so dropout draws the same mask, and the buffers the forward changed
+            put back after the recomputation, so BatchNorm's running statistics are updated once
+            a step). The recomputation runs on the weights fetched for the unit's backward: it
+            costs compute, not PCIe bytes.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
         units, and buffers stay on the device and count against the budget. Not counted: in training,
@@ -478,9 +480,57 @@ def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: in
     )
 
 
+class _KeptBuffers:
+    """The buffers of one checkpointed forward of a module that the forward changed (BatchNorm's
+    running statistics and ``num_batches_tracked`` in training mode): its recomputation in
+    backward changes them again, and they are put back as they were before it, as the RNG state
+    is. A forward that changes no buffer (most) costs one version check per buffer.
+
+    A change is seen per submodule: one buffer of it set anew or with its version counter bumped
+    marks all its buffers (BatchNorm's kernels update the running statistics without bumping
+    their version counters, but ``num_batches_tracked`` is bumped)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.changed: list[tuple[nn.Module, str]] = []
+
+    def _slots(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        return [(m, n, b) for m in self.module.modules() for n, b in m._buffers.items() if b is not None]
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around the forward: notes the buffers it changes (in place, or set anew)."""
+        before = [(m, n, b, b._version) for m, n, b in self._slots()]
+        yield
+        touched = {id(m) for m, n, b, v in before if m._buffers.get(n) is not b or b._version != v}
+        self.changed = [(m, n) for m, n, _, _ in before if id(m) in touched]
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        """Around the recomputation in backward: the changed buffers are restored after it."""
+        kept = []
+        for m, n in self.changed:
+            b = m._buffers.get(n)
+            if b is not None:
+                kept.append((m, n, b, b.clone()))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, n, b, value in kept:
+                    m._buffers[n] = b
+                    b.copy_(value)
+
+    def contexts(self) -> tuple[Any, Any]:
+        """``context_fn`` of ``torch.utils.checkpoint.checkpoint``."""
+        return self.forward(), self.recompute()
+
+
 def _checkpoint_forward(module: nn.Module) -> None:
     """Runs ``module``'s forward under non-reentrant activation checkpointing (inside the unit's
-    hooks, so the recomputation finds the weights the unit's backward fetched)."""
+    hooks, so the recomputation finds the weights the unit's backward fetched). Buffers the
+    forward changes are restored after the recomputation (:class:`_KeptBuffers`): the step
+    updates BatchNorm's running statistics once, as without recomputation."""
     from torch.utils.checkpoint import checkpoint
 
     inner = module.forward
@@ -488,7 +538,8 @@ def _checkpoint_forward(module: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        kept = _KeptBuffers(module)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=kept.contexts, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
