@@ -1,8 +1,9 @@
 """Models that do what torch allows inside a forward train as they do in torch: a forward that
 writes its own weights in place (an EMA codebook, a clamp, ``nn.Embedding(max_norm=...)``) keeps
 the write; a forward that returns its weight, or a view of it, hands out memory of its own; the
-recompute mode updates BatchNorm's running statistics once a step. Each streamed model is
-compared with the same plain model on the same inputs."""
+recompute mode updates BatchNorm's running statistics once a step; a model built on the meta
+device and never loaded is refused at its first forward, naming what was never loaded. Each
+streamed model is compared with the same plain model on the same inputs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import ramtorch
 import ramtorch.nn as rnn
 import torch
 import torch.nn.functional as F
+from conftest import Net
 from torch import nn
 
 # -- writes made inside a forward ------------------------------------------------------------------
@@ -243,3 +245,37 @@ def test_recompute_updates_batchnorm_statistics_once_a_step(momentum: float | No
     ref.eval(), ours.eval()
     with torch.no_grad():
         torch.testing.assert_close(ours(inputs[0]), ref(inputs[0]), rtol=1e-5, atol=1e-6)
+
+
+# -- a model built on the meta device, never loaded ------------------------------------------------
+
+
+def test_a_meta_model_never_loaded_is_refused_at_its_first_forward() -> None:
+    with torch.device("meta"):
+        model = Net()
+    ramtorch.offload(model, device="cpu")
+    with pytest.raises(RuntimeError, match=r"never loaded.*inp\.weight") as info:
+        model(torch.randn(2, 8))
+    assert "ramtorch.load" in str(info.value)
+    # Loaded through load_state_dict (or any write) instead, it runs as the plain model.
+    torch.manual_seed(1)
+    ref = Net()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_a_meta_model_partly_set_names_what_is_still_unset() -> None:
+    with torch.device("meta"):
+        model = Net()
+    ramtorch.offload(model, device="cpu")
+    torch.manual_seed(1)
+    ref = Net()
+    sd = {k: v for k, v in ref.state_dict().items() if k != "blocks.2.up.bias"}
+    model.load_state_dict(sd, strict=False)
+    with pytest.raises(RuntimeError, match=r"\['blocks\.2\.up\.bias'\]"):
+        model(torch.randn(2, 8))
+    # Set through .data (no version counter sees it): its values are not zeros anymore.
+    model.blocks[2].up.bias.data.copy_(ref.blocks[2].up.bias)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model(x), ref(x))

@@ -221,7 +221,7 @@ def offload(
     handles = streamer.hook_handles
     handles.append(
         model.register_forward_pre_hook(
-            lambda m, a, k: _check_kv_cache(k) or streamer.begin_pass(), with_kwargs=True
+            lambda m, a, k: _check_kv_cache(k) or _check_loaded(m) or streamer.begin_pass(), with_kwargs=True
         )
     )
     handles.append(model.register_forward_hook(lambda m, a, o: streamer.end_pass(), always_call=True))
@@ -417,6 +417,38 @@ def _check_kv_cache(kwargs: dict[str, Any]) -> None:
                 "when the GPU runs behind the host, as it does while weights stream: upgrade to "
                 "transformers 5.20 or later, or keep the KV cache on the GPU"
             )
+
+
+def _check_loaded(model: nn.Module) -> None:
+    """Refuses the forward of a model built on the meta device that still holds tensors no load
+    and no write has filled (``offload`` allocated them as zeros, and recorded them with their
+    version counters in ``_ramtorch_unwritten``): it would compute, and train, on zeros. A tensor
+    counts as written once its version counter moved, its module holds another tensor under its
+    name, or it is not all zeros (a write through ``.data``, which no version counter sees).
+    Costs one attribute lookup a pass once every tensor is written."""
+    unwritten = model.__dict__.get("_ramtorch_unwritten")
+    if not unwritten or torch._C._current_graph_task_id() != -1:
+        return
+    now = dict(model.named_parameters(remove_duplicate=False))
+    now.update(model.named_buffers(remove_duplicate=False))
+    left = {}
+    with torch.no_grad():
+        for name, (t, version) in unwritten.items():
+            if t._version == version and now.get(name) is t and not bool(t.count_nonzero()):
+                left[name] = (t, version)
+    model._ramtorch_unwritten = left  # type: ignore[assignment]
+    if left:
+        names = list(left)  # in the model's order
+        shown = ", ".join(repr(n) for n in names[:8])
+        if len(names) > 8:
+            shown += f" and {len(names) - 8} more"
+        raise RuntimeError(
+            f"ramtorch.offload: the model was built on the meta device and {len(names)} of its tensors "
+            f"were never loaded: [{shown}]. They are zeros, which the forward would compute and train "
+            "on. Load the weights first (ramtorch.load(model, path), or model.load_state_dict(...)), "
+            "or initialise them (e.g. module.reset_parameters()); zeros that are meant are set in "
+            "place (with torch.no_grad(): tensor.zero_())"
+        )
 
 
 def _report_compute_device(model: nn.Module) -> None:
