@@ -2,8 +2,9 @@
 writes its own weights in place (an EMA codebook, a clamp, ``nn.Embedding(max_norm=...)``) keeps
 the write; a forward that returns its weight, or a view of it, hands out memory of its own; the
 recompute mode updates BatchNorm's running statistics once a step; a model built on the meta
-device and never loaded is refused at its first forward, naming what was never loaded. Each
-streamed model is compared with the same plain model on the same inputs."""
+device and never loaded is refused at its first forward, naming what was never loaded; and a
+submodule converted after ``offload`` is refused, or named in a clear error. Each streamed model
+is compared with the same plain model on the same inputs."""
 
 from __future__ import annotations
 
@@ -278,4 +279,38 @@ def test_a_meta_model_partly_set_names_what_is_still_unset() -> None:
     # Set through .data (no version counter sees it): its values are not zeros anymore.
     model.blocks[2].up.bias.data.copy_(ref.blocks[2].up.bias)
     x = torch.randn(2, 8)
+    torch.testing.assert_close(model(x), ref(x))
+
+
+# -- a submodule converted after offload -----------------------------------------------------------
+
+
+def test_a_unit_converted_after_offload_is_refused_before_anything_changes() -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    model = ramtorch.offload(copy.deepcopy(ref), device="cpu")
+    x = torch.randn(2, 8)
+    model(x)
+    with pytest.raises(RuntimeError, match=r"unit 'blocks\.1'.*torch\.float64") as info:
+        model.blocks[1].double()
+    assert "before calling ramtorch.offload" in str(info.value)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.blocks[1].to("cpu")  # to the compute device, in its own dtype: nothing to do
+    model.blocks[1].float()
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_a_module_inside_a_unit_converted_after_offload_is_named_at_the_next_forward() -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    model = ramtorch.offload(copy.deepcopy(ref), device="cpu")
+    x = torch.randn(2, 8)
+    model(x)
+    model.blocks[1].up.double()
+    with pytest.raises(
+        RuntimeError,
+        match=r"unit 'blocks\.1'.*blocks\.1\.up\.weight is torch\.float64 \(was torch\.float32\)",
+    ):
+        model(x)
+    model.blocks[1].up.float()  # converted back: packed again, and computing as before
     torch.testing.assert_close(model(x), ref(x))

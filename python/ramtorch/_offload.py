@@ -249,6 +249,10 @@ def offload(
     model._ramtorch_streamer = streamer  # type: ignore[assignment]
     if type(model)._apply is nn.Module._apply:
         model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
+    for u in units:
+        m = u.module
+        if m is not model and type(m)._apply is nn.Module._apply and "_apply" not in m.__dict__:
+            m._apply = _guarded_unit_apply(m, u.name, streamer)  # type: ignore[method-assign]
     # Copies would share (deepcopy: fail on) the engine, the hooks and the units of this model;
     # a class that says how to copy or pickle itself (ramtorch.nn's layers) keeps its way.
     cls = type(model)
@@ -610,6 +614,35 @@ def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:
     return _apply
 
 
+def _guarded_unit_apply(module: nn.Module, name: str, streamer: Streamer) -> Any:
+    """``.to()``/``.double()``/``.cuda()`` of one unit's module after offload (``model.layers[1]
+    .double()``), refused as the model's are (:func:`_guarded_apply`), before anything changed:
+    its weights stream through device slots sized for the dtypes offload planned. Moving it to
+    the compute device in its own dtypes is a no-op."""
+    ref = weakref.ref(module)
+
+    def _apply(fn: Any, recurse: bool = True) -> nn.Module:
+        m = ref()
+        dtypes = sorted({p.dtype for p in m.parameters()}, key=str) if m is not None else []
+        for dtype in dtypes or [torch.float32]:
+            probe = fn(torch.empty(0, dtype=dtype))
+            same = probe.dtype == dtype and probe.device.type == streamer.device.type
+            if same and probe.device.type == "cuda":
+                same = (probe.device.index or torch.cuda.current_device()) == streamer.device.index
+            if not same:
+                raise RuntimeError(
+                    f"ramtorch.offload: unit {name!r} of an offloaded model streams to {streamer.device} "
+                    f"with its weights ({', '.join(str(d) for d in dtypes)}) in host RAM, in device "
+                    f"slots sized for them; it cannot be moved or converted to {probe.device}/"
+                    f"{probe.dtype} afterwards (nothing was changed). Convert the model before calling "
+                    "ramtorch.offload"
+                )
+        return m  # type: ignore[return-value]
+
+    _apply._ramtorch_guard = True  # type: ignore[attr-defined]
+    return _apply
+
+
 def detach_streamer(model: nn.Module) -> None:
     """Removes ``model``'s streaming hooks (its parameters stay where they are)."""
     streamer = getattr(model, "_ramtorch_streamer", None)
@@ -618,6 +651,9 @@ def detach_streamer(model: nn.Module) -> None:
     streamer.eng.synchronize()
     for name in ("_apply", "__deepcopy__", "__reduce_ex__"):
         model.__dict__.pop(name, None)
+    for u in streamer.units:
+        if getattr(u.module.__dict__.get("_apply"), "_ramtorch_guard", False):
+            del u.module.__dict__["_apply"]
     for h in streamer.hook_handles:
         h.remove()
     for u in streamer.units:
