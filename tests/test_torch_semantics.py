@@ -70,16 +70,19 @@ def _train(model: nn.Module, steps: int, inputs: list[torch.Tensor]) -> list[tor
 
 def _assert_same_state(ref: nn.Module, ours: nn.Module) -> None:
     for (name, a), (_, b) in zip(ref.state_dict().items(), ours.state_dict().items()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("how", ["ema", "clamp"])
 @pytest.mark.parametrize("max_inflight", [1, 2])
-def test_a_forward_that_writes_its_weights_in_place_keeps_the_write(how: str, max_inflight: int) -> None:
+def test_a_forward_that_writes_its_weights_in_place_keeps_the_write(
+    device: str, how: str, max_inflight: int
+) -> None:
     torch.manual_seed(0)
     ref = CodebookNet(how)
-    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", max_inflight=max_inflight)
-    inputs = [torch.randn(5, 8) for _ in range(3)]
+    ours = ramtorch.offload(copy.deepcopy(ref), device=device, max_inflight=max_inflight)
+    ref.to(device)
+    inputs = [torch.randn(5, 8, device=device) for _ in range(3)]
     for a, b in zip(_train(ref, 3, inputs), _train(ours, 3, inputs)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     _assert_same_state(ref, ours)
@@ -88,13 +91,14 @@ def test_a_forward_that_writes_its_weights_in_place_keeps_the_write(how: str, ma
         torch.testing.assert_close(ours(inputs[0]), ref(inputs[0]), rtol=1e-5, atol=1e-6)
 
 
-def test_a_write_in_an_inference_forward_is_kept_too() -> None:
+def test_a_write_in_an_inference_forward_is_kept_too(device: str) -> None:
     torch.manual_seed(0)
     ref = CodebookNet("ema")
-    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", max_inflight=1)
+    ours = ramtorch.offload(copy.deepcopy(ref), device=device, max_inflight=1)
+    ref.to(device)
     with torch.no_grad():
         for _ in range(3):
-            x = torch.randn(4, 8)
+            x = torch.randn(4, 8, device=device)
             torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
     _assert_same_state(ref, ours)
 
@@ -113,29 +117,31 @@ class EmbeddingNet(nn.Module):
         return self.out(x)
 
 
-def test_embedding_max_norm_renormalises_the_host_weights_under_offload() -> None:
+def test_embedding_max_norm_renormalises_the_host_weights_under_offload(device: str) -> None:
     torch.manual_seed(0)
     ref = EmbeddingNet()
     with torch.no_grad():
         ref.emb.weight.mul_(3.0)  # rows well above max_norm
-    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu")
-    inputs = [torch.randint(0, 12, (4, 3)) for _ in range(3)]
+    ours = ramtorch.offload(copy.deepcopy(ref), device=device)
+    ref.to(device)
+    inputs = [torch.randint(0, 12, (4, 3), device=device) for _ in range(3)]
     for a, b in zip(_train(ref, 3, inputs), _train(ours, 3, inputs)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     _assert_same_state(ref, ours)
 
 
-def test_ramtorch_nn_embedding_max_norm_renormalises_its_host_weights() -> None:
+def test_ramtorch_nn_embedding_max_norm_renormalises_its_host_weights(device: str) -> None:
     torch.manual_seed(0)
     ref = nn.Embedding(10, 4, max_norm=1.0, norm_type=2.0)
     with torch.no_grad():
         ref.weight.mul_(3.0)
-    ours = rnn.Embedding(10, 4, max_norm=1.0, norm_type=2.0, device="cpu")
+    ours = rnn.Embedding(10, 4, max_norm=1.0, norm_type=2.0, device=device)
     ours.load_state_dict(ref.state_dict())
-    inputs = [torch.randint(0, 10, (5,)) for _ in range(3)]
+    ref.to(device)
+    inputs = [torch.randint(0, 10, (5,), device=device) for _ in range(3)]
     for a, b in zip(_train(ref, 3, inputs), _train(ours, 3, inputs)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ours.weight, ref.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.weight, ref.weight.cpu(), rtol=1e-5, atol=1e-6)
     # The rows looked up were renormalised (in place, as torch does), the others not.
     assert ours.weight.norm(dim=1).max() > 1.5
 
@@ -177,11 +183,14 @@ class Prompted(nn.Module):
 
 @pytest.mark.parametrize("how", ["itself", "view", "tuple"])
 @pytest.mark.parametrize("grad", [True, False])
-def test_a_weight_returned_by_a_forward_is_not_overwritten_by_later_units(how: str, grad: bool) -> None:
+def test_a_weight_returned_by_a_forward_is_not_overwritten_by_later_units(
+    device: str, how: str, grad: bool
+) -> None:
     torch.manual_seed(0)
     ref = Prompted(how)
-    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", max_inflight=1)
-    x = torch.randn(2, 4, 8)
+    ours = ramtorch.offload(copy.deepcopy(ref), device=device, max_inflight=1)
+    ref.to(device)
+    x = torch.randn(2, 4, 8, device=device)
     with torch.set_grad_enabled(grad):
         a, b = ref(x), ours(x)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
@@ -189,14 +198,15 @@ def test_a_weight_returned_by_a_forward_is_not_overwritten_by_later_units(how: s
         a.square().sum().backward()
         b.square().sum().backward()
         for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(q.grad, p.grad.cpu(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_returned_weight_does_not_change_with_the_slot_in_later_steps() -> None:
+def test_a_returned_weight_does_not_change_with_the_slot_in_later_steps(device: str) -> None:
     torch.manual_seed(0)
     ref = Prompted("view")
-    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", max_inflight=1)
-    x = torch.randn(2, 4, 8)
+    ours = ramtorch.offload(copy.deepcopy(ref), device=device, max_inflight=1)
+    ref.to(device)
+    x = torch.randn(2, 4, 8, device=device)
     with torch.no_grad():
         kept = ours.blocks[0](x)  # a unit run on its own
         expected = ref.blocks[0](x)
@@ -231,14 +241,15 @@ class NormNet(nn.Module):
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_recompute_updates_batchnorm_statistics_once_a_step(momentum: float | None) -> None:
+def test_recompute_updates_batchnorm_statistics_once_a_step(device: str, momentum: float | None) -> None:
     torch.manual_seed(0)
     ref = NormNet()
     for m in ref.modules():
         if isinstance(m, nn.BatchNorm1d):
             m.momentum = momentum
-    ours = ramtorch.offload(copy.deepcopy(ref), device="cpu", recompute=True)
-    inputs = [torch.randn(6, 8) for _ in range(3)]
+    ours = ramtorch.offload(copy.deepcopy(ref), device=device, recompute=True)
+    ref.to(device)
+    inputs = [torch.randn(6, 8, device=device) for _ in range(3)]
     for a, b in zip(_train(ref, 3, inputs), _train(ours, 3, inputs)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert int(ours.blocks[0].bn.num_batches_tracked) == 3
