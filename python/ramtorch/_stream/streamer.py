@@ -343,7 +343,7 @@ class Streamer(Prefetcher, GradientHooks):
             # recomputation in backward runs on the unit's backward slot.
         # The slot's version counter, which every view of it shares: a forward that writes its
         # weights in place (an EMA codebook, a clamp, ``nn.Embedding(max_norm=...)``) bumps it.
-        u.fwd.append((slot, own, ctx, addr, before, fetch, rng, buf, buf._version))
+        u.fwd.append((slot, own, ctx, addr, before, fetch, rng, buf, buf._version, own and self._probe(u)))
         if grad and not recompute:
             flat_args, _ = tree_flatten((args, kwargs))
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_args):
@@ -369,9 +369,15 @@ class Streamer(Prefetcher, GradientHooks):
             return opaque(Streamer.post_forward, self, u, module, args, kwargs, output)
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
-        slot, own, ctx, addr, before, fetch, rng, buf, version = u.fwd.pop()
+        slot, own, ctx, addr, before, fetch, rng, buf, version, probe = u.fwd.pop()
         try:
-            if buf._version != version:
+            # (A recomputation inside backward runs on the backward slot, while the optimizers may
+            # be updating the host weights: what it writes again was kept by the forward.)
+            written = own and (u.writes or buf._version != version)
+            if own and not written and probe and self._slot_differs(u, buf):
+                # A write no version counter saw (through ``.data``): kept, now and from now on.
+                u.writes = written = True
+            if written:
                 self._write_back(u, buf)
             output = self._own_memory(output, addr)
         finally:
@@ -387,6 +393,34 @@ class Streamer(Prefetcher, GradientHooks):
                 if fetch is not None:
                     self._hook_weight_consumers(u, fetch, [t.grad_fn for t in flat if t.grad_fn is not None])
         return output
+
+    @staticmethod
+    def _probe(u: _Unit) -> bool:
+        """Whether ``u``'s forward now is its first in its mode (training or evaluation): after
+        it, the slot is compared with the host region, to tell whether the forward wrote its
+        weights in a way no version counter sees (``self.codebook.data.mul_(...)``: ``.data``
+        has a counter of its own). Once per unit and mode."""
+        mode = bool(getattr(u.module, "training", False))
+        if u.writes or mode in u.probed:
+            return False
+        u.probed.add(mode)
+        return True
+
+    @staticmethod
+    def _slot_differs(u: _Unit, buf: torch.Tensor) -> bool:
+        """Whether the slot ``buf`` no longer holds ``u``'s host bytes (its forward wrote them). A
+        slot on a GPU is compared on the GPU, with the host region sent over in chunks of 64 MiB
+        (no copy of the unit held on either side)."""
+        assert u.layout is not None and u.flat is not None
+        n = u.layout.nbytes
+        if buf.device.type == "cpu":
+            return not torch.equal(buf[:n], u.flat[:n])
+        step = 64 << 20
+        for i in range(0, n, step):
+            host = u.flat[i : min(n, i + step)].to(buf.device, non_blocking=True)
+            if not torch.equal(buf[i : i + host.numel()], host):
+                return True
+        return False
 
     def _write_back(self, u: _Unit, buf: torch.Tensor) -> None:
         """``u``'s forward wrote into its device weights in place (an EMA codebook, ``clamp_`` under
