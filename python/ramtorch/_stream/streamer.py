@@ -394,14 +394,14 @@ class Streamer(Prefetcher, GradientHooks):
                     self._hook_weight_consumers(u, fetch, [t.grad_fn for t in flat if t.grad_fn is not None])
         return output
 
-    @staticmethod
-    def _probe(u: _Unit) -> bool:
+    def _probe(self, u: _Unit) -> bool:
         """Whether ``u``'s forward now is its first in its mode (training or evaluation): after
         it, the slot is compared with the host region, to tell whether the forward wrote its
         weights in a way no version counter sees (``self.codebook.data.mul_(...)``: ``.data``
-        has a counter of its own). Once per unit and mode."""
+        has a counter of its own). Once per unit and mode; not inside ``weights_unchanged``,
+        where a slot may hold a copy older than an edit of the host weights."""
         mode = bool(getattr(u.module, "training", False))
-        if u.writes or mode in u.probed:
+        if u.writes or mode in u.probed or getattr(self, "unchanged", 0):
             return False
         u.probed.add(mode)
         return True
