@@ -105,6 +105,22 @@ def test_a_write_in_an_inference_forward_is_kept_too(device: str) -> None:
     _assert_same_state(ref, ours)
 
 
+def test_a_forward_that_writes_nothing_copies_nothing_back(device: str) -> None:
+    torch.manual_seed(0)
+    model = ramtorch.offload(Net(), device=device, max_inflight=1)
+    x = torch.randn(3, 8, device=device)
+    model(x).sum().backward()  # the first forward of each unit, in training mode, is compared
+    before = [p._version for p in model.parameters()]
+    for train in (True, True, False, False):
+        model.train(train)
+        y = model(x)
+        if train:
+            y.sum().backward()
+    # A write kept on the host bumps the parameters' version counters, as torch's writes do.
+    assert [p._version for p in model.parameters()] == before
+    assert not any(u.writes for u in model._ramtorch_streamer.units)
+
+
 class EmbeddingNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
