@@ -84,8 +84,10 @@ def offload(
         recompute: backward mode of the streamed units: ``False`` keeps their activations for
             backward; ``True`` (or a predicate on the unit's name) recomputes the unit's forward in
             backward instead (activation checkpointing, non-reentrant, with the RNG state of the
-            forward restored, so dropout draws the same mask). The recomputation runs on the
-            weights fetched for the unit's backward: it costs compute, not PCIe bytes.
+            forward restored, so dropout draws the same mask, and the buffers the forward changed
+            put back after the recomputation, so BatchNorm's running statistics are updated once
+            a step). The recomputation runs on the weights fetched for the unit's backward: it
+            costs compute, not PCIe bytes.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
         units, and buffers stay on the device and count against the budget. Not counted: in training,
@@ -219,7 +221,7 @@ def offload(
     handles = streamer.hook_handles
     handles.append(
         model.register_forward_pre_hook(
-            lambda m, a, k: _check_kv_cache(k) or streamer.begin_pass(), with_kwargs=True
+            lambda m, a, k: _check_kv_cache(k) or _check_loaded(m) or streamer.begin_pass(), with_kwargs=True
         )
     )
     handles.append(model.register_forward_hook(lambda m, a, o: streamer.end_pass(), always_call=True))
@@ -247,6 +249,10 @@ def offload(
     model._ramtorch_streamer = streamer  # type: ignore[assignment]
     if type(model)._apply is nn.Module._apply:
         model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
+    for u in units:
+        m = u.module
+        if m is not model and type(m)._apply is nn.Module._apply and "_apply" not in m.__dict__:
+            m._apply = _guarded_unit_apply(m, u.name, streamer)  # type: ignore[method-assign]
     # Copies would share (deepcopy: fail on) the engine, the hooks and the units of this model;
     # a class that says how to copy or pickle itself (ramtorch.nn's layers) keeps its way.
     cls = type(model)
@@ -417,6 +423,38 @@ def _check_kv_cache(kwargs: dict[str, Any]) -> None:
             )
 
 
+def _check_loaded(model: nn.Module) -> None:
+    """Refuses the forward of a model built on the meta device that still holds tensors no load
+    and no write has filled (``offload`` allocated them as zeros, and recorded them with their
+    version counters in ``_ramtorch_unwritten``): it would compute, and train, on zeros. A tensor
+    counts as written once its version counter moved, its module holds another tensor under its
+    name, or it is not all zeros (a write through ``.data``, which no version counter sees).
+    Costs one attribute lookup a pass once every tensor is written."""
+    unwritten = model.__dict__.get("_ramtorch_unwritten")
+    if not unwritten or torch._C._current_graph_task_id() != -1:
+        return
+    now = dict(model.named_parameters(remove_duplicate=False))
+    now.update(model.named_buffers(remove_duplicate=False))
+    left = {}
+    with torch.no_grad():
+        for name, (t, version) in unwritten.items():
+            if t._version == version and now.get(name) is t and not bool(t.count_nonzero()):
+                left[name] = (t, version)
+    model._ramtorch_unwritten = left  # type: ignore[assignment]
+    if left:
+        names = list(left)  # in the model's order
+        shown = ", ".join(repr(n) for n in names[:8])
+        if len(names) > 8:
+            shown += f" and {len(names) - 8} more"
+        raise RuntimeError(
+            f"ramtorch.offload: the model was built on the meta device and {len(names)} of its tensors "
+            f"were never loaded: [{shown}]. They are zeros, which the forward would compute and train "
+            "on. Load the weights first (ramtorch.load(model, path), or model.load_state_dict(...)), "
+            "or initialise them (e.g. module.reset_parameters()); zeros that are meant are set in "
+            "place (with torch.no_grad(): tensor.zero_())"
+        )
+
+
 def _report_compute_device(model: nn.Module) -> None:
     """Models with a ``device`` property that reads their first parameter (transformers'
     ``PreTrainedModel``) would report "cpu" once the weights live in host RAM, and
@@ -478,9 +516,57 @@ def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: in
     )
 
 
+class _KeptBuffers:
+    """The buffers of one checkpointed forward of a module that the forward changed (BatchNorm's
+    running statistics and ``num_batches_tracked`` in training mode): its recomputation in
+    backward changes them again, and they are put back as they were before it, as the RNG state
+    is. A forward that changes no buffer (most) costs one version check per buffer.
+
+    A change is seen per submodule: one buffer of it set anew or with its version counter bumped
+    marks all its buffers (BatchNorm's kernels update the running statistics without bumping
+    their version counters, but ``num_batches_tracked`` is bumped)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.changed: list[tuple[nn.Module, str]] = []
+
+    def _slots(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        return [(m, n, b) for m in self.module.modules() for n, b in m._buffers.items() if b is not None]
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around the forward: notes the buffers it changes (in place, or set anew)."""
+        before = [(m, n, b, b._version) for m, n, b in self._slots()]
+        yield
+        touched = {id(m) for m, n, b, v in before if m._buffers.get(n) is not b or b._version != v}
+        self.changed = [(m, n) for m, n, _, _ in before if id(m) in touched]
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        """Around the recomputation in backward: the changed buffers are restored after it."""
+        kept = []
+        for m, n in self.changed:
+            b = m._buffers.get(n)
+            if b is not None:
+                kept.append((m, n, b, b.clone()))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, n, b, value in kept:
+                    m._buffers[n] = b
+                    b.copy_(value)
+
+    def contexts(self) -> tuple[Any, Any]:
+        """``context_fn`` of ``torch.utils.checkpoint.checkpoint``."""
+        return self.forward(), self.recompute()
+
+
 def _checkpoint_forward(module: nn.Module) -> None:
     """Runs ``module``'s forward under non-reentrant activation checkpointing (inside the unit's
-    hooks, so the recomputation finds the weights the unit's backward fetched)."""
+    hooks, so the recomputation finds the weights the unit's backward fetched). Buffers the
+    forward changes are restored after the recomputation (:class:`_KeptBuffers`): the step
+    updates BatchNorm's running statistics once, as without recomputation."""
     from torch.utils.checkpoint import checkpoint
 
     inner = module.forward
@@ -488,7 +574,8 @@ def _checkpoint_forward(module: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        kept = _KeptBuffers(module)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=kept.contexts, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
@@ -527,6 +614,35 @@ def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:
     return _apply
 
 
+def _guarded_unit_apply(module: nn.Module, name: str, streamer: Streamer) -> Any:
+    """``.to()``/``.double()``/``.cuda()`` of one unit's module after offload (``model.layers[1]
+    .double()``), refused as the model's are (:func:`_guarded_apply`), before anything changed:
+    its weights stream through device slots sized for the dtypes offload planned. Moving it to
+    the compute device in its own dtypes is a no-op."""
+    ref = weakref.ref(module)
+
+    def _apply(fn: Any, recurse: bool = True) -> nn.Module:
+        m = ref()
+        dtypes = sorted({p.dtype for p in m.parameters()}, key=str) if m is not None else []
+        for dtype in dtypes or [torch.float32]:
+            probe = fn(torch.empty(0, dtype=dtype))
+            same = probe.dtype == dtype and probe.device.type == streamer.device.type
+            if same and probe.device.type == "cuda":
+                same = (probe.device.index or torch.cuda.current_device()) == streamer.device.index
+            if not same:
+                raise RuntimeError(
+                    f"ramtorch.offload: unit {name!r} of an offloaded model streams to {streamer.device} "
+                    f"with its weights ({', '.join(str(d) for d in dtypes)}) in host RAM, in device "
+                    f"slots sized for them; it cannot be moved or converted to {probe.device}/"
+                    f"{probe.dtype} afterwards (nothing was changed). Convert the model before calling "
+                    "ramtorch.offload"
+                )
+        return m  # type: ignore[return-value]
+
+    _apply._ramtorch_guard = True  # type: ignore[attr-defined]
+    return _apply
+
+
 def detach_streamer(model: nn.Module) -> None:
     """Removes ``model``'s streaming hooks (its parameters stay where they are)."""
     streamer = getattr(model, "_ramtorch_streamer", None)
@@ -535,6 +651,9 @@ def detach_streamer(model: nn.Module) -> None:
     streamer.eng.synchronize()
     for name in ("_apply", "__deepcopy__", "__reduce_ex__"):
         model.__dict__.pop(name, None)
+    for u in streamer.units:
+        if getattr(u.module.__dict__.get("_apply"), "_ramtorch_guard", False):
+            del u.module.__dict__["_apply"]
     for h in streamer.hook_handles:
         h.remove()
     for u in streamer.units:

@@ -14,10 +14,14 @@ How a unit runs:
   for backward that point into the slot are packed as references, not kept: backward fetches the
   unit again. Inputs pass through :class:`_PostBackward`, whose backward marks the unit's backward
   as done.
-- **forward post-hook** (always called, even if the forward raised): parameters restored, slot
+- **forward post-hook** (always called, even if the forward raised): weights the forward wrote in
+  place (the slot's version counter moved: an EMA codebook, ``nn.Embedding(max_norm=...)``; or,
+  through ``.data``, the slot's bytes changed in the unit's first forward of a mode, which is
+  compared) are copied back to the host region; outputs that live in the slot (a weight returned
+  as is, or a view of it) are replaced by copies, through autograd; parameters restored, slot
   released after the queued kernels, and a hook on the outputs' gradients prefetches the unit for
-  backward. The unit's autograd graph is walked from its outputs to find, for each weight, the
-  one node that consumes it (``TBackward`` of a linear layer, say); a hook on that node sends the
+  backward. The unit's autograd graph is walked from its outputs to find, for each weight, the one
+  node that consumes it (``TBackward`` of a linear layer, say); a hook on that node sends the
   weight's gradient to the host as soon as it is computed, while the rest of the unit's backward
   runs on, and hands it to the optimizers once every forward of the step has delivered it.
   Weights used by several nodes wait for :class:`_Fetch`'s backward, at the end of the unit's.

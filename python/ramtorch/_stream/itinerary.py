@@ -15,7 +15,8 @@ from __future__ import annotations
 import threading
 
 from .. import _core, _engine
-from .units import _Unit
+from .._units import format_bytes
+from .units import _packed_bytes, _Unit
 
 
 class Prefetcher:
@@ -29,6 +30,7 @@ class Prefetcher:
     eng: _engine.DeviceEngine
     max_inflight: int
     slots: int
+    slot_bytes: int
     ahead: dict[int, tuple[int, int]]
     held: int
     lock: threading.RLock
@@ -113,6 +115,9 @@ class Prefetcher:
         # A pipelined optimizer step may still be writing these weights.
         _engine.wait_updates(u.params)
         if not u.is_home():
+            # Its parameters were set anew in place (``param.data = ...``, a submodule's
+            # ``.double()``): packed again, if they still fit the slots.
+            self._check_fits(u)
             self._drop_ahead()
             u.pack()
         key = u.key()
@@ -129,6 +134,27 @@ class Prefetcher:
         self.held += 1
         self.eng.claim(slot, u.tag)
         return slot
+
+    def _check_fits(self, u: _Unit) -> None:
+        """Refuses, naming the unit and what changed, parameters of ``u`` that no longer fit the
+        slots this streamer planned (converted to a wider dtype after ``offload``)."""
+        nbytes = _packed_bytes(u.params)
+        if not self.slot_bytes or nbytes <= self.slot_bytes:
+            return
+        lay = u.layout
+        planned = [] if lay is None or u.tree is not None else [e[2] if e else None for e in lay.entries]
+        changed = [
+            f"{u._qualified_name(e)} is {u.params[e.index].dtype} (was {planned[e.index]})"
+            for e in u.entries
+            if e.index < len(planned) and u.params[e.index].dtype != planned[e.index]
+        ]
+        what = "; ".join(dict.fromkeys(changed)) or "its parameters were set anew with larger ones"
+        raise RuntimeError(
+            f"ramtorch.offload: unit {u.name!r} was changed after offload ({what}): it now takes "
+            f"{format_bytes(nbytes)}, more than the {format_bytes(self.slot_bytes)} device slots that "
+            "offload reserved for it. Convert the model before ramtorch.offload, or convert the unit "
+            "back"
+        )
 
     def _give(self, slot: int) -> None:
         self.held -= 1

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _engine, _profile
 from .._units import format_bytes
@@ -19,7 +19,7 @@ from . import added
 from .compiling import is_compiling, opaque, run_eagerly
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
-from .units import BackwardPhase, UnitState, _Unit
+from .units import BackwardPhase, UnitState, _Unit, stream_tensors
 
 #: Trace mark codes (see :mod:`ramtorch._trace`).
 MARK_FWD_BEGIN, MARK_FWD_END, MARK_BWD_BEGIN, MARK_BWD_END = 1, 2, 3, 4
@@ -341,7 +341,9 @@ class Streamer(Prefetcher, GradientHooks):
                 ctx.__enter__()
             # Under another saved-tensor hook (a checkpointed region) that hook decides; the
             # recomputation in backward runs on the unit's backward slot.
-        u.fwd.append((slot, own, ctx, addr, before, fetch, rng))
+        # The slot's version counter, which every view of it shares: a forward that writes its
+        # weights in place (an EMA codebook, a clamp, ``nn.Embedding(max_norm=...)``) bumps it.
+        u.fwd.append((slot, own, ctx, addr, before, fetch, rng, buf, buf._version, own and self._probe(u)))
         if grad and not recompute:
             flat_args, _ = tree_flatten((args, kwargs))
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_args):
@@ -367,8 +369,19 @@ class Streamer(Prefetcher, GradientHooks):
             return opaque(Streamer.post_forward, self, u, module, args, kwargs, output)
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
-        slot, own, ctx, addr, before, fetch, rng = u.fwd.pop()
-        self._end_forward(u, slot, own, ctx, addr, before)
+        slot, own, ctx, addr, before, fetch, rng, buf, version, probe = u.fwd.pop()
+        try:
+            # (A recomputation inside backward runs on the backward slot, while the optimizers may
+            # be updating the host weights: what it writes again was kept by the forward.)
+            written = own and (u.writes or buf._version != version)
+            if own and not written and probe and self._slot_differs(u, buf):
+                # A write no version counter saw (through ``.data``): kept, now and from now on.
+                u.writes = written = True
+            if written:
+                self._write_back(u, buf)
+            output = self._own_memory(output, addr)
+        finally:
+            self._end_forward(u, slot, own, ctx, addr, before)
         self.eng.mark(u.tag, MARK_FWD_END)
         if rng is not None:
             _profile.end(rng)
@@ -380,6 +393,75 @@ class Streamer(Prefetcher, GradientHooks):
                 if fetch is not None:
                     self._hook_weight_consumers(u, fetch, [t.grad_fn for t in flat if t.grad_fn is not None])
         return output
+
+    def _probe(self, u: _Unit) -> bool:
+        """Whether ``u``'s forward now is its first in its mode (training or evaluation): after
+        it, the slot is compared with the host region, to tell whether the forward wrote its
+        weights in a way no version counter sees (``self.codebook.data.mul_(...)``: ``.data``
+        has a counter of its own). Once per unit and mode; not inside ``weights_unchanged``,
+        where a slot may hold a copy older than an edit of the host weights."""
+        mode = bool(getattr(u.module, "training", False))
+        if u.writes or mode in u.probed or getattr(self, "unchanged", 0):
+            return False
+        u.probed.add(mode)
+        return True
+
+    @staticmethod
+    def _slot_differs(u: _Unit, buf: torch.Tensor) -> bool:
+        """Whether the slot ``buf`` no longer holds ``u``'s host bytes (its forward wrote them). A
+        slot on a GPU is compared on the GPU, with the host region sent over in chunks of 64 MiB
+        (no copy of the unit held on either side)."""
+        assert u.layout is not None and u.flat is not None
+        n = u.layout.nbytes
+        if buf.device.type == "cpu":
+            return not torch.equal(buf[:n], u.flat[:n])
+        step = 64 << 20
+        for i in range(0, n, step):
+            host = u.flat[i : min(n, i + step)].to(buf.device, non_blocking=True)
+            if not torch.equal(buf[i : i + host.numel()], host):
+                return True
+        return False
+
+    def _write_back(self, u: _Unit, buf: torch.Tensor) -> None:
+        """``u``'s forward wrote into its device weights in place (an EMA codebook, ``clamp_`` under
+        ``no_grad``, ``nn.Embedding(max_norm=...)``): as in torch, the write persists. The slot's
+        bytes are copied to the unit's host region before the slot is given back (the other
+        weights there are the host's own bytes), and the parameters' version counters are bumped:
+        no copy made before the write is taken for the new weights."""
+        assert u.layout is not None and u.flat is not None
+        if not u.is_home():
+            raise RuntimeError(
+                f"ramtorch: the forward of unit {u.name!r} wrote its weights in place while their host "
+                "copy was replaced (a parameter set or converted during the forward), so the write "
+                "cannot be kept: write the weights outside the forward, or not through the "
+                "module's parameters during it"
+            )
+        n = u.layout.nbytes
+        with torch.no_grad():
+            u.flat[:n].copy_(buf[:n])
+        for t in stream_tensors(u.params)[0]:
+            torch.autograd.graph.increment_version(t)
+
+    def _own_memory(self, output: Any, addr: int) -> Any:
+        """``output`` with every tensor that lives in the slot at ``addr`` (a weight returned as
+        is, or a view of it: a position table, a soft prompt) replaced by a copy of its own,
+        through autograd: the slot is given back after this forward, and later units overwrite it."""
+        if isinstance(output, torch.Tensor):
+            return output.clone() if self._in_slot(output, addr) else output
+        leaves, spec = tree_flatten(output)
+        if not any(isinstance(t, torch.Tensor) and self._in_slot(t, addr) for t in leaves):
+            return output
+        leaves = [t.clone() if isinstance(t, torch.Tensor) and self._in_slot(t, addr) else t for t in leaves]
+        return tree_unflatten(leaves, spec)
+
+    def _in_slot(self, t: torch.Tensor, addr: int) -> bool:
+        """Whether ``t`` lives in the slot whose storage begins at ``addr``."""
+        if t.device != self.device:
+            return False
+        try:
+            return t.untyped_storage().data_ptr() == addr
+        except (RuntimeError, NotImplementedError):
+            return False  # a tensor subclass without storage of its own (its inner tensors are copies)
 
     def _end_forward(self, u: _Unit, slot: int, own: bool, ctx: Any, addr: int, before: list[Any]) -> None:
         """Undoes a :meth:`pre_forward` of ``u`` (an entry popped from ``u.fwd``): saved-tensor

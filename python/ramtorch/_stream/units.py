@@ -357,8 +357,17 @@ class _Unit:
         self.flat: torch.Tensor | None = None
         self.layout: _engine.Layout | None = None
         self.home: list[int] = []
-        # Running forwards (a unit may be called inside itself): (slot, saved-tensor hooks, slot address).
-        self.fwd: list[tuple[int, Any, int]] = []
+        # Running forwards (a unit may be called inside itself): (slot, whether it took the slot,
+        # saved-tensor hooks, slot address, the parameters it replaced, its _Fetch node, its
+        # profiler range, the slot tensor and its version counter when the forward began, and
+        # whether the forward is probed for writes no version counter sees).
+        self.fwd: list[tuple[Any, ...]] = []
+        # Whether its forward writes its weights in a way no version counter sees (through
+        # ``.data``): then every forward's slot is copied back to the host. Found by comparing the
+        # slot with the host region after its first forward in each mode (``probed``: training,
+        # evaluation).
+        self.writes = False
+        self.probed: set[bool] = set()
         self.bwd: int | None = None  # the slot of its running backward (phase HELD)
         self.bwd_range: Any = None  # its backward's profiler range (ramtorch._profile), if one is open
         self.phase = BackwardPhase.IDLE
