@@ -9,6 +9,7 @@ module only passes torch's current stream to it.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -355,6 +356,7 @@ class DeviceEngine:
 
     def release(self, index: int) -> None:
         """Gives slot ``index`` back after the work queued so far on the current stream."""
+        check_fork()  # (a streamer freed in a forked child gives its slots back here)
         with self._lock:
             settled = not self._unsettled
             self._unsettled = True  # until the engine has it back
@@ -535,6 +537,7 @@ class DeviceEngine:
         """Waits for all copies of this device; pending gradients are written to ``.grad`` (within
         backward; outside it they belong to an interrupted backward and are dropped).
         Prefetched copies are dropped and no slot is trusted to hold current weights anymore."""
+        check_fork()
         for holder in list(self._holders):
             holder.drop_prefetched()
         self._core.invalidate()
@@ -587,3 +590,38 @@ def on_engine_created(callback: Callable[[DeviceEngine], None]) -> None:
 def engines() -> list[DeviceEngine]:
     """Engines created so far."""
     return list(_ENGINES.values())
+
+
+# -- processes forked after an engine exists ---------------------------------------------------------
+
+#: Whether this process was forked after its parent created an engine (see :func:`check_fork`).
+_forked_child = False
+
+#: What a forked child gets (the compiled layer raises the same at every call).
+FORKED_MESSAGE = (
+    "ramtorch cannot be used in a process forked after ramtorch started in its parent: fork() "
+    "copies only the calling thread, so the engine's threads and locks are not in the child; "
+    "start worker processes with the 'spawn' or 'forkserver' start method "
+    "(multiprocessing.get_context('spawn'), or DataLoader(multiprocessing_context='spawn') when "
+    "workers use ramtorch)"
+)
+
+
+def _after_fork_in_child() -> None:
+    global _forked_child
+    if _ENGINES:
+        _forked_child = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check_fork() -> None:
+    """Raises in a process forked after its parent created an engine. Called where a forward or
+    a synchronisation enters the streaming layer, before it takes a lock: the child has none of
+    the parent's other threads, so a lock one of them held would never be released, and the
+    engine's copies, run by threads of the parent, would never complete. (Every call into the
+    compiled layer refuses in such a child too.) A child that does not use ramtorch, such as a
+    ``DataLoader`` worker, is unaffected."""
+    if _forked_child:
+        raise RuntimeError(FORKED_MESSAGE)

@@ -5,6 +5,7 @@ mod dlpack;
 mod io;
 mod memory;
 mod optim;
+use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
@@ -17,7 +18,7 @@ use ramtorch_core::arena::Arena;
 use ramtorch_core::device::{ComputeStream, CudaDevice, Device, HostDevice, Lane};
 use ramtorch_core::engine::{Engine as CoreEngine, EngineStats, Marker};
 use ramtorch_core::shared::SharedRegion;
-use ramtorch_core::{cuda, Error};
+use ramtorch_core::{cuda, fork, Error};
 
 use dlpack::{export, Memory};
 
@@ -44,8 +45,13 @@ fn to_py(op: &str, e: Error) -> PyErr {
     }
 }
 
-/// Runs `f`, turning an engine error or a Rust panic into a Python exception naming `op`.
+/// Runs `f`, turning an engine error or a Rust panic into a Python exception naming `op`. In a
+/// process forked after ramtorch started in its parent, `f` does not run: a clear error instead
+/// of a wait for threads that are not there (see [`fork`]).
 pub(crate) fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResult<T> {
+    if let Err(e) = fork::enter() {
+        return Err(to_py(op, e));
+    }
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(to_py(op, e)),
@@ -159,7 +165,7 @@ enum AnyEngine {
 
 macro_rules! with_engine {
     ($self:expr, $e:ident => $body:expr) => {
-        match &$self.inner {
+        match &*$self.inner {
             AnyEngine::Cuda($e) => $body,
             AnyEngine::Host($e) => $body,
         }
@@ -169,10 +175,23 @@ macro_rules! with_engine {
 /// The streamer of one device: slots, transfer and gradient streams, throttle.
 #[pyclass(module = "ramtorch._core", frozen)]
 struct Engine {
-    inner: AnyEngine,
+    /// Dropped unless this process is a forked child (see `Drop`).
+    inner: ManuallyDrop<AnyEngine>,
     name: String,
     /// The slot tensors given to `set_slots`, kept alive while they are the slots.
     slot_tensors: Mutex<Vec<Py<PyAny>>>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if fork::in_forked_child() {
+            // The parent's engine: its lane threads are not in this process (joining them would
+            // wait forever) and its memory may be guarded by a lock one of them held. Left as is.
+            return;
+        }
+        // SAFETY: `inner` is dropped once, here, and never used again.
+        unsafe { ManuallyDrop::drop(&mut self.inner) };
+    }
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: EngineStats) -> PyResult<Bound<'py, PyDict>> {
@@ -231,7 +250,7 @@ impl Engine {
             AnyEngine::Host(e) => e.device().name(),
         };
         Ok(Self {
-            inner,
+            inner: ManuallyDrop::new(inner),
             name,
             slot_tensors: Mutex::new(Vec::new()),
         })

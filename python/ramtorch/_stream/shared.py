@@ -190,6 +190,7 @@ class LayerStreamer(Streamer):
         """Forward pre-hook of a hooked unit (see :meth:`attach`)."""
         if is_compiling():
             return opaque(LayerStreamer.layer_pre_forward, self, u, module, args, kwargs)
+        _engine.check_fork()
         if torch._C._current_graph_task_id() == -1:
             trains = torch.is_grad_enabled() and any(p.requires_grad for p in u.params)
             if trains and inside_ddp_forward():
@@ -292,6 +293,7 @@ class LayerStreamer(Streamer):
     def borrow(self, u: _Unit) -> Iterator[list[torch.Tensor | None]]:
         """Device views of ``u``'s parameters inside the block, on the current stream: in backward
         (a gradient, or a recomputation) along the backward itinerary, else along the forward one."""
+        _engine.check_fork()
         backward = torch._C._current_graph_task_id() != -1
         with self.lock:
             if backward:

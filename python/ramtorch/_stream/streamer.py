@@ -130,6 +130,7 @@ class Streamer(Prefetcher, GradientHooks):
         """Root forward pre-hook: a new forward pass begins."""
         if is_compiling():
             return opaque(Streamer.begin_pass, self)
+        _engine.check_fork()
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward
         if inside_ddp_forward() and torch.is_grad_enabled():
@@ -266,6 +267,7 @@ class Streamer(Prefetcher, GradientHooks):
             # Under torch.compile the hooks run as in eager mode (see .compiling); so do the
             # other entry points of this layer.
             return opaque(Streamer.pre_forward, self, u, module, args, kwargs)
+        _engine.check_fork()
         # Inside backward this is a recomputation (activation checkpointing): the unit's backward
         # slot serves it, and stays held until the unit's backward is done.
         recompute = torch._C._current_graph_task_id() != -1
