@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -198,6 +198,56 @@ class Layout:
         ]
 
 
+class ForwardLock:
+    """Serialises the forwards that stream weights on one device, across threads.
+
+    Several threads may run inference on one model (or on several models of one device) at
+    once: each forward pass then runs whole, one after the other, and gives exactly the outputs
+    it gives alone. A thread holds the lock while it holds any token: an offloaded model's pass
+    (from its root forward pre-hook to its forward hook), a unit run on its own, a free-standing
+    layer's forward. Tokens of the owning thread nest (a model called inside another's forward).
+    Backward passes do not take it (the engine's gradient path serves one training step at a
+    time, see :meth:`DeviceEngine._check_thread`).
+
+    A pass cut short by a ``BaseException`` (Ctrl-C), which skips torch's forward hooks, keeps
+    its token until the same thread runs that model again; a thread that died holding the lock
+    hands it over."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._owner: threading.Thread | None = None
+        self._tokens: set[Hashable] = set()
+
+    def acquire(self, token: Hashable) -> None:
+        """Adds ``token`` for the calling thread, waiting while another live thread holds the
+        lock."""
+        me = threading.current_thread()
+        with self._cv:
+            while self._owner is not None and self._owner is not me:
+                if not self._owner.is_alive():
+                    self._tokens.clear()  # its passes will never end
+                    break
+                # Woken by the release; the timeout only re-checks that the owner is alive.
+                self._cv.wait(1.0)
+            self._owner = me
+            self._tokens.add(token)
+
+    def release(self, token: Hashable) -> None:
+        """Drops ``token`` of the calling thread (nothing if it does not hold it); the lock is free
+        once the thread holds no token."""
+        with self._cv:
+            if self._owner is not threading.current_thread():
+                return
+            self._tokens.discard(token)
+            if not self._tokens:
+                self._owner = None
+                self._cv.notify_all()
+
+    def mine(self) -> bool:
+        """Whether the calling thread holds the lock."""
+        return self._owner is threading.current_thread()
+
+
 class DeviceEngine:
     """Slots, weight acquisition and gradient write-back for one compute device."""
 
@@ -237,6 +287,8 @@ class DeviceEngine:
         # never held while waiting for another.
         self._user: threading.Thread | None = None
         self._user_lock = threading.Lock()
+        # Forwards of this device run one at a time, whichever thread calls them.
+        self.forwards = ForwardLock()
 
     # -- slots --------------------------------------------------------------------------------
 
