@@ -143,7 +143,7 @@ def test_optimizer_state_loaded_for_other_shapes_is_refused_not_a_heap_write():
 
 def test_engine_refuses_host_ranges_outside_ramtorch_memory():
     eng = _core.Engine("cpu")
-    slots = [torch.zeros(256, dtype=torch.uint8) for _ in range(3)]
+    slots = [_arena.host_bytes(256, zeroed=True) for _ in range(3)]
     eng.set_slots(slots, 256)
     plain = torch.zeros(256, dtype=torch.uint8)
     unit = _arena.host_bytes(256)
@@ -158,7 +158,7 @@ def test_engine_refuses_host_ranges_outside_ramtorch_memory():
         eng.acquire(unit[:128], 256, 2, 0)
     with pytest.raises(ValueError, match=r"src: the tensor holds 16 bytes, 256 asked for"):
         eng.copy_to_host(unit, torch.zeros(16, dtype=torch.uint8), 256, 2, 0)
-    with pytest.raises(ValueError, match=r"src: null address"):
+    with pytest.raises(ValueError, match=r"src must be a tensor, not an int address"):
         eng.copy_to_host(unit, 0, 256, 2, 0)
     assert eng.in_flight() == (0, 0), "refused calls queue nothing"
     # An empty unit names no memory: nothing to check, nothing copied.
@@ -180,18 +180,21 @@ def test_engine_refuses_host_ranges_outside_ramtorch_memory():
 def test_slots_are_checked():
     eng = _core.Engine("cpu")
     with pytest.raises(ValueError, match="slot 1: the tensor holds 64 bytes, 128 asked for"):
-        eng.set_slots([torch.zeros(128, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)], 128)
-    with pytest.raises(ValueError, match="slot 0: null address"):
+        eng.set_slots([_arena.host_bytes(128), _arena.host_bytes(64)], 128)
+    with pytest.raises(ValueError, match=f"slot 0: .*{OUTSIDE}"):
         eng.set_slots([0], 128)
-    t = torch.zeros(512, dtype=torch.uint8)
+    t = _arena.host_bytes(512)
     with pytest.raises(ValueError, match="overlap"):
-        eng.set_slots([t.data_ptr(), t.data_ptr() + 64], 128)
-    with pytest.raises(ValueError, match="overflows"):
+        eng.set_slots([t[:128], t[64:192]], 128)
+    with pytest.raises(ValueError, match="overlap"):
+        eng.set_slots([t.data_ptr(), t.data_ptr() + 64], 128)  # addresses inside the arena
+    with pytest.raises(ValueError, match=OUTSIDE):
         eng.set_slots([2**64 - 8], 128)
     assert eng.slots() == (0, 0), "refused slots are not taken"
-    # Slot tensors are kept alive by the engine while they are its slots.
-    eng.set_slots([torch.zeros(128, dtype=torch.uint8) for _ in range(2)], 128)
+    # Slot memory is kept alive by the engine while it is its slots.
+    eng.set_slots([_arena.host_bytes(128) for _ in range(2)], 128)
     gc.collect()
+    ramtorch.empty_cache()
     unit = _arena.host_bytes(128)
     unit.fill_(7)
     index, ptr = eng.acquire(unit, 128, 2, 0)
@@ -199,11 +202,122 @@ def test_slots_are_checked():
     eng.synchronize()
 
 
+def test_the_host_engine_writes_and_reads_only_memory_it_may():
+    """The host device's slots and gradient sources are host memory: slots must be memory ramtorch
+    allocated (the engine writes them, and holds them), gradient sources tensors (never an int,
+    which could name any byte of the process)."""
+    eng = _core.Engine("cpu")
+    victim = torch.zeros(256, dtype=torch.uint8)
+    for slot in (victim, victim.data_ptr()):
+        with pytest.raises(ValueError, match=f"set_slots: slot 0: .*{OUTSIDE}"):
+            eng.set_slots([slot, _arena.host_bytes(256)], 256)
+    assert eng.slots() == (0, 0)
+    eng.set_slots([_arena.host_bytes(256) for _ in range(3)], 256)
+    unit = _arena.host_bytes(256)
+    unit.fill_(9)
+    index, _ = eng.acquire(unit, 256, 2, 0)
+    eng.release(index, 0)
+    eng.synchronize()
+    assert not bool(victim.any()), "a refused slot was written"
+    secret = torch.full((256,), 5, dtype=torch.uint8)
+    dst = _arena.host_bytes(256, zeroed=True)
+    with pytest.raises(ValueError, match="copy_to_host: src must be a tensor, not an int address"):
+        eng.copy_to_host(dst, secret.data_ptr(), 256, 2, 0)
+    eng.synchronize()
+    assert not bool(dst.any()), "a refused copy read memory"
+    with pytest.raises(ValueError, match="src must be a CPU tensor, got one on meta"):
+        eng.copy_to_host(dst, torch.empty(256, dtype=torch.uint8, device="meta"), 256, 2, 0)
+    eng.copy_to_host(dst, secret, 256, 2, 0)  # a tensor: its own bytes
+    eng.synchronize()
+    assert torch.equal(dst, secret)
+
+
+class _Liar(torch.Tensor):
+    """A tensor subclass whose methods report another buffer's memory."""
+
+    target: torch.Tensor
+
+    def data_ptr(self) -> int:
+        return type(self).target.data_ptr()
+
+    def numel(self) -> int:
+        return type(self).target.numel()
+
+
+class _TorchFunctionLiar(torch.Tensor):
+    """Lies through ``__torch_function__``, which torch consults even for ``TensorBase``'s methods."""
+
+    target: torch.Tensor
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        name = getattr(func, "__name__", "")
+        if name in ("data_ptr", "numel"):
+            return getattr(cls.target, name)()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("liar", [_Liar, _TorchFunctionLiar], ids=["override", "torch_function"])
+def test_a_tensor_subclass_cannot_point_the_kernels_at_other_memory(liar, tmp_path):
+    """A subclass can make ``data_ptr()``/``numel()`` say anything: only ``torch.Tensor`` and
+    ``nn.Parameter`` are taken, so a lie writes nothing (before, the kernels wrote the victim)."""
+    victim = torch.ones(16)
+    liar.target = victim
+    t = torch.zeros(1).as_subclass(liar)
+    assert t.data_ptr() == victim.data_ptr() and t.numel() == 16  # the lie
+    sub = "must be a torch.Tensor or torch.nn.Parameter, not the subclass"
+    with pytest.raises(ValueError, match=f"tensor {sub} {liar.__name__}"):
+        _core.scale_(t, "float32", 16, 2.0)
+    p, g, m, v = _arena_buffers(16)
+    with pytest.raises(ValueError, match=f"param {sub}"):
+        _adamw(t, g, m, v, 16)
+    f, w = _st_file(tmp_path)
+    with pytest.raises(ValueError, match=sub):
+        f.copy_into("w", t, w.numel() * 4, "F32")
+    eng = _core.Engine("cpu")
+    with pytest.raises(ValueError, match=f"slot 0 {sub}"):
+        eng.set_slots([t], 4)
+    eng.set_slots([_arena.host_bytes(64) for _ in range(2)], 64)
+    with pytest.raises(ValueError, match=f"src {sub}"):
+        eng.copy_to_host(_arena.host_bytes(64), t, 64, 2, 0)
+    with pytest.raises(ValueError, match=f"src {sub}"):
+        eng.acquire(t, 64, 2, 0)
+    eng.synchronize()
+    assert torch.equal(victim, torch.ones(16)), "a refused call wrote the victim"
+    # A parameter is taken (type nn.Parameter exactly), and so is the honest subclass's plain view.
+    q = nn.Parameter(torch.ones(16))
+    _core.scale_(q, "float32", 16, 2.0)
+    assert torch.equal(q.detach(), torch.full((16,), 2.0))
+    plain = torch.ones(16).as_subclass(liar).as_subclass(torch.Tensor)
+    _core.scale_(plain, "float32", 16, 2.0)
+    assert torch.equal(plain, torch.full((16,), 2.0))
+
+
+def test_attributes_set_on_a_tensor_do_not_change_what_the_kernels_see():
+    """``t.data_ptr = ...`` on a plain tensor shadows the method for Python code; the compiled
+    layer reads the tensor's memory through torch's C type, so the lie changes nothing."""
+    victim = torch.ones(16)
+    t = torch.ones(4)
+    t.data_ptr = victim.data_ptr  # type: ignore[method-assign]
+    t.numel = victim.numel  # type: ignore[method-assign]
+    t.is_contiguous = lambda: True  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="tensor has 4 elements, expected 16"):
+        _core.scale_(t, "float32", 16, 2.0)
+    _core.scale_(t, "float32", 4, 3.0)
+    assert torch.equal(victim, torch.ones(16)), "the victim was written"
+    assert torch.equal(t, torch.full((4,), 3.0))
+    strided = torch.ones(8)[::2]
+    strided.is_contiguous = lambda: True  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="contiguous"):
+        _core.scale_(strided, "float32", 4, 2.0)
+
+
 def test_a_queued_copy_keeps_its_memory_until_it_has_run():
     """The engine holds the memory of every copy it queued: freeing the tensors and emptying the
     cache right after leaves the regions mapped until the engine has seen the copies complete."""
     eng = _core.Engine("cpu")
-    eng.set_slots([torch.zeros(4096, dtype=torch.uint8) for _ in range(3)], 4096)
+    eng.set_slots([_arena.host_bytes(4096) for _ in range(3)], 4096)
+    gc.collect()  # regions earlier tests left to the collector go now, not during the count
     ramtorch.empty_cache()
     base = _core.arena_stats()["regions"]
     unit = _arena.host_bytes(4096)

@@ -9,11 +9,12 @@ module only passes torch's current stream to it.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -197,6 +198,56 @@ class Layout:
         ]
 
 
+class ForwardLock:
+    """Serialises the forwards that stream weights on one device, across threads.
+
+    Several threads may run inference on one model (or on several models of one device) at
+    once: each forward pass then runs whole, one after the other, and gives exactly the outputs
+    it gives alone. A thread holds the lock while it holds any token: an offloaded model's pass
+    (from its root forward pre-hook to its forward hook), a unit run on its own, a free-standing
+    layer's forward. Tokens of the owning thread nest (a model called inside another's forward).
+    Backward passes do not take it (the engine's gradient path serves one training step at a
+    time, see :meth:`DeviceEngine._check_thread`).
+
+    A pass cut short by a ``BaseException`` (Ctrl-C), which skips torch's forward hooks, keeps
+    its token until the same thread runs that model again; a thread that died holding the lock
+    hands it over."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._owner: threading.Thread | None = None
+        self._tokens: set[Hashable] = set()
+
+    def acquire(self, token: Hashable) -> None:
+        """Adds ``token`` for the calling thread, waiting while another live thread holds the
+        lock."""
+        me = threading.current_thread()
+        with self._cv:
+            while self._owner is not None and self._owner is not me:
+                if not self._owner.is_alive():
+                    self._tokens.clear()  # its passes will never end
+                    break
+                # Woken by the release; the timeout only re-checks that the owner is alive.
+                self._cv.wait(1.0)
+            self._owner = me
+            self._tokens.add(token)
+
+    def release(self, token: Hashable) -> None:
+        """Drops ``token`` of the calling thread (nothing if it does not hold it); the lock is free
+        once the thread holds no token."""
+        with self._cv:
+            if self._owner is not threading.current_thread():
+                return
+            self._tokens.discard(token)
+            if not self._tokens:
+                self._owner = None
+                self._cv.notify_all()
+
+    def mine(self) -> bool:
+        """Whether the calling thread holds the lock."""
+        return self._owner is threading.current_thread()
+
+
 class DeviceEngine:
     """Slots, weight acquisition and gradient write-back for one compute device."""
 
@@ -236,6 +287,8 @@ class DeviceEngine:
         # never held while waiting for another.
         self._user: threading.Thread | None = None
         self._user_lock = threading.Lock()
+        # Forwards of this device run one at a time, whichever thread calls them.
+        self.forwards = ForwardLock()
 
     # -- slots --------------------------------------------------------------------------------
 
@@ -259,7 +312,12 @@ class DeviceEngine:
         self._core.set_slots([], 0)
         self._slots = []
         self._owned.clear()  # none is held (set_slots checks): nothing of the old slots is owned
-        slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        if self.device.type == "cpu":
+            # The host device's slots are host memory the engine writes: arena memory, which the
+            # engine holds while they are its slots (it takes no other host memory as slots).
+            slots = [_arena.host_bytes(nbytes, pin=False) for _ in range(count)]
+        else:
+            slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
         self._core.set_slots(slots, nbytes)  # the engine keeps the tensors alive
         self._slots, self._slot_bytes = slots, nbytes
 
@@ -355,6 +413,7 @@ class DeviceEngine:
 
     def release(self, index: int) -> None:
         """Gives slot ``index`` back after the work queued so far on the current stream."""
+        check_fork()  # (a streamer freed in a forked child gives its slots back here)
         with self._lock:
             settled = not self._unsettled
             self._unsettled = True  # until the engine has it back
@@ -535,6 +594,7 @@ class DeviceEngine:
         """Waits for all copies of this device; pending gradients are written to ``.grad`` (within
         backward; outside it they belong to an interrupted backward and are dropped).
         Prefetched copies are dropped and no slot is trusted to hold current weights anymore."""
+        check_fork()
         for holder in list(self._holders):
             holder.drop_prefetched()
         self._core.invalidate()
@@ -587,3 +647,38 @@ def on_engine_created(callback: Callable[[DeviceEngine], None]) -> None:
 def engines() -> list[DeviceEngine]:
     """Engines created so far."""
     return list(_ENGINES.values())
+
+
+# -- processes forked after an engine exists ---------------------------------------------------------
+
+#: Whether this process was forked after its parent created an engine (see :func:`check_fork`).
+_forked_child = False
+
+#: What a forked child gets (the compiled layer raises the same at every call).
+FORKED_MESSAGE = (
+    "ramtorch cannot be used in a process forked after ramtorch started in its parent: fork() "
+    "copies only the calling thread, so the engine's threads and locks are not in the child; "
+    "start worker processes with the 'spawn' or 'forkserver' start method "
+    "(multiprocessing.get_context('spawn'), or DataLoader(multiprocessing_context='spawn') when "
+    "workers use ramtorch)"
+)
+
+
+def _after_fork_in_child() -> None:
+    global _forked_child
+    if _ENGINES:
+        _forked_child = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check_fork() -> None:
+    """Raises in a process forked after its parent created an engine. Called where a forward or
+    a synchronisation enters the streaming layer, before it takes a lock: the child has none of
+    the parent's other threads, so a lock one of them held would never be released, and the
+    engine's copies, run by threads of the parent, would never complete. (Every call into the
+    compiled layer refuses in such a child too.) A child that does not use ramtorch, such as a
+    ``DataLoader`` worker, is unaffected."""
+    if _forked_child:
+        raise RuntimeError(FORKED_MESSAGE)

@@ -33,6 +33,15 @@ pub enum Error {
         /// Number of slots on the device.
         slots: usize,
     },
+    /// This process was forked after ramtorch started in its parent (see [`crate::fork`]).
+    #[error(
+        "ramtorch cannot be used in a process forked after ramtorch started in its parent: \
+         fork() copies only the calling thread, so the engine's threads and locks are not in \
+         the child; start worker processes with the 'spawn' or 'forkserver' start method \
+         (multiprocessing.get_context('spawn'), or DataLoader(multiprocessing_context='spawn') \
+         when workers use ramtorch)"
+    )]
+    ForkedChild,
     /// A worker thread of the host device stopped.
     #[error("host device worker stopped: {0}")]
     Worker(String),

@@ -3,6 +3,7 @@
 //! - [`arena`]: the host arena (exact sizes, pinned, pooled);
 //! - [`device`]: what a device must offer, for CUDA and for the host stand-in used without a GPU;
 //! - [`engine`]: device slots, the copy throttle and the gradient write-back;
+//! - [`fork`]: refusing work in a process forked after ramtorch started in its parent;
 //! - [`cuda`]: thin safe wrappers over the CUDA driver API, loaded at run time;
 //! - [`optim`]: CPU optimizer kernels (AdamW, SGD, Lion) over host memory, all cores, SIMD.
 //! - [`shared`]: host memory mapped once by several processes of a node (a memfd), each pinning it.
@@ -30,6 +31,7 @@ pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod fork;
 pub mod io;
 pub mod optim;
 pub mod shared;

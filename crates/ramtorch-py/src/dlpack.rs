@@ -72,7 +72,9 @@ const K_DL_CPU: i32 = 1;
 const K_DL_UINT: u8 = 1;
 
 unsafe extern "C" fn dl_deleter(m: *mut DLManagedTensor) {
-    if m.is_null() {
+    if m.is_null() || ramtorch_core::fork::in_forked_child() {
+        // (In a child forked from a process using ramtorch, every region is the parent's: its
+        // pool's lock may have been held by a thread that is not in the child. Left mapped.)
         return;
     }
     // SAFETY: `m` and its context were made by `Box::into_raw` in `export` and are released once,

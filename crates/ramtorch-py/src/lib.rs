@@ -5,6 +5,7 @@ mod dlpack;
 mod io;
 mod memory;
 mod optim;
+use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
@@ -13,11 +14,11 @@ use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use ramtorch_core::arena::Arena;
+use ramtorch_core::arena::{Arena, HostSlice};
 use ramtorch_core::device::{ComputeStream, CudaDevice, Device, HostDevice, Lane};
 use ramtorch_core::engine::{Engine as CoreEngine, EngineStats, Marker};
 use ramtorch_core::shared::SharedRegion;
-use ramtorch_core::{cuda, Error};
+use ramtorch_core::{cuda, fork, Error};
 
 use dlpack::{export, Memory};
 
@@ -44,8 +45,13 @@ fn to_py(op: &str, e: Error) -> PyErr {
     }
 }
 
-/// Runs `f`, turning an engine error or a Rust panic into a Python exception naming `op`.
+/// Runs `f`, turning an engine error or a Rust panic into a Python exception naming `op`. In a
+/// process forked after ramtorch started in its parent, `f` does not run: a clear error instead
+/// of a wait for threads that are not there (see [`fork`]).
 pub(crate) fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResult<T> {
+    if let Err(e) = fork::enter() {
+        return Err(to_py(op, e));
+    }
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(to_py(op, e)),
@@ -159,20 +165,44 @@ enum AnyEngine {
 
 macro_rules! with_engine {
     ($self:expr, $e:ident => $body:expr) => {
-        match &$self.inner {
+        match &*$self.inner {
             AnyEngine::Cuda($e) => $body,
             AnyEngine::Host($e) => $body,
         }
     };
 }
 
+/// What keeps the device slots alive while they are the slots.
+#[derive(Default)]
+struct SlotMemory {
+    /// The slot tensors given to `set_slots`.
+    _tensors: Vec<Py<PyAny>>,
+    /// On the host device, the arena ranges they lie in.
+    host: Vec<HostSlice>,
+}
+
 /// The streamer of one device: slots, transfer and gradient streams, throttle.
 #[pyclass(module = "ramtorch._core", frozen)]
 struct Engine {
-    inner: AnyEngine,
+    /// Dropped unless this process is a forked child (see `Drop`).
+    inner: ManuallyDrop<AnyEngine>,
     name: String,
-    /// The slot tensors given to `set_slots`, kept alive while they are the slots.
-    slot_tensors: Mutex<Vec<Py<PyAny>>>,
+    slots: Mutex<SlotMemory>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if fork::in_forked_child() {
+            // The parent's engine: its lane threads are not in this process (joining them would
+            // wait forever) and its memory may be guarded by a lock one of them held. Left as is.
+            if let Ok(slots) = self.slots.get_mut() {
+                std::mem::forget(std::mem::take(&mut slots.host));
+            }
+            return;
+        }
+        // SAFETY: `inner` is dropped once, here, and never used again.
+        unsafe { ManuallyDrop::drop(&mut self.inner) };
+    }
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: EngineStats) -> PyResult<Bound<'py, PyDict>> {
@@ -231,9 +261,9 @@ impl Engine {
             AnyEngine::Host(e) => e.device().name(),
         };
         Ok(Self {
-            inner,
+            inner: ManuallyDrop::new(inner),
             name,
-            slot_tensors: Mutex::new(Vec::new()),
+            slots: Mutex::new(SlotMemory::default()),
         })
     }
 
@@ -248,9 +278,11 @@ impl Engine {
         guard("slots", || with_engine!(self, e => e.slots()))
     }
 
-    /// Uses `slots` (each at least `nbytes` long) as the device slots: contiguous tensors on the
-    /// device, which the engine keeps alive while they are its slots, or raw device addresses
-    /// (which cannot be checked beyond being non-null and distinct: the caller keeps them alive).
+    /// Uses `slots` (each at least `nbytes` long) as the device slots; the engine keeps them
+    /// alive while they are its slots. On a CUDA device, contiguous tensors on that device; on the
+    /// host device, host memory ramtorch allocated (a tensor over an arena region, or its
+    /// address), which the engine then writes. Int addresses of device memory are refused: they
+    /// cannot be checked.
     fn set_slots(
         &self,
         py: Python<'_>,
@@ -258,28 +290,53 @@ impl Engine {
         nbytes: usize,
     ) -> PyResult<()> {
         let op = "set_slots";
-        let ptrs = guard(op, || {
-            slots
-                .iter()
-                .enumerate()
-                .map(|(i, s)| memory::device_address(&format!("slot {i}"), s, nbytes))
-                .collect::<Result<Vec<u64>, Error>>()
+        let (ptrs, host) = guard(op, || {
+            let mut ptrs = Vec::with_capacity(slots.len());
+            let mut host = Vec::new();
+            for (i, s) in slots.iter().enumerate() {
+                let what = format!("slot {i}");
+                match &*self.inner {
+                    AnyEngine::Cuda(e) => {
+                        let index = e.device().context().ordinal();
+                        ptrs.push(memory::device_address(
+                            &what,
+                            s,
+                            memory::Place::Cuda(index),
+                            nbytes,
+                        )?);
+                    }
+                    AnyEngine::Host(_) => {
+                        let slice = memory::host_slice(&what, s, nbytes)?;
+                        ptrs.push(slice.as_ptr() as u64);
+                        host.push(slice);
+                    }
+                }
+            }
+            Ok((ptrs, host))
         })?;
         let tensors: Vec<Py<PyAny>> = slots
             .iter()
             .filter(|s| !memory::is_address(s))
             .map(|s| s.clone().unbind())
             .collect();
-        // SAFETY: tensors are kept alive below for as long as they are the slots; for raw
-        // addresses the caller keeps the memory alive (the documented contract of this method).
+        // SAFETY: on a CUDA device the slots are tensors on that device, kept alive below for as
+        // long as they are the slots (their storage is the caller's to keep: device memory
+        // cannot be checked further); on the host device they are arena ranges whose leases are
+        // kept below.
         py.detach(|| {
             guard(
                 op,
                 || with_engine!(self, e => unsafe { e.set_slots(&ptrs, nbytes) }),
             )
         })?;
-        let old = match self.slot_tensors.lock() {
-            Ok(mut t) => std::mem::replace(&mut *t, tensors),
+        let old = match self.slots.lock() {
+            Ok(mut m) => std::mem::replace(
+                &mut *m,
+                SlotMemory {
+                    _tensors: tensors,
+                    host,
+                },
+            ),
             Err(_) => return Err(PyRuntimeError::new_err("set_slots: lock poisoned")),
         };
         drop(old);
@@ -428,8 +485,9 @@ impl Engine {
     /// Queues a device→host copy of `nbytes` on the gradient stream after the work queued on
     /// `stream`; returns how many earlier gradient copies have completed since the last report.
     /// `dst` is arena memory (a tensor over it, or its address), kept alive by the engine until
-    /// the copy has run; `src` is a tensor on the device (or its address), which the caller keeps
-    /// alive until the copy is reported complete.
+    /// the copy has run; `src` is a contiguous tensor on the engine's device (a CPU tensor on the
+    /// host device; an int address is refused), which the caller keeps alive until the copy is
+    /// reported complete.
     #[pyo3(signature = (dst, src, nbytes, max_inflight, stream, tag = 0))]
     #[allow(clippy::too_many_arguments)]
     fn copy_to_host(
@@ -444,13 +502,18 @@ impl Engine {
     ) -> PyResult<usize> {
         let op = "copy_to_host";
         let (dst, src) = guard(op, || {
+            let place = match &*self.inner {
+                AnyEngine::Cuda(e) => memory::Place::Cuda(e.device().context().ordinal()),
+                AnyEngine::Host(_) => memory::Place::Host,
+            };
             Ok((
                 memory::host_slice("dst", dst, nbytes)?,
-                memory::device_address("src", src, nbytes)?,
+                memory::device_address("src", src, place, nbytes)?,
             ))
         })?;
-        // SAFETY: the host side is kept alive by the slice; the front end keeps the device source
-        // alive until this engine reports the copy complete.
+        // SAFETY: the host side is kept alive by the slice; the source is a tensor on this
+        // engine's device at least `nbytes` long (checked above), which the front end keeps alive
+        // until this engine reports the copy complete.
         py.detach(|| guard(op, || with_engine!(self, e => unsafe { e.copy_to_host_slice(&dst, src, max_inflight, ComputeStream::from_raw(stream), tag) })))
     }
 

@@ -1,6 +1,7 @@
-//! Buffers passed from Python: a torch tensor (pointer and size come from torch) or, for memory
-//! ramtorch allocated, a bare address, which must lie inside a live arena or shared region. Either
-//! way the result holds what keeps the memory alive while the engine or a kernel uses it, so no
+//! Buffers passed from Python: a `torch.Tensor` or `torch.nn.Parameter` (not a subclass, whose
+//! methods could lie; pointer and size read through torch's C type) or, for memory ramtorch
+//! allocated, a bare address, which must lie inside a live arena or shared region. Either way the
+//! result holds what keeps ramtorch's memory alive while the engine or a kernel uses it, so no
 //! Python call can make ramtorch read or write memory it is not entitled to.
 
 use pyo3::intern;
@@ -34,6 +35,20 @@ fn py_err(what: &str, e: PyErr) -> Error {
 pub(crate) fn torch_tensor_type(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     static TENSOR: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     TENSOR.import(py, "torch", "Tensor")
+}
+
+/// `torch.nn.Parameter` (imported once).
+fn torch_parameter_type(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static PARAMETER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    PARAMETER.import(py, "torch.nn", "Parameter")
+}
+
+/// `torch._C.TensorBase`, the C type whose methods report a tensor's memory (imported once). Its
+/// methods are called on the tensor from here, so an attribute of the instance cannot stand in
+/// for them; the type itself is immutable.
+fn tensor_base(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static BASE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    BASE.import(py, "torch._C", "TensorBase")
 }
 
 /// torch's dtype object for `d` (imported once).
@@ -76,57 +91,99 @@ pub(crate) enum Expect {
 pub(crate) enum Place {
     /// Host memory (`is_cpu`).
     Host,
-    /// Anywhere (device memory, whose address cannot be checked further).
-    Any,
+    /// The memory of CUDA device `index` (whose addresses cannot be checked further).
+    Cuda(usize),
 }
 
-/// Pointer and size of `t`, checked to be a contiguous `torch.Tensor` in `place` holding what
-/// `expect` says. Attribute names are interned and `torch.Tensor` is imported once, so this costs
-/// a handful of attribute lookups.
+/// The name of `t`'s type, for messages.
+fn type_name(t: &Bound<'_, PyAny>) -> String {
+    t.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// Pointer and size of `t`, checked to be a contiguous tensor in `place` holding what `expect`
+/// says. Only `torch.Tensor` and `torch.nn.Parameter` themselves are trusted: a subclass can make
+/// `data_ptr()` or `numel()` say anything (through an override or `__torch_function__`), so it is
+/// refused, and the sizes are read through `torch._C.TensorBase`'s methods, not the instance's
+/// attributes. `ints`: whether the caller also takes int addresses (named in the message).
+/// Attribute names are interned and the types are imported once, so this costs a handful of
+/// attribute lookups.
 pub(crate) fn tensor_memory<'py>(
     what: &str,
     t: &Bound<'py, PyAny>,
     place: Place,
     expect: Expect,
+    ints: bool,
 ) -> Result<TensorMemory, Error> {
     let py = t.py();
-    let not_tensor = || {
-        invalid(format!(
-            "{what} must be a torch tensor or an int address, got {}",
-            t.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_else(|_| "?".into())
-        ))
-    };
+    let or_int = if ints { " or an int address" } else { "" };
     let tensor_type = torch_tensor_type(py).map_err(|e| py_err(what, e))?;
-    if !t.is_instance(tensor_type).map_err(|_| not_tensor())? {
-        return Err(not_tensor());
+    let ty = t.get_type();
+    if !ty.is(tensor_type) && !ty.is(torch_parameter_type(py).map_err(|e| py_err(what, e))?) {
+        let is_tensor = t.is_instance(tensor_type).unwrap_or(false);
+        return Err(invalid(if is_tensor {
+            format!(
+                "{what} must be a torch.Tensor or torch.nn.Parameter, not the subclass {}, whose \
+                 data_ptr() and numel() cannot be trusted (pass t.as_subclass(torch.Tensor))",
+                type_name(t)
+            )
+        } else {
+            format!(
+                "{what} must be a torch tensor{or_int}, got {}",
+                type_name(t)
+            )
+        }));
     }
+    let base = tensor_base(py).map_err(|e| py_err(what, e))?;
+    let call = |m: &Bound<'py, PyString>| -> Result<Bound<'py, PyAny>, Error> {
+        base.getattr(m)
+            .and_then(|f| f.call1((t,)))
+            .map_err(|e| py_err(what, e))
+    };
+    // Data descriptors of the C type: an instance attribute cannot shadow them.
     if let Expect::Elements(want, _) = expect {
-        let got = t.getattr(intern!(py, "dtype")).map_err(|_| not_tensor())?;
+        let got = t
+            .getattr(intern!(py, "dtype"))
+            .map_err(|e| py_err(what, e))?;
         if !got.is(torch_dtype(py, want).map_err(|e| py_err(what, e))?) {
             return Err(invalid(format!("{what} is {got}, expected {want}")));
         }
     }
-    if place == Place::Host {
-        let is_cpu = t
-            .getattr(intern!(py, "is_cpu"))
+    let device = || {
+        t.getattr(intern!(py, "device"))
+            .map(|d| d.to_string())
+            .unwrap_or_default()
+    };
+    let flag = |name: &Bound<'py, PyString>| -> Result<bool, Error> {
+        t.getattr(name)
             .and_then(|v| v.extract::<bool>())
-            .map_err(|_| not_tensor())?;
-        if !is_cpu {
-            let dev = t
-                .getattr(intern!(py, "device"))
-                .map(|d| d.to_string())
-                .unwrap_or_default();
-            return Err(invalid(format!(
-                "{what} must be a CPU tensor, got one on {dev}"
-            )));
+            .map_err(|e| py_err(what, e))
+    };
+    match place {
+        Place::Host => {
+            if !flag(intern!(py, "is_cpu"))? {
+                return Err(invalid(format!(
+                    "{what} must be a CPU tensor, got one on {}",
+                    device()
+                )));
+            }
+        }
+        Place::Cuda(index) => {
+            let on = flag(intern!(py, "is_cuda"))?
+                && call(intern!(py, "get_device"))?
+                    .extract::<i64>()
+                    .map_err(|e| py_err(what, e))?
+                    == index as i64;
+            if !on {
+                return Err(invalid(format!(
+                    "{what} must be a tensor on cuda:{index}, got one on {}",
+                    device()
+                )));
+            }
         }
     }
-    let call = |m: &Bound<'py, PyString>| -> Result<Bound<'py, PyAny>, Error> {
-        t.call_method0(m).map_err(|e| py_err(what, e))
-    };
     let usize_of = |v: Bound<'_, PyAny>| v.extract::<usize>().map_err(|e| py_err(what, e));
     let addr = usize_of(call(intern!(py, "data_ptr"))?)?;
     let numel = usize_of(call(intern!(py, "numel"))?)?;
@@ -203,7 +260,7 @@ pub(crate) fn host_buffer(
             lease: Some(s.lease()),
         });
     }
-    let m = tensor_memory(what, obj, Place::Host, expect)?;
+    let m = tensor_memory(what, obj, Place::Host, expect, true)?;
     let want = nbytes_of(expect).unwrap_or(m.nbytes);
     let lease = if want > 0 {
         // Memory ramtorch allocated is held by a lease; other memory belongs to the real torch
@@ -231,24 +288,28 @@ pub(crate) fn host_slice(
     let addr = if is_address(obj) {
         obj.extract::<usize>().map_err(|e| py_err(what, e))?
     } else {
-        tensor_memory(what, obj, Place::Host, Expect::Bytes(nbytes))?.addr
+        tensor_memory(what, obj, Place::Host, Expect::Bytes(nbytes), true)?.addr
     };
     arena()?.slice(addr, nbytes).map_err(|e| named(what, e))
 }
 
-/// A device address given as a tensor on the device or as an int, checked as far as it can be:
-/// non-null for a non-empty range, and for a tensor, at least `nbytes` long. The address of device
-/// memory cannot be checked further (torch's allocator owns it).
+/// The address of `nbytes` of device memory given as a tensor in `place` (the engine's device:
+/// host memory on the host device). Int addresses are refused: nothing can tell whether one names
+/// memory the caller may write, and on the host device it would name any byte of the process.
+/// Beyond that, device memory cannot be checked (torch's allocator owns it): the caller keeps the
+/// tensor's storage alive while the engine uses it.
 pub(crate) fn device_address(
     what: &str,
     obj: &Bound<'_, PyAny>,
+    place: Place,
     nbytes: usize,
 ) -> Result<u64, Error> {
-    let addr = if is_address(obj) {
-        obj.extract::<u64>().map_err(|e| py_err(what, e))?
-    } else {
-        tensor_memory(what, obj, Place::Any, Expect::Bytes(nbytes))?.addr as u64
-    };
+    if is_address(obj) {
+        return Err(invalid(format!(
+            "{what} must be a tensor, not an int address (an address cannot be checked)"
+        )));
+    }
+    let addr = tensor_memory(what, obj, place, Expect::Bytes(nbytes), false)?.addr as u64;
     if addr == 0 && nbytes > 0 {
         return Err(invalid(format!("{what}: null address for {nbytes} bytes")));
     }

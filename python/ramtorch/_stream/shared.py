@@ -72,6 +72,7 @@ class LayerStreamer(Streamer):
         self.lent: dict[int, int] = {}
         # Reported by the engine's stats as ``layer_*``.
         self.counters = self.eng.layer_counters
+        self._pass_token = ("layers", id(self))  # a layer's forward holds (token, unit id)
         self.hook_handles: list[Any] = []
         self.next_uid = 0
         self.eng.add_holder(self)
@@ -190,7 +191,12 @@ class LayerStreamer(Streamer):
         """Forward pre-hook of a hooked unit (see :meth:`attach`)."""
         if is_compiling():
             return opaque(LayerStreamer.layer_pre_forward, self, u, module, args, kwargs)
+        _engine.check_fork()
         if torch._C._current_graph_task_id() == -1:
+            token = (self._pass_token, u.uid)
+            # Another thread's forward on this device runs to its end first (released by the
+            # forward hook, which torch calls also when the forward raises).
+            self.eng.forwards.acquire(token)
             trains = torch.is_grad_enabled() and any(p.requires_grad for p in u.params)
             if trains and inside_ddp_forward():
                 refuse_ddp(f"a layer streamed by ramtorch ({type(module).__name__}, trainable)")
@@ -199,6 +205,8 @@ class LayerStreamer(Streamer):
                 for x in list(self.in_forward.values()):
                     while x.fwd:
                         self._end_forward(x, *x.fwd.pop()[:5])
+                    if x.uid != u.uid:  # its forward was cut short: its hold ends too
+                        self.eng.forwards.release((self._pass_token, x.uid))
                 self.in_forward.clear()
                 self._settle_held()
         out = self.pre_forward(u, module, args, kwargs)
@@ -210,11 +218,14 @@ class LayerStreamer(Streamer):
         """Forward hook of a hooked unit (always called, also when its forward raised)."""
         if is_compiling():
             return opaque(LayerStreamer.layer_post_forward, self, u, module, args, kwargs, output)
-        out = self.post_forward(u, module, args, kwargs, output)
-        if not u.fwd:
-            with self.lock:
-                self.in_forward.pop(u.uid, None)
-        return out
+        try:
+            out = self._post_forward(u, output)
+            if not u.fwd:
+                with self.lock:
+                    self.in_forward.pop(u.uid, None)
+            return out
+        finally:
+            self.eng.forwards.release((self._pass_token, u.uid))
 
     # -- passes -----------------------------------------------------------------------------------
 
@@ -292,7 +303,23 @@ class LayerStreamer(Streamer):
     def borrow(self, u: _Unit) -> Iterator[list[torch.Tensor | None]]:
         """Device views of ``u``'s parameters inside the block, on the current stream: in backward
         (a gradient, or a recomputation) along the backward itinerary, else along the forward one."""
+        _engine.check_fork()
         backward = torch._C._current_graph_task_id() != -1
+        if backward:
+            with self._borrow(u, backward) as views:
+                yield views
+            return
+        # A forward: another thread's forward on this device runs to its end first.
+        token = (self._pass_token, "borrow", u.uid)
+        self.eng.forwards.acquire(token)
+        try:
+            with self._borrow(u, backward) as views:
+                yield views
+        finally:
+            self.eng.forwards.release(token)
+
+    @contextmanager
+    def _borrow(self, u: _Unit, backward: bool) -> Iterator[list[torch.Tensor | None]]:
         with self.lock:
             if backward:
                 self._reach_backward(u)

@@ -116,6 +116,8 @@ class Streamer(Prefetcher, GradientHooks):
         self.state = PassState.IDLE
         self.lock = threading.RLock()
         self.counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0, "passes": 0}
+        # What this streamer's passes hold of the device's forward lock (see ForwardLock).
+        self._pass_token = ("pass", id(self))
         self.hook_handles: list[Any] = []
         # Open ``ramtorch.weights_unchanged`` blocks: while one is, the caller promises that no
         # weight is edited between passes, so copies made for one pass may serve the next.
@@ -130,8 +132,12 @@ class Streamer(Prefetcher, GradientHooks):
         """Root forward pre-hook: a new forward pass begins."""
         if is_compiling():
             return opaque(Streamer.begin_pass, self)
+        _engine.check_fork()
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward
+        # Another thread's forward on this device runs to its end first (released by end_pass,
+        # which torch calls also when the forward raises).
+        self.eng.forwards.acquire(self._pass_token)
         if inside_ddp_forward() and torch.is_grad_enabled():
             self._refuse_ddp()
         with self.lock:
@@ -244,6 +250,12 @@ class Streamer(Prefetcher, GradientHooks):
     def end_pass(self) -> None:
         if is_compiling():
             return opaque(Streamer.end_pass, self)
+        try:
+            self._end_pass()
+        finally:
+            self.eng.forwards.release(self._pass_token)
+
+    def _end_pass(self) -> None:
         if PassState.FORWARD not in self.state:
             return
         with self.lock:
@@ -266,9 +278,14 @@ class Streamer(Prefetcher, GradientHooks):
             # Under torch.compile the hooks run as in eager mode (see .compiling); so do the
             # other entry points of this layer.
             return opaque(Streamer.pre_forward, self, u, module, args, kwargs)
+        _engine.check_fork()
         # Inside backward this is a recomputation (activation checkpointing): the unit's backward
         # slot serves it, and stays held until the unit's backward is done.
         recompute = torch._C._current_graph_task_id() != -1
+        if not recompute and not self.eng.forwards.mine():
+            # A unit run on its own (outside a pass of this thread): it waits for other threads'
+            # forwards, and holds the device's forwards until its own forward hook.
+            self.eng.forwards.acquire((self._pass_token, u.uid))
         if self.touched and not recompute and PassState.FORWARD not in self.state:
             with self.lock:
                 added.check(self)  # a unit run on its own
@@ -367,6 +384,12 @@ class Streamer(Prefetcher, GradientHooks):
     def post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if is_compiling():
             return opaque(Streamer.post_forward, self, u, module, args, kwargs, output)
+        try:
+            return self._post_forward(u, output)
+        finally:
+            self.eng.forwards.release((self._pass_token, u.uid))  # (a unit run on its own)
+
+    def _post_forward(self, u: _Unit, output: Any) -> Any:
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
         slot, own, ctx, addr, before, fetch, rng, buf, version, probe = u.fwd.pop()
