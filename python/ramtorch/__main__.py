@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--unit",
         default=None,
-        help="block class name (default: children of the largest ModuleList, or Sequential of blocks of one class)",
+        help="block class name (default: children of the largest ModuleList, or Sequential of "
+        "blocks of one class)",
     )
     p.add_argument(
         "--max-inflight",
