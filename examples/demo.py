@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         model.to(torch.bfloat16)  # bf16 weights stream; the optimizer keeps fp32 masters
     ramtorch.offload(model, device=device)
-    plan = ramtorch.stats()["models"][-1]
+    plan = ramtorch.stats(model)
     all_params = sum(p.numel() for p in model.parameters())
     host_params = sum(p.numel() for p in model.parameters() if p.device.type == "cpu")
     print(
