@@ -103,13 +103,11 @@ class _Rule(_HostOptimizer):
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], **options: Any) -> None:
         owner = type(self).__name__
-        known = {
-            n
-            for n, q in inspect.signature(_HostOptimizer.__init__).parameters.items()
-            if q.kind is inspect.Parameter.KEYWORD_ONLY
-        }
+        accepted_by_base = inspect.signature(_HostOptimizer.__init__).parameters.values()
+        known = {q.name for q in accepted_by_base if q.kind is inspect.Parameter.KEYWORD_ONLY}
+        open_ended = any(q.kind is inspect.Parameter.VAR_KEYWORD for q in accepted_by_base)
         for name in list(options):
-            if name in known:
+            if name in known or (open_ended and name not in self._torch_only):
                 continue
             if name in self._torch_only:
                 accepted, why = _TORCH_ONLY[name]
@@ -232,7 +230,8 @@ class AdamW(_Rule):
 class SGD(_Rule):
     """SGD with momentum (as :class:`torch.optim.SGD`), host parameters updated by Rust kernels,
     overlapped with backward. Arguments as ``torch.optim.SGD`` plus ``precision``, ``overlap``,
-    ``pipeline``, ``max_grad_norm`` (see :class:`AdamW`)."""
+    ``pipeline``, ``max_grad_norm`` (see :class:`AdamW`); its ``fused``, ``foreach`` and
+    ``differentiable`` are accepted at ``False``/``None`` only, as in :class:`AdamW`."""
 
     _state_names = ("momentum_buffer",)
     _torch_only = ("fused", "foreach", "differentiable")
