@@ -4,7 +4,7 @@ RAMTORCH_VENV ?= $(HOME)/.cache/ramtorch/venv
 PY := $(RAMTORCH_VENV)/bin/python
 # The torch that the tests run against (the GPU suite's). Another one: make test TORCH="torch==2.15.*"
 TORCH ?= torch>=2.4,<2.12
-# make demo STEPS=400 trains longer than the demo's default (a run of about a minute on two cores).
+# make demo STEPS=400 trains longer than the demo's default (under two minutes on two CPU cores).
 STEPS ?=
 ACT := VIRTUAL_ENV=$(RAMTORCH_VENV) PATH=$(RAMTORCH_VENV)/bin:$$PATH
 

@@ -8,7 +8,7 @@ end the demo prints where the step time went.
 
 The training text is this repository's own sources and docs (``*.py``, ``*.rs``, ``*.md``,
 ``*.toml``), so nothing is downloaded. Runs on CUDA (bf16 weights) when available, else on CPU.
-The defaults make a run of about a minute on a small CPU, long enough to see the loss fall::
+The defaults make a run of under two minutes on two CPU cores, long enough to see the loss fall::
 
     python examples/demo.py                  # 100 steps of a 0.67 M-parameter model
     python examples/demo.py --steps 400      # longer (make demo STEPS=400)

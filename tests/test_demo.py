@@ -28,7 +28,7 @@ def _demo_module():
 def test_the_default_run_is_short():
     """A fresh two-core CPU trains the former defaults (400 steps of 16 x 128 bytes through a
     1.46 M-parameter model) at about 1.15 s a step: 8 minutes. The defaults now do about a
-    twentieth of that work: about a minute there."""
+    twentieth of that work: under two minutes there."""
     demo = _demo_module()
     args = demo.parse_args([])
     model = demo.ByteLM(args.d_model, args.layers, args.heads, args.seq, torch.device("cpu"))
