@@ -173,3 +173,53 @@ def test_the_plan_names_the_unit_argument_that_splits_a_big_unit():
     with torch.device("meta"):
         vit = TinyViT()
     assert not any("unit=" in n for n in ramtorch.plan.predict(vit, None, 16).notes)
+
+
+class CNBlock(nn.Module):
+    """ConvNeXt's block: a parameter of its own (``layer_scale``) beside its layers."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(d, d, 3, padding=1, groups=d)
+        self.pwconv = nn.Linear(d, d)
+        self.layer_scale = nn.Parameter(torch.full((d, 1, 1), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pwconv(self.dwconv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return x + self.layer_scale * y
+
+
+class TinyConvNeXt(nn.Module):
+    """Stages of blocks in ``nn.Sequential``s of unequal length, between downsampling layers, and a
+    parameter on the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(2))
+        self.features = nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(1, 8)),
+            nn.Sequential(*(CNBlock(8) for _ in range(2))),
+            nn.Conv2d(8, 16, 1),
+            nn.Sequential(*(CNBlock(16) for _ in range(3))),
+        )
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3))) + self.bias
+
+
+def test_convnext_stages_stream_block_by_block():
+    torch.manual_seed(0)
+    plain = TinyConvNeXt()
+    model = TinyConvNeXt()
+    model.load_state_dict(plain.state_dict())
+    ramtorch.offload(model, device="cpu")
+    try:
+        units = {u.name: u.resident for u in model._ramtorch_streamer.units}
+        blocks = [f"features.1.{i}" for i in range(2)] + [f"features.3.{i}" for i in range(3)]
+        assert all(units.get(b) is False for b in blocks), units
+        assert units["<root>"] is True and "features" not in units
+        x = torch.randn(2, 3, 6, 6)
+        torch.testing.assert_close(model(x), plain(x))
+    finally:
+        detach_streamer(model)
