@@ -2,6 +2,10 @@
 # runs do not download torch again; override with RAMTORCH_VENV=/path.
 RAMTORCH_VENV ?= $(HOME)/.cache/ramtorch/venv
 PY := $(RAMTORCH_VENV)/bin/python
+# The torch that the tests run against (the GPU suite's). Another one: make test TORCH="torch==2.15.*"
+TORCH ?= torch>=2.4,<2.12
+# make demo STEPS=400 trains longer than the demo's default (under two minutes on two CPU cores).
+STEPS ?=
 ACT := VIRTUAL_ENV=$(RAMTORCH_VENV) PATH=$(RAMTORCH_VENV)/bin:$$PATH
 
 .PHONY: setup build wheel test test-rust test-python lint demo bench-stage clean
@@ -12,7 +16,7 @@ $(RAMTORCH_VENV)/.ramtorch-deps: Makefile
 	@command -v cargo >/dev/null || { echo "a Rust toolchain (cargo) is required: https://rustup.rs"; exit 1; }
 	test -x $(PY) || python3 -m venv $(RAMTORCH_VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch>=2.4" numpy "hypothesis>=6" "pytest>=8" tqdm safetensors transformers accelerate peft torchao "ruff>=0.6" "maturin>=1.7,<2"
+	$(PY) -m pip install -q "$(TORCH)" numpy "hypothesis>=6" "pytest>=8" tqdm safetensors transformers accelerate peft torchao "ruff>=0.6" "maturin>=1.7,<2"
 	touch $@
 
 build: setup
@@ -42,7 +46,7 @@ lint: setup
 	$(ACT) ruff format --check python tests bench examples attacks
 
 demo: build
-	$(ACT) python examples/demo.py
+	$(ACT) python examples/demo.py $(if $(STEPS),--steps $(STEPS))
 
 clean:
 	cargo clean

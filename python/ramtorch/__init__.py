@@ -11,8 +11,11 @@ time, overlapped with compute::
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-from . import _core, _engine, _offload, distributed, nn, optim
+from torch import nn as _torch_nn
+
+from . import _core, _engine, _offload, distributed, nn, optim, plan
 from ._core import CudaError
 from ._offload import offload, weights_unchanged
 from ._trace import trace
@@ -37,6 +40,7 @@ __all__ = [
     "offload",
     "weights_unchanged",
     "optim",
+    "plan",
     "replace_linear",
     "save_checkpoint",
     "save_pretrained",
@@ -46,22 +50,45 @@ __all__ = [
 ]
 
 
-def stats() -> dict[str, object]:
-    """Counters of the engine.
+def stats(model: _torch_nn.Module | None = None) -> dict[str, Any]:
+    """Counters of the engine, or of one offloaded model.
 
     - ``host``: host arena bytes (reserved, in use, pinned, pageable, pooled);
     - ``devices``: per compute device, bytes and copies each way, achieved bandwidth
       (``h2d_gbps``/``d2h_gbps``, from device timings of the copies), seconds the compute stream
       waited on copies (``stall_seconds``), slots and their bytes, copies saved by reusing a slot
       that still held a unit (``reuses``), and time the host blocked;
-    - ``models``: per offloaded model, resident and streamed units, bytes held on the device,
-      bytes streamed per pass, the learned itinerary and prefetch hits.
+    - ``models``: per live offloaded model, in the order they were offloaded, an entry naming it
+      (``model``: its class name) with its resident and streamed units, bytes held on the device,
+      bytes streamed per pass, the learned itinerary and prefetch hits. A model that was freed
+      has no entry.
+
+    With ``model`` (a model :func:`ramtorch.offload` streams): its entry alone. A model that is not
+    offloaded is a ``ValueError``.
     """
+    if model is not None:
+        streamer = getattr(model, "_ramtorch_streamer", None)
+        if streamer is None:
+            raise ValueError(
+                f"ramtorch.stats: this {type(model).__name__} is not offloaded (ramtorch.offload); "
+                "the counters of ramtorch.nn layers are per device, in ramtorch.stats()['devices']"
+            )
+        return _model_stats(model, streamer)
+    models = []
+    for s in sorted(_offload.streamers(), key=lambda s: s.serial):
+        m = s.model_ref()
+        if m is not None:
+            models.append(_model_stats(m, s))
     return {
         "host": dict(_core.arena_stats()),
         "devices": {str(e.device): e.stats() for e in _engine.engines()},
-        "models": [s.stats() for s in _offload.streamers()],
+        "models": models,
     }
+
+
+def _model_stats(model: _torch_nn.Module, streamer: Any) -> dict[str, Any]:
+    """One model's entry of :func:`stats`: its class name first, then its streamer's counters."""
+    return {"model": type(model).__name__, **streamer.stats()}
 
 
 def synchronize() -> None:

@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         "stack's) (default: %(default)s)",
     )
     p.add_argument(
-        "--unit", default=None, help="block class name (default: children of the largest ModuleList)"
+        "--unit",
+        default=None,
+        help="block class name (default: children of the largest ModuleList, or Sequential of "
+        "blocks of one class)",
     )
     p.add_argument(
         "--max-inflight",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import sys
 import warnings
 import weakref
@@ -42,7 +43,7 @@ from ._stream.streamer import streamers as streamers
 from ._stream.units import _Entry as _Entry
 from ._stream.units import _packed_bytes as _packed_bytes
 from ._stream.units import _Unit as _Unit
-from ._stream.units import check_streamable, materialize, move_param, stream_tensors
+from ._stream.units import check_streamable, materialize, move_param, stream_tensors, unit_hint
 from ._stream.units import collect_units as collect_units
 from ._stream.units import find_unit_roots as find_unit_roots
 from ._units import _GIB
@@ -75,8 +76,11 @@ def offload(
             least 2 GiB); the chosen plan and its predicted times are logged
             (INFO, logger ``ramtorch``).
         unit: the block classes (types or class-name patterns) that form units; default: each
-            child of the model's largest ``nn.ModuleList``. Modules outside the blocks that hold
-            parameters are units of their own.
+            child of the model's largest ``nn.ModuleList``, or ``nn.Sequential`` of blocks of one
+            class (torchvision's ViT ``encoder.layers``), by parameter count. Modules outside the
+            blocks that hold parameters are units of their own. When one unit holds most of the
+            model and repeats a block class, the budget error and the plan logged (INFO) name the
+            ``unit=`` that splits it.
         device: compute device; default the current CUDA device, or CPU without CUDA.
         max_inflight: copies in flight (default ``RAMTORCH_MAX_INFLIGHT``/``MAX_INFLIGHT``, else 2).
         progress: show a progress bar while moving weights into host RAM (default: for models
@@ -174,13 +178,24 @@ def offload(
     buffers = [b for b in model.buffers()]
     fixed = sum(_arena._nbytes(t.shape, t.dtype) for t in stream_tensors(shared)[0])
     fixed += sum(_arena._nbytes(b.shape, b.dtype) for b in buffers)
-    pl = plan(
-        [u.nbytes for u in units], [k for k, u in enumerate(units) if u.container], budget, inflight, fixed
+    hint = (
+        unit_hint([(u.name, u.module, u.nbytes) for u in units if not u.container]) if unit is None else None
     )
+    try:
+        pl = plan(
+            [u.nbytes for u in units],
+            [k for k, u in enumerate(units) if u.container],
+            budget,
+            inflight,
+            fixed,
+        )
+    except ValueError as e:
+        raise ValueError(f"ramtorch.offload: {e}" + (f"; {hint}" if hint else "")) from None
     resident_ids = spread_resident(
         [u.nbytes for u in units], set(pl.resident), {k for k, u in enumerate(units) if u.container}
     )
 
+    _warn_strides(units, resident_ids)
     total = sum(u.nbytes for u in units)
     show = progress if progress is not None else total > _GIB
     bar = None
@@ -212,6 +227,8 @@ def offload(
         }
     if auto:
         _report_auto_plan(model, units, pl, budget, dev)
+    else:
+        _report_plan(model, units, pl, budget, dev, hint)
     if recompute:
         wants = recompute if callable(recompute) else (lambda name: True)
         for u in units:
@@ -488,6 +505,61 @@ def _auto_budget(dev: torch.device) -> int:
         raise ValueError("gpu_budget='auto' needs a CUDA device (on CPU there is nothing to budget)")
     free, _ = torch.cuda.mem_get_info(dev)
     return max(0, free - max(2 * _GIB, free // 5))
+
+
+def _warn_strides(units: list[_Unit], resident: set[int]) -> None:
+    """Warns, naming them, about the parameters whose strides packing changes: a streamed unit's
+    tensors are laid out contiguously in its host region (and in device slots), so a
+    ``channels_last`` convolution weight or a transposed weight keeps its values and shape but
+    becomes contiguous."""
+    names = []
+    for u in units:
+        if u.uid in resident or u.tree is not None or stream_tensors(u.params)[1] is not None:
+            continue
+        for e in u.entries:
+            p = u.params[e.index]
+            if not p.is_meta and not p.is_contiguous():
+                names.append(f"{u._qualified_name(e)} (stride {tuple(p.stride())})")
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        warnings.warn(
+            f"ramtorch.offload: {len(names)} streamed parameters are not contiguous ({shown}); "
+            "streamed weights are stored contiguous in host RAM and on the device, so they keep "
+            "their values and shapes but not their strides (channels_last convolution weights become "
+            "contiguous: the convolutions still compute the same, maybe with other kernels). Keep "
+            "such modules resident (a gpu_budget that holds them) to keep the strides",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _report_plan(
+    model: nn.Module, units: list[_Unit], pl: Plan, budget: int | None, dev: torch.device, hint: str | None
+) -> None:
+    """Logs (INFO, logger ``ramtorch``) the plan :func:`offload` made: the units, which stay
+    resident, the slots, the bytes streamed per pass, and the ``unit=`` that would split a unit
+    holding most of the model."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    resident = [u.name for u in units if u.resident]
+    shown = ", ".join(resident[:6]) + (f" and {len(resident) - 6} more" if len(resident) > 6 else "")
+    logger.info(
+        "ramtorch.offload of %s on %s: %d units, %d resident (%s%s), %d streamed through %d slots of %s; "
+        "%s held on the device (gpu_budget %s), %s streamed per pass%s",
+        type(model).__name__,
+        dev,
+        len(units),
+        len(resident),
+        _fmt(pl.resident_bytes),
+        f": {shown}" if shown else "",
+        len(units) - len(resident),
+        pl.slots,
+        _fmt(pl.slot_bytes),
+        _fmt(pl.resident_bytes + pl.slots * pl.slot_bytes),
+        "none" if budget is None else _fmt(budget),
+        _fmt(pl.streamed_bytes),
+        f"; {hint}" if hint else "",
+    )
 
 
 def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: int, dev: torch.device) -> None:

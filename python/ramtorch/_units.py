@@ -15,10 +15,13 @@ _MAX = 1 << 60
 
 
 def parse_bytes(value: int | float | str | None, what: str = "size") -> int | None:
-    """``None`` → ``None``; ints are bytes; strings such as ``"24GiB"``, ``"1.5 GB"``, ``"512MiB"``.
+    """``None`` → ``None``; ints (and floats holding a whole number, ``8e9``) are bytes; strings
+    such as ``"24GiB"``, ``"1.5 GB"``, ``"512MiB"`` (a size with a unit of at least a kilobyte is
+    rounded down to whole bytes).
 
     Raises ``TypeError`` for other types and ``ValueError`` (naming ``what``) for negative, non-finite,
-    absurdly large or unparsable sizes."""
+    absurdly large or unparsable sizes, and for a fraction of a byte (``1.5``, ``"0.5B"``: most
+    likely a unit left out), which would otherwise be rounded down without a word."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -26,6 +29,8 @@ def parse_bytes(value: int | float | str | None, what: str = "size") -> int | No
     if isinstance(value, (int, float)):
         if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
             raise ValueError(f"{what} must be a non-negative byte count, got {value!r}")
+        if isinstance(value, float) and not value.is_integer():
+            raise _fraction(what, value)
         n = int(value)
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
@@ -34,7 +39,10 @@ def parse_bytes(value: int | float | str | None, what: str = "size") -> int | No
                 f"{what}={value!r} is not a size; use bytes or a number with a unit "
                 "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
             )
-        x = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        scale = _UNITS[m.group(2).lower()]
+        x = float(m.group(1)) * scale
+        if math.isfinite(x) and not x.is_integer() and (scale == 1 or x < 1):
+            raise _fraction(what, value)
         n = int(x) if math.isfinite(x) and x <= _MAX else _MAX + 1
     else:
         raise TypeError(
@@ -43,6 +51,14 @@ def parse_bytes(value: int | float | str | None, what: str = "size") -> int | No
     if n > _MAX:
         raise ValueError(f"{what}={value!r} is larger than any memory (at most {_MAX} bytes)")
     return n
+
+
+def _fraction(what: str, value: float | str) -> ValueError:
+    """The error for a size that is a fraction of a byte."""
+    return ValueError(
+        f"{what}={value!r} is a fraction of a byte; give an int of bytes (8589934592) or a string "
+        "with a unit, such as '8GiB' or '1.5GB'"
+    )
 
 
 def format_bytes(n: int) -> str:

@@ -164,7 +164,15 @@ def predict(
     fixed += sum(b.numel() * b.element_size() for b in model.buffers())
     forced = [k for k, r in enumerate(raw) if r[3]]
     sizes = [u.nbytes for u in units]
-    pl = placement.plan(sizes, forced, parse_bytes(budget, "gpu_budget"), inflight, fixed)
+    hint = None
+    if unit is None:
+        hint = _stream_units.unit_hint(
+            [(u.name, u.module, u.nbytes) for k, u in enumerate(units) if k not in forced]
+        )
+    try:
+        pl = placement.plan(sizes, forced, parse_bytes(budget, "gpu_budget"), inflight, fixed)
+    except ValueError as e:
+        raise ValueError(f"{e}; {hint}" if hint else str(e)) from None
     resident = placement.spread_resident(sizes, set(pl.resident), set(forced))
     rate = c.tflops * 1e12 * c.efficiency
     counts = [sum(p.numel() for p in u.params) for u in units]
@@ -196,14 +204,14 @@ def predict(
         forward_backward_seconds=fb_end,
         step_seconds=max(fb_end, opt_end),
         units=[UnitPlan(u.name, u.nbytes, n, k in resident) for k, (u, n) in enumerate(zip(units, counts))],
-        notes=_block_notes(model) if unit is None else [],
+        notes=(_block_notes(model) + ([hint] if hint else [])) if unit is None else [],
         resident_training_bytes=sum(_training_bytes(p) for p in on_device if p.is_floating_point()),
     )
 
 
 def _block_notes(model: nn.Module) -> list[str]:
     """Blocks of the default units' class that are not units themselves (the encoder of an
-    encoder-decoder: the default takes the largest ``ModuleList`` only), with the ``unit=`` that
+    encoder-decoder: the default takes the largest list of blocks only), with the ``unit=`` that
     makes them units."""
     roots = _stream_units.find_unit_roots(model, None)
     classes = {type(m) for _, m in roots}

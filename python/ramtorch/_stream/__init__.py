@@ -1,9 +1,10 @@
 """The streaming layer: model weights in host RAM, streamed to the compute device unit by unit.
 
 A *unit* is a module whose parameters cross the link together: by default each block of the
-model's largest ``nn.ModuleList`` plus, outside those blocks, every module that holds parameters of
-its own. Each streamed unit's parameters are packed into one host-arena region; they stay CPU
-``nn.Parameter``s (optimizers, ``state_dict`` and ``torch.save`` see them as usual).
+model's largest ``nn.ModuleList`` (or ``nn.Sequential`` of blocks of one class) plus, outside those
+blocks, every module that holds parameters of its own. Each streamed unit's parameters are packed
+into one host-arena region; they stay CPU ``nn.Parameter``s (optimizers, ``state_dict`` and
+``torch.save`` see them as usual).
 
 How a unit runs:
 

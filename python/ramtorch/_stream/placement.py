@@ -37,14 +37,16 @@ def plan(
         slot = _align(max((sizes[i] for i in free), default=0))
         return Plan(sorted(forced), want_slots if free else 0, slot, base, sum(sizes[i] for i in free))
     best: tuple[tuple[int, int], Plan] | None = None
-    minimum: int | None = None
+    # The smallest budget that works: (bytes, units kept resident, their bytes, slot bytes).
+    minimum: tuple[int, int, int, int] | None = None
     for count in range(want_slots, 1, -1):
         for k in range(len(free) + 1):
             res, rest = free[:k], free[k:]
             slot = _align(sizes[rest[0]]) if rest else 0
-            need = base + sum(sizes[i] for i in res) + (count * slot if rest else 0)
-            if count == 2:
-                minimum = need if minimum is None else min(minimum, need)
+            kept = sum(sizes[i] for i in res)
+            need = base + kept + (count * slot if rest else 0)
+            if count == 2 and (minimum is None or need < minimum[0]):
+                minimum = (need, k, kept, slot if rest else 0)
             if need > budget:
                 continue
             left = budget - need
@@ -66,12 +68,38 @@ def plan(
             if best is None or score < best[0]:
                 best = (score, p)
     if best is None:
-        raise ValueError(
-            f"gpu_budget of {_fmt(budget)} is too small for this model: it needs at least "
-            f"{_fmt(minimum or base)} ({_fmt(base)} resident that cannot stream, plus two slots of "
-            f"the largest streamed unit, {_fmt(_align(sizes[free[0]]) if free else 0)} each)"
-        )
+        raise ValueError(too_small(budget, minimum or (base, 0, 0, 0), base, [sizes[i] for i in free]))
     return best[1]
+
+
+def too_small(budget: int, minimum: tuple[int, int, int, int], base: int, free: Sequence[int]) -> str:
+    """The message for a budget below ``minimum`` (bytes, units kept resident, their bytes, slot
+    bytes; see :func:`plan`), written as the sum that gives it: ``base`` bytes that must stay on
+    the device, the units kept resident, two slots for the rest. ``free``: the sizes of the units
+    that may stream."""
+    need, kept_units, kept, slot = minimum
+    terms: list[tuple[str, str]] = []  # (bytes, what they are for)
+    if base:
+        terms.append(
+            (_fmt(base), "that cannot stream (tied weights, buffers, parameters of modules holding blocks)")
+        )
+    if kept_units:
+        which = "its only unit" if len(free) == 1 else f"{kept_units} of its {len(free)} units"
+        terms.append((_fmt(kept), f"to keep {which} resident"))
+    if slot:
+        terms.append((f"2 slots x {_fmt(slot)}", "for the units that stream"))
+    msg = f"gpu_budget of {_fmt(budget)} is too small for this model: it needs at least {_fmt(need)}"
+    notes = []
+    if len(terms) == 1 and terms[0][0] == _fmt(need):
+        notes.append(terms[0][1])
+    elif terms:
+        msg += " = " + " + ".join(f"{n} {what}" for n, what in terms)
+    if free and kept_units == len(free):
+        largest = _align(max(free))
+        notes.append(
+            f"streaming its largest unit instead would take 2 slots x {_fmt(largest)} = {_fmt(2 * largest)}"
+        )
+    return msg + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def spread_resident(sizes: Sequence[int], resident: set[int], forced: set[int]) -> set[int]:

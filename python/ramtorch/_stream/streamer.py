@@ -92,6 +92,7 @@ class Streamer(Prefetcher, GradientHooks):
         resident_bytes: int,
     ) -> None:
         self.model_ref = weakref.ref(model)
+        self.serial = _engine.next_generation()  # orders the models in ramtorch.stats()
         self.units = units
         self.device = device
         self.max_inflight = max_inflight

@@ -47,9 +47,24 @@ def _pcount(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
+def _block_list(m: nn.Module) -> bool:
+    """Whether ``m`` holds a model's blocks: an ``nn.ModuleList`` of at least two modules, or an
+    ``nn.Sequential`` whose children that hold parameters are at least two, all of one class
+    (torchvision's ViT ``encoder.layers``, the stages of Swin, ConvNeXt and ResNet). A
+    ``Sequential`` of mixed layers (``Conv2d``, ``BatchNorm2d``, ...) is a small network, not a
+    list of blocks."""
+    if isinstance(m, nn.ModuleList):
+        return len(m) >= 2
+    if type(m) is not nn.Sequential:
+        return False
+    kinds = [type(c) for c in m.children() if any(True for _ in c.parameters())]
+    return len(kinds) >= 2 and len(set(kinds)) == 1
+
+
 def find_unit_roots(model: nn.Module, unit: Any) -> list[tuple[str, nn.Module]]:
     """The block modules: the outermost modules of the named classes, or the children of the
-    model's largest ``nn.ModuleList`` (by parameter count)."""
+    model's largest list of blocks (by parameter count): an ``nn.ModuleList``, or an
+    ``nn.Sequential`` of blocks of one class (see :func:`_block_list`)."""
     spec = _unit_classes(unit)
     if spec is not None:
         roots: list[tuple[str, nn.Module]] = []
@@ -65,7 +80,7 @@ def find_unit_roots(model: nn.Module, unit: Any) -> list[tuple[str, nn.Module]]:
         return roots
     best: tuple[int, str, nn.Module] | None = None
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) >= 2:
+        if _block_list(m):
             n = _pcount(m)
             if n > 0 and (best is None or n > best[0]):
                 best = (n, name, m)
@@ -73,6 +88,55 @@ def find_unit_roots(model: nn.Module, unit: Any) -> list[tuple[str, nn.Module]]:
         return []
     _, lname, lst = best
     return [(f"{lname}.{k}" if lname else k, child) for k, child in lst.named_children()]
+
+
+def repeated_block_class(module: nn.Module) -> tuple[str, int] | None:
+    """The class of the blocks inside ``module`` that could each be a unit: among classes of
+    which at least two instances holding parameters are siblings (children of one module), the
+    one whose outermost instances hold the most parameters. Returns ``(class name, number of
+    outermost instances)``, or ``None`` when ``module`` repeats nothing."""
+    candidates: set[type] = set()
+    for m in module.modules():
+        seen: dict[type, int] = {}
+        for c in m.children():
+            if any(True for _ in c.parameters()):
+                seen[type(c)] = seen.get(type(c), 0) + 1
+        candidates.update(t for t, n in seen.items() if n >= 2)
+    best: tuple[int, str, int] | None = None
+    for cls in candidates:
+        outer: list[nn.Module] = []
+        inside: set[int] = set()
+        for m in module.modules():
+            if type(m) is cls and id(m) not in inside:
+                outer.append(m)
+                inside.update(id(x) for x in m.modules())
+        if len(outer) < 2:
+            continue
+        n = sum(_pcount(m) for m in outer)
+        if best is None or n > best[0]:
+            best = (n, cls.__name__, len(outer))
+    return None if best is None else (best[1], best[2])
+
+
+def unit_hint(units: Sequence[tuple[str, nn.Module, int]]) -> str | None:
+    """A sentence naming the ``unit=`` that splits the largest of ``units`` (``(name, module,
+    bytes)`` of the units that may stream) when it holds most of their bytes and repeats a block
+    class inside: one unit that big leaves nothing to stream past it. ``None`` otherwise."""
+    total = sum(n for _, _, n in units)
+    if not units or total <= 0:
+        return None
+    name, module, nbytes = max(units, key=lambda u: u[2])
+    if nbytes * 2 <= total:
+        return None
+    found = repeated_block_class(module)
+    if found is None:
+        return None
+    cls, count = found
+    return (
+        f"unit {name!r} holds {100 * nbytes // total}% of the weights and streams as one piece; "
+        f"unit={cls!r} (offload(..., unit={cls!r}), or --unit {cls} in python -m ramtorch plan) "
+        f"makes each of its {count} {cls} modules a unit"
+    )
 
 
 def _skip_module(m: nn.Module) -> bool:

@@ -5,6 +5,7 @@ never mapped), whose tensors are copied straight into host memory in batches tha
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,36 @@ def settle_engines() -> None:
     _engine.wait_updates()
 
 
+def other_format(path: str) -> str | None:
+    """What ``path`` is when it is plainly not safetensors, judged by its first bytes: a zip
+    archive (what ``torch.save`` writes), a pickle (older ``torch.save`` files, ``pickle.dump``),
+    a GGUF or NumPy file, or anything whose JSON header does not start after the 8-byte length.
+    ``None`` when it starts as safetensors does (or cannot be read: the caller's error stands)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.pread(fd, 16, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if head.startswith(b"PK\x03\x04"):
+        return "it is a zip archive, as torch.save writes"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "it is a Python pickle, as older torch.save files are"
+    if head.startswith(b"GGUF"):
+        return "it is a GGUF file"
+    if head.startswith(b"\x93NUMPY"):
+        return "it is a NumPy .npy file"
+    if len(head) >= 9 and head[8:9] != b"{":
+        return "a safetensors file starts with the 8-byte length of a JSON header, then '{'"
+    return None
+
+
 class SafetensorsReader:
     """One ``.safetensors`` file, opened once: its header and metadata are read at opening, its
     tensors with positioned reads of that same open file (a file renamed over the path afterwards
@@ -40,7 +71,20 @@ class SafetensorsReader:
     def __init__(self, path: str | os.PathLike[str], error: type[Exception] = ValueError) -> None:
         self.path = os.fspath(path)
         self.error = error
-        self.core = _core.SafetensorsFile(self.path)
+        try:
+            self.core = _core.SafetensorsFile(self.path)
+        except ValueError as e:
+            other = other_format(self.path)
+            if other is None:
+                raise
+            if other.startswith("it is"):  # what the file is says more than how its header failed
+                raise ValueError(
+                    f"{self.path}: not a safetensors file ({other}). ramtorch reads safetensors "
+                    "files only; load a torch.save file with model.load_state_dict(torch.load(path, "
+                    "map_location='cpu')), or convert it once with safetensors.torch.save_file("
+                    "torch.load(path), 'model.safetensors')"
+                ) from e
+            raise ValueError(f"not a safetensors file ({other}): {e}") from e
         self.entries: dict[str, tuple[str, tuple[int, ...]]] = {
             name: (dtype, tuple(shape)) for name, dtype, shape in self.core.tensors()
         }

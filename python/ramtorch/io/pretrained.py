@@ -113,6 +113,14 @@ def _targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]
     return dict(sd), list(groups.values())
 
 
+def _few(keys: list[str], shown: int = 8) -> str:
+    """``keys`` for a message: all of them up to ``shown``, else the first ``shown`` and how many
+    more (the returned dict of :func:`load` lists them all)."""
+    if len(keys) <= shown:
+        return repr(keys)
+    return f"{keys[:shown]!r} and {len(keys) - shown} more"
+
+
 @torch.no_grad()
 def load(
     model: nn.Module,
@@ -229,11 +237,19 @@ def _load_into(
     missing = [n for n in missing if not skip_missing(n)]
     unexpected = sorted(source[n][3] for n in source if n not in targets and not skip_unexpected(n))
     if missing or unexpected:
-        what = (
-            "keys do not match the model"
-            + (f"; missing from the checkpoint: {missing}" if missing else "")
-            + (f"; unexpected in the checkpoint: {unexpected}" if unexpected else "")
-        )
+        matched = sum(1 for n in targets if n in source)
+        if matched == 0 and missing:
+            what = (
+                f"0 of {len(targets)} keys of the model matched the checkpoint (is it another "
+                f"model's?); the file has keys like {_few(sorted(k for *_, k in source.values()), 4)}, "
+                f"the model {_few(list(targets), 4)}"
+            )
+        else:
+            what = (
+                f"keys do not match the model ({matched} of {len(targets)} matched)"
+                + (f"; missing from the checkpoint: {_few(missing)}" if missing else "")
+                + (f"; unexpected in the checkpoint: {_few(unexpected)}" if unexpected else "")
+            )
         if strict:
             raise RuntimeError(f"ramtorch.load: {what}")
         warnings.warn(f"ramtorch.load(strict=False): {what}", UserWarning, stacklevel=4)

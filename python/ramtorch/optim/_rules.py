@@ -4,6 +4,7 @@ The hyperparameter checks and the options every optimizer takes are written once
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -74,9 +75,51 @@ class HostOptions(TypedDict, total=False):
     max_grad_norm: float | None
 
 
+#: Arguments of torch's optimizers that ramtorch's rules do not implement, with the value that
+#: asks for nothing beyond what ramtorch does (given so, they are accepted and ignored), and what
+#: another value would ask for.
+_TORCH_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "amsgrad": ((False,), "AMSGrad (the running maximum of the second moments) is not implemented"),
+    "fused": (
+        (None, False),
+        "it picks one of torch's kernels; ramtorch always runs its own (Rust kernels on all cores "
+        "for host parameters, torch's fused kernels for parameters on a GPU): leave it out",
+    ),
+    "foreach": (
+        (None, False),
+        "it picks one of torch's kernels; ramtorch always runs its own: leave it out",
+    ),
+    "capturable": ((False,), "updates cannot be captured in a CUDA graph"),
+    "differentiable": ((False,), "updates are not differentiable (autograd does not record them)"),
+}
+
+
 class _Rule(_HostOptimizer):
     """What every update rule shares: its hyperparameters checked against ``_LIMITS`` wherever
-    a param group is added."""
+    a param group is added, and its options checked by name (``_torch_only``: the arguments of
+    the torch optimizer of the same name that it does not implement)."""
+
+    _torch_only: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], **options: Any) -> None:
+        owner = type(self).__name__
+        accepted_by_base = inspect.signature(_HostOptimizer.__init__).parameters.values()
+        known = {q.name for q in accepted_by_base if q.kind is inspect.Parameter.KEYWORD_ONLY}
+        open_ended = any(q.kind is inspect.Parameter.VAR_KEYWORD for q in accepted_by_base)
+        for name in list(options):
+            if name in known or (open_ended and name not in self._torch_only):
+                continue
+            if name in self._torch_only:
+                accepted, why = _TORCH_ONLY[name]
+                value = options.pop(name)
+                if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+                    raise ValueError(f"ramtorch.optim.{owner}: {name}={value!r} is not supported: {why}")
+                continue
+            raise TypeError(
+                f"ramtorch.optim.{owner} got an unexpected keyword argument {name!r}; it takes "
+                f"{', '.join(sorted(defaults))} and {', '.join(sorted(known))}"
+            )
+        super().__init__(params, defaults, **options)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         _check_hyperparameters(type(self).__name__, group)
@@ -101,9 +144,15 @@ class AdamW(_Rule):
             module documentation).
         max_grad_norm: clip the global gradient norm to this (with ``overlap="backward"`` or
             ``pipeline``, the updates then run in ``step()``).
+
+    ``torch.optim.AdamW``'s ``amsgrad``, ``fused``, ``foreach``, ``capturable`` and
+    ``differentiable`` are accepted at the values that ask for nothing more (``False``, or
+    ``None``), so a loop written for torch runs as it is; other values are a ``ValueError``
+    saying what is not supported (AMSGrad is not implemented; the kernels are always ramtorch's).
     """
 
     _state_names = ("exp_avg", "exp_avg_sq")
+    _torch_only = ("amsgrad", "fused", "foreach", "capturable", "differentiable")
 
     def __init__(
         self,
@@ -190,9 +239,11 @@ class AdamW(_Rule):
 class SGD(_Rule):
     """SGD with momentum (as :class:`torch.optim.SGD`), host parameters updated by Rust kernels,
     overlapped with backward. Arguments as ``torch.optim.SGD`` plus ``precision``, ``overlap``,
-    ``pipeline``, ``max_grad_norm`` (see :class:`AdamW`)."""
+    ``pipeline``, ``max_grad_norm`` (see :class:`AdamW`); its ``fused``, ``foreach`` and
+    ``differentiable`` are accepted at ``False``/``None`` only, as in :class:`AdamW`."""
 
     _state_names = ("momentum_buffer",)
+    _torch_only = ("fused", "foreach", "differentiable")
 
     def __init__(
         self,

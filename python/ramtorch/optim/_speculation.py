@@ -174,7 +174,8 @@ class AutoChoice:
     takes (after speculation: waiting for the one running, committing those done, updating the
     rest in place; without: updating everything in place). When the host's memory bandwidth
     bounds the step, computing the update out of place during backward costs more than it hides,
-    and ``step()`` wins; when backward is long against the update (long sequences, compute-bound models), speculation hides it.
+    and ``step()`` wins; when backward is long against the update (long sequences,
+    compute-bound models), speculation hides it.
 
     Speculation is measured first (its first step is left out: the spare buffers' pages are
     touched for the first time), then updates in ``step()``; the cheaper one is kept for the run,
