@@ -80,7 +80,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         self._backwards = 0
         self._micro = 1
         self._saw_grads = False  # this backward delivered gradients of our parameters
-        self._stepped_once = False
+        self._last_step_end: float | None = None  # when the last step() returned (perf_counter)
         self._last_backward = -1  # autograd's id of the last backward counted
         self._seed = 0x5EED
         self._jobs = _Jobs()
@@ -258,7 +258,6 @@ class _HostOptimizer(OverlapSchedule, HostStates):
             # Gradients are scaled until step() unscales them: updates cannot run in backward.
             self._mode = UpdateMode.IN_STEP
             self._auto = None
-        t_enter = time.perf_counter()
         if self._mode is UpdateMode.PIPELINE and grad_scale is None and found_inf is None:
             self._raise_failed()  # the updates of this step run on; the next forward waits for them
         else:
@@ -352,27 +351,29 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     torch.autograd.graph.increment_version(p)
         end = time.perf_counter()
         self.timings["in_step_seconds"] += end - t
-        self._choose(bool(spec), self.timings["in_step_updates"] - host_updates, end - t_enter)
+        self._choose(bool(spec), self.timings["in_step_updates"] - host_updates, end)
         if self._zero is not None:
             self._zero.publish(self.param_groups)
         return loss
 
-    def _choose(self, speculated: bool, in_step: int, seconds: float) -> None:
-        """The default schedule (``overlap=True``): feeds what this ``step()`` took (waiting for
-        speculations, commits, updates in place) to the choice between speculating and updating
-        in ``step()`` (``_speculation.AutoChoice``), and applies it."""
+    def _choose(self, speculated: bool, in_step: int, now: float) -> None:
+        """The default schedule (``overlap=True``): feeds the time of this training iteration
+        (from the end of the last ``step()`` to the end of this one: speculation also competes
+        with the backward for the host, so ``step()`` alone does not tell) to the choice between
+        speculating and updating in ``step()`` (``_speculation.AutoChoice``), and applies it."""
         auto = self._auto
+        last, self._last_step_end = self._last_step_end, now
         if auto is None or auto.choice is not None:
             return
         if self._mode is not UpdateMode.SPECULATE and self._mode is not UpdateMode.IN_STEP:
             self._auto = None  # the user chose a mode since
             return
-        if not self._stepped_once:
-            self._stepped_once = True  # the first step makes the states: not a measure of either
+        if last is None:
+            pass  # the first step makes the states: not a measure of either
         elif self._mode is UpdateMode.SPECULATE and speculated:
-            auto.observe_speculative(seconds)
+            auto.observe_speculative(now - last)
         elif self._mode is UpdateMode.IN_STEP and not speculated and in_step:
-            auto.observe_in_step(seconds)
+            auto.observe_in_step(now - last)
         speculate = auto.wants_speculation()
         self._mode = UpdateMode.SPECULATE if speculate else UpdateMode.IN_STEP
         if auto.choice == "in step":

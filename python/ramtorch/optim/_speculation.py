@@ -170,10 +170,10 @@ class Shadows:
 
 class AutoChoice:
     """The default schedule's choice, per run, between speculating and updating in ``step()``
-    (both give ``overlap=False``'s bits), by what each adds to a step, measured: the time ``step()``
-    takes (after speculation: waiting for the one running, committing those done, updating the
-    rest in place; without: updating everything in place). When the host's memory bandwidth
-    bounds the step, computing the update out of place during backward costs more than it hides,
+    (both give ``overlap=False``'s bits), by the time of a whole training iteration in each
+    (from the end of one ``step()`` to the end of the next: speculation shortens ``step()`` but
+    competes with the backward for the host's cores and memory). When the host's memory
+    bandwidth bounds the step, computing the update out of place during backward costs more than it hides,
     and ``step()`` wins; when backward is long against the update (long sequences,
     compute-bound models), speculation hides it.
 
@@ -193,15 +193,14 @@ class AutoChoice:
         self.choice: str | None = None
 
     def observe_speculative(self, seconds: float) -> None:
-        """A ``step()`` after speculation (waiting for the one running, commits, the rest updated
-        in place) took ``seconds``."""
+        """An iteration that speculated took ``seconds``."""
         if not self._skipped_first:
             self._skipped_first = True
             return
         self.speculative.append(seconds)
 
     def observe_in_step(self, seconds: float) -> None:
-        """A ``step()`` that updated everything in place took ``seconds``."""
+        """An iteration that updated everything in ``step()`` took ``seconds``."""
         self.in_step.append(seconds)
 
     def wants_speculation(self) -> bool:
