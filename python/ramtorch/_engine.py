@@ -259,7 +259,10 @@ class DeviceEngine:
         self._core.set_slots([], 0)
         self._slots = []
         self._owned.clear()  # none is held (set_slots checks): nothing of the old slots is owned
-        slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        # Normal tensors also when first needed under torch.inference_mode: the streamers read
+        # their version counters, which inference tensors do not have.
+        with torch.inference_mode(False):
+            slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
         self._core.set_slots(slots, nbytes)  # the engine keeps the tensors alive
         self._slots, self._slot_bytes = slots, nbytes
 
