@@ -212,10 +212,14 @@ def test_interrupt_in_python_helpers_keeps_training_right(kind: str, helper: str
 
 
 def _optimizers(name: str, model: nn.Module, ref: nn.Module) -> tuple[Any, torch.optim.Optimizer]:
+    """Optimizers that commit updates during backward (overlap="backward"), so that an interrupted
+    backward leaves some units updated (the default changes nothing before step())."""
     if name == "sgd":
-        return ramtorch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        ours = ramtorch.optim.SGD(model.parameters(), lr=0.1, overlap="backward")
+        return ours, torch.optim.SGD(ref.parameters(), lr=0.1)
     kw = {"lr": 0.01, "weight_decay": 0.01}
-    return ramtorch.optim.AdamW(model.parameters(), **kw), torch.optim.AdamW(ref.parameters(), **kw)
+    ours = ramtorch.optim.AdamW(model.parameters(), overlap="backward", **kw)
+    return ours, torch.optim.AdamW(ref.parameters(), **kw)
 
 
 class _Boom(Exception):

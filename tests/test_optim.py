@@ -683,7 +683,10 @@ def test_jobs_of_single_weights_as_they_land_equal_torch(mode, monkeypatch):
     monkeypatch.setattr(_stream_functions, "_READY_BATCH", 1)
     ref, ours = pair("cpu", p_drop=0.0)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, pipeline=mode == "pipeline")
+    # Committed as they land (overlap="backward"): every update runs in a job.
+    o_ours = ropt.AdamW(
+        ours.parameters(), lr=1e-2, weight_decay=0.1, overlap="backward", pipeline=mode == "pipeline"
+    )
     sizes: list[int] = []
     on_grads = o_ours.on_grads
 

@@ -93,12 +93,14 @@ def test_a_forward_that_writes_its_weights_in_place_keeps_the_write(
         torch.testing.assert_close(ours(inputs[0]), ref(inputs[0]), rtol=1e-5, atol=1e-6)
 
 
-def test_a_write_in_an_inference_forward_is_kept_too(device: str) -> None:
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("how", ["ema", "ema_data"])
+def test_a_write_in_an_inference_forward_is_kept_too(device: str, mode: type, how: str) -> None:
     torch.manual_seed(0)
-    ref = CodebookNet("ema")
+    ref = CodebookNet(how)
     ours = ramtorch.offload(copy.deepcopy(ref), device=device, max_inflight=1)
     ref.to(device)
-    with torch.no_grad():
+    with mode():
         for _ in range(3):
             x = torch.randn(4, 8, device=device)
             torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
@@ -200,19 +202,19 @@ class Prompted(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["itself", "view", "tuple"])
-@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("grad", [True, False, "inference_mode"])
 def test_a_weight_returned_by_a_forward_is_not_overwritten_by_later_units(
-    device: str, how: str, grad: bool
+    device: str, how: str, grad: bool | str
 ) -> None:
     torch.manual_seed(0)
     ref = Prompted(how)
     ours = ramtorch.offload(copy.deepcopy(ref), device=device, max_inflight=1)
     ref.to(device)
     x = torch.randn(2, 4, 8, device=device)
-    with torch.set_grad_enabled(grad):
+    with torch.inference_mode() if grad == "inference_mode" else torch.set_grad_enabled(grad):
         a, b = ref(x), ours(x)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    if grad:
+    if grad is True:
         a.square().sum().backward()
         b.square().sum().backward()
         for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):

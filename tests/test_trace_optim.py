@@ -57,7 +57,7 @@ def test_trace_shows_optimizer_updates_and_waits_on_the_device_timeline(tmp_path
     model = Net(layers=3)
     ramtorch.offload(model, device="cpu")
     assert sorted(u.name for u in model._ramtorch_streamer.units) == sorted(UNITS)
-    opt = ropt.AdamW(model.parameters(), lr=1e-2, pipeline=pipeline)
+    opt = ropt.AdamW(model.parameters(), lr=1e-2, pipeline=pipeline, overlap="backward")
     slow_updates(opt, 0.003)
     x = torch.randn(4, 8)
     spans, other, elapsed_us = traced(tmp_path / "trace.json", model, opt, x)

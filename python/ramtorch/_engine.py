@@ -312,12 +312,15 @@ class DeviceEngine:
         self._core.set_slots([], 0)
         self._slots = []
         self._owned.clear()  # none is held (set_slots checks): nothing of the old slots is owned
-        if self.device.type == "cpu":
-            # The host device's slots are host memory the engine writes: arena memory, which the
-            # engine holds while they are its slots (it takes no other host memory as slots).
-            slots = [_arena.host_bytes(nbytes, pin=False) for _ in range(count)]
-        else:
-            slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        # Normal tensors also when first needed under torch.inference_mode: the streamers read
+        # their version counters, which inference tensors do not have.
+        with torch.inference_mode(False):
+            if self.device.type == "cpu":
+                # The host device's slots are host memory the engine writes: arena memory, which
+                # the engine holds while they are its slots (it takes no other host memory as slots).
+                slots = [_arena.host_bytes(nbytes, pin=False) for _ in range(count)]
+            else:
+                slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
         self._core.set_slots(slots, nbytes)  # the engine keeps the tensors alive
         self._slots, self._slot_bytes = slots, nbytes
 

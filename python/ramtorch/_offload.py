@@ -267,9 +267,12 @@ def offload(
     if type(model)._apply is nn.Module._apply:
         model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
     for u in units:
+        # Streamed units' modules (resident ones are plain modules on the device, which copy and
+        # pickle as such; a streamed unit's module holds its unit).
         m = u.module
-        if m is not model and type(m)._apply is nn.Module._apply and "_apply" not in m.__dict__:
-            m._apply = _guarded_unit_apply(m, u.name, streamer)  # type: ignore[method-assign]
+        if u.resident or m is model or type(m)._apply is not nn.Module._apply or "_apply" in m.__dict__:
+            continue
+        m._apply = _guarded_unit_apply(m, u.name, streamer)  # type: ignore[method-assign]
     # Copies would share (deepcopy: fail on) the engine, the hooks and the units of this model;
     # a class that says how to copy or pickle itself (ramtorch.nn's layers) keeps its way.
     cls = type(model)

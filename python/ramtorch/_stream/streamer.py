@@ -71,6 +71,18 @@ def refuse_ddp(what: str) -> None:
     )
 
 
+def _device_views(u: _Unit, buf: torch.Tensor) -> list[Any]:
+    """``u``'s weights in the slot ``buf``, per parameter (tensor subclasses rebuilt around their
+    inner tensors). Made as normal tensors also under ``torch.inference_mode`` (where torch's own
+    parameters are normal tensors too): a write into them then bumps the slot's version counter,
+    which inference tensors do not have."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return _device_views(u, buf)
+    views = u.layout.views(buf)  # type: ignore[union-attr]
+    return u.device_params(views) if u.tree is not None else views
+
+
 class Streamer(Prefetcher, GradientHooks):
     """Runs the units of one offloaded model on one compute device.
 
@@ -315,9 +327,7 @@ class Streamer(Prefetcher, GradientHooks):
                     self._prefetch_along(itin, pos, u)
             assert u.layout is not None
             buf = self.eng.slot(slot)
-            views = u.layout.views(buf)
-            if u.tree is not None:
-                views = u.device_params(views)  # tensor subclasses rebuilt around their inner tensors
+            views = _device_views(u, buf)
         self.eng.mark(u.tag, MARK_FWD_BEGIN)
         grad = torch.is_grad_enabled()
         # Reentrant activation checkpointing (``use_reentrant=True``) runs the unit's forward
