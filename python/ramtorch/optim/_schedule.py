@@ -91,9 +91,10 @@ class OverlapSchedule(torch.optim.Optimizer):
     @property
     def overlap(self) -> bool:
         """Whether updates are computed during backward (``UpdateMode.SPECULATE``, ``OVERLAP`` or
-        ``PIPELINE``). Setting it True turns on speculation (if updates ran in ``step()``);
+        ``PIPELINE``), or may be (the default, while it runs in ``step()`` because it measured
+        that cheaper). Setting it True turns on speculation (if updates ran in ``step()``);
         ``"backward"`` commits them during backward (``UpdateMode.OVERLAP``)."""
-        return self._mode is not UpdateMode.IN_STEP
+        return self._mode is not UpdateMode.IN_STEP or self.__dict__.get("_auto") is not None
 
     @overlap.setter
     def overlap(self, on: bool | str) -> None:
