@@ -443,16 +443,16 @@ class Streamer(Prefetcher, GradientHooks):
     @staticmethod
     def _slot_differs(u: _Unit, buf: torch.Tensor) -> bool:
         """Whether the slot ``buf`` no longer holds ``u``'s host bytes (its forward wrote them). A
-        slot on a GPU is compared on the GPU, with the host region sent over in chunks of 64 MiB
-        (no copy of the unit held on either side)."""
+        slot on a GPU is brought to the host in chunks of 64 MiB and compared there: no device
+        memory beyond the budget, and no copy of the unit held on either side."""
         assert u.layout is not None and u.flat is not None
         n = u.layout.nbytes
         if buf.device.type == "cpu":
             return not torch.equal(buf[:n], u.flat[:n])
         step = 64 << 20
         for i in range(0, n, step):
-            host = u.flat[i : min(n, i + step)].to(buf.device, non_blocking=True)
-            if not torch.equal(buf[i : i + host.numel()], host):
+            j = min(n, i + step)
+            if not torch.equal(buf[i:j].to("cpu"), u.flat[i:j]):
                 return True
         return False
 
