@@ -20,13 +20,14 @@ above a reserve); parameters without one are updated in ``step()``."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import _arena
+from .. import _arena, _core
 
 #: Host memory left free when shadows are made: the larger of this many bytes and
 #: ``_RESERVE_FRACTION`` of the machine's memory.
@@ -162,10 +163,16 @@ class Shadows:
             self._refused.discard(pid)
 
     def clear(self) -> None:
+        """Frees every shadow and returns the memory to the OS (the arena would otherwise keep it
+        pooled: the process would still hold the spare buffers' bytes)."""
         with self._lock:
+            had = bool(self._bufs)
             self._bufs.clear()
             self._refused.clear()
             self.nbytes = 0
+        if had:
+            gc.collect()
+            _core.arena_empty_cache()
 
 
 class AutoChoice:
