@@ -349,3 +349,33 @@ def test_the_default_keeps_the_cheaper_of_speculation_and_step() -> None:
     # A mode the user sets is kept.
     opt.overlap = "backward"
     assert opt._auto is None
+
+
+def test_out_of_place_kernels_check_their_old_values() -> None:
+    """The bindings' old_* buffers are checked as the operands are: an old value that overlaps an
+    operand, or has another dtype, or stands for an operand the step does not read, is refused
+    with the step left undone; a valid one gives the in-place step's bits."""
+    from ramtorch import _core
+
+    n = 4096
+    g = torch.randn(n)
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    kw: dict[str, Any] = dict(
+        param_dtype="float32", grad_dtype="float32", state_dtype="float32", numel=n, step=1,
+        lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+    )  # fmt: skip
+    before = p.clone()
+    with pytest.raises(ValueError, match="overlap"):
+        _core.adamw_step(param=p, grad=g, exp_avg=m, exp_avg_sq=v, old_state1=m, **kw)
+    with pytest.raises(ValueError, match="old_param"):
+        _core.adamw_step(
+            param=p, grad=g, exp_avg=m, exp_avg_sq=v, old_param=torch.zeros(n, dtype=torch.bfloat16), **kw
+        )
+    assert torch.equal(p, before)
+    # Out of place into fresh buffers = in place.
+    op, om, ov = torch.full((n,), 7.0), torch.full((n,), 7.0), torch.full((n,), 7.0)
+    _core.adamw_step(
+        param=op, grad=g, exp_avg=om, exp_avg_sq=ov, old_param=p, old_state1=m, old_state2=v, **kw
+    )
+    _core.adamw_step(param=p, grad=g, exp_avg=m, exp_avg_sq=v, **kw)
+    assert torch.equal(op, p) and torch.equal(om, m) and torch.equal(ov, v)

@@ -205,7 +205,7 @@ fn disjoint(bufs: &[Buf]) -> Result<(), Error> {
 fn step_buffers(
     bufs: &[(&'static str, Arg<'_, '_>, &str)],
     master: Arg<'_, '_>,
-    old: impl Iterator<Item = Buf>,
+    old: &OldBufs,
     numel: usize,
     keeps: &mut Vec<Keep>,
 ) -> Result<Vec<Buf>, Error> {
@@ -218,10 +218,7 @@ fn step_buffers(
     if let Some(m) = resolve("master", master, "float32", numel, true, keeps)? {
         b.push(m);
     }
-    let operands = b.len();
-    b.extend(old);
-    disjoint(&b)?;
-    b.truncate(operands);
+    old.disjoint_from(&b)?;
     Ok(b)
 }
 
@@ -231,22 +228,28 @@ fn step_buffers(
 struct OldBufs([Option<Buf>; 4]);
 
 impl OldBufs {
-    #[allow(clippy::too_many_arguments)]
+    /// Resolves `args` (`old_param`, `old_master`, `old_state1`, `old_state2`).
     fn resolve(
-        param: Arg<'_, '_>,
+        args: [Arg<'_, '_>; 4],
         param_dtype: &str,
-        master: Arg<'_, '_>,
-        states: [Arg<'_, '_>; 2],
         state_dtype: &str,
         numel: usize,
         keeps: &mut Vec<Keep>,
     ) -> Result<OldBufs, Error> {
+        let [param, master, s1, s2] = args;
         Ok(OldBufs([
             resolve("old_param", param, param_dtype, numel, true, keeps)?,
             resolve("old_master", master, "float32", numel, true, keeps)?,
-            resolve("old_state1", states[0], state_dtype, numel, true, keeps)?,
-            resolve("old_state2", states[1], state_dtype, numel, true, keeps)?,
+            resolve("old_state1", s1, state_dtype, numel, true, keeps)?,
+            resolve("old_state2", s2, state_dtype, numel, true, keeps)?,
         ]))
+    }
+
+    /// Checks that the operands `b` and these old values share no byte.
+    fn disjoint_from(&self, b: &[Buf]) -> Result<(), Error> {
+        let mut all = b.to_vec();
+        all.extend(self.bufs());
+        disjoint(&all)
     }
 
     fn bufs(&self) -> impl Iterator<Item = Buf> + '_ {
@@ -334,17 +337,9 @@ fn adamw_step(
     ];
     let mut keeps = Vec::with_capacity(9);
     let (bufs, old) = guard(op, || {
-        let old = OldBufs::resolve(
-            old_param,
-            param_dtype,
-            old_master,
-            [old_state1, old_state2],
-            state_dtype,
-            numel,
-            &mut keeps,
-        )?;
-        let bufs = step_buffers(&named, master, old.bufs(), numel, &mut keeps)?;
-        Ok((bufs, old))
+        let olds = [old_param, old_master, old_state1, old_state2];
+        let old = OldBufs::resolve(olds, param_dtype, state_dtype, numel, &mut keeps)?;
+        Ok((step_buffers(&named, master, &old, numel, &mut keeps)?, old))
     })?;
     py.detach(|| {
         guard(op, || {
@@ -438,19 +433,9 @@ fn sgd_step(
         let flags = (buf.is_some(), master.is_some());
         b.extend(buf);
         b.extend(master);
-        let old = OldBufs::resolve(
-            old_param,
-            param_dtype,
-            old_master,
-            [old_state1, None],
-            state_dtype,
-            numel,
-            &mut keeps,
-        )?;
-        let operands = b.len();
-        b.extend(old.bufs());
-        disjoint(&b)?;
-        b.truncate(operands);
+        let olds = [old_param, old_master, old_state1, None];
+        let old = OldBufs::resolve(olds, param_dtype, state_dtype, numel, &mut keeps)?;
+        old.disjoint_from(&b)?;
         Ok((b, flags.0, flags.1, old))
     })?;
     py.detach(|| {
@@ -525,17 +510,9 @@ fn lion_step(
     ];
     let mut keeps = Vec::with_capacity(7);
     let (bufs, old) = guard(op, || {
-        let old = OldBufs::resolve(
-            old_param,
-            param_dtype,
-            old_master,
-            [old_state1, None],
-            state_dtype,
-            numel,
-            &mut keeps,
-        )?;
-        let bufs = step_buffers(&named, master, old.bufs(), numel, &mut keeps)?;
-        Ok((bufs, old))
+        let olds = [old_param, old_master, old_state1, None];
+        let old = OldBufs::resolve(olds, param_dtype, state_dtype, numel, &mut keeps)?;
+        Ok((step_buffers(&named, master, &old, numel, &mut keeps)?, old))
     })?;
     py.detach(|| {
         guard(op, || {
