@@ -137,3 +137,34 @@ def test_a_child_forked_before_ramtorch_started_uses_it(tmp_path):
     cmd = [sys.executable, str(path), str(JOIN_SECONDS)]
     done = subprocess.run(cmd, env=env, timeout=2 * JOIN_SECONDS, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_a_child_forked_while_an_optimizer_job_runs_does_not_hang(tmp_path):
+    """The optimizer's worker is not in a forked child: waiting for its jobs there returns (the
+    parent runs them) instead of waiting forever; the parent's job still finishes."""
+    import threading
+
+    from ramtorch.optim._jobs import _Jobs
+
+    jobs = _Jobs()
+    release, started, ran = threading.Event(), threading.Event(), []
+
+    def job() -> None:
+        started.set()
+        release.wait()
+        ran.append(1)
+
+    jobs.submit(job)
+    jobs.submit(lambda: ran.append(2))  # queued behind the running one
+    assert started.wait(JOIN_SECONDS)
+
+    def wait_in_child() -> str:
+        jobs.wait()
+        return f"waited, busy={jobs.busy()}"
+
+    got = _in_forked_child(wait_in_child, tmp_path / "jobs")
+    assert got == "waited, busy=False", got
+    release.set()
+    jobs.wait()
+    assert sorted(ran) == [1, 2]
+    jobs.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import weakref
@@ -77,6 +78,16 @@ class _Jobs:
     def busy(self) -> bool:
         return self._unfinished > 0 or bool(self._queue)
 
+    def _after_fork_in_child(self) -> None:
+        """In a child forked while this queue had jobs or a worker: the worker is not in the child
+        (fork copies the calling thread only) and its lock may have been held. The child starts
+        with a fresh lock and no jobs (the parent runs them), so ``wait()`` returns instead of
+        waiting forever for a worker that is not there."""
+        self._cv = threading.Condition()
+        self._queue = []
+        self._unfinished = 0
+        self._thread = None
+
     def close(self) -> None:
         self.wait()
         with self._cv:
@@ -106,6 +117,16 @@ _LIVE: weakref.WeakSet[_Jobs] = weakref.WeakSet()
 #: on something the exiting program will not do) must not hang the exit: past this, the thread is
 #: left to the interpreter's teardown, with a message.
 EXIT_WAIT_SECONDS = 120.0
+
+
+def _after_fork_in_child() -> None:
+    for jobs in list(_LIVE):
+        jobs._after_fork_in_child()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
