@@ -379,3 +379,22 @@ def test_out_of_place_kernels_check_their_old_values() -> None:
     )
     _core.adamw_step(param=p, grad=g, exp_avg=m, exp_avg_sq=v, **kw)
     assert torch.equal(op, p) and torch.equal(om, m) and torch.equal(ov, v)
+
+
+def test_overlap_backward_refuses_hyperparameters_changed_after_backward() -> None:
+    """overlap="backward" commits during backward: a learning rate set after backward cannot be
+    used, and step() says so instead of training on the old one silently. A scheduler stepped
+    after step() (the usual place) is used by the next step, with no error."""
+    _, ours = _models("cpu", copies=1)
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, overlap="backward")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for _ in range(3):
+        _loss(ours, torch.randn(5, 8)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert opt.timings["in_backward_updates"] > 0
+    _loss(ours, torch.randn(5, 8)).backward()
+    opt.param_groups[0]["lr"] = 0.5
+    with pytest.raises(RuntimeError, match=r"hyperparameters \(lr\) were changed between backward and step"):
+        opt.step()

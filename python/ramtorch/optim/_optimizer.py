@@ -15,7 +15,7 @@ import torch
 from .. import _core, _engine
 from ._jobs import _Jobs
 from ._schedule import OverlapSchedule, UpdateMode, listen
-from ._speculation import AutoChoice, Shadows
+from ._speculation import AutoChoice, Shadows, same_group, same_value
 from ._state import _DTYPES, _PRECISIONS, HostStates, _is_host
 from ._zero import Zero
 
@@ -87,6 +87,8 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         # id(param) -> version of the gradient buffer the update used, for params updated during
         # the last backward (checked in step(): the gradient must not have changed since).
         self._done: dict[int, tuple[torch.Tensor, int]] = {}
+        # id(param) -> the hyperparameters its update during backward used (checked in step()).
+        self._done_hyper: dict[int, dict[str, Any]] = {}
         # Parameters updated during a backward that got gradients again from a later backward of
         # the same step (more backwards than any step before, outside accumulate()): step() raises.
         self._late: set[int] = set()
@@ -269,6 +271,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
             finally:
                 self._spec_closed = False
         done, self._done = self._done, {}
+        done_hyper, self._done_hyper = self._done_hyper, {}
         spec, self._spec = self._spec, {}
         late, self._late = self._late, set()
         backwards, self._backwards = self._backwards, 0
@@ -300,6 +303,17 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     "max_grad_norm= or opt.clip_grad_norm_() for clipping (with transformers' "
                     "Trainer: ramtorch.integrations.transformers.RamtorchTrainer), overlap=False "
                     "with a GradScaler, and accumulate() around the backward passes of micro-batches."
+                )
+        for pid, hyper in done_hyper.items():
+            entry = owned.get(pid)
+            if entry is not None and not same_group(hyper, entry[1]):
+                changed = sorted(k for k in hyper if k in entry[1] and not same_value(hyper[k], entry[1][k]))
+                raise RuntimeError(
+                    f"{type(self).__name__}: hyperparameters ({', '.join(changed) or 'the group'}) "
+                    "were changed between backward and step(), but this step's updates were "
+                    "committed during backward (overlap='backward' or pipeline=True) with the "
+                    "values of then, so this step is not the one asked for. Set them before "
+                    "backward, or use the default overlap=True (updates use the values step() sees)."
                 )
         reduced, self._reduced = self._reduced, set()
         reduced_dev, self._reduced_dev = self._reduced_dev, set()

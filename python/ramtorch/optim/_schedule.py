@@ -77,6 +77,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     _micro: int
     _last_backward: int
     _done: dict[int, tuple[torch.Tensor, int]]
+    _done_hyper: dict[int, dict[str, Any]]
     _late: set[int]
     _reduced: set[int]
     _reduced_dev: set[int]
@@ -177,9 +178,10 @@ class OverlapSchedule(torch.optim.Optimizer):
             return
         marker = eng._core.marker()
         updated = []
-        for p, *_ in work:
+        for p, hyper, *_ in work:
             if self._owns(p):
                 self._done[id(p)] = (None, -1)  # the gradient it becomes is known after backward
+                self._done_hyper[id(p)] = freeze_group(hyper)  # step() checks they still hold
                 updated.append(p)
             else:
                 self._reduced.add(id(p))  # ZeRO-2: reduced to its owner during backward
@@ -381,6 +383,7 @@ class OverlapSchedule(torch.optim.Optimizer):
         if interrupted:
             self._spec.clear()
             self._done.clear()
+            self._done_hyper.clear()
             self._late.clear()
             self._reduced.clear()
             self._reduced_dev.clear()
