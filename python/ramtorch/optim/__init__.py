@@ -29,7 +29,8 @@ also works); a wrong guess costs time, never a different result.
 
 ``overlap="backward"`` commits each update during the last backward instead (no spare memory, the
 fastest when host memory bounds the step), which changes the semantics: the weights change before
-``step()``, and gradients changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a
+``step()``, hyperparameters changed between ``backward()`` and ``step()`` make ``step()`` raise,
+and gradients changed between ``backward()`` and ``step()`` (``clip_grad_norm_``, a
 ``GradScaler`` unscaling them, more backwards than any step before outside ``accumulate()``) make
 ``step()`` raise. Use ``max_grad_norm=`` for clipping then (the updates then run in ``step()``), or
 ``opt.clip_grad_norm_(max_norm)`` in place of torch's (it returns the norm and folds the clip into
