@@ -674,11 +674,8 @@ def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:
     def _apply(fn: Any, recurse: bool = True) -> nn.Module:
         m = ref()
         dtype = next((p.dtype for p in m.parameters()), torch.float32) if m is not None else torch.float32
-        probe = fn(torch.empty(0, dtype=dtype))
-        same = probe.dtype == dtype and probe.device.type == streamer.device.type
-        if same and probe.device.type == "cuda":
-            same = (probe.device.index or torch.cuda.current_device()) == streamer.device.index
-        if not same:
+        probe = _moved(fn, dtype, streamer)
+        if probe is not None:
             raise RuntimeError(
                 f"ramtorch.offload: this model streams to {streamer.device} with its weights in host "
                 f"RAM; it cannot be moved or converted to {probe.device}/{probe.dtype} afterwards. "
@@ -687,6 +684,16 @@ def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:
         return m  # type: ignore[return-value]
 
     return _apply
+
+
+def _moved(fn: Any, dtype: torch.dtype, streamer: Streamer) -> torch.Tensor | None:
+    """What ``Module._apply``'s ``fn`` makes of an empty ``dtype`` tensor, if that leaves
+    ``dtype`` or the streamer's device (None: it changes nothing that streams)."""
+    probe = fn(torch.empty(0, dtype=dtype))
+    same = probe.dtype == dtype and probe.device.type == streamer.device.type
+    if same and probe.device.type == "cuda":
+        same = (probe.device.index or torch.cuda.current_device()) == streamer.device.index
+    return None if same else probe
 
 
 def _guarded_unit_apply(module: nn.Module, name: str, streamer: Streamer) -> Any:
@@ -700,11 +707,8 @@ def _guarded_unit_apply(module: nn.Module, name: str, streamer: Streamer) -> Any
         m = ref()
         dtypes = sorted({p.dtype for p in m.parameters()}, key=str) if m is not None else []
         for dtype in dtypes or [torch.float32]:
-            probe = fn(torch.empty(0, dtype=dtype))
-            same = probe.dtype == dtype and probe.device.type == streamer.device.type
-            if same and probe.device.type == "cuda":
-                same = (probe.device.index or torch.cuda.current_device()) == streamer.device.index
-            if not same:
+            probe = _moved(fn, dtype, streamer)
+            if probe is not None:
                 raise RuntimeError(
                     f"ramtorch.offload: unit {name!r} of an offloaded model streams to {streamer.device} "
                     f"with its weights ({', '.join(str(d) for d in dtypes)}) in host RAM, in device "

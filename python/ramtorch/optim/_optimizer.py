@@ -87,7 +87,8 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         # id(param) -> version of the gradient buffer the update used, for params updated during
         # the last backward (checked in step(): the gradient must not have changed since).
         self._done: dict[int, tuple[torch.Tensor, int]] = {}
-        # id(param) -> the hyperparameters its update during backward used (checked in step()).
+        # id(param group) -> its hyperparameters when updates committed during backward used them
+        # (checked in step()).
         self._done_hyper: dict[int, dict[str, Any]] = {}
         # Parameters updated during a backward that got gradients again from a later backward of
         # the same step (more backwards than any step before, outside accumulate()): step() raises.
@@ -304,10 +305,11 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     "Trainer: ramtorch.integrations.transformers.RamtorchTrainer), overlap=False "
                     "with a GradScaler, and accumulate() around the backward passes of micro-batches."
                 )
-        for pid, hyper in done_hyper.items():
-            entry = owned.get(pid)
-            if entry is not None and not same_group(hyper, entry[1]):
-                changed = sorted(k for k in hyper if k in entry[1] and not same_value(hyper[k], entry[1][k]))
+        groups = {id(g): g for g in self.param_groups}
+        for gid, hyper in done_hyper.items():
+            group = groups.get(gid)
+            if group is not None and not same_group(hyper, group):
+                changed = sorted(k for k in hyper if k in group and not same_value(hyper[k], group[k]))
                 raise RuntimeError(
                     f"{type(self).__name__}: hyperparameters ({', '.join(changed) or 'the group'}) "
                     "were changed between backward and step(), but this step's updates were "

@@ -77,7 +77,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     _micro: int
     _last_backward: int
     _done: dict[int, tuple[torch.Tensor, int]]
-    _done_hyper: dict[int, dict[str, Any]]
+    _done_hyper: dict[int, dict[str, Any]]  # id(param group) -> its hyperparameters then
     _late: set[int]
     _reduced: set[int]
     _reduced_dev: set[int]
@@ -95,11 +95,11 @@ class OverlapSchedule(torch.optim.Optimizer):
         ``PIPELINE``), or may be (the default, while it runs in ``step()`` because it measured
         that cheaper). Setting it True turns on speculation (if updates ran in ``step()``);
         ``"backward"`` commits them during backward (``UpdateMode.OVERLAP``)."""
-        return self._mode is not UpdateMode.IN_STEP or self.__dict__.get("_auto") is not None
+        return self._mode is not UpdateMode.IN_STEP or self._auto is not None
 
     @overlap.setter
     def overlap(self, on: bool | str) -> None:
-        self.__dict__["_auto"] = None  # the user's choice, kept
+        self._auto = None  # the user's choice, kept
         if on == "backward":
             self._mode = UpdateMode.OVERLAP
         elif not on:
@@ -174,14 +174,15 @@ class OverlapSchedule(torch.optim.Optimizer):
             # scheduler may change them (scheduler.step() after opt.step()) before the job runs.
             hyper = {k: v for k, v in entry[1].items() if k != "params"}
             work.append((p, hyper, bufs[0], p.grad))
+            if id(entry[1]) not in self._done_hyper:  # step() checks they still hold then
+                self._done_hyper[id(entry[1])] = freeze_group(entry[1])
         if not work:
             return
         marker = eng._core.marker()
         updated = []
-        for p, hyper, *_ in work:
+        for p, *_ in work:
             if self._owns(p):
                 self._done[id(p)] = (None, -1)  # the gradient it becomes is known after backward
-                self._done_hyper[id(p)] = freeze_group(hyper)  # step() checks they still hold
                 updated.append(p)
             else:
                 self._reduced.add(id(p))  # ZeRO-2: reduced to its owner during backward
@@ -203,6 +204,7 @@ class OverlapSchedule(torch.optim.Optimizer):
         user sees changes until ``step()`` commits them."""
         owned = self._param_ids()
         names = (*self._state_names, "master")
+        frozen: dict[int, dict[str, Any]] = {}  # each group's hyperparameters, frozen once
         work = []
         for p in params:
             entry = owned.get(id(p))
@@ -218,8 +220,11 @@ class OverlapSchedule(torch.optim.Optimizer):
             if shadow is None:
                 continue  # the host cannot spare the memory: updated in step()
             step = state["step"]
+            hyper = frozen.get(id(entry[1]))
+            if hyper is None:
+                hyper = frozen[id(entry[1])] = freeze_group(entry[1])
             spec = Speculation(
-                hyper=freeze_group(entry[1]),
+                hyper=hyper,
                 step=int(step.item() if isinstance(step, torch.Tensor) else step) + 1,
                 read={n: (state[n], state[n]._version) for n in names if n in state},
                 param_version=p._version,
@@ -272,11 +277,15 @@ class OverlapSchedule(torch.optim.Optimizer):
         if not spec:
             return committed
         owned = self._param_ids()
+        same: dict[tuple[int, int], bool] = {}  # (frozen hyperparameters, group) compared once
         for pid, s in spec.items():
             entry = owned.get(pid)
             if entry is None:
                 continue
             p, group = entry
+            key = (id(s.hyper), id(group))
+            if key not in same:
+                same[key] = same_group(s.hyper, group)
             g = p.grad
             state = self.state.get(p)
             valid = (
@@ -289,7 +298,7 @@ class OverlapSchedule(torch.optim.Optimizer):
                 and bool(state)
                 and int(state["step"]) + 1 == s.step
                 and all(state.get(n) is t and t._version == v for n, (t, v) in s.read.items())
-                and same_group(s.hyper, group)
+                and same[key]
             )
             if not valid:
                 if s.done:
@@ -402,8 +411,9 @@ class OverlapSchedule(torch.optim.Optimizer):
     def after_finish(self) -> None:
         """Called by the engine once backward has written ``.grad``: remembers each gradient the
         updates used, to detect later changes to it."""
+        owned = self._param_ids()
         for pid, s in self._spec.items():
-            entry = self._param_ids().get(pid)
+            entry = owned.get(pid)
             if s.grad is None and entry is not None and entry[0].grad is not None:
                 g = entry[0].grad
                 s.grad = (g, g._version)

@@ -77,29 +77,11 @@ class HostStates(torch.optim.Optimizer):
         """Updates host parameter ``p`` with ``grad`` (times ``scale``) through the rule's kernel:
         its states are made on its first update; the seed of its stochastic rounding follows
         the step and its position."""
-        if not p.is_contiguous():
-            raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
-        if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
-            grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
         if self._zero is not None:
             self._zero.consolidated = None  # the state changes
         state = self._host_state(p)
         state["step"] += 1
-        step = int(state["step"].item())
-        master = state.get("master")
-        names = self._state_names
-        sdt = state[names[0]].dtype if names else torch.float32
-        self._kernel(
-            p,
-            grad,
-            [state[n] for n in names],
-            _DTYPES[sdt],
-            master,
-            step,
-            group,
-            scale,
-            hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1),
-        )
+        self._run_kernel(p, grad, group, int(state["step"].item()), scale)
 
     def _update_host_into(
         self,
@@ -113,30 +95,43 @@ class HostStates(torch.optim.Optimizer):
         hyperparameters, out of place: the new weight, states and master go to ``shadow``
         (``_speculation``); ``p`` and its states are read, never written. The same bits as
         :meth:`_update_host` would write in place."""
+        self._run_kernel(p, grad, group, step, 1.0, shadow)
+
+    def _run_kernel(
+        self,
+        p: torch.nn.Parameter,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        step: int,
+        scale: float,
+        into: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Step ``step`` of the rule on ``p`` (whose states exist), in place, or out of place into
+        ``into`` (the weight as ``"param"``, the states, ``"master"``)."""
         if not p.is_contiguous():
             raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
         if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
             grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
         state = self.state[p]
         names = self._state_names
-        master = state.get("master")
-        old: dict[str, torch.Tensor] = {}
-        if master is not None:
-            old["old_master"] = master
-        else:
-            old["old_param"] = p.detach()
-        for k, name in enumerate(names):
-            old[f"old_state{k + 1}"] = state[name]
         sdt = state[names[0]].dtype if names else torch.float32
+        master = state.get("master")
+        old: dict[str, torch.Tensor] | None = None
+        dst, dst_states, dst_master = p, [state[n] for n in names], master
+        if into is not None:
+            # The old values are read where they live; the new ones go to ``into``.
+            old = {"old_master": master} if master is not None else {"old_param": p.detach()}
+            old.update({f"old_state{k + 1}": t for k, t in enumerate(dst_states)})
+            dst, dst_states, dst_master = into["param"], [into[n] for n in names], into.get("master")
         self._kernel(
-            shadow["param"],
+            dst,
             grad,
-            [shadow[n] for n in names],
+            dst_states,
             _DTYPES[sdt],
-            shadow.get("master"),
+            dst_master,
             step,
             group,
-            1.0,
+            scale,
             hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1),
             old=old,
         )
