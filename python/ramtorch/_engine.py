@@ -248,6 +248,44 @@ class ForwardLock:
         return self._owner is threading.current_thread()
 
 
+class _Pending:
+    """One parameter's gradient in the running backward: either the host tensor that the
+    device's running sum crosses into (``target``), or host buffers, one per gradient, added up
+    at the end of backward (``bufs``)."""
+
+    __slots__ = ("bufs", "param", "replaces", "target")
+
+    def __init__(self, param: torch.nn.Parameter) -> None:
+        self.param = param
+        self.target: torch.Tensor | None = None
+        self.replaces: torch.Tensor | None = None  # the ``.grad`` whose value the sum includes
+        self.bufs: list[torch.Tensor] = []
+
+
+class _Sum:
+    """A parameter's gradient accumulated on the device: the sum of its gradients since ``.grad``
+    was last empty (``dev``), and the host tensor it was last copied into whole (``host``, at
+    ``version``). Valid while ``.grad`` is that tensor at that version."""
+
+    __slots__ = ("dev", "host", "nbytes", "ref", "version")
+
+    def __init__(self, param: torch.nn.Parameter) -> None:
+        self.ref = weakref.ref(param)
+        self.nbytes = param.numel() * param.element_size()
+        self.dev: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.version = -1
+
+    def holds(self, param: torch.nn.Parameter, grad: torch.Tensor | None) -> bool:
+        return (
+            self.ref() is param
+            and grad is not None
+            and grad is self.host
+            and grad._version == self.version
+            and self.dev is not None
+        )
+
+
 class DeviceEngine:
     """Slots, weight acquisition and gradient write-back for one compute device."""
 
@@ -272,8 +310,19 @@ class DeviceEngine:
         self.tracing = False  # set by ramtorch.trace
         # Gradient copies in flight: their device sources, oldest first, freed as they complete.
         self._grad_sources: deque[torch.Tensor] = deque()
-        # Host buffers receiving gradients this backward: id(param) -> (param, [buffers]).
-        self._pending: dict[int, tuple[torch.nn.Parameter, list[torch.Tensor]]] = {}
+        # Each parameter's gradient in the running backward: id(param) -> its record.
+        self._pending: dict[int, _Pending] = {}
+        # Gradient accumulation on the device (see :class:`_Sum`): id(param) -> the running sum
+        # of its gradient since ``.grad`` was last empty, kept across backwards while the device
+        # has room (``_sum_cap``) and the training loop accumulates (``_keep_sums``).
+        self._sums: dict[int, _Sum] = {}
+        self._sum_bytes = 0
+        self._keep_sums = False
+        self._fresh_backwards = 0  # backwards in a row that added to no earlier gradient
+        self._accumulated = False  # this backward added to a gradient left by an earlier one
+        #: Bytes of gradient sums the device may hold (None: what its memory leaves free).
+        self.sum_cap: int | None = None
+        self._auto_sum_cap = 0
         # Who each held slot was taken for: slot -> id of its holder (a streamer). An interrupt
         # (Ctrl-C) can land between the engine's answer and the holder's record of it:
         # :meth:`reconcile` compares the two and gives back what no holder records. ``_unsettled``
@@ -435,8 +484,17 @@ class DeviceEngine:
     def push_grad(
         self, param: torch.nn.Parameter, grad: torch.Tensor, max_inflight: int, tag: int = 0
     ) -> None:
-        """Runs ``param``'s gradient hooks on the device gradient, then queues its copy into a host
-        arena buffer; :meth:`finish` adds it to ``param.grad``."""
+        """Runs ``param``'s gradient hooks on the device gradient, then queues its copy into host
+        memory; :meth:`finish` makes it ``param.grad`` (or adds it to ``param.grad``).
+
+        Accumulation (a backward adding to the gradient an earlier one left, no ``zero_grad``
+        between) happens on the device while it has room: the running sum of the parameter's
+        gradients since ``.grad`` was last empty stays in device memory, the new gradient is added
+        to it there, and the sum crosses the link straight into ``.grad``, overwriting it: the
+        same bytes cross as for a fresh gradient and the host adds nothing. The sums are kept
+        only once the training loop has been seen to accumulate, and only while ``.grad`` is the
+        tensor this engine wrote, unchanged since (its version counter). Otherwise the gradient
+        lands in a buffer of its own, added into ``.grad`` at the end of backward."""
         hooks = getattr(param, "_backward_hooks", None)
         if hooks:
             for hook in list(hooks.values()):
@@ -452,25 +510,57 @@ class DeviceEngine:
         for listener in list(self._listeners):
             if listener.reduce_grad(param, grad) is False:
                 return  # ZeRO-2: reduced onto the rank that owns it, which keeps it
-        dst = _arena.host_empty(param.shape, param.dtype)
         nbytes = grad.numel() * grad.element_size()
+        pid = id(param)
+        entry = self._pending.get(pid)
+        if entry is None:
+            entry = _Pending(param)
+            prior = param.grad
+            s = self._sums.get(pid)
+            if s is not None and not s.holds(param, prior):
+                self._drop_sum(pid)  # ``.grad`` was emptied, replaced or written since
+                s = None
+            if prior is not None:
+                self._accumulated = True
+                if s is None:
+                    self._keep_sums = True  # the loop accumulates: keep sums from now on
+            if s is not None:
+                # The sum crosses whole into a buffer that becomes ``.grad``'s memory at the end
+                # of backward (not into ``.grad`` itself: a backward that raises leaves it as it was).
+                entry.target = _arena.host_empty(param.shape, param.dtype)
+                entry.replaces = prior
+            elif prior is None and self._keep_sums and self._sum_room(nbytes):
+                s = self._sums[pid] = _Sum(param)
+                self._sum_bytes += nbytes
+                entry.target = _arena.host_empty(param.shape, param.dtype)
+            self._pending[pid] = entry  # one step: an interrupt leaves it recorded or not
+        s = self._sums.get(pid) if entry.target is not None else None
+        if s is not None:
+            # The running sum, out of place: the sum being copied stays intact until its copy
+            # retires, and a gradient autograd handed over is never written.
+            src = grad if s.dev is None else s.dev + grad
+            s.dev = src
+            dst = entry.target
+        else:
+            src = grad
+            dst = _arena.host_empty(param.shape, param.dtype)
+            entry.bufs.append(dst)
+        assert dst is not None
         # Source and destination are recorded before the copy is queued: an interrupt (Ctrl-C)
         # landing right after the engine queued it must not free either while the copy runs
         # (an interrupted backward's records are dropped only after a synchronize).
-        self._grad_sources.append(grad)
-        entry = self._pending.get(id(param))
-        if entry is None:
-            entry = self._pending[id(param)] = (param, [])
-        entry[1].append(dst)
+        self._grad_sources.append(src)
         rng = _profile.begin("ramtorch.copy_to_host") if _profile.active() else None
         try:
-            retired = self._core.copy_to_host(dst.data_ptr(), grad, nbytes, max_inflight, self._stream(), tag)
+            retired = self._core.copy_to_host(dst, src, nbytes, max_inflight, self._stream(), tag)
         except Exception:
             self._core.synchronize()  # (refused: nothing queued; waited for in any case)
             self._grad_sources.pop()
-            entry[1].pop()
-            if not entry[1]:
-                del self._pending[id(param)]
+            self._drop_sum(pid)  # its device sum may be ahead of ``.grad`` now
+            if entry.bufs and entry.bufs[-1] is dst:
+                entry.bufs.pop()
+            if not entry.bufs and entry.target is None:
+                del self._pending[pid]
             raise
         finally:
             if rng is not None:
@@ -478,13 +568,44 @@ class DeviceEngine:
         for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
             self._grad_sources.popleft()
 
+    def _sum_room(self, nbytes: int) -> bool:
+        """Whether the device may hold ``nbytes`` more of gradient sums."""
+        cap = self._auto_sum_cap if self.sum_cap is None else self.sum_cap
+        return self._sum_bytes + nbytes <= cap
+
+    def _drop_sum(self, pid: int) -> None:
+        s = self._sums.pop(pid, None)
+        if s is not None:
+            self._sum_bytes -= s.nbytes
+
+    def drop_sums(self) -> None:
+        """Forgets every gradient sum kept on the device (their memory goes back to torch)."""
+        self._sums.clear()
+        self._sum_bytes = 0
+
+    def _update_sum_cap(self) -> None:
+        """After a backward: how many bytes of gradient sums the device may hold from now on.
+        On a GPU, what the highest memory use seen so far leaves below the process's limit
+        (the device's memory times torch's per-process fraction), less a reserve of a tenth
+        (at least 2 GiB); the sums held count as room, since that peak includes them. On the
+        host device the sums live in host memory: no limit."""
+        if self.device.type != "cuda":
+            self._auto_sum_cap = 1 << 62
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        limit = int(total * torch.cuda.get_per_process_memory_fraction(self.device))
+        reserve = max(2 << 30, limit // 10)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self._auto_sum_cap = max(0, self._sum_bytes + limit - reserve - peak)
+
     def finish(self) -> None:
-        """Waits for every gradient copy (one synchronisation per backward) and accumulates the
-        host buffers into ``.grad``, then runs post-accumulate-grad hooks."""
+        """Waits for every gradient copy (one synchronisation per backward) and writes ``.grad``:
+        a gradient whose sum crossed from the device is there already (or becomes ``.grad``),
+        the others' host buffers are added into it. Then runs post-accumulate-grad hooks."""
         # The optimizer step comes next: weights may change in ways no version counter sees.
         self._core.invalidate()
         for listener in list(self._listeners):
-            listener.before_finish()
+            listener.before_finish(self)
         if not self._pending and not self._grad_sources:
             self._user = None  # the training step's backward is over
             return
@@ -496,21 +617,54 @@ class DeviceEngine:
         self._grad_sources.clear()
         pending, self._pending = self._pending, {}
         with torch.no_grad():
-            for param, bufs in pending.values():
-                total = bufs[0]
-                for b in bufs[1:]:
-                    total.add_(b)
-                if param.grad is None:
-                    param.grad = total
+            for pid, entry in pending.items():
+                param, target = entry.param, entry.target
+                if target is not None:
+                    s = self._sums.get(pid)
+                    grad = param.grad
+                    if grad is None:
+                        param.grad = grad = target
+                    elif grad is entry.replaces and s is not None and s.holds(param, grad):
+                        # The sum of every gradient since ``.grad`` was empty: it becomes the
+                        # memory of the same tensor, as torch's in-place accumulation keeps it
+                        # (the version counter moves, as it does there).
+                        grad.set_(target)
+                    else:  # ``.grad`` changed during backward (a hook): added into it
+                        grad.add_(target)
+                        s = None
+                        self._drop_sum(pid)
+                    if s is not None:
+                        s.host, s.version = grad, grad._version
                 else:
-                    param.grad.add_(total)
+                    total = entry.bufs[0]
+                    for b in entry.bufs[1:]:
+                        total.add_(b)
+                    if param.grad is None:
+                        param.grad = total
+                    else:
+                        param.grad.add_(total)
                 post = getattr(param, "_post_accumulate_grad_hooks", None)
                 if post:
                     for hook in list(post.values()):
                         hook(param)
+        self._end_backward_sums()
         for listener in list(self._listeners):
             listener.after_finish()
         self._user = None  # the training step's backward is over: another thread may start one
+
+    def _end_backward_sums(self) -> None:
+        """Learns, at the end of a backward, whether to keep gradient sums: a loop that stops
+        accumulating (two backwards in a row that added to nothing) gets its memory back."""
+        if self._accumulated:
+            self._fresh_backwards = 0
+        else:
+            self._fresh_backwards += 1
+            if self._fresh_backwards >= 2 and self._keep_sums:
+                self._keep_sums = False
+                self.drop_sums()
+        self._accumulated = False
+        if self._keep_sums:
+            self._update_sum_cap()
 
     def _check_thread(self, claim: bool) -> None:
         """Raises if another (live) thread has a training step in progress on this engine; with
@@ -560,6 +714,8 @@ class DeviceEngine:
             self._core.synchronize()
             self._grad_sources.clear()
             self._pending.clear()
+            self.drop_sums()  # they may hold gradients that never reached ``.grad``
+            self._accumulated = False
             return True
         return False
 
@@ -574,7 +730,7 @@ class DeviceEngine:
 
     def add_listener(self, listener: Any) -> None:
         """``listener.on_grads(engine, params)`` is called during backward when every gradient of
-        ``params`` for this backward is on its way to the host; ``listener.before_finish()`` before
+        ``params`` for this backward is on its way to the host; ``listener.before_finish(engine)`` before
         the gradients are written to ``.grad``."""
         self._listeners.add(listener)
 
@@ -582,10 +738,23 @@ class DeviceEngine:
         for listener in list(self._listeners):
             listener.on_grads(self, params)
 
-    def pending_buffers(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
-        """Host buffers receiving ``param``'s gradients in the running backward."""
+    def pending_gradient(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        """Host tensors whose sum is ``param``'s gradient at the end of the running backward, as
+        far as its gradients were queued: read them once the copies queued so far have landed
+        (an engine marker). Empty if none was queued."""
         entry = self._pending.get(id(param))
-        return [] if entry is None else list(entry[1])
+        if entry is None:
+            return []
+        if entry.target is not None:
+            return [entry.target]
+        prior = param.grad
+        return ([] if prior is None else [prior]) + list(entry.bufs)
+
+    def adds_into_grad(self, param: torch.nn.Parameter) -> bool:
+        """Whether the end of the running backward adds host buffers (into ``param.grad``, or into
+        the first of them), rather than the gradient crossing whole."""
+        entry = self._pending.get(id(param))
+        return entry is not None and entry.target is None and (param.grad is not None or len(entry.bufs) > 1)
 
     # -- synchronisation ------------------------------------------------------------------------
 
@@ -613,6 +782,7 @@ class DeviceEngine:
         s["slots"] = len(self._slots)
         s["slot_bytes"] = self._slot_bytes
         s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
+        s["grad_sum_bytes"] = self._sum_bytes
         s.update({f"layer_{k}": v for k, v in self.layer_counters.items()})
         s["h2d_gbps"] = s["h2d_timed_bytes"] / s["h2d_seconds"] / 1e9 if s["h2d_seconds"] > 0 else 0.0
         s["d2h_gbps"] = s["d2h_timed_bytes"] / s["d2h_seconds"] / 1e9 if s["d2h_seconds"] > 0 else 0.0

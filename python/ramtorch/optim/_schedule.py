@@ -165,15 +165,16 @@ class OverlapSchedule(torch.optim.Optimizer):
                 continue
             if entry is None or not _is_host(p) or id(p) in self._reduced:
                 continue
-            bufs = eng.pending_buffers(p)
-            if len(bufs) != 1:
+            # The host tensors whose sum is the gradient (the one accumulated before this backward
+            # among them), taken now: by the time the job runs (pipelined steps) the end of
+            # backward may have made ``.grad`` one of them.
+            parts = eng.pending_gradient(p)
+            if not 1 <= len(parts) <= 2:
                 continue  # several contributions: summed at the end of backward, updated in step()
-            # The gradient accumulated before this backward, read now: by the time the job runs
-            # (pipelined steps) the end of backward may have made ``.grad`` this very buffer.
             # The group's hyperparameters as they are for this step: with pipelined steps a
             # scheduler may change them (scheduler.step() after opt.step()) before the job runs.
             hyper = {k: v for k, v in entry[1].items() if k != "params"}
-            work.append((p, hyper, bufs[0], p.grad))
+            work.append((p, hyper, parts))
             if id(entry[1]) not in self._done_hyper:  # step() checks they still hold then
                 self._done_hyper[id(entry[1])] = freeze_group(entry[1])
         if not work:
@@ -210,8 +211,8 @@ class OverlapSchedule(torch.optim.Optimizer):
             entry = owned.get(id(p))
             if entry is None or not _is_host(p) or not self._owns(p):
                 continue
-            bufs = eng.pending_buffers(p)
-            if len(bufs) != 1:
+            parts = eng.pending_gradient(p)
+            if not 1 <= len(parts) <= 2:
                 continue  # several contributions: summed at the end of backward, updated in step()
             state = self.state.get(p)
             if not state or "step" not in state:
@@ -231,7 +232,7 @@ class OverlapSchedule(torch.optim.Optimizer):
             )
             # A later backward of the same step replaces it (the gradient read is then the sum).
             self._spec[id(p)] = spec
-            work.append((p, spec, shadow, bufs[0], p.grad))
+            work.append((p, spec, shadow, parts))
         if not work:
             return
         marker = eng._core.marker()
@@ -251,11 +252,11 @@ class OverlapSchedule(torch.optim.Optimizer):
             return
         t = time.perf_counter()
         done = []
-        for p, spec, shadow, buf, prior in work:
+        for p, spec, shadow, parts in work:
             if self._spec_closed or self._spec.get(id(p)) is not spec:
                 continue  # step() has begun (it updates the rest), or replaced, or dropped
             try:
-                grad = buf if prior is None else prior + buf
+                grad = parts[0] if len(parts) == 1 else parts[0] + parts[1]
                 self._update_host_into(p, grad, spec.hyper, spec.step, shadow)
             except Exception:  # noqa: BLE001 - never committed; step() updates it and meets the error
                 continue
@@ -337,8 +338,8 @@ class OverlapSchedule(torch.optim.Optimizer):
         begin = time.perf_counter() if spans is not None else 0.0
         eng._core.wait_marker(marker)
         t = time.perf_counter()
-        for p, group, buf, prior in work:
-            grad = buf if prior is None else prior + buf
+        for p, group, parts in work:
+            grad = parts[0] if len(parts) == 1 else parts[0] + parts[1]
             if self._zero is not None and id(p) not in self._reduced_dev:
                 # ZeRO-2: this unit's gradients go to their owners now, while backward runs on.
                 self._zero.reduce_one(p, grad)
@@ -360,8 +361,8 @@ class OverlapSchedule(torch.optim.Optimizer):
         """Waits for every update queued so far (see ``pipeline``); raises if one failed."""
         self.drain()
 
-    def before_finish(self) -> None:
-        """Called by the engine at the end of backward, before it writes ``.grad``. Without
+    def before_finish(self, eng: _engine.DeviceEngine) -> None:
+        """Called by ``eng`` at the end of backward, before it writes ``.grad``. Without
         ``pipeline`` the updates made during backward are waited for (``backward()`` returns with
         them done); with it they run on, unless a gradient they read is about to be added to."""
         task = torch._C._current_graph_task_id()  # once per backward (engines may call it again)
@@ -374,14 +375,16 @@ class OverlapSchedule(torch.optim.Optimizer):
             # Speculative updates run on past backward (step() waits for them), unless one reads a
             # gradient that the end of backward is about to add to.
             if any(
-                not s.done and owned[pid][0].grad is not None for pid, s in self._spec.items() if pid in owned
+                not s.done and eng.adds_into_grad(owned[pid][0])
+                for pid, s in self._spec.items()
+                if pid in owned
             ):
                 self.drain()
             return
         if self._mode is not UpdateMode.PIPELINE or self._zero is not None:
             self.drain()
             return
-        if any(owned[pid][0].grad is not None for pid in self._done if pid in owned):
+        if any(eng.adds_into_grad(owned[pid][0]) for pid in self._done if pid in owned):
             self.drain()
 
     def drain(self, interrupted: bool = False) -> None:

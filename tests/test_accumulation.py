@@ -1,0 +1,292 @@
+"""Gradient accumulation (several backwards before ``zero_grad``) against torch: the running sum
+kept on the device crosses into ``.grad`` whole, and every way ``.grad`` can change between
+backwards (emptied, scaled in place, replaced, zeroed in place) is seen; without room on the device
+the gradients are added on the host. Offloaded models and per-layer ``ramtorch.nn.Linear`` take
+the same path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ramtorch
+import ramtorch.optim as ropt
+import torch
+from conftest import Net
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ramtorch import _engine
+from torch import nn
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _engine_of(device: str) -> _engine.DeviceEngine:
+    return _engine.engine_for(_engine.normalize_device(device))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine_sums():
+    """Each test starts with no learned accumulation and the automatic room; restored after."""
+    for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        eng = _engine_of(dev)
+        eng.drop_sums()
+        eng._keep_sums = False
+        eng._fresh_backwards = 0
+        eng.sum_cap = None
+    yield
+    for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        eng = _engine_of(dev)
+        eng.sum_cap = None
+        eng.drop_sums()
+
+
+class LinearNet(nn.Module):
+    """Per-layer ``ramtorch.nn.Linear`` layers (or torch's, for the reference)."""
+
+    def __init__(self, linear: type, d: int, device: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        kw = {"dtype": dtype}
+        self.a = linear(8, d, **kw)
+        self.b = linear(d, d, bias=False, **kw)
+        self.c = linear(d, 3, **kw)
+        self.to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+def _pair(
+    kind: str, device: str, dtype: torch.dtype, d: int = 16, seed: int = 0
+) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    if kind == "offload":
+        ref = Net(d=d, layers=3).to(dtype)
+        ours = copy.deepcopy(ref)
+        ref.to(device)
+        ramtorch.offload(ours, device=device)
+        return ref, ours
+    ref = LinearNet(nn.Linear, d, device, dtype)
+    ours = LinearNet(ramtorch.nn.Linear, d, device, dtype)
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), ours.parameters()):
+            q.copy_(p.cpu())
+    return ref, ours
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().square().mean()
+
+
+def _grads_equal(ref: nn.Module, ours: nn.Module) -> None:
+    """Bitwise: both accumulate in the parameter's dtype, one micro-batch at a time."""
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert q.grad.device.type == "cpu"
+            assert torch.equal(q.grad, p.grad.cpu()), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["offload", "linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_micro_batches_accumulate_as_torch_and_on_the_device(device, kind, dtype):
+    """Three micro-batches a step, torch's AdamW on both: ``.grad`` after every backward equals
+    torch's bitwise, the parameters after every step too, and from the second step on the sums
+    are kept on the device."""
+    ref, ours = _pair(kind, device, dtype)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    eng = _engine_of(device)
+    for step in range(4):
+        for _ in range(3):
+            x = torch.randn(5, 8, device=device, dtype=dtype)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+        if step >= 1:
+            assert eng.stats()["grad_sum_bytes"] > 0
+        o_ref.step()
+        o_ours.step()
+        o_ref.zero_grad()
+        o_ours.zero_grad()
+        for p, q in zip(ref.parameters(), ours.parameters()):
+            assert torch.equal(q.detach(), p.detach().cpu())
+
+
+@pytest.mark.parametrize("kind", ["offload", "linear"])
+def test_micro_batches_equal_one_big_batch(kind):
+    """The accumulated gradient of two halves with summed losses equals the gradient of the
+    whole batch (fp32, up to summation order), with ramtorch's AdamW stepping on it."""
+    ref, ours = _pair(kind, "cpu", torch.float32)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2)
+    for _ in range(4):
+        x = torch.randn(8, 8)
+        ref(x).square().sum().backward()
+        for half in x.chunk(2):
+            ours(half).square().sum().backward()
+        for p, q in zip(ref.parameters(), ours.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+        o_ref.step()
+        o_ours.step()
+        o_ref.zero_grad()
+        o_ours.zero_grad()
+    ramtorch.synchronize()
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["offload", "linear"])
+@pytest.mark.parametrize("edit", ["scale", "replace", "zero_in_place", "none_then_fresh"])
+def test_edits_of_grad_between_backwards_are_seen(kind, edit):
+    """An edit of ``.grad`` between two backwards (torch counts it, or it is another tensor) makes
+    the next backward add to what ``.grad`` holds then, as torch does: the device sum is dropped."""
+    ref, ours = _pair(kind, "cpu", torch.float32)
+    for step in range(3):  # the first step teaches that the loop accumulates
+        for i in range(3):
+            x = torch.randn(5, 8)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            if step == 2 and i == 1:
+                for model in (ref, ours):
+                    for p in model.parameters():
+                        if edit == "scale":
+                            p.grad.mul_(0.5)
+                        elif edit == "replace":
+                            p.grad = p.grad * 3.0
+                        elif edit == "zero_in_place":
+                            p.grad.zero_()
+                        else:
+                            p.grad = None
+            _grads_equal(ref, ours)
+        for model in (ref, ours):
+            model.zero_grad(set_to_none=step % 2 == 0)
+
+
+def test_without_room_on_the_device_gradients_add_on_the_host():
+    ref, ours = _pair("offload", "cpu", torch.float32)
+    eng = _engine_of("cpu")
+    eng.sum_cap = 0
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(5, 8)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+        assert eng.stats()["grad_sum_bytes"] == 0
+        ref.zero_grad()
+        ours.zero_grad()
+
+
+def test_partial_room_mixes_both_paths():
+    """With room for some parameters only, those accumulate on the device and the rest on the
+    host; all equal torch."""
+    ref, ours = _pair("offload", "cpu", torch.float32, d=32)
+    eng = _engine_of("cpu")
+    eng.sum_cap = 3 * 32 * 64 * 4  # a few of the larger weights
+    for step in range(3):
+        for _ in range(3):
+            x = torch.randn(5, 8)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+        if step:
+            assert 0 < eng.stats()["grad_sum_bytes"] <= eng.sum_cap
+        ref.zero_grad()
+        ours.zero_grad()
+
+
+def test_a_loop_that_stops_accumulating_gets_the_memory_back():
+    _, ours = _pair("offload", "cpu", torch.float32)
+    eng = _engine_of("cpu")
+    for _ in range(2):
+        for _ in range(2):
+            _loss(ours, torch.randn(5, 8)).backward()
+        ours.zero_grad()
+    assert eng.stats()["grad_sum_bytes"] > 0
+    for _ in range(3):  # one backward a step from now on
+        _loss(ours, torch.randn(5, 8)).backward()
+        ours.zero_grad()
+    assert eng.stats()["grad_sum_bytes"] == 0
+
+
+def test_an_interrupted_backward_drops_the_sums():
+    """A backward that raises leaves no gradient; the next one adds to ``.grad`` as it was before
+    (the device sums, which may hold the interrupted backward's gradients, are dropped)."""
+    ref, ours = _pair("offload", "cpu", torch.float32)
+
+    class Boom(Exception):
+        pass
+
+    for _ in range(2):
+        for _ in range(2):
+            x = torch.randn(5, 8)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+        ref.zero_grad()
+        ours.zero_grad()
+    x = torch.randn(5, 8)
+    _loss(ref, x).backward()
+    _loss(ours, x).backward()
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise Boom
+
+    y = torch.randn(5, 8, requires_grad=True)
+    out = _loss(ours, y)
+    handle = y.register_hook(fail)  # raises after every weight gradient was queued
+    with pytest.raises(Boom):
+        out.backward()
+    handle.remove()
+    ramtorch.synchronize()
+    assert _engine_of("cpu").stats()["grad_sum_bytes"] == 0
+    x = torch.randn(5, 8)
+    _loss(ref, x).backward()
+    _loss(ours, x).backward()
+    _grads_equal(ref, ours)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    d=st.integers(1, 24),
+    micro=st.integers(2, 4),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    kind=st.sampled_from(["offload", "linear"]),
+)
+def test_random_shapes_and_dtypes_accumulate_as_torch(d, micro, dtype, kind):
+    for dev in ["cpu"]:
+        eng = _engine_of(dev)
+        eng.drop_sums()
+        eng._keep_sums = False
+    ref, ours = _pair(kind, "cpu", dtype, d=d, seed=d)
+    for _ in range(2):
+        for _ in range(micro):
+            x = torch.randn(3, 8, dtype=dtype)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+        ref.zero_grad()
+        ours.zero_grad()
+
+
+@pytest.mark.parametrize("mode", [True, "backward", False])
+def test_ramtorch_adamw_with_micro_batches_on_the_device_equals_torch(mode):
+    """ramtorch's AdamW in each overlap mode reads the gradient that crossed whole (its
+    speculation or in-backward update runs on it) and steps as torch's does."""
+    ref, ours = _pair("offload", "cpu", torch.float32)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    o_ours = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, overlap=mode)
+    for _ in range(5):
+        for _ in range(3):
+            x = torch.randn(5, 8)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+        o_ref.step()
+        o_ours.step()
+        o_ref.zero_grad()
+        o_ours.zero_grad()
+    ramtorch.synchronize()
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6)
+    assert _engine_of("cpu").stats()["grad_sum_bytes"] > 0
