@@ -175,6 +175,7 @@ def finish(records: list[dict], bw: dict[str, float], meta: dict) -> None:
     for r in records:
         if r["system"] == "resident" and r["phase"] == "forward_backward":
             resident.setdefault((r["workload"], r["tokens"], "step"), r["seconds"])
+            resident.setdefault((r["workload"], r["tokens"], "forward_backward_accumulate"), r["seconds"])
     peers: dict[tuple, dict[str, float]] = {}
     for r in records:
         if r["system"] in PEERS:

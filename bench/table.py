@@ -20,7 +20,7 @@ SYSTEM_ORDER = (
     "fsdp2",
     "resident",
 )
-PHASE_ORDER = ("forward", "forward_backward", "step")
+PHASE_ORDER = ("forward", "forward_backward", "forward_backward_accumulate", "step")
 PEER_NAMES = {  # vs_<key> field → short name in the table
     "accelerate": "accelerate",
     "fsdp2": "fsdp2",

@@ -386,7 +386,7 @@ def main() -> None:
                 with torch.no_grad(), unchanged():
                     call(x)
 
-            def fwd_bwd(x: torch.Tensor = x) -> None:
+            def fwd_bwd(x: torch.Tensor = x, accumulate: bool = False) -> None:
                 if a.system == "ramtorch-1.11":
                     model.step(x, loss_fn=loss_of)
                     model.flush_grads()  # accumulated gradients to .grad (host, for streamed chunks)
@@ -401,6 +401,8 @@ def main() -> None:
 
                     if hasattr(ramtorch, "synchronize"):
                         ramtorch.synchronize()  # every .grad written
+                if accumulate:
+                    return  # the next call's backward adds to these gradients (micro-batches)
                 for p in params:
                     p.grad = None
 
@@ -414,7 +416,14 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            fn = {"forward": fwd, "forward_backward": fwd_bwd, "step": step}[phase]
+            fn = {
+                "forward": fwd,
+                "forward_backward": fwd_bwd,
+                # Every timed backward adds to the gradients the one before left (the warm-up
+                # calls' included): the loop of micro-batches, without its zero_grad.
+                "forward_backward_accumulate": functools.partial(fwd_bwd, accumulate=True),
+                "step": step,
+            }[phase]
             rec = measure(
                 fn,
                 system=a.system,
