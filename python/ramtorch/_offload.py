@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from . import _arena, _config, _engine
 from ._log import logger
 from ._stream import added as _added
+from ._stream import decoding as _decoding
 from ._stream.functions import _READY_BATCH as _READY_BATCH
 from ._stream.functions import _WALK_LIMIT as _WALK_LIMIT
 from ._stream.functions import _Fetch as _Fetch
@@ -282,6 +283,7 @@ def offload(
     if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
         model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
     _report_compute_device(model)
+    _span_generate()
     _added.watch(model, streamer)  # parameters added after this are refused (by name) at the next forward
     _STREAMERS.add(streamer)
     streamer.eng.add_holder(streamer)
@@ -441,6 +443,34 @@ def _check_kv_cache(kwargs: dict[str, Any]) -> None:
                 "when the GPU runs behind the host, as it does while weights stream: upgrade to "
                 "transformers 5.20 or later, or keep the KV cache on the GPU"
             )
+
+
+def _span_generate() -> None:
+    """Makes each call of transformers' ``GenerationMixin.generate`` (once transformers is
+    imported) a decoding span (:mod:`ramtorch._stream.decoding`): between its passes only the
+    decoding loop's code runs, so its second and later passes take the copies prefetched at the
+    end of the pass before instead of copying their first units afresh. Done once, on the class
+    (every model's ``generate`` and the overrides that call it: Whisper's, PEFT's), so that a
+    model whose offloaded part is a submodule (``ramtorch.offload(model.model)``) gets it too; a
+    ``generate`` that does not reach ``GenerationMixin.generate`` runs as plain passes."""
+    module = sys.modules.get("transformers")
+    if module is None:
+        return
+    try:
+        mixin = module.GenerationMixin
+    except (AttributeError, ImportError):  # a transformers without it, or one that failed to import
+        return
+    inner = mixin.__dict__.get("generate")
+    if not callable(inner) or getattr(inner, "_ramtorch_span", False):
+        return
+
+    @functools.wraps(inner)
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _decoding.span():
+            return inner(self, *args, **kwargs)
+
+    generate._ramtorch_span = True  # type: ignore[attr-defined]
+    mixin.generate = generate
 
 
 def _check_loaded(model: nn.Module) -> None:
