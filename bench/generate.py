@@ -3,6 +3,7 @@ under ``ramtorch.offload``, next to its limits; prints one JSON record per line 
 
     python3 bench/generate.py [--budget 8GiB] [--gpu-cap 12GiB] [--batch 1 4 16 64] [--prompt 512]
         [--new 32] [--kv dynamic offloaded] [--reps 2] [--check] [--no-resident] [--deadline SECONDS]
+        [--modes default weights_unchanged]
     python3 bench/generate.py --tiny --device cpu --batch 1 4 --new 8 --prompt 16   # CPU smoke run
 
 The model is W2 (``bench/w2.py``: ``LlamaForCausalLM``, 8.03e9 parameters, bf16, random weights
@@ -24,6 +25,12 @@ random sequences of ``--prompt`` tokens, no padding. Greedy generation::
 
 One warm-up generate (2 new tokens: prefill and decode shapes) per (B, cache), then ``--reps``
 times, interleaved: a generate of 1 new token and one of N = ``--new`` tokens (medians reported).
+
+``--modes``: how ramtorch's generates run, each measured in turn for every (B, cache), in this
+process on the same offloaded model. ``default`` is what a user gets (plain ``model.generate``; its
+records carry no ``"options"``); ``weights_unchanged`` runs the same generates inside
+``ramtorch.weights_unchanged(model)`` (records with ``"options": "weights_unchanged"``). Default:
+``default`` only.
 
 - prefill: the generate of 1 new token: time to first token, i.e. one forward over B × prompt
   tokens plus generate()'s own setup (cache, mask, argmax: small). A bare ``model(ids)`` would
@@ -75,6 +82,7 @@ device (generate() puts its inputs there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -93,6 +101,7 @@ from torch import nn
 from w2 import build, config, free_gpu, to_host
 
 KV_MODES = ("dynamic", "offloaded")
+MODES = ("default", "weights_unchanged")
 T0 = time.perf_counter()
 
 
@@ -494,6 +503,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kv", nargs="+", choices=KV_MODES, default=list(KV_MODES), help="KV caches")
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions (median)")
     ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=["default"],
+        help="ramtorch's generates: plain (default), and/or inside ramtorch.weights_unchanged(model)",
+    )
+    ap.add_argument(
         "--check", action="store_true", help="greedy tokens of a tiny offloaded Llama vs resident"
     )
     ap.add_argument("--no-resident", action="store_true", help="skip the resident model's generations")
@@ -637,13 +653,19 @@ def main() -> int:
 
     if not kv_modes:
         log("no KV cache left to measure with ramtorch")
-    for b, kv in [(b, kv) for b in a.batch for kv in kv_modes]:
+    modes = list(dict.fromkeys(a.modes))
+    for b, kv, mode in [(b, kv, mode) for b in a.batch for kv in kv_modes for mode in modes]:
         if expired():
             break
         ids = prompt_ids(b, a.prompt, cfg.vocab_size, dev)
-        log(f"ramtorch B={b} kv={kv}: generate 1 and {a.new} tokens x {a.reps}")
+        log(f"ramtorch B={b} kv={kv} ({mode}): generate 1 and {a.new} tokens x {a.reps}")
         more = dict(extra)
-        done, error = attempt(measure, model, ids, a.new, kv, a.reps, dev, ram=True)
+        promise: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if mode == "weights_unchanged":
+            more["options"] = "weights_unchanged"  # a default record names no option (BENCH.md)
+            promise = ramtorch.weights_unchanged(model)
+        with promise:
+            done, error = attempt(measure, model, ids, a.new, kv, a.reps, dev, ram=True)
         if done is None:
             if error == "out of memory":  # expected at large B with the cache on the GPU
                 kv_gib = b * (a.prompt + a.new) * kv_bytes_per_token(cfg) / 2**30
@@ -665,7 +687,7 @@ def main() -> int:
         emit(recs)
         pre, dec = recs
         log(
-            f"ramtorch B={b} kv={kv}: prefill {pre['seconds'] * 1e3:.1f} ms "
+            f"ramtorch B={b} kv={kv} ({mode}): prefill {pre['seconds'] * 1e3:.1f} ms "
             f"({pre['tokens_per_second']:.0f} tok/s), "
             f"decode {dec['seconds'] * 1e3:.1f} ms/step ({dec['tokens_per_second']:.1f} tok/s), "
             f"limit/measured {fmt(pre['limit_over_measured'])} / {fmt(dec['limit_over_measured'])}"

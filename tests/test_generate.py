@@ -182,3 +182,151 @@ def test_an_offloaded_transformers_model_reports_its_compute_device():
     detach_streamer(model)
     assert type(model) is cls
     assert model.device == torch.device("cpu")
+
+
+# -- passes of one generate() take each other's copies; edits between calls are seen ------------
+
+
+def _data_mul(m: torch.nn.Module) -> None:
+    for layer in m.model.layers[1:3]:
+        layer.mlp.up_proj.weight.data.mul_(-1.5)  # in place through .data: no version counter moves
+
+
+def _data_assign(m: torch.nn.Module) -> None:
+    w = m.model.layers[2].self_attn.q_proj.weight
+    w.data = w.data.flip(0).contiguous()  # another storage under the same parameter
+
+
+def _copy(m: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.mlp.down_proj.weight.copy_(layer.mlp.down_proj.weight.roll(1, 0))
+
+
+def _replace(m: torch.nn.Module) -> None:
+    mlp = m.model.layers[1].mlp
+    mlp.gate_proj.weight = torch.nn.Parameter(mlp.gate_proj.weight.detach().flip(1).contiguous())
+
+
+GENERATE_EDITS = {"data_mul": _data_mul, "data_assign": _data_assign, "copy": _copy, "replace": _replace}
+
+
+@pytest.mark.parametrize("budget", [None, 600_000])
+@pytest.mark.parametrize("edit", list(GENERATE_EDITS))
+def test_an_edit_between_generate_calls_is_seen(edit, budget):
+    """generate() trusts the copies of its own passes, never those of a pass before it: an edit
+    between two calls, even one no version counter sees, is what the second call computes with."""
+    ref = tiny_llama()
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, gpu_budget=budget, device="cpu")
+    ids = torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(1))
+    before, _ = greedy(ref, ids)
+    assert torch.equal(greedy(ours, ids)[0], before)
+    for m in (ref, ours):
+        GENERATE_EDITS[edit](m)
+    seq_ref, scores_ref = greedy(ref, ids)
+    seq, scores = greedy(ours, ids)
+    assert not torch.equal(seq_ref, before)  # the edit changes what is generated
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(scores, scores_ref, rtol=1e-5, atol=1e-5)
+
+
+class _Watch(transformers.LogitsProcessor):
+    """Records, after each pass of a generate(), the copies prefetched for the next pass; with
+    ``edit``, applies it to the model (between two passes of the same generate)."""
+
+    def __init__(self, model: torch.nn.Module, edit=None) -> None:
+        self.model = model
+        self.edit = edit
+        self.ahead: list[int] = []
+        self.calls = 0
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        streamer = getattr(self.model, "_ramtorch_streamer", None)
+        if streamer is not None:
+            self.ahead.append(len(streamer.ahead))
+        if self.edit is not None and self.calls == 4:
+            self.edit(self.model)
+        return scores
+
+
+def test_generate_prefetches_across_its_passes_by_default():
+    """Inside generate() the end of each pass after the first copies the next pass's first units
+    (with no promise from the caller); the prefill does not (a one-token generate has no next
+    pass), what is left prefetched when generate() returns is given back, and passes outside
+    generate() copy afresh, with nothing prefetched across."""
+    ref = tiny_llama()
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    streamer = ours._ramtorch_streamer
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        ours(ids)
+    assert not streamer.ahead
+    hits, wasted = ramtorch.stats(ours)["prefetch_hits"], ramtorch.stats(ours)["prefetch_wasted"]
+    watch = _Watch(ours)
+    seq, scores = greedy(ours, ids, logits_processor=transformers.LogitsProcessorList([watch]))
+    seq_ref, scores_ref = greedy(ref, ids)
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(scores, scores_ref, rtol=1e-5, atol=1e-5)
+    assert watch.ahead[0] == 0 and len(watch.ahead) == 16
+    assert all(n == streamer.max_inflight for n in watch.ahead[1:]), watch.ahead
+    st = ramtorch.stats(ours)
+    units = st["streamed_units"]
+    # Every unit of the 15 passes after the prefill is found prefetched (the prefill's first units
+    # too, copied at its start); only the last pass's look-ahead is given back unused.
+    assert st["prefetch_hits"] - hits >= 15 * units
+    assert st["prefetch_wasted"] - wasted == streamer.max_inflight
+    assert not streamer.ahead and streamer.span is None
+    with torch.no_grad():
+        ours(ids)
+    assert not streamer.ahead
+
+
+@pytest.mark.parametrize("how", ["copy", "data_assign", "replace"])
+def test_an_edit_torch_sees_inside_generate_is_seen_by_the_next_pass(how):
+    """Between two passes of one generate() (a logits processor, a stopping criterion), edits that
+    torch records are seen: a version counter moved (``p.copy_()``, ``p.mul_()`` under no_grad),
+    another storage set as ``.data``, a parameter replaced on its module."""
+    ref = tiny_llama()
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    ids = torch.randint(0, 97, (2, 9))
+    edit = GENERATE_EDITS[how]
+    unedited, _ = greedy(ref, ids)
+    outs = []
+    for m in (ref, ours):
+        watch = _Watch(m, edit)
+        outs.append(greedy(m, ids, logits_processor=transformers.LogitsProcessorList([watch])))
+    (seq_ref, scores_ref), (seq, scores) = outs
+    assert not torch.equal(seq_ref, unedited)  # the edit inside generate() changed the tokens
+    assert torch.equal(seq, seq_ref)
+    torch.testing.assert_close(scores, scores_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_training_steps_between_generate_calls_are_unaffected():
+    """A training step (forward with gradients, backward, optimizer step) between two generate()
+    calls trains as the plain model does, and the next generate() computes with the new weights."""
+    ref = tiny_llama()
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    ids = torch.randint(0, 97, (2, 9))
+    opts = [torch.optim.SGD(ref.parameters(), lr=0.5), ramtorch.optim.SGD(ours.parameters(), lr=0.5)]
+    for _ in range(2):
+        outs = [greedy(m, ids) for m in (ref, ours)]
+        assert torch.equal(outs[1][0], outs[0][0])
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
+        losses = []
+        for m, opt in zip((ref, ours), opts):
+            m.train()
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            m.eval()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+        assert not ours._ramtorch_streamer.ahead  # nothing prefetched across a training pass
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)

@@ -70,3 +70,61 @@ def test_each_inference_pass_streams_its_units_once() -> None:
             model(x)
         torch.cuda.synchronize()
         assert ramtorch.stats()["devices"]["cuda:0"]["h2d_bytes"] - before == 4 * per_pass
+
+
+def test_generate_prefetches_across_passes_and_sees_edits_between_calls_on_the_gpu() -> None:
+    """On the GPU, with no promise from the caller: the decode passes of a generate() find their
+    first units prefetched (copied during the previous pass's last kernels), each decode step
+    copies no more than the streamed bytes of one pass, and a ``.data`` edit between two
+    generate() calls, made while the GPU may still run the last one's kernels, is seen."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+    )
+    plain = transformers.LlamaForCausalLM(cfg).eval()
+    streamed = copy.deepcopy(plain)
+    plain.cuda()
+    ramtorch.offload(streamed, device="cuda")
+    streamer = streamed._ramtorch_streamer
+    ids = torch.randint(0, 512, (2, 12), device="cuda")
+    ahead: list[int] = []
+
+    class Watch(transformers.LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            ahead.append(len(streamer.ahead))
+            return scores
+
+    def gen(m: nn.Module, n: int, **kw: object) -> torch.Tensor:
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, **kw)  # fmt: skip
+        return out
+
+    def h2d() -> int:
+        return ramtorch.stats()["devices"]["cuda:0"]["h2d_bytes"]
+
+    for _ in range(2):
+        want = gen(plain, 8)
+        ahead.clear()
+        got = gen(streamed, 8, logits_processor=transformers.LogitsProcessorList([Watch()]))
+        assert torch.equal(got, want)
+        assert ahead[0] == 0 and all(n > 0 for n in ahead[1:]), ahead
+        for m in (plain, streamed):
+            for layer in m.model.layers[::2]:
+                layer.mlp.up_proj.weight.data.mul_(-1.25)  # no synchronisation before the edit
+    per_pass = ramtorch.stats(streamed)["streamed_bytes_per_pass"]
+    torch.cuda.synchronize()
+    before = h2d()
+    gen(streamed, 2)
+    torch.cuda.synchronize()
+    two = h2d() - before
+    gen(streamed, 10)
+    torch.cuda.synchronize()
+    assert (h2d() - before - two) <= 8 * per_pass  # the 8 extra decode steps copy each unit once at most

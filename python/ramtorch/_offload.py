@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from . import _arena, _config, _engine
 from ._log import logger
 from ._stream import added as _added
+from ._stream import decoding as _decoding
 from ._stream.functions import _READY_BATCH as _READY_BATCH
 from ._stream.functions import _WALK_LIMIT as _WALK_LIMIT
 from ._stream.functions import _Fetch as _Fetch
@@ -282,6 +283,7 @@ def offload(
     if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
         model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
     _report_compute_device(model)
+    _span_generate()
     _added.watch(model, streamer)  # parameters added after this are refused (by name) at the next forward
     _STREAMERS.add(streamer)
     streamer.eng.add_holder(streamer)
@@ -290,21 +292,35 @@ def offload(
 
 @contextlib.contextmanager
 def weights_unchanged(model: nn.Module) -> Iterator[nn.Module]:
-    """A block in which ``model``'s weights are not edited between forward passes, by a promise of
-    the caller: each pass then starts on the copies the previous one prefetched at its end, so in
-    inference (``generate()``, an evaluation loop) the first units of a pass come in while the last
-    kernels of the one before run.
+    """A block in which ``model``'s weights are not edited between forward passes in a way torch
+    does not record, by a promise of the caller: each pass then starts on the copies the previous
+    one prefetched at its end, so in inference loops the first units of a pass come in while the
+    last kernels of the one before run.
 
-    Outside such a block every pass copies its units afresh, because user code between passes may
-    rewrite weights in ways no version counter sees (``param.data`` edits: PEFT's
-    ``merge_and_unload``, EMA helpers, init code). Inside it, such an edit between passes is not
-    seen until the block ends; in-place edits that torch counts (``p.copy_()``, ``p.mul_()`` under
-    ``no_grad``, an optimizer's step) still are, and so is a parameter replaced on its module
-    (torchao's ``quantize_``). Blocks nest.
+    transformers' ``generate()`` needs no such block: between the passes of one ``generate()``
+    call only its decoding loop runs, and its second and later passes take the copies of the pass
+    before by default (the first pass, the prefill, copies afresh). What the block still buys:
+
+    - for inference loops other than ``generate()`` (a hand-written decoding loop, an evaluation
+      loop, consecutive ``generate()`` calls): the overlap across passes, which by default they do
+      not get, because user code between passes may rewrite weights in place through
+      ``param.data`` (PEFT's ``merge_and_unload``, EMA helpers, init code), which no version
+      counter sees and which every pass outside a ``generate()`` call therefore sees;
+    - for ``generate()``: the overlap from the prefill to the first decode pass as well, and
+      across calls.
+
+    Inside the block, an in-place write through ``.data`` (or through memory no tensor of the
+    parameter's counts: numpy views, raw pointers) between passes is not seen until the block
+    ends. Everything torch records still is, inside and outside it: in-place edits of the
+    parameters themselves (``p.copy_()``, ``p.mul_()`` under ``no_grad``, ``nn.init``,
+    ``load_state_dict``, an optimizer's step: version counters), a parameter's ``.data`` set to
+    another tensor (its storage address) and a parameter replaced on its module (torchao's
+    ``quantize_``: its identity). Blocks nest.
     ::
 
         with torch.no_grad(), ramtorch.weights_unchanged(model):
-            out = model.generate(ids, max_new_tokens=256)
+            for batch in loader:
+                scores.append(model(batch))
     """
     streamer = getattr(model, "_ramtorch_streamer", None)
     if streamer is None:
@@ -441,6 +457,34 @@ def _check_kv_cache(kwargs: dict[str, Any]) -> None:
                 "when the GPU runs behind the host, as it does while weights stream: upgrade to "
                 "transformers 5.20 or later, or keep the KV cache on the GPU"
             )
+
+
+def _span_generate() -> None:
+    """Makes each call of transformers' ``GenerationMixin.generate`` (once transformers is
+    imported) a decoding span (:mod:`ramtorch._stream.decoding`): between its passes only the
+    decoding loop's code runs, so its second and later passes take the copies prefetched at the
+    end of the pass before instead of copying their first units afresh. Done once, on the class
+    (every model's ``generate`` and the overrides that call it: Whisper's, PEFT's), so that a
+    model whose offloaded part is a submodule (``ramtorch.offload(model.model)``) gets it too; a
+    ``generate`` that does not reach ``GenerationMixin.generate`` runs as plain passes."""
+    module = sys.modules.get("transformers")
+    if module is None:
+        return
+    try:
+        mixin = module.GenerationMixin
+    except (AttributeError, ImportError):  # a transformers without it, or one that failed to import
+        return
+    inner = mixin.__dict__.get("generate")
+    if not callable(inner) or getattr(inner, "_ramtorch_span", False):
+        return
+
+    @functools.wraps(inner)
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _decoding.span():
+            return inner(self, *args, **kwargs)
+
+    generate._ramtorch_span = True  # type: ignore[attr-defined]
+    mixin.generate = generate
 
 
 def _check_loaded(model: nn.Module) -> None:

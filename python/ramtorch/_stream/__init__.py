@@ -32,9 +32,12 @@ next pass prefetches along it, ``MAX_INFLIGHT`` copies ahead at most, and slots 
 farthest-next-use first (a released slot keeps its unit, so the units that end a forward pass start
 the backward pass without a copy). A pass that strays from the itinerary is still correct: every
 use checks the unit's key (its identity and its parameters' version counters) and copies when the
-slot holds anything else; the itinerary is then relearned. A copy never serves a later forward
-pass: user code between passes may edit weights in ways no version counter sees (``param.data``),
-so a pass's start renews every unit's key (:meth:`_Unit.forget_copies`) and copies its first units.
+slot holds anything else; the itinerary is then relearned. By default a copy never serves a later
+forward pass: user code between passes may edit weights in ways no version counter sees
+(``param.data``), so a pass's start renews every unit's key (:meth:`_Unit.forget_copies`) and
+copies its first units. Inside a decoding span (one ``generate()`` call, :mod:`.decoding`), after
+its first pass, and inside ``ramtorch.weights_unchanged``, keys are not renewed: a pass takes the
+copies prefetched at the end of the one before, each checked against its unit's key.
 
 Files, one concept each:
 
@@ -49,6 +52,7 @@ Files, one concept each:
 - :mod:`.placement`: the planner (which units stay resident, how many slots);
 - :mod:`.compiling`: under ``torch.compile`` the hooks run as in eager mode, between compiled
   regions (a graph break at each streamed unit).
+- :mod:`.decoding`: decoding spans (a ``generate()`` call), whose passes take each other's copies;
 - :mod:`.added`: parameters added to an offloaded model after ``offload`` (in no unit), found
   through torch's registration hooks and refused by name at the next forward.
 

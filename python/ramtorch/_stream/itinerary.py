@@ -5,9 +5,11 @@ next pass prefetches along it, ``MAX_INFLIGHT`` copies ahead at most, and slots 
 farthest-next-use first (a released slot keeps its unit, so the units that end a forward pass start
 the backward pass without a copy). A pass that strays from the itinerary is still correct: every
 use checks the unit's key (its identity and its parameters' version counters) and copies when the
-slot holds anything else; the itinerary is then relearned. A copy never serves a later forward
-pass: user code between passes may edit weights in ways no version counter sees (``param.data``),
-so a pass's start renews every unit's key (:meth:`_Unit.forget_copies`) and copies its first units.
+slot holds anything else; the itinerary is then relearned. By default a copy never serves a later
+forward pass: user code between passes may edit weights in ways no version counter sees
+(``param.data``), so a pass's start renews every unit's key (:meth:`_Unit.forget_copies`) and
+copies its first units; passes of a decoding span after its first (:mod:`.decoding`) and passes
+inside ``ramtorch.weights_unchanged`` keep the keys, and take the copies of the pass before.
 """
 
 from __future__ import annotations

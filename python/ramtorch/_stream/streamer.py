@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _engine, _profile
 from .._units import format_bytes
-from . import added
+from . import added, decoding
 from .compiling import is_compiling, opaque, run_eagerly
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
@@ -135,6 +135,11 @@ class Streamer(Prefetcher, GradientHooks):
         # Open ``ramtorch.weights_unchanged`` blocks: while one is, the caller promises that no
         # weight is edited between passes, so copies made for one pass may serve the next.
         self.unchanged = 0
+        # The decoding span (``generate()``) of this model's last pass, and whether the running
+        # pass takes copies made before it (inside ``weights_unchanged``, or a pass of a span
+        # after its first): see :meth:`begin_pass` and :mod:`ramtorch._stream.decoding`.
+        self.span: decoding.Span | None = None
+        self.trusted = False
         # Modules of the model on which a parameter or a submodule was registered since the last
         # check (torch's registration hooks, :mod:`ramtorch._stream.added`).
         self.touched: set[nn.Module] = set()
@@ -192,11 +197,22 @@ class Streamer(Prefetcher, GradientHooks):
             # User code ran since the last pass, and may have rewritten any weight in a way no
             # version counter sees (``param.data``, as PEFT's merge, EMA helpers and init code
             # do): no device copy made before this point is taken for the current weights. The
-            # first units are copied now, while the model's own code before them runs.
+            # first units are copied now, while the model's own code before them runs. Unless
+            # only a decoding loop's code ran since this model's last pass (a pass of a
+            # ``generate()`` after its first: :mod:`.decoding`), or the caller promised that no
+            # weight is edited (``weights_unchanged``): then the copies made for the last pass,
+            # and the next one's first units prefetched at its end, serve this one, each still
+            # checked against its unit's key (parameters' version counters) in :meth:`_take`.
             # A parameter replaced on its module (``module.weight = nn.Parameter(...)``, torchao's
-            # ``quantize_``) is taken into its unit, which is packed again: also inside
-            # ``weights_unchanged``, as a replacement is seen exactly (by identity), at no cost.
-            if not self.unchanged:
+            # ``quantize_``) is taken into its unit, which is packed again; a parameter whose
+            # ``.data`` was set anew (another storage) is packed again in :meth:`_take`: both are
+            # seen exactly (by identity and address), at no cost, in every pass.
+            span = decoding.current() if not torch.is_grad_enabled() else None
+            self.trusted = bool(self.unchanged) or (span is not None and span is self.span)
+            if span is not None and self.span is not span:
+                span.members.add(self)
+            self.span = span
+            if not self.trusted:
                 self._drop_ahead()
             for u in self.streamed:
                 if u.rebind():
@@ -212,7 +228,7 @@ class Streamer(Prefetcher, GradientHooks):
                         "Replace them with parameters of the planned sizes, or offload a model built "
                         "with the new ones"
                     )
-                if not self.unchanged:
+                if not self.trusted:
                     u.forget_copies()
             self.state |= PassState.FORWARD
             self.cur_fwd = []
@@ -277,12 +293,25 @@ class Streamer(Prefetcher, GradientHooks):
             self.cur_fwd = []
             self.counters["passes"] += 1
             # Nothing of the next pass is copied now: its weights may be edited before it begins
-            # (see :meth:`begin_pass`, which copies its first units). Unless the caller promised
-            # they are not (``ramtorch.weights_unchanged``): in inference, where passes follow one
-            # another (generation, evaluation), the next pass's first units then come in while
-            # this pass's last kernels run.
-            if self.unchanged and not torch.is_grad_enabled() and self.fwd_itin:
+            # (see :meth:`begin_pass`, which copies its first units). Unless the next pass will
+            # take this one's copies: inside a decoding span (``generate()``) from its second
+            # pass on (after the first, the prefill, nothing is prefetched: a generate() of one
+            # token has no next pass, and a copy the link made for nothing would delay what
+            # follows), or inside ``ramtorch.weights_unchanged``. The next pass's first units
+            # then come in while this pass's last kernels run.
+            trusted, self.trusted = self.trusted, False
+            if trusted and not torch.is_grad_enabled() and self.fwd_itin:
                 self._prefetch_along(self.fwd_itin, 0, None)
+
+    def leave_span(self, span: decoding.Span) -> None:
+        """The decoding span ``span`` ended (``generate()`` returned): copies prefetched for a next
+        pass in it are given back (the next pass follows user code, and copies afresh)."""
+        with self.lock:
+            if self.span is not span:
+                return
+            self.span = None
+            if PassState.FORWARD not in self.state:
+                self._drop_ahead()
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -432,10 +461,11 @@ class Streamer(Prefetcher, GradientHooks):
         """Whether ``u``'s forward now is its first in its mode (training or evaluation): after
         it, the slot is compared with the host region, to tell whether the forward wrote its
         weights in a way no version counter sees (``self.codebook.data.mul_(...)``: ``.data``
-        has a counter of its own). Once per unit and mode; not inside ``weights_unchanged``,
-        where a slot may hold a copy older than an edit of the host weights."""
+        has a counter of its own). Once per unit and mode; not in a pass that takes copies made
+        before it (``weights_unchanged``, a decoding span after its first pass), where a slot may
+        hold a copy older than an edit of the host weights."""
         mode = bool(getattr(u.module, "training", False))
-        if u.writes or mode in u.probed or getattr(self, "unchanged", 0):
+        if u.writes or mode in u.probed or getattr(self, "trusted", False):
             return False
         u.probed.add(mode)
         return True
