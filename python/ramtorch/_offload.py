@@ -190,14 +190,7 @@ def offload(
         u.uid = k
     if gather_rows is not None and not isinstance(gather_rows, bool):
         raise TypeError(f"ramtorch.offload: gather_rows must be a bool or None, got {gather_rows!r}")
-    for u in units:
-        e = u.entries[0]
-        u.gather = (
-            not u.container
-            and len(u.entries) == 1
-            and e.owner is u.module
-            and _gather.wanted(u.module, gather_rows)
-        )
+    _gather.choose(units, gather_rows)
     buffers = [b for b in model.buffers()]
     fixed = sum(_arena._nbytes(t.shape, t.dtype) for t in stream_tensors(shared)[0])
     fixed += sum(_arena._nbytes(b.shape, b.dtype) for b in buffers)
@@ -205,8 +198,7 @@ def offload(
         unit_hint([(u.name, u.module, u.nbytes) for u in units if not u.container]) if unit is None else None
     )
     # Tables streamed by rows take no slot: the other units are planned first, and a table stays
-    # resident only in what the budget has left after them (a resident block saves its bytes
-    # every pass, a resident table only the rows it would have gathered).
+    # resident only in what the budget has left after them (gather.keep_resident).
     planned = [u for u in units if not u.gather]
     try:
         pl = plan(
@@ -223,13 +215,9 @@ def offload(
     )
     resident_ids = {planned[k].uid for k in spread}
     if budget is not None and gather_rows is None:
-        left = budget - pl.resident_bytes - pl.slots * pl.slot_bytes
-        for u in sorted((u for u in units if u.gather), key=lambda u: -u.nbytes):
-            if u.nbytes <= left:
-                u.gather = False
-                resident_ids.add(u.uid)
-                left -= u.nbytes
-                pl.resident_bytes += u.nbytes
+        for u in _gather.keep_resident(units, budget - pl.resident_bytes - pl.slots * pl.slot_bytes):
+            resident_ids.add(u.uid)
+            pl.resident_bytes += u.nbytes
 
     _warn_strides(units, resident_ids)
     total = sum(u.nbytes for u in units)

@@ -40,7 +40,8 @@ from .. import _arena, _config, _engine
 
 if TYPE_CHECKING:
     from .streamer import Streamer
-    from .units import _Unit
+
+from .units import _Unit
 
 #: A forward whose distinct rows take at least this fraction of the table's bytes copies the whole
 #: table through a slot instead, where the slots are large enough (an offloaded model whose
@@ -82,6 +83,36 @@ def wanted(module: nn.Module, choice: bool | None) -> bool:
     if choice is False or ineligible(module) is not None:
         return False
     return choice is True or table_bytes(module) >= _config.gather_min_bytes()
+
+
+def choose(units: Sequence[_Unit], choice: bool | None) -> None:
+    """Marks the units that stream by rows (``_Unit.gather``): a unit that is one embedding's own
+    weight (not a container, not tied: tied weights left their units before) and
+    :func:`wanted`."""
+    for u in units:
+        e = u.entries[0] if u.entries else None
+        u.gather = (
+            e is not None
+            and not u.container
+            and len(u.entries) == 1
+            and len(u.params) == 1
+            and e.owner is u.module
+            and wanted(u.module, choice)
+        )
+
+
+def keep_resident(units: Sequence[_Unit], left: int) -> list[_Unit]:
+    """The units streamed by rows that stay resident instead in ``left`` bytes of budget (what
+    the other units' plan left over), largest first; their ``gather`` is cleared. A resident
+    block saves its bytes every pass, a resident table only the rows it would gather: tables
+    come after the other units."""
+    kept = []
+    for u in sorted((u for u in units if u.gather), key=lambda u: -u.nbytes):
+        if u.nbytes <= left:
+            u.gather = False
+            kept.append(u)
+            left -= u.nbytes
+    return kept
 
 
 # -- the indices -------------------------------------------------------------------------------------
