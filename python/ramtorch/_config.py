@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from . import _core
+from ._units import parse_bytes
 
 #: Environment variables read for the number of copies in flight, strongest first.
 MAX_INFLIGHT_VARS = ("RAMTORCH_MAX_INFLIGHT", "MAX_INFLIGHT")
@@ -33,3 +34,21 @@ def max_inflight(value: int | None = None) -> int:
             raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
         return _check(parsed, f"environment variable {name}")
     return _core.DEFAULT_MAX_INFLIGHT
+
+
+#: Environment variable for the table size from which embeddings stream by rows.
+GATHER_MIN_BYTES_VAR = "RAMTORCH_GATHER_MIN_BYTES"
+#: Default of :func:`gather_min_bytes`: 16 MiB.
+DEFAULT_GATHER_MIN_BYTES = 16 << 20
+
+
+def gather_min_bytes() -> int:
+    """Tables of at least this many bytes stream by rows (the rows a lookup reads cross the link,
+    not the table; see ``ramtorch._stream.gather``): ``RAMTORCH_GATHER_MIN_BYTES`` (bytes, or a size
+    such as ``"64MiB"``), else 16 MiB. An invalid value raises an error naming the variable."""
+    raw = os.environ.get(GATHER_MIN_BYTES_VAR)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_GATHER_MIN_BYTES
+    value = parse_bytes(raw.strip(), f"environment variable {GATHER_MIN_BYTES_VAR}")
+    assert value is not None
+    return value

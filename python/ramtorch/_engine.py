@@ -303,6 +303,9 @@ class DeviceEngine:
         # Prefetch counters of the free-standing layers streaming on this device (their streamer
         # counts here; reported as ``layer_*`` by :meth:`stats`).
         self.layer_counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
+        # Embedding tables streamed by rows (``_stream/gather.py``): lookups, distinct rows
+        # gathered, and their bytes each way (copied by torch, outside the engine's copies).
+        self.row_counters = {"row_lookups": 0, "rows_gathered": 0, "row_h2d_bytes": 0, "row_d2h_bytes": 0}
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         # Holders of speculative prefetches on this device (offloaded models' streamers): asked
         # to give their slots back (``holder.drop_prefetched()``) when the slots are needed.
@@ -784,6 +787,7 @@ class DeviceEngine:
         s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
         s["grad_sum_bytes"] = self._sum_bytes
         s.update({f"layer_{k}": v for k, v in self.layer_counters.items()})
+        s.update(self.row_counters)
         s["h2d_gbps"] = s["h2d_timed_bytes"] / s["h2d_seconds"] / 1e9 if s["h2d_seconds"] > 0 else 0.0
         s["d2h_gbps"] = s["d2h_timed_bytes"] / s["d2h_seconds"] / 1e9 if s["d2h_seconds"] > 0 else 0.0
         return s

@@ -26,6 +26,7 @@ from . import _arena, _config, _engine
 from ._log import logger
 from ._stream import added as _added
 from ._stream import decoding as _decoding
+from ._stream import gather as _gather
 from ._stream.functions import _READY_BATCH as _READY_BATCH
 from ._stream.functions import _WALK_LIMIT as _WALK_LIMIT
 from ._stream.functions import _Fetch as _Fetch
@@ -64,6 +65,7 @@ def offload(
     max_inflight: int | None = None,
     progress: bool | None = None,
     recompute: bool | Callable[[str], bool] = False,
+    gather_rows: bool | None = None,
 ) -> nn.Module:
     """Keeps ``model``'s parameters in host RAM and streams them to ``device`` unit by unit.
 
@@ -93,6 +95,17 @@ def offload(
             put back after the recomputation, so BatchNorm's running statistics are updated once
             a step). The recomputation runs on the weights fetched for the unit's backward: it
             costs compute, not PCIe bytes.
+        gather_rows: input embeddings streamed by rows: an ``nn.Embedding`` that is a unit of its
+            own (not tied to another module's weight, and not a subclass with a forward of its
+            own) copies to the device only the distinct rows each forward reads, gathered on the
+            host, and takes no slot; its backward adds their gradient into the rows of its dense
+            ``.grad``. Reading the indices on the host costs one small device→host copy at the
+            embedding's forward, which waits for the work queued before it (none when the
+            indices are given on the CPU). ``None`` (default): tables of at least
+            ``RAMTORCH_GATHER_MIN_BYTES`` (16 MiB unless set) that the budget does not keep
+            resident; ``True``: every such embedding; ``False``: none. A forward whose rows take
+            half the table or more copies the whole table through a slot instead, where the slots
+            hold it. ``ramtorch.stats(model)`` counts the rows' bytes (``gathered_bytes``).
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
         units, and buffers stay on the device and count against the budget. Not counted: in training,
@@ -176,25 +189,36 @@ def offload(
     units = [u for u in units if u.params]
     for k, u in enumerate(units):
         u.uid = k
+    if gather_rows is not None and not isinstance(gather_rows, bool):
+        raise TypeError(f"ramtorch.offload: gather_rows must be a bool or None, got {gather_rows!r}")
+    _gather.choose(units, gather_rows)
     buffers = [b for b in model.buffers()]
     fixed = sum(_arena._nbytes(t.shape, t.dtype) for t in stream_tensors(shared)[0])
     fixed += sum(_arena._nbytes(b.shape, b.dtype) for b in buffers)
     hint = (
         unit_hint([(u.name, u.module, u.nbytes) for u in units if not u.container]) if unit is None else None
     )
+    # Tables streamed by rows take no slot: the other units are planned first, and a table stays
+    # resident only in what the budget has left after them (gather.keep_resident).
+    planned = [u for u in units if not u.gather]
     try:
         pl = plan(
-            [u.nbytes for u in units],
-            [k for k, u in enumerate(units) if u.container],
+            [u.nbytes for u in planned],
+            [k for k, u in enumerate(planned) if u.container],
             budget,
             inflight,
             fixed,
         )
     except ValueError as e:
         raise ValueError(f"ramtorch.offload: {e}" + (f"; {hint}" if hint else "")) from None
-    resident_ids = spread_resident(
-        [u.nbytes for u in units], set(pl.resident), {k for k, u in enumerate(units) if u.container}
+    spread = spread_resident(
+        [u.nbytes for u in planned], set(pl.resident), {k for k, u in enumerate(planned) if u.container}
     )
+    resident_ids = {planned[k].uid for k in spread}
+    if budget is not None and gather_rows is None:
+        for u in _gather.keep_resident(units, budget - pl.resident_bytes - pl.slots * pl.slot_bytes):
+            resident_ids.add(u.uid)
+            pl.resident_bytes += u.nbytes
 
     _warn_strides(units, resident_ids)
     total = sum(u.nbytes for u in units)
@@ -233,7 +257,8 @@ def offload(
     if recompute:
         wants = recompute if callable(recompute) else (lambda name: True)
         for u in units:
-            if not u.resident and wants(u.name):
+            # (A gathered embedding's output is all it would keep: nothing to recompute.)
+            if not u.resident and not u.gather and wants(u.name):
                 _checkpoint_forward(u.module)
     streamer = Streamer(model, units, dev, inflight, pl.slots, pl.slot_bytes, budget, pl.resident_bytes)
     handles = streamer.hook_handles
@@ -589,9 +614,10 @@ def _report_plan(
     if not logger.isEnabledFor(logging.INFO):
         return
     resident = [u.name for u in units if u.resident]
+    gathered = [f"{u.name} ({_fmt(u.nbytes)})" for u in units if u.gather]
     shown = ", ".join(resident[:6]) + (f" and {len(resident) - 6} more" if len(resident) > 6 else "")
     logger.info(
-        "ramtorch.offload of %s on %s: %d units, %d resident (%s%s), %d streamed through %d slots of %s; "
+        "ramtorch.offload of %s on %s: %d units, %d resident (%s%s), %d streamed through %d slots of %s%s; "
         "%s held on the device (gpu_budget %s), %s streamed per pass%s",
         type(model).__name__,
         dev,
@@ -599,12 +625,15 @@ def _report_plan(
         len(resident),
         _fmt(pl.resident_bytes),
         f": {shown}" if shown else "",
-        len(units) - len(resident),
+        len(units) - len(resident) - len(gathered),
         pl.slots,
         _fmt(pl.slot_bytes),
+        f", {len(gathered)} embedding tables streamed by the rows each pass reads ({', '.join(gathered)})"
+        if gathered
+        else "",
         _fmt(pl.resident_bytes + pl.slots * pl.slot_bytes),
         "none" if budget is None else _fmt(budget),
-        _fmt(pl.streamed_bytes),
+        _fmt(pl.streamed_bytes) + (" plus the gathered rows" if gathered else ""),
         f"; {hint}" if hint else "",
     )
 

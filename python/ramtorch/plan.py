@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import _config
+from ._stream import gather as _gather
 from ._stream import placement
 from ._stream import units as _stream_units
 from ._units import format_bytes, parse_bytes
@@ -163,17 +164,43 @@ def predict(
     fixed = sum(p.numel() * p.element_size() for p in shared)
     fixed += sum(b.numel() * b.element_size() for b in model.buffers())
     forced = [k for k, r in enumerate(raw) if r[3]]
+    for u, r in zip(units, raw):
+        u.container = r[3]
+    # Embedding tables streamed by rows take no slot (as in offload): the other units are
+    # planned, then the tables kept resident in what the budget leaves, else copied by the rows
+    # a pass reads.
+    _gather.choose(units, None)
     sizes = [u.nbytes for u in units]
+    planned = [k for k, u in enumerate(units) if not u.gather]
     hint = None
     if unit is None:
         hint = _stream_units.unit_hint(
             [(u.name, u.module, u.nbytes) for k, u in enumerate(units) if k not in forced]
         )
     try:
-        pl = placement.plan(sizes, forced, parse_bytes(budget, "gpu_budget"), inflight, fixed)
+        pl = placement.plan(
+            [sizes[k] for k in planned],
+            [j for j, k in enumerate(planned) if k in forced],
+            parse_bytes(budget, "gpu_budget"),
+            inflight,
+            fixed,
+        )
     except ValueError as e:
         raise ValueError(f"{e}; {hint}" if hint else str(e)) from None
-    resident = placement.spread_resident(sizes, set(pl.resident), set(forced))
+    spread = placement.spread_resident(
+        [sizes[k] for k in planned], set(pl.resident), {j for j, k in enumerate(planned) if k in forced}
+    )
+    resident = {planned[j] for j in spread}
+    gathered = {k for k, u in enumerate(units) if u.gather}
+    limit = parse_bytes(budget, "gpu_budget")
+    if limit is not None:
+        for u in _gather.keep_resident(units, limit - pl.resident_bytes - pl.slots * pl.slot_bytes):
+            gathered.discard(u.uid)
+            resident.add(u.uid)
+            pl.resident_bytes += u.nbytes
+    for k in gathered:  # the rows a pass reads: at most one a token
+        w = units[k].params[0]
+        sizes[k] = min(tokens, w.shape[0]) * w.shape[1] * w.element_size()
     rate = c.tflops * 1e12 * c.efficiency
     counts = [sum(p.numel() for p in u.params) for u in units]
     copies = [0.0 if k in resident else sizes[k] / (c.h2d_gbps * 1e9) for k in range(len(units))]
@@ -199,12 +226,17 @@ def predict(
         slots=pl.slots,
         slot_bytes=pl.slot_bytes,
         resident_bytes=pl.resident_bytes,
-        streamed_bytes_per_pass=pl.streamed_bytes,
+        streamed_bytes_per_pass=pl.streamed_bytes + sum(sizes[k] for k in gathered),
         forward_seconds=fwd,
         forward_backward_seconds=fb_end,
         step_seconds=max(fb_end, opt_end),
         units=[UnitPlan(u.name, u.nbytes, n, k in resident) for k, (u, n) in enumerate(zip(units, counts))],
-        notes=(_block_notes(model) + ([hint] if hint else [])) if unit is None else [],
+        notes=((_block_notes(model) + ([hint] if hint else [])) if unit is None else [])
+        + [
+            f"embedding {units[k].name!r} ({format_bytes(units[k].nbytes)}) streams by the rows a pass "
+            f"reads (at most {format_bytes(sizes[k])} at {tokens} tokens), in no slot"
+            for k in sorted(gathered)
+        ],
         resident_training_bytes=sum(_training_bytes(p) for p in on_device if p.is_floating_point()),
     )
 

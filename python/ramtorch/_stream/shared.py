@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .. import _core, _engine
-from . import guard
+from . import gather, guard
 from .compiling import is_compiling, opaque, run_eagerly
 from .streamer import PassState, Streamer, inside_ddp_forward, refuse_ddp
 from .units import BackwardPhase, _Unit
@@ -156,10 +156,13 @@ class LayerStreamer(Streamer):
         if self.held != len(self.lent) + len(self.in_forward) and PassState.BACKWARD not in self.state:
             self._reconcile()
 
-    def attach(self, module: nn.Module, name: str, max_inflight: int) -> tuple[_Unit, list[Any]]:
+    def attach(
+        self, module: nn.Module, name: str, max_inflight: int, rows: bool = False
+    ) -> tuple[_Unit, list[Any]]:
         """Streams ``module``'s own parameters as one unit of this device through its forward hooks,
         as an offloaded model's units run (``ramtorch.nn.Embedding``, ``Conv2d``): they move into
-        one host-arena region. Returns the unit and the hook handles (remove them to detach)."""
+        one host-arena region. ``rows``: an embedding streamed by rows (:mod:`.gather`), which
+        needs no slot. Returns the unit and the hook handles (remove them to detach)."""
         with self.lock:
             u = _Unit(
                 self.next_uid,
@@ -170,10 +173,12 @@ class LayerStreamer(Streamer):
             self.next_uid += 1
             u.pack()
             assert u.layout is not None
+            u.gather = rows
             self.by_uid[u.uid] = u
-            self.max_inflight = max(self.max_inflight, max_inflight)
-            self.slots = max(self.slots, max_inflight + 1)
-            self.eng.reserve(u.layout.nbytes, max_inflight + 1)
+            if not rows:
+                self.max_inflight = max(self.max_inflight, max_inflight)
+                self.slots = max(self.slots, max_inflight + 1)
+                self.eng.reserve(u.layout.nbytes, max_inflight + 1)
         handles = [
             # Partials: the hooks' frames are these methods (see .compiling).
             module.register_forward_pre_hook(functools.partial(self.layer_pre_forward, u), with_kwargs=True),
@@ -205,6 +210,7 @@ class LayerStreamer(Streamer):
                 for x in list(self.in_forward.values()):
                     while x.fwd:
                         self._end_forward(x, *x.fwd.pop()[:5])
+                    self._undo_gathers(x)
                     if x.uid != u.uid:  # its forward was cut short: its hold ends too
                         self.eng.forwards.release((self._pass_token, x.uid))
                 self.in_forward.clear()
@@ -234,6 +240,7 @@ class LayerStreamer(Streamer):
         left its state behind; drop it (see :meth:`Streamer.begin_pass`). ``claim``: a forward
         with gradients, which begins a training step on the engine."""
         interrupted = self.eng.drop_interrupted(claim)
+        gather.drop_interrupted(self.eng)
         if PassState.BACKWARD in self.state:
             self.state &= ~PassState.BACKWARD
             self.cur_bwd = []
@@ -243,6 +250,9 @@ class LayerStreamer(Streamer):
                 u.reset_backward_counts()
             self._release_backward()
             self._pop_saved_tensor_hooks()
+
+    def gather_label(self, u: _Unit) -> str:
+        return f"ramtorch.nn.{u.name}"
 
     def _record_forward(self, u: _Unit) -> None:
         if self.new_pass or u.uid in self.ran:
@@ -258,13 +268,6 @@ class LayerStreamer(Streamer):
         self.cur_fwd.append(u.uid)
         self.ran.add(u.uid)
         self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
-
-    def _queue_backward_end(self) -> None:
-        if PassState.BACKWARD not in self.state:
-            self.state |= PassState.BACKWARD
-            self.cur_bwd = []
-            self.bwd_pos = 0
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
     def _reach_backward(self, u: _Unit) -> None:
         self._queue_backward_end()

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _engine, _profile
 from .._units import format_bytes
-from . import added, decoding
+from . import added, decoding, gather
 from .compiling import is_compiling, opaque, run_eagerly
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
@@ -128,7 +128,15 @@ class Streamer(Prefetcher, GradientHooks):
         self.slot_owner: dict[int, _Unit] = {}  # slot storage address -> unit using it in forward
         self.state = PassState.IDLE
         self.lock = threading.RLock()
-        self.counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0, "passes": 0}
+        self.counters = {
+            "prefetches": 0,
+            "prefetch_hits": 0,
+            "prefetch_wasted": 0,
+            "passes": 0,
+            # Forwards of units streamed by rows (.gather), and the bytes of the rows they moved.
+            "row_lookups": 0,
+            "gathered_bytes": 0,
+        }
         # What this streamer's passes hold of the device's forward lock (see ForwardLock).
         self._pass_token = ("pass", id(self))
         self.hook_handles: list[Any] = []
@@ -169,6 +177,7 @@ class Streamer(Prefetcher, GradientHooks):
             # another thread's is in progress).
             trains = torch.is_grad_enabled() and any(p.requires_grad for u in self.streamed for p in u.params)
             interrupted = self.eng.drop_interrupted(claim=trains) or interrupted
+            gather.drop_interrupted(self.eng)
             if PassState.BACKWARD in self.state:
                 # A backward raised before its end, so its end-of-backward callback never ran:
                 # without this the next backward would not queue one, and no gradient would
@@ -184,6 +193,7 @@ class Streamer(Prefetcher, GradientHooks):
                 # torch calls on Exceptions only: its units still hold their slots.
                 while u.fwd:
                     self._end_forward(u, *u.fwd.pop()[:5])
+                self._undo_gathers(u)
             self._release_backward()
             # No unit of this model runs now: the slots it holds are its prefetches. Any other
             # slot taken for it was lost by an interrupt between the take and its record (or
@@ -219,7 +229,7 @@ class Streamer(Prefetcher, GradientHooks):
                     if u.uid in self.ahead:
                         self._drop_ahead(u.uid)
                     u.pack()
-                if u.nbytes > self.slot_bytes:
+                if u.nbytes > self.slot_bytes and not u.gather:
                     raise RuntimeError(
                         f"ramtorch.offload: unit {u.name!r} now takes {format_bytes(u.nbytes)}, more "
                         f"than the {format_bytes(self.slot_bytes)} device slots that offload reserved: "
@@ -331,6 +341,12 @@ class Streamer(Prefetcher, GradientHooks):
         if self.touched and not recompute and PassState.FORWARD not in self.state:
             with self.lock:
                 added.check(self)  # a unit run on its own
+        if u.gather:
+            gathered = self._gather_forward(u, module, args, kwargs, recompute)
+            if gathered is not None:
+                return gathered
+            if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
+                args = (args[0].to(self.device), *args[1:])  # indices on the CPU, whole table
         rng = _profile.begin(f"ramtorch.forward {u.name}") if _profile.active() else None
         with self.lock:
             if recompute:
@@ -407,6 +423,93 @@ class Streamer(Prefetcher, GradientHooks):
                 args, kwargs = self._wrap_inputs(u, args, kwargs)
         return args, kwargs
 
+    def _gather_forward(
+        self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, recompute: bool
+    ) -> tuple[tuple, dict] | None:
+        """The forward pre-hook of a unit streamed by rows (see :mod:`.gather`): the distinct
+        rows its indices read are gathered and copied to the device, and stand for the table
+        while its forward runs on the indices remapped into them. Returns the remapped arguments,
+        or ``None`` when the whole table is cheaper (the rows take most of its bytes and the
+        slots hold it): the forward then streams the table as any unit."""
+        param = u.params[0]
+        keyword = not args
+        ids = kwargs.get("input") if keyword else args[0]
+        label = self.gather_label(u)
+        gather.check_indices(ids, param.shape[0], self.device, label)
+        if not recompute:
+            gather.drop_interrupted(self.eng)
+        host = gather.host_indices(ids, param.shape[0], label)
+        index, inverse = gather.distinct(host)
+        row_bytes = param.shape[1] * param.element_size()
+        moved = index.numel() * row_bytes
+        if self.slots and u.nbytes <= self.slot_bytes and moved >= gather.WHOLE_TABLE_FRACTION * u.nbytes:
+            u.gathers.append(None)
+            return None
+        # A pipelined optimizer step may still be writing the table.
+        _engine.wait_updates(u.params)
+        found = gather.lookup(param, index, inverse, self.device, module.padding_idx)  # type: ignore[arg-type]
+        first = not recompute or u.fetches == 0
+        fetch = torch.is_grad_enabled() and first and param.requires_grad
+        rows = gather.gathered_rows(u, self, found, param, fetch, recompute)
+        if fetch:
+            u.fetches += 1
+        e = u.entries[0]
+        u.gathers.append((e.owner._parameters[e.name], module.padding_idx, found, found.rows._version))
+        e.owner._parameters[e.name] = rows  # type: ignore[assignment]
+        module.padding_idx = found.padding_idx  # type: ignore[assignment]
+        with self.lock:
+            c = self.eng.row_counters
+            c["row_lookups"] += 1
+            c["rows_gathered"] += index.numel()
+            c["row_h2d_bytes"] += moved
+            if "gathered_bytes" in self.counters:
+                self.counters["row_lookups"] += 1
+                self.counters["gathered_bytes"] += moved
+        if keyword:
+            return args, {**kwargs, "input": found.remapped}
+        return (found.remapped, *args[1:]), kwargs
+
+    def gather_label(self, u: _Unit) -> str:
+        """Names ``u`` in the errors of its lookups."""
+        return f"ramtorch.offload: embedding {u.name!r}"
+
+    def _end_gather(self, u: _Unit, entry: tuple[Any, ...], output: Any) -> Any:
+        """The forward hook of a gathered forward: the table and ``padding_idx`` back; rows that
+        the forward renormalised in place (``max_norm``) written into the host table, as
+        ``nn.Embedding`` writes its own."""
+        before, padding_idx, found, version = entry
+        e = u.entries[0]
+        e.owner._parameters[e.name] = before
+        e.owner.padding_idx = padding_idx  # type: ignore[assignment]
+        if found.rows._version != version:
+            with torch.no_grad():
+                u.params[0].index_copy_(0, found.index, found.rows.detach().to("cpu"))
+        return output
+
+    def _undo_gathers(self, u: _Unit) -> None:
+        """Puts back what gathered forwards of ``u`` cut short (Ctrl-C skips forward hooks)
+        replaced: the table and ``padding_idx``."""
+        while u.gathers:
+            entry = u.gathers.pop()
+            if entry is not None:
+                e = u.entries[0]
+                e.owner._parameters[e.name] = entry[0]
+                e.owner.padding_idx = entry[1]  # type: ignore[assignment]
+
+    def rows_backward(self, u: _Unit, index: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """The backward of a gathered forward of ``u``: the gradient of the rows ``index`` goes to
+        the rows of the table's ``.grad`` (see :class:`.gather.RowGrads`), or, where the engine must
+        see the whole gradient (:func:`.gather.needs_dense`), as a dense gradient through it."""
+        param = u.params[0]
+        with self.lock:
+            self._queue_backward_end()
+            if grad is not None and param.requires_grad:
+                if gather.needs_dense(param):
+                    self.eng.push_grad(param, gather.dense_grad(param, index, grad), self.max_inflight, u.tag)
+                else:
+                    gather.row_grads(self.eng).push(param, index, grad)
+            self._delivered(u, 0)
+
     def _wrap_inputs(self, u: _Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         kws = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -430,6 +533,10 @@ class Streamer(Prefetcher, GradientHooks):
             self.eng.forwards.release((self._pass_token, u.uid))  # (a unit run on its own)
 
     def _post_forward(self, u: _Unit, output: Any) -> Any:
+        if u.gathers:
+            entry = u.gathers.pop()
+            if entry is not None:
+                return self._end_gather(u, entry, output)
         if not u.fwd:
             return output  # the pre-hook failed before taking a slot
         slot, own, ctx, addr, before, fetch, rng, buf, version, probe = u.fwd.pop()
@@ -549,12 +656,17 @@ class Streamer(Prefetcher, GradientHooks):
 
         return hook
 
-    def _begin_backward_locked(self, u: _Unit) -> None:
+    def _queue_backward_end(self) -> None:
+        """The running backward reaches this streamer: its end-of-backward callback is queued
+        (once per backward)."""
         if PassState.BACKWARD not in self.state:
             self.state |= PassState.BACKWARD
             self.cur_bwd = []
             self.bwd_pos = 0
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def _begin_backward_locked(self, u: _Unit) -> None:
+        self._queue_backward_end()
         first = u.phase is BackwardPhase.IDLE
         if first:
             u.phase = BackwardPhase.REACHED
@@ -678,7 +790,8 @@ class Streamer(Prefetcher, GradientHooks):
         return state
 
     def stats(self) -> dict[str, Any]:
-        streamed = [u for u in self.units if not u.resident]
+        gathered = [u for u in self.units if u.gather]
+        streamed = [u for u in self.units if not u.resident and not u.gather]
         return {
             "device": str(self.device),
             "gpu_budget": self.budget,
@@ -690,7 +803,8 @@ class Streamer(Prefetcher, GradientHooks):
             "slot_bytes": self.slot_bytes,
             "gpu_bytes": self.resident_bytes + self.slots * self.slot_bytes,
             "streamed_bytes_per_pass": sum(u.nbytes for u in streamed),
-            "host_bytes": sum(u.nbytes for u in streamed),
+            "gathered_units": [u.name for u in gathered],
+            "host_bytes": sum(u.nbytes for u in streamed + gathered),
             "itinerary": [self.by_uid[k].name for k in self.fwd_itin],
             **self.counters,
         }

@@ -414,6 +414,11 @@ class _Unit:
         self.nbytes = _packed_bytes(self.params)
         self.resident = False
         self.container = False  # holds other units: stays resident (it would hold a slot all pass)
+        # An embedding table streamed by rows (see .gather): its forwards gather the rows they
+        # read; ``gathers`` holds, per running forward, what its pre-hook replaced (``None`` for a
+        # forward that took the whole table through a slot).
+        self.gather = False
+        self.gathers: list[Any] = []
         self.gen = 0
         # Per parameter, where its packed tensors are, when some parameter is a tensor subclass
         # (see :func:`stream_tensors`); ``None`` (the fast path) when each parameter is one tensor.

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import _config, _engine
+from .._stream import gather as _gather
 from .._stream import shared as _shared
 
 
@@ -39,10 +40,14 @@ class _StreamedLayer(nn.Module):
             streamer.eng.synchronize()
             streamer.forget(old)
         streamer = _shared.for_device(self.compute_device)
-        unit, handles = streamer.attach(self, type(self).__name__, self.max_inflight)
+        unit, handles = streamer.attach(self, type(self).__name__, self.max_inflight, self._by_rows())
         self._ramtorch_unit = unit
         self._stream_handles = handles
         self._layer_streamer = streamer
+
+    def _by_rows(self) -> bool:
+        """Whether the layer streams by rows (an embedding table: see :class:`Embedding`)."""
+        return False
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         ref = next(self.parameters(), None)
@@ -99,16 +104,36 @@ class _StreamedLayer(nn.Module):
 class Embedding(_StreamedLayer, nn.Embedding):
     """Drop-in :class:`torch.nn.Embedding` whose table lives in host RAM.
 
-    Same arguments as ``nn.Embedding`` (``device`` is where it computes), plus ``max_inflight``.
-    The whole table crosses the link at each use; for tables much larger than the batch's rows,
-    keep the embedding resident instead (``ramtorch.offload`` with a ``gpu_budget``).
+    Same arguments as ``nn.Embedding`` (``device`` is where it computes), plus ``max_inflight`` and
+    ``gather_rows``. A large table streams by rows: each forward copies to the device only the
+    distinct rows its indices read, gathered on the host, and its backward adds their gradient
+    into the rows of the table's dense ``.grad``. Reading the indices on the host costs one small
+    device→host copy at the forward, which waits for the work queued before it; indices given on
+    the CPU cost none (the output is on ``device`` either way). A small table crosses the link
+    whole at each use.
+
+    Args:
+        gather_rows: stream by rows; ``None`` (default): when the table takes at least
+            ``RAMTORCH_GATHER_MIN_BYTES`` (16 MiB unless set). Rows moved are counted in
+            ``ramtorch.stats()["devices"][device]`` (``row_h2d_bytes``, ``rows_gathered``).
     """
 
     def __init__(
-        self, *args: Any, device: Any = None, max_inflight: int | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        device: Any = None,
+        max_inflight: int | None = None,
+        gather_rows: bool | None = None,
+        **kwargs: Any,
     ) -> None:
+        if gather_rows is not None and not isinstance(gather_rows, bool):
+            raise TypeError(f"ramtorch.nn.Embedding: gather_rows must be a bool or None, got {gather_rows!r}")
         nn.Embedding.__init__(self, *args, device="cpu", **kwargs)
+        self.gather_rows = gather_rows
         self._stream_setup(device, max_inflight)
+
+    def _by_rows(self) -> bool:
+        return _gather.wanted(self, self.gather_rows)
 
 
 class Conv2d(_StreamedLayer, nn.Conv2d):

@@ -1,0 +1,364 @@
+"""Embedding tables that move the rows a lookup reads, not the table.
+
+A *gathered* unit is an ``nn.Embedding`` streamed by rows: at each forward its indices are read
+on the host (one small device→host copy, which waits for the work queued before it, unless the
+indices are on the CPU already), the distinct rows they name are gathered from the host table
+into a page-locked staging buffer (``torch.index_select``, on all cores) and copied to the
+compute device, and the module's own forward runs on those rows with its indices remapped into
+them (its ``padding_idx`` too), so ``F.embedding`` computes exactly what it computes on the whole
+table. A lookup of ``B`` distinct rows moves ``B`` rows, and no device slot of the table's size
+is held.
+
+Backward: ``F.embedding``'s backward over the gathered rows is the gradient of those rows (dense,
+summed over repeated indices, scaled by ``scale_grad_by_freq``, zero for ``padding_idx``). It is
+copied to the host (:class:`RowGrads`, one per engine) and, at the end of the backward, added
+into the rows of the table's dense ``.grad`` (zeros elsewhere, as torch writes it for
+``sparse=False``; added to a ``.grad`` that exists). The hand-off to the optimizers is the
+streamed units' (``GradientHooks._delivered`` → ``DeviceEngine.grads_complete``); the engine's
+gradient copies and ``.grad`` writes are not involved: :class:`RowGrads` is an engine listener
+(``before_finish`` writes the rows, ``drain`` drops them after an interrupted backward). Where the
+engine must see the whole gradient on the device (a gradient hook on the table, ``Tensor.
+register_hook``; ``torch.distributed``, whose ZeRO-2 reduces gradients on the device), the rows
+are scattered into a dense device gradient and take the engine's path (``push_grad``) instead.
+
+``max_norm`` renormalises the gathered rows in place on the device; the rows are written back into
+the host table after the forward, as ``nn.Embedding`` writes its table.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .. import _arena, _config, _engine
+
+if TYPE_CHECKING:
+    from .streamer import Streamer
+
+from .units import _Unit
+
+#: A forward whose distinct rows take at least this fraction of the table's bytes copies the whole
+#: table through a slot instead, where the slots are large enough (an offloaded model whose
+#: largest other unit is larger than the table): one contiguous copy, prefetched ahead, against a
+#: host gather and a copy of nearly as many bytes.
+WHOLE_TABLE_FRACTION = 0.5
+
+
+def ineligible(module: nn.Module) -> str | None:
+    """Why ``module`` cannot stream by rows (``None`` when it can): it must be an
+    ``nn.Embedding`` whose forward is ``nn.Embedding.forward`` (a subclass that computes more
+    around the lookup, as scaled word embeddings do, keeps the whole-table path), holding one
+    plain 2-D weight."""
+    if not isinstance(module, nn.Embedding):
+        return "not an nn.Embedding"
+    if type(module).forward is not nn.Embedding.forward or "forward" in module.__dict__:
+        return f"{type(module).__name__} has a forward of its own"
+    if module.sparse:
+        return "it has sparse=True"
+    params = list(module.parameters())
+    if len(params) != 1 or params[0] is not module.weight:
+        return "holds parameters other than its weight"
+    w = module.weight
+    if type(w) is not nn.Parameter or w.dim() != 2 or w.layout != torch.strided:
+        return "its weight is not a plain 2-D tensor"
+    return None
+
+
+def table_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s table (its weight)."""
+    w = module.weight
+    return int(w.numel()) * w.element_size()
+
+
+def wanted(module: nn.Module, choice: bool | None) -> bool:
+    """Whether ``module`` streams by rows: ``choice`` (``None``: when its table takes at least
+    ``RAMTORCH_GATHER_MIN_BYTES``, see :func:`ramtorch._config.gather_min_bytes`), and only an
+    eligible module (:func:`ineligible`)."""
+    if choice is False or ineligible(module) is not None:
+        return False
+    return choice is True or table_bytes(module) >= _config.gather_min_bytes()
+
+
+def choose(units: Sequence[_Unit], choice: bool | None) -> None:
+    """Marks the units that stream by rows (``_Unit.gather``): a unit that is one embedding's own
+    weight (not a container, not tied: tied weights left their units before) and
+    :func:`wanted`."""
+    for u in units:
+        e = u.entries[0] if u.entries else None
+        u.gather = (
+            e is not None
+            and not u.container
+            and len(u.entries) == 1
+            and len(u.params) == 1
+            and e.owner is u.module
+            and wanted(u.module, choice)
+        )
+
+
+def keep_resident(units: Sequence[_Unit], left: int) -> list[_Unit]:
+    """The units streamed by rows that stay resident instead in ``left`` bytes of budget (what
+    the other units' plan left over), largest first; their ``gather`` is cleared. A resident
+    block saves its bytes every pass, a resident table only the rows it would gather: tables
+    come after the other units."""
+    kept = []
+    for u in sorted((u for u in units if u.gather), key=lambda u: -u.nbytes):
+        if u.nbytes <= left:
+            u.gather = False
+            kept.append(u)
+            left -= u.nbytes
+    return kept
+
+
+# -- the indices -------------------------------------------------------------------------------------
+
+
+def check_indices(ids: Any, rows: int, device: torch.device, label: str) -> None:
+    """Refuses, naming ``label``, what ``nn.Embedding`` refuses: indices that are not an integer
+    tensor (``RuntimeError``, as torch's); and indices on a device other than the CPU or ``device``.
+    The range is checked on the host copy (:func:`host_indices`)."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{label}: indices must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype not in (torch.long, torch.int):
+        raise RuntimeError(
+            f"{label}: indices must be a tensor of torch.long or torch.int (as nn.Embedding's), "
+            f"got {ids.dtype}"
+        )
+    dev = ids.device
+    if dev.type != "cpu" and dev != device:
+        raise RuntimeError(
+            f"{label}: indices are on {dev} but the embedding computes on {device} (indices on the "
+            "CPU are taken too, without a device→host copy)"
+        )
+
+
+def host_indices(ids: torch.Tensor, rows: int, label: str) -> torch.Tensor:
+    """``ids`` on the host (a copy from the device waits for the work queued before it), checked
+    against the table's ``rows``: an index out of range is an ``IndexError``, as on the CPU with
+    ``nn.Embedding``, naming the first bad value."""
+    host = ids.detach().to("cpu")
+    if host.numel():
+        lo, hi = int(host.min()), int(host.max())
+        if lo < 0 or hi >= rows:
+            bad = lo if lo < 0 else hi
+            raise IndexError(
+                f"{label}: index {bad} is out of range for a table of {rows} rows (indices must be "
+                f"in [0, {rows - 1}])"
+            )
+    return host
+
+
+def distinct(host_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows ``host_ids`` read (int64, sorted) and ``host_ids`` remapped into them."""
+    index, inverse = torch.unique(host_ids.reshape(-1).long(), sorted=True, return_inverse=True)
+    return index, inverse.reshape(host_ids.shape)
+
+
+@dataclass
+class Lookup:
+    """One forward's gathered rows: the distinct table rows read (host, sorted), the indices
+    remapped into them (on the compute device), the rows on the device, and the remapped
+    padding row (``None`` when the lookup does not read it)."""
+
+    index: torch.Tensor
+    remapped: torch.Tensor
+    rows: torch.Tensor
+    padding_idx: int | None
+
+
+def lookup(
+    table: torch.Tensor,
+    index: torch.Tensor,
+    inverse: torch.Tensor,
+    device: torch.device,
+    padding_idx: int | None,
+) -> Lookup:
+    """Gathers the rows ``index`` of ``table`` (host) into a staging buffer (page-locked when
+    ``device`` is a GPU) and copies them, and the remapped indices ``inverse``, to ``device`` on
+    the current stream."""
+    cuda = device.type == "cuda"
+    staging = torch.empty((index.numel(), table.shape[1]), dtype=table.dtype, pin_memory=cuda)
+    with torch.no_grad():
+        torch.index_select(table.detach(), 0, index, out=staging)
+    # From page-locked memory the copy is asynchronous; torch's host allocator keeps the staging
+    # buffer from reuse until the copy is done.
+    rows = staging.to(device, non_blocking=True) if cuda else staging
+    remapped = inverse.to(device) if cuda else inverse
+    pad = None
+    if padding_idx is not None and index.numel():
+        pos = int(torch.searchsorted(index, padding_idx))
+        if pos < index.numel() and int(index[pos]) == padding_idx:
+            pad = pos
+    return Lookup(index, remapped, rows, pad)
+
+
+# -- autograd --------------------------------------------------------------------------------------
+
+
+class _GatherRows(torch.autograd.Function):
+    """The gathered rows of a unit's table, for its forward; backward sends their gradient (the
+    rows' gradient, dense over the gathered rows) to the host rows of the table's ``.grad``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        anchor: torch.Tensor,
+        unit: _Unit,
+        streamer: Streamer,
+        index: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> Any:
+        ctx.unit, ctx.streamer, ctx.index = unit, streamer, index
+        ctx.set_materialize_grads(False)
+        return rows.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:  # type: ignore[override]
+        ctx.streamer.rows_backward(ctx.unit, ctx.index, grad)
+        return None, None, None, None, None
+
+
+def gathered_rows(
+    u: _Unit, streamer: Streamer, found: Lookup, param: nn.Parameter, fetch: bool, recompute: bool
+) -> torch.Tensor:
+    """The tensor that stands for the table in ``u``'s forward: the gathered rows through
+    :class:`_GatherRows` when this forward's gradient is wanted (``fetch``), a leaf like the
+    parameter in a recomputation inside backward, else the rows as they are."""
+    if fetch:
+        return _GatherRows.apply(u.anchor, u, streamer, found.index, found.rows)
+    if recompute and torch.is_grad_enabled():
+        return found.rows.detach().requires_grad_(param.requires_grad)
+    return found.rows
+
+
+def needs_dense(param: nn.Parameter) -> bool:
+    """Whether ``param``'s gradient must reach the engine whole, on the device: it has gradient
+    hooks (they see the dense gradient, as in torch), or ``torch.distributed`` runs (ZeRO-2
+    reduces gradients on the device)."""
+    if getattr(param, "_backward_hooks", None):
+        return True
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
+def dense_grad(param: nn.Parameter, index: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The whole-table gradient on ``grad``'s device: ``grad``'s rows at ``index``, zeros elsewhere."""
+    full = torch.zeros(tuple(param.shape), dtype=grad.dtype, device=grad.device)
+    full.index_copy_(0, index.to(grad.device), grad)
+    return full
+
+
+# -- row gradients to the host ----------------------------------------------------------------------
+
+
+class RowGrads:
+    """Row gradients of gathered tables on their way to the host, one per engine. They are copied
+    device→host as they come (:meth:`push`) and added into ``.grad`` at the end of the backward
+    (:meth:`before_finish`, called by the engine, as an engine listener); a backward that raised
+    before its end leaves them here, and they are dropped (:meth:`drop_interrupted`,
+    :meth:`drain`): an interrupted backward writes no ``.grad``."""
+
+    def __init__(self, eng: _engine.DeviceEngine) -> None:
+        self.device = eng.device
+        self.counters = eng.row_counters
+        # (parameter, host row index, host rows, copy event or None, pushing thread)
+        self.pending: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, Any, threading.Thread]] = []
+        self.lock = threading.Lock()
+
+    def push(self, param: nn.Parameter, index: torch.Tensor, grad: torch.Tensor) -> None:
+        """Queues the copy of ``grad`` (the gradient of ``param``'s rows ``index``) to the host."""
+        grad = grad.detach().to(dtype=param.dtype).contiguous()
+        event = None
+        if grad.device.type == "cuda":
+            host = torch.empty(tuple(grad.shape), dtype=grad.dtype, pin_memory=True)
+            host.copy_(grad, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(grad.device))
+        else:
+            host = grad
+        with self.lock:
+            self.pending.append((param, index, host, event, threading.current_thread()))
+            self.counters["row_d2h_bytes"] += host.numel() * host.element_size()
+
+    def flush(self) -> None:
+        """Waits for the copies and adds the rows into the parameters' ``.grad`` (a zero ``.grad``
+        made first where there is none), then runs their post-accumulate-grad hooks."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        if not pending:
+            return
+        done: dict[int, nn.Parameter] = {}
+        with torch.no_grad():
+            for param, index, host, event, _ in pending:
+                if event is not None:
+                    event.synchronize()
+                g = param.grad
+                if g is None:
+                    g = _arena.host_empty(tuple(param.shape), param.dtype, zeroed=True)
+                    param.grad = g
+                g.index_add_(0, index, host)
+                done[id(param)] = param
+        for param in done.values():
+            post = getattr(param, "_post_accumulate_grad_hooks", None)
+            if post:
+                for hook in list(post.values()):
+                    hook(param)
+
+    def drop_interrupted(self) -> None:
+        """Outside backward: rows this thread pushed belong to a backward that raised before its
+        end, and are dropped."""
+        if not self.pending or torch._C._current_graph_task_id() != -1:
+            return
+        me = threading.current_thread()
+        with self.lock:
+            self.pending = [e for e in self.pending if e[4] is not me and e[4].is_alive()]
+
+    # -- engine listener ---------------------------------------------------------------------------
+
+    def on_grads(self, eng: _engine.DeviceEngine, params: Sequence[nn.Parameter]) -> None:
+        """(Engine listener) nothing: the optimizers listen to the hand-off."""
+
+    def reduce_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool | None:
+        """(Engine listener) nothing to reduce."""
+        return None
+
+    def before_finish(self, eng: _engine.DeviceEngine) -> None:
+        """(Engine listener) the end of a backward on ``eng``: the rows go into ``.grad``."""
+        self.flush()
+
+    def after_finish(self) -> None:
+        """(Engine listener) nothing."""
+
+    def drain(self, interrupted: bool = False) -> None:
+        """(Engine listener) after an interrupted backward the rows are dropped."""
+        if interrupted:
+            with self.lock:
+                self.pending = []
+
+
+_ROW_GRADS: weakref.WeakKeyDictionary[_engine.DeviceEngine, RowGrads] = weakref.WeakKeyDictionary()
+_ROW_GRADS_LOCK = threading.Lock()
+
+
+def row_grads(eng: _engine.DeviceEngine) -> RowGrads:
+    """The row gradients of ``eng`` (made, and registered as its listener, on first use)."""
+    rg = _ROW_GRADS.get(eng)
+    if rg is None:
+        with _ROW_GRADS_LOCK:
+            rg = _ROW_GRADS.get(eng)
+            if rg is None:
+                rg = _ROW_GRADS[eng] = RowGrads(eng)
+                eng.add_listener(rg)
+    return rg
+
+
+def drop_interrupted(eng: _engine.DeviceEngine) -> None:
+    """Drops the row gradients an interrupted backward left on ``eng`` (see :class:`RowGrads`)."""
+    rg = _ROW_GRADS.get(eng)
+    if rg is not None:
+        rg.drop_interrupted()

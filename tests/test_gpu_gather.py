@@ -1,0 +1,74 @@
+"""On a GPU, embedding tables streamed by rows (``ramtorch._stream.gather``) compute what
+``nn.Embedding`` computes on the device, with indices given on the GPU or on the CPU, move the
+rows they read, and hold no device memory of the table's size. The CPU counterpart is
+``tests/test_gather.py``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ramtorch
+import ramtorch.nn as rnn
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.gpu
+
+OPTIONS = [{}, {"padding_idx": 3}, {"scale_grad_by_freq": True}, {"max_norm": 1.0}]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("where", ["cuda", "cpu"], ids=["ids-on-gpu", "ids-on-cpu"])
+def test_layer_embedding_matches_torch_on_cuda(options, where):
+    torch.manual_seed(0)
+    ours = rnn.Embedding(1000, 64, gather_rows=True, device="cuda", **options)
+    ref = nn.Embedding(1000, 64, **options)
+    ref.load_state_dict(ours.state_dict())
+    ref.cuda()
+    ids = torch.randint(0, 1000, (4, 33))
+    ids[0, :3] = 3
+    for _ in range(2):
+        y_ref = ref(ids.cuda())
+        y = ours(ids.to(where))
+        assert y.device.type == "cuda"
+        assert torch.equal(y_ref, y)
+        w = torch.randn_like(y)
+        (y_ref * w).sum().backward()
+        (y * w).sum().backward()
+        torch.cuda.synchronize()
+        assert torch.equal(ref.weight.grad.cpu(), ours.weight.grad)
+        assert torch.equal(ref.weight.detach().cpu(), ours.weight.detach())
+
+
+def test_offloaded_model_moves_the_rows_read_on_cuda():
+    """An offloaded model's input embedding crosses the link by rows: the row counters grow by the
+    distinct rows read, the slots are sized for the other units, and training matches torch."""
+    torch.manual_seed(0)
+    vocab, d = 50_000, 256  # a 49 MiB table
+    ref = nn.Sequential(nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, 8)).cuda()
+    ours = ramtorch.offload(copy.deepcopy(ref).cpu(), device="cuda")
+    assert [u.name for u in ours._ramtorch_streamer.units if u.gather] == ["0"]
+    table = vocab * d * 4
+    assert ramtorch.stats(ours)["slot_bytes"] < table // 100
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    counters = ramtorch._engine.engine_for(torch.device("cuda", torch.cuda.current_device())).row_counters
+    for _ in range(3):
+        ids = torch.randint(0, vocab, (8, 128), device="cuda")
+        before = dict(counters)
+        loss_ref = ref(ids).square().mean()
+        loss = ours(ids).square().mean()
+        torch.testing.assert_close(loss, loss_ref, rtol=0, atol=0)
+        loss_ref.backward()
+        loss.backward()
+        rows = ids.unique().numel()
+        assert counters["row_h2d_bytes"] - before["row_h2d_bytes"] == rows * d * 4
+        assert counters["row_d2h_bytes"] - before["row_d2h_bytes"] == rows * d * 4
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    ramtorch.synchronize()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q, p.detach().cpu(), rtol=1e-6, atol=1e-7, msg=name)
