@@ -502,9 +502,7 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     offload_seconds = time.perf_counter() - t1
     st = ramtorch.stats(model)
     streamed = st["streamed_bytes_per_pass"]
-    grad_bytes = sum(
-        p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.device.type == "cpu"
-    )
+    grad_bytes = streamed_grad_bytes(model, dev, streamed)
     extra = {
         "streamed_bytes_per_pass": streamed,
         "streamed_grad_bytes": grad_bytes,
@@ -524,6 +522,17 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         records.append({**common, **extra, "phase": phase, "system": "ramtorch", **r})
         log(name, phase, "ramtorch", r["seconds"])
     return records
+
+
+def streamed_grad_bytes(model: nn.Module, device: str, streamed: int) -> int:
+    """Bytes of the gradients that come back to host RAM in a backward: those of the trainable
+    parameters in host RAM (on a CPU compute device every parameter is there: then at most the
+    streamed bytes, which is exact when every streamed parameter trains or none of the frozen
+    ones streams)."""
+    host = [p for p in model.parameters() if p.requires_grad and p.device.type != torch.device(device).type]
+    if torch.device(device).type == "cpu":
+        host = [p for p in model.parameters() if p.requires_grad]
+    return min(streamed, sum(p.numel() * p.element_size() for p in host))
 
 
 def log(name: str, phase: str, system: str, seconds: float | None) -> None:
@@ -634,8 +643,11 @@ def table(records: list[dict[str, Any]]) -> str:
     for r in records:
         parts = r.get("limit_parts") or {}
         ratio = r.get("ratio")
+        workload = r["workload"]
+        if "lora_rank" in r:
+            workload += f" (LoRA r={r['lora_rank']}, {r['base']} base)"
         rows.append(
-            f"| {r['workload']} | {r['phase']} | {r['system']} | {r['tokens']} | {r['layers']} | "
+            f"| {workload} | {r['phase']} | {r['system']} | {r['tokens']} | {r['layers']} | "
             f"{r['params'] / 1e9:.2f}e9 | {ms(r.get('seconds'))} | {ms(r.get('limit_seconds'))} | "
             f"{ms(parts.get('link_seconds'))} | {ms(parts.get('compute_seconds'))} | "
             f"{'' if ratio is None else f'{ratio:.3f}'} | {r.get('gpu_peak_bytes', 0) / 2**30:.2f} |"

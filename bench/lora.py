@@ -39,7 +39,17 @@ import warnings
 from typing import Any
 
 import torch
-from arch import add_limits, build, ceilings, command_line, free_device, git_commit, inputs, table
+from arch import (
+    add_limits,
+    build,
+    ceilings,
+    command_line,
+    free_device,
+    git_commit,
+    inputs,
+    streamed_grad_bytes,
+    table,
+)
 from benchlib import measure
 from torch import nn
 
@@ -48,21 +58,23 @@ BASES = ("bf16", "int8")
 
 
 class LoRALinear(nn.Module):
-    """A frozen ``Linear`` plus a trainable low-rank update ``B(A(x)) · alpha / r`` (B starts at zero)."""
+    """A frozen ``Linear`` plus a trainable low-rank update ``B(A(x)) · alpha / r``, as peft makes it:
+    fp32 adapters (the input cast to fp32 for them, the update cast back), B starting at zero."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float) -> None:
         super().__init__()
         self.base = base
         self.base.requires_grad_(False)
-        dev, dt = base.weight.device, torch.bfloat16
-        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=dev, dtype=dt)
-        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=dev, dtype=dt)
+        dev = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=dev, dtype=torch.float32)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=dev, dtype=torch.float32)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
         self.scaling = alpha / r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
+        update = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
+        return self.base(x) + update.to(x.dtype)
 
 
 def peft_version() -> str | None:
@@ -184,7 +196,7 @@ def run_base(a: argparse.Namespace, base: str) -> list[dict[str, Any]]:
     extra = {
         "offload_seconds": time.perf_counter() - t1,
         "streamed_bytes_per_pass": st["streamed_bytes_per_pass"],
-        "streamed_grad_bytes": sum(p.numel() * p.element_size() for p in trainable if p.device.type == "cpu"),
+        "streamed_grad_bytes": streamed_grad_bytes(model, dev, st["streamed_bytes_per_pass"]),
         "units": st["units"],
     }
     opt = ropt.AdamW(trainable, lr=1e-4)
