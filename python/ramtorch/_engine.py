@@ -323,9 +323,11 @@ class DeviceEngine:
         self._keep_sums = False
         self._fresh_backwards = 0  # backwards in a row that added to no earlier gradient
         self._accumulated = False  # this backward added to a gradient left by an earlier one
-        #: Bytes of gradient sums the device may hold (None: what its memory leaves free).
+        #: Bytes of gradient sums the device may hold (None: what its memory leaves free, and no
+        #: more than the models with a ``gpu_budget`` leave of it: :meth:`limit_sums`).
         self.sum_cap: int | None = None
         self._auto_sum_cap = 0
+        self._sum_limits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         # Who each held slot was taken for: slot -> id of its holder (a streamer). An interrupt
         # (Ctrl-C) can land between the engine's answer and the holder's record of it:
         # :meth:`reconcile` compares the two and gives back what no holder records. ``_unsettled``
@@ -571,9 +573,20 @@ class DeviceEngine:
         for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
             self._grad_sources.popleft()
 
+    def limit_sums(self, owner: Any, nbytes: int) -> None:
+        """``owner`` (a model's streamer with a ``gpu_budget``) leaves ``nbytes`` of its budget for
+        gradient sums: while any such owner lives, the sums stay within what they leave together."""
+        self._sum_limits[owner] = max(0, int(nbytes))
+
     def _sum_room(self, nbytes: int) -> bool:
         """Whether the device may hold ``nbytes`` more of gradient sums."""
-        cap = self._auto_sum_cap if self.sum_cap is None else self.sum_cap
+        if self.sum_cap is not None:
+            cap = self.sum_cap
+        else:
+            cap = self._auto_sum_cap
+            limits = list(self._sum_limits.values())
+            if limits:
+                cap = min(cap, sum(limits))
         return self._sum_bytes + nbytes <= cap
 
     def _drop_sum(self, pid: int) -> None:

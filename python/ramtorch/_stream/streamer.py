@@ -115,6 +115,9 @@ class Streamer(Prefetcher, GradientHooks):
         self.eng = _engine.engine_for(device)
         if slots:
             self.eng.reserve(slot_bytes, slots)
+        if budget is not None:
+            # Gradient accumulation keeps sums on the device within what the budget leaves.
+            self.eng.limit_sums(self, budget - resident_bytes - slots * slot_bytes)
         self.by_uid = {u.uid: u for u in units}
         self.streamed = [u for u in units if not u.resident]
         self.fwd_itin: list[int] = []
