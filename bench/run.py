@@ -113,8 +113,8 @@ def host_bandwidths() -> dict[str, float]:
     def adamw() -> None:
         step[0] += 1
         _core.adamw_step(
-            w.data_ptr(), "bfloat16", g.data_ptr(), "bfloat16", m.data_ptr(), v.data_ptr(), "float32",
-            master=master.data_ptr(), numel=p, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+            w, "bfloat16", g, "bfloat16", m, v, "float32",
+            master=master, numel=p, step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
             weight_decay=1e-2,
         )  # fmt: skip
 

@@ -112,7 +112,11 @@ def test_micro_batches_accumulate_as_torch_and_on_the_device(device, kind, dtype
         o_ref.zero_grad()
         o_ours.zero_grad()
         for p, q in zip(ref.parameters(), ours.parameters()):
-            assert torch.equal(q.detach(), p.detach().cpu())
+            if device == "cpu":
+                assert torch.equal(q.detach(), p.detach())
+            else:  # torch's AdamW on the host against its CUDA kernels: rounding differs
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # one bf16 ulp is 2**-8 relative
+                torch.testing.assert_close(q.detach(), p.detach().cpu(), rtol=tol, atol=tol / 10)
 
 
 @pytest.mark.parametrize("kind", ["offload", "linear"])
