@@ -529,6 +529,7 @@ class DeviceEngine:
                 self._accumulated = True
                 if s is None:
                     self._keep_sums = True  # the loop accumulates: keep sums from now on
+                    s = self._start_sum(param, prior, nbytes)
             if s is not None:
                 # The sum crosses whole into a buffer that becomes ``.grad``'s memory at the end
                 # of backward (not into ``.grad`` itself: a backward that raises leaves it as it was).
@@ -577,6 +578,25 @@ class DeviceEngine:
         """``owner`` (a model's streamer with a ``gpu_budget``) leaves ``nbytes`` of its budget for
         gradient sums: while any such owner lives, the sums stay within what they leave together."""
         self._sum_limits[owner] = max(0, int(nbytes))
+
+    def _start_sum(self, param: torch.nn.Parameter, prior: torch.Tensor, nbytes: int) -> _Sum | None:
+        """A sum for ``param`` whose ``.grad`` (``prior``) this engine did not write: ``.grad`` is
+        copied to the device once (a loop that never empties ``.grad`` pays that once, not a
+        host add per backward), if there is room and it is a plain host tensor like the weight."""
+        if not (
+            self._sum_room(nbytes)
+            and type(prior) is torch.Tensor
+            and prior.device.type == "cpu"
+            and prior.dtype == param.dtype
+            and prior.shape == param.shape
+            and prior.layout == torch.strided
+        ):
+            return None
+        s = self._sums[id(param)] = _Sum(param)
+        self._sum_bytes += nbytes
+        s.dev = prior.to(self.device, non_blocking=True, copy=True)
+        s.host, s.version = prior, prior._version
+        return s
 
     def _sum_room(self, nbytes: int) -> bool:
         """Whether the device may hold ``nbytes`` more of gradient sums."""
