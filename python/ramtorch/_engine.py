@@ -528,7 +528,9 @@ class DeviceEngine:
             if prior is not None:
                 self._accumulated = True
                 if s is None:
-                    self._keep_sums = True  # the loop accumulates: keep sums from now on
+                    if not self._keep_sums:  # the loop accumulates: keep sums from now on
+                        self._keep_sums = True
+                        self._update_sum_cap()
                     s = self._start_sum(param, prior, nbytes)
             if s is not None:
                 # The sum crosses whole into a buffer that becomes ``.grad``'s memory at the end
