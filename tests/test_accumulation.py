@@ -338,3 +338,19 @@ def test_a_loop_that_never_empties_grad_accumulates_on_the_device(kind):
         _loss(ours, x).backward()
         _grads_equal(ref, ours)
         assert (eng.stats()["grad_sum_bytes"] > 0) == (i >= 1)
+
+
+def test_gradient_copies_in_flight_are_bounded_by_bytes_not_tensors():
+    """The throttle of gradient copies allows about ``max_inflight`` slots' worth of bytes in
+    flight: many small gradients (norms, biases) queue without waiting, large ones are held to
+    ``max_inflight``."""
+    from collections import deque
+
+    eng = _engine.DeviceEngine(torch.device("cpu"))
+    eng._slot_bytes = 1000
+    eng._grad_sources = deque(torch.empty(10, dtype=torch.uint8) for _ in range(30))
+    assert eng._gradient_copies_allowed(2, 10) == 30  # 29 earlier ones + this one fit in 2000 bytes
+    eng._grad_sources = deque(torch.empty(900, dtype=torch.uint8) for _ in range(5))
+    assert eng._gradient_copies_allowed(2, 900) == 2  # one earlier copy may stay in flight
+    eng._grad_sources = deque(torch.empty(10, dtype=torch.uint8) for _ in range(200))
+    assert eng._gradient_copies_allowed(2, 10) == 64  # the engine's bound

@@ -248,6 +248,10 @@ class ForwardLock:
         return self._owner is threading.current_thread()
 
 
+#: The engine's bound on copies in flight per lane.
+_MAX_GRADIENT_COPIES = 64
+
+
 class _Pending:
     """One parameter's gradient in the running backward: either the host tensor that the
     device's running sum crosses into (``target``), or host buffers, one per gradient, added up
@@ -558,9 +562,10 @@ class DeviceEngine:
         # landing right after the engine queued it must not free either while the copy runs
         # (an interrupted backward's records are dropped only after a synchronize).
         self._grad_sources.append(src)
+        limit = self._gradient_copies_allowed(max_inflight, nbytes)
         rng = _profile.begin("ramtorch.copy_to_host") if _profile.active() else None
         try:
-            retired = self._core.copy_to_host(dst, src, nbytes, max_inflight, self._stream(), tag)
+            retired = self._core.copy_to_host(dst, src, nbytes, limit, self._stream(), tag)
         except Exception:
             self._core.synchronize()  # (refused: nothing queued; waited for in any case)
             self._grad_sources.pop()
@@ -575,6 +580,22 @@ class DeviceEngine:
                 _profile.end(rng)
         for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
             self._grad_sources.popleft()
+
+    def _gradient_copies_allowed(self, max_inflight: int, nbytes: int) -> int:
+        """How many gradient copies may be in flight once this one (of ``nbytes``) is queued: the
+        throttle bounds the device memory that gradients waiting for the link hold to about
+        ``max_inflight`` units' worth (``max_inflight`` slots), not ``max_inflight`` tensors. A
+        unit has many gradients, most of them small (norms, biases): counting tensors would block
+        the backward's thread on each unit's last copies, leaving the GPU without queued work."""
+        budget = max_inflight * max(self._slot_bytes, nbytes)
+        total, n = nbytes, 0
+        for i in range(len(self._grad_sources) - 2, -1, -1):  # newest first, this copy's excluded
+            t = self._grad_sources[i]
+            total += t.numel() * t.element_size()
+            if total > budget:
+                break
+            n += 1
+        return min(_MAX_GRADIENT_COPIES, max(max_inflight, n + 1))
 
     def limit_sums(self, owner: Any, nbytes: int) -> None:
         """``owner`` (a model's streamer with a ``gpu_budget``) leaves ``nbytes`` of its budget for
