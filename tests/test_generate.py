@@ -284,6 +284,39 @@ def test_generate_prefetches_across_its_passes_by_default():
     assert not streamer.ahead
 
 
+def test_each_decode_step_copies_each_streamed_unit_once():
+    """The bytes a generate() of ``n`` tokens copies: ``n`` passes of the streamed units (the
+    prefill's copied at its start, each decode step's prefetched along the last pass), and the
+    look-ahead of its last pass, given back unused when it returns. So ``n`` more tokens copy
+    exactly ``n`` passes more, whatever the units' sizes (layers, embedding, head, norm)."""
+    ours = tiny_llama()
+    ramtorch.offload(ours, device="cpu")
+    streamer = ours._ramtorch_streamer
+    ids = torch.randint(0, 97, (2, 9))
+
+    def gen(n: int) -> dict[str, int]:
+        before = {**ramtorch.stats(ours), "h2d_bytes": ramtorch.stats()["devices"]["cpu"]["h2d_bytes"]}
+        ours.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, pad_token_id=0)  # fmt: skip
+        after = {**ramtorch.stats(ours), "h2d_bytes": ramtorch.stats()["devices"]["cpu"]["h2d_bytes"]}
+        keys = ("h2d_bytes", "passes", "prefetches", "prefetch_hits", "prefetch_wasted")
+        return {k: after[k] - before[k] for k in keys}
+
+    gen(3)  # the itinerary is learned
+    st = ramtorch.stats(ours)
+    per_pass, units = st["streamed_bytes_per_pass"], st["streamed_units"]
+    assert len({u.nbytes for u in streamer.streamed}) > 1  # units of different sizes share the slots
+    by_name = {u.name: u for u in streamer.streamed}
+    look = sum(by_name[name].nbytes for name in st["itinerary"][: streamer.max_inflight])
+    two, ten = gen(2), gen(10)
+    for n, got in ((2, two), (10, ten)):
+        assert got["passes"] == n
+        assert got["h2d_bytes"] == n * per_pass + look, (n, got, per_pass, look)
+        assert got["prefetch_wasted"] == streamer.max_inflight, (n, got)
+        assert got["prefetch_hits"] == n * units, (n, got)
+    assert ten["h2d_bytes"] - two["h2d_bytes"] == 8 * per_pass
+
+
 @pytest.mark.parametrize("how", ["copy", "data_assign", "replace"])
 def test_an_edit_torch_sees_inside_generate_is_seen_by_the_next_pass(how):
     """Between two passes of one generate() (a logits processor, a stopping criterion), edits that

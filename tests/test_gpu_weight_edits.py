@@ -120,11 +120,16 @@ def test_generate_prefetches_across_passes_and_sees_edits_between_calls_on_the_g
             for layer in m.model.layers[::2]:
                 layer.mlp.up_proj.weight.data.mul_(-1.25)  # no synchronisation before the edit
     per_pass = ramtorch.stats(streamed)["streamed_bytes_per_pass"]
-    torch.cuda.synchronize()
-    before = h2d()
-    gen(streamed, 2)
-    torch.cuda.synchronize()
-    two = h2d() - before
-    gen(streamed, 10)
-    torch.cuda.synchronize()
-    assert (h2d() - before - two) <= 8 * per_pass  # the 8 extra decode steps copy each unit once at most
+
+    def copied(n: int) -> int:
+        torch.cuda.synchronize()
+        before = h2d()
+        gen(streamed, n)
+        torch.cuda.synchronize()
+        return h2d() - before
+
+    # Each call also copies, at its last pass's end, a look-ahead for a next pass that never comes
+    # (given back when generate() returns): the same bytes for both calls, so their difference is
+    # what the 8 extra decode steps copied, each unit once at most.
+    two, ten = copied(2), copied(10)
+    assert ten - two <= 8 * per_pass, (two, ten, per_pass)
