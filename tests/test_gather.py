@@ -19,6 +19,7 @@ import torch
 from conftest import tiny_llama_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ramtorch._stream import gather
 from torch import nn
 
 CPU = torch.device("cpu")
@@ -325,6 +326,115 @@ def test_interrupted_backward_writes_no_rows():
     ref(IDS).sum().backward()
     ours(IDS).sum().backward()
     _assert_same_grads(ref, ours)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits (fp32), so that ``-0.0`` and ``0.0`` differ."""
+    return t.detach().view(torch.int32)
+
+
+def _offloaded_pair(vocab: int, seed: int) -> tuple[EmbedNet, EmbedNet]:
+    torch.manual_seed(seed)
+    ref = EmbedNet(vocab, 8)
+    return ref, ramtorch.offload(copy.deepcopy(ref), device="cpu", gather_rows=True)
+
+
+def _dirty_pool(shape: tuple[int, int], count: int = 3) -> set[int]:
+    """Leaves ``count`` arena blocks of ``shape`` (fp32) full of non-zero bytes in the pool, where
+    the next allocations of that size come from; returns their addresses."""
+    bufs = [ramtorch._arena.host_empty(shape, torch.float32).fill_(7.0) for _ in range(count)]
+    return {b.data_ptr() for b in bufs}
+
+
+def test_fresh_grad_is_the_zeroed_buffer_made_during_the_forward():
+    """A forward with gradients of tables whose ``.grad`` is None has their zero ``.grad`` made in
+    the background (from recycled, dirty memory here); the backward writes the rows into it:
+    two models' tables, each ``.grad`` bit for bit ``nn.Embedding``'s, zeros outside the rows."""
+    rg = gather.row_grads(ramtorch._engine.engine_for(CPU))
+    pairs = [_offloaded_pair(1000, 0), _offloaded_pair(1200, 1)]
+    dirty = _dirty_pool((1000, 8)) | _dirty_pool((1200, 8))
+    ids = [torch.tensor([[1, 3, 5, 5, 999], [3, 2, 1, 0, 7]]), torch.tensor([[1199, 4, 4, 600]])]
+    loss_ref = sum(ref(i).square().sum() for (ref, _), i in zip(pairs, ids))
+    loss = sum(ours(i).square().sum() for (_, ours), i in zip(pairs, ids))
+    made = [rg.zeros[ours.emb.weight].result() for _, ours in pairs]
+    assert {b.data_ptr() for b in made} <= dirty  # recycled blocks, zero-filled
+    loss_ref.backward()
+    loss.backward()
+    for (ref, ours), buf in zip(pairs, made):
+        g = ours.emb.weight.grad
+        assert g.data_ptr() == buf.data_ptr()
+        assert ours.emb.weight not in rg.zeros  # taken
+        assert torch.equal(_bits(g), _bits(ref.emb.weight.grad))
+        _assert_same_grads(ref, ours)
+
+
+def test_a_grad_set_before_the_backward_keeps_the_buffer_for_the_next_fresh_one():
+    """A ``.grad`` set between the forward and the backward is added to, as torch adds; the
+    buffer made at the forward is kept (one per table, no new one at the next forward) and is the
+    next fresh backward's ``.grad``."""
+    rg = gather.row_grads(ramtorch._engine.engine_for(CPU))
+    ref, ours = _offloaded_pair(1000, 2)
+    table = ours.emb.weight
+    y_ref, y = ref(IDS), ours(IDS)
+    job = rg.zeros[table]
+    start = torch.randn(1000, 8)
+    ref.emb.weight.grad, table.grad = start.clone(), start.clone()
+    y_ref.sum().backward()
+    y.sum().backward()
+    assert torch.equal(_bits(table.grad), _bits(ref.emb.weight.grad))
+    _assert_same_grads(ref, ours)
+    assert rg.zeros[table] is job  # kept, zeroed, for a later fresh backward
+    for step in range(2):
+        ref.zero_grad()
+        ours.zero_grad()
+        y_ref, y = ref(IDS + step), ours(IDS + step)
+        assert step or rg.zeros[table] is job
+        y_ref.square().sum().backward()
+        y.square().sum().backward()
+        if step == 0:
+            assert table.grad.data_ptr() == job.result().data_ptr()
+        assert torch.equal(_bits(table.grad), _bits(ref.emb.weight.grad))
+        _assert_same_grads(ref, ours)
+
+
+def test_a_failed_zeroing_job_raises_at_the_end_of_the_backward(monkeypatch):
+    """The background job's error is the backward's; the next step makes its buffer again and
+    matches torch."""
+    ref, ours = _offloaded_pair(1000, 3)
+
+    def fail(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        raise MemoryError("no memory for the gradient")
+
+    monkeypatch.setattr(gather, "zeroed_grad", fail)
+    y = ours(IDS)
+    with pytest.raises(MemoryError, match="no memory for the gradient"):
+        y.sum().backward()
+    assert ours.emb.weight.grad is None
+    monkeypatch.undo()
+    for p in ours.parameters():
+        p.grad = None
+    ref(IDS).sum().backward()
+    ours(IDS).sum().backward()
+    _assert_same_grads(ref, ours)
+
+
+def test_put_rows_is_index_add():
+    """Rows written into a zero gradient, or added into one that exists, are bit for bit
+    ``index_add_``'s, in the dtypes tables use (whole-word copies and the fallback)."""
+    gen = torch.Generator().manual_seed(0)
+    index = torch.tensor([0, 3, 4, 9])
+    for dtype, dim in ((torch.float32, 8), (torch.bfloat16, 6), (torch.float16, 3), (torch.float64, 2)):
+        rows = torch.randn(4, dim, generator=gen).to(dtype)
+        rows[1, 0] = 0.0
+        for start in (torch.zeros(10, dim, dtype=dtype), torch.randn(10, dim, generator=gen).to(dtype)):
+            want = start.clone().index_add_(0, index, rows)
+            got = start.clone()
+            gather.put_rows(got, index, rows, fresh=not start.any())
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
+        t = torch.randn(10, 2 * dim, generator=gen).to(dtype)[:, ::2]  # rows not contiguous
+        want = t.clone().index_add_(0, index, rows)
+        gather.put_rows(t, index, rows, fresh=False)
+        assert torch.equal(t, want)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

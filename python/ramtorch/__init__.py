@@ -18,6 +18,7 @@ from torch import nn as _torch_nn
 from . import _core, _engine, _offload, distributed, nn, optim, plan
 from ._core import CudaError
 from ._offload import offload, weights_unchanged
+from ._stream import gather as _gather
 from ._trace import trace
 from .checkpoint import load_checkpoint, save_checkpoint
 from .convert import replace_linear
@@ -113,5 +114,8 @@ def synchronize() -> None:
 
 
 def empty_cache() -> None:
-    """Returns pooled host memory (freed parameters and gradients) to the OS."""
+    """Returns pooled host memory (freed parameters and gradients, and the zeroed gradient
+    buffers that embedding tables streamed by rows keep for their next fresh backward) to the
+    OS."""
+    _gather.drop_zeros()
     _core.arena_empty_cache()

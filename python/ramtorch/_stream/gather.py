@@ -13,13 +13,20 @@ Backward: ``F.embedding``'s backward over the gathered rows is the gradient of t
 summed over repeated indices, scaled by ``scale_grad_by_freq``, zero for ``padding_idx``). It is
 copied to the host (:class:`RowGrads`, one per engine) and, at the end of the backward, added
 into the rows of the table's dense ``.grad`` (zeros elsewhere, as torch writes it for
-``sparse=False``; added to a ``.grad`` that exists). The hand-off to the optimizers is the
-streamed units' (``GradientHooks._delivered`` → ``DeviceEngine.grads_complete``); the engine's
-gradient copies and ``.grad`` writes are not involved: :class:`RowGrads` is an engine listener
-(``before_finish`` writes the rows, ``drain`` drops them after an interrupted backward). Where the
-engine must see the whole gradient on the device (a gradient hook on the table, ``Tensor.
-register_hook``; ``torch.distributed``, whose ZeRO-2 reduces gradients on the device), the rows
-are scattered into a dense device gradient and take the engine's path (``push_grad``) instead.
+``sparse=False``; added to a ``.grad`` that exists). The zeroed table-size buffer that a fresh
+``.grad`` needs is made early and off the critical path: a forward with gradients of a table
+whose ``.grad`` is ``None`` has it allocated and zero-filled (on all cores) on a worker thread
+(:class:`_Zeroer`) while the model computes; the end of the backward takes it (the job long
+done) and writes only the rows. A table keeps at most one such buffer: unused (a ``.grad`` set
+before the backward), it waits, zeroed, for the next fresh backward.
+
+The hand-off to the optimizers is the streamed units' (``GradientHooks._delivered`` →
+``DeviceEngine.grads_complete``); the engine's gradient copies and ``.grad`` writes are not
+involved: :class:`RowGrads` is an engine listener (``before_finish`` writes the rows, ``drain``
+drops them after an interrupted backward). Where the engine must see the whole gradient on the
+device (a gradient hook on the table, ``Tensor.register_hook``; ``torch.distributed``, whose
+ZeRO-2 reduces gradients on the device), the rows are scattered into a dense device gradient and
+take the engine's path (``push_grad``) instead.
 
 ``max_norm`` renormalises the gathered rows in place on the device; the rows are written back into
 the host table after the forward, as ``nn.Embedding`` writes its table.
@@ -27,14 +34,17 @@ the host table after the forward, as ``nn.Embedding`` writes its table.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _arena, _config, _engine
 
@@ -256,12 +266,106 @@ def dense_grad(param: nn.Parameter, index: torch.Tensor, grad: torch.Tensor) -> 
 # -- row gradients to the host ----------------------------------------------------------------------
 
 
+def zeroed_grad(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero arena tensor of ``shape`` and ``dtype`` for a table's ``.grad``: allocated as is and
+    zero-filled by torch on all cores (the arena zeroes a recycled block on one thread)."""
+    buf = _arena.host_empty(tuple(shape), dtype)
+    buf.zero_()
+    return buf
+
+
+class _Zeroer:
+    """The thread that makes zeroed gradient buffers ahead of the backwards that need them (one
+    per process, started on first use; each job's ``zero_`` uses every core, so one thread). Its
+    jobs' errors come back through their futures, at the end of the backward that takes them.
+    A child forked after it started makes its own (the parent's thread is not in the child)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.pid = 0
+        # The jobs this process queued (a forked child's start empty).
+        self.queued: weakref.WeakSet[Future[torch.Tensor]] = weakref.WeakSet()
+
+    def submit(self, shape: Sequence[int], dtype: torch.dtype) -> Future[torch.Tensor] | None:
+        """Queues the making of a zeroed ``shape``/``dtype`` buffer (:func:`zeroed_grad`);
+        ``None`` once the interpreter exits (no new jobs are taken then)."""
+        with self.lock:
+            if self.pool is None or self.pid != os.getpid():
+                # The executor's worker is not daemonic: interpreter exit waits for a job to end
+                # rather than stopping the thread inside a torch kernel.
+                self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ramtorch-grad-zeros")
+                self.pid = os.getpid()
+            try:
+                job = self.pool.submit(zeroed_grad, tuple(shape), dtype)
+            except RuntimeError:  # interpreter shutdown: the backward makes its buffer itself
+                return None
+            self.queued.add(job)
+            return job
+
+    def ours(self, job: Future[torch.Tensor]) -> bool:
+        """Whether ``job`` will end in this process: done, or queued by this process (a child
+        forked with a job queued has no thread to run it)."""
+        return job.done() or job in self.queued
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: a fresh lock (the parent's may have been held) and no pool (its
+        thread is not here); jobs the parent queued are not this process's (:meth:`ours`)."""
+        self.lock = threading.Lock()
+        self.pool = None
+        self.queued = weakref.WeakSet()
+
+
+_ZEROER = _Zeroer()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ZEROER.after_fork_in_child)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` (2-D) seen as 8-byte words, for copies that move bits rather than values, where its
+    rows allow it (contiguous, whole words, aligned); else ``None``."""
+    if t.element_size() >= 8 or not t.is_contiguous() or (t.shape[1] * t.element_size()) % 8:
+        return None
+    try:
+        return t.view(torch.int64)
+    except RuntimeError:
+        return None
+
+
+def copy_rows(g: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``g[index] = rows`` for distinct ``index``, as whole words where the rows allow it (a
+    copy of all the rows in one kernel)."""
+    dst, src = _words(g), _words(rows)
+    if dst is None or src is None:
+        dst, src = g, rows
+    dst.index_copy_(0, index, src)
+
+
+def put_rows(g: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, fresh: bool) -> None:
+    """Adds ``rows`` into the rows ``index`` (distinct) of ``g``, bit for bit what
+    ``g.index_add_(0, index, rows)`` computes (NaN payloads aside). Into a ``fresh`` (zero) ``g``
+    the rows are copied: each is a sum that began at +0 (as torch's embedding backward computes
+    it), and ``0 + x`` is ``x``; else the rows read are summed with ``rows`` (torch's add, as
+    ``index_add_``'s) and written back. Each step is one torch kernel over all the rows, which
+    torch spreads over its threads; ``index_add_`` adds row after row."""
+    if fresh:
+        copy_rows(g, index, rows)
+        return
+    summed = torch.index_select(g, 0, index)
+    summed.add_(rows)
+    copy_rows(g, index, summed)
+
+
 class RowGrads:
     """Row gradients of gathered tables on their way to the host, one per engine. They are copied
     device→host as they come (:meth:`push`) and added into ``.grad`` at the end of the backward
     (:meth:`before_finish`, called by the engine, as an engine listener); a backward that raised
     before its end leaves them here, and they are dropped (:meth:`drop_interrupted`,
-    :meth:`drain`): an interrupted backward writes no ``.grad``."""
+    :meth:`drain`): an interrupted backward writes no ``.grad``.
+
+    A table whose ``.grad`` is ``None`` at a forward with gradients gets its zeroed ``.grad``
+    buffer made on :class:`_Zeroer`'s thread meanwhile (:meth:`prepare`); :meth:`flush` takes it.
+    At most one per table is kept (in :attr:`zeros` until taken)."""
 
     def __init__(self, eng: _engine.DeviceEngine) -> None:
         self.device = eng.device
@@ -269,9 +373,57 @@ class RowGrads:
         # (parameter, host row index, host rows, copy event or None, pushing thread)
         self.pending: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, Any, threading.Thread]] = []
         self.lock = threading.Lock()
+        # Per table, its zeroed ``.grad`` buffer being made or made (kept while the table lives).
+        self.zeros: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def prepare(self, param: nn.Parameter) -> None:
+        """A forward with gradients gathered rows of ``param``: where its ``.grad`` is ``None``
+        (the backward will make one), its zeroed buffer is made now, in the background, unless one
+        is made or being made already."""
+        if param.grad is not None:
+            return
+        with self.lock:
+            if param in self.zeros:
+                return
+            job = _ZEROER.submit(tuple(param.shape), param.dtype)
+            if job is not None:
+                self.zeros[param] = job
+
+    def take_zeros(self, param: nn.Parameter) -> torch.Tensor:
+        """A zero buffer for ``param``'s new ``.grad``: the one :meth:`prepare` had made (waited
+        for; its job's error raised here, and the job forgotten so the next forward tries again),
+        or one made now."""
+        with self.lock:
+            job = self.zeros.get(param)
+            if job is not None and not _ZEROER.ours(job):
+                del self.zeros[param]
+                job = None
+        if job is None:
+            return zeroed_grad(tuple(param.shape), param.dtype)
+        try:
+            buf = job.result()
+        except Exception:
+            with self.lock:
+                if self.zeros.get(param) is job:
+                    del self.zeros[param]
+            raise
+        # Taken only once it is ours alone: an interrupt before this line leaves it kept.
+        with self.lock:
+            if self.zeros.get(param) is job:
+                del self.zeros[param]
+        if buf.shape != param.shape or buf.dtype != param.dtype:  # the table was replaced since
+            return zeroed_grad(tuple(param.shape), param.dtype)
+        return buf
+
+    def drop_zeros(self) -> None:
+        """Forgets the zeroed buffers kept for later backwards (their memory goes back to the
+        arena once their jobs end)."""
+        with self.lock:
+            self.zeros = WeakIdKeyDictionary()
 
     def push(self, param: nn.Parameter, index: torch.Tensor, grad: torch.Tensor) -> None:
-        """Queues the copy of ``grad`` (the gradient of ``param``'s rows ``index``) to the host."""
+        """Queues the copy of ``grad`` (the gradient of ``param``'s rows ``index``, distinct) to
+        the host."""
         grad = grad.detach().to(dtype=param.dtype).contiguous()
         event = None
         if grad.device.type == "cuda":
@@ -287,7 +439,8 @@ class RowGrads:
 
     def flush(self) -> None:
         """Waits for the copies and adds the rows into the parameters' ``.grad`` (a zero ``.grad``
-        made first where there is none), then runs their post-accumulate-grad hooks."""
+        made first where there is none, usually the one :meth:`prepare` had made), then runs their
+        post-accumulate-grad hooks."""
         with self.lock:
             pending, self.pending = self.pending, []
         if not pending:
@@ -298,10 +451,11 @@ class RowGrads:
                 if event is not None:
                     event.synchronize()
                 g = param.grad
+                fresh = g is None
                 if g is None:
-                    g = _arena.host_empty(tuple(param.shape), param.dtype, zeroed=True)
+                    g = self.take_zeros(param)
                     param.grad = g
-                g.index_add_(0, index, host)
+                put_rows(g, index, host, fresh)
                 done[id(param)] = param
         for param in done.values():
             post = getattr(param, "_post_accumulate_grad_hooks", None)
@@ -362,3 +516,16 @@ def drop_interrupted(eng: _engine.DeviceEngine) -> None:
     rg = _ROW_GRADS.get(eng)
     if rg is not None:
         rg.drop_interrupted()
+
+
+def prepare_grad(eng: _engine.DeviceEngine, param: nn.Parameter) -> None:
+    """A forward with gradients on ``eng`` gathered rows of ``param`` for the host path: its zeroed
+    ``.grad`` buffer is started now where the backward will need one (:meth:`RowGrads.prepare`)."""
+    if param.grad is None and not needs_dense(param):
+        row_grads(eng).prepare(param)
+
+
+def drop_zeros() -> None:
+    """Forgets the zeroed ``.grad`` buffers kept for later backwards, on every engine."""
+    for rg in list(_ROW_GRADS.values()):
+        rg.drop_zeros()

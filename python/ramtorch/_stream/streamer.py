@@ -456,6 +456,8 @@ class Streamer(Prefetcher, GradientHooks):
         rows = gather.gathered_rows(u, self, found, param, fetch, recompute)
         if fetch:
             u.fetches += 1
+            # The backward writes a zero .grad where there is none: made now, in the background.
+            gather.prepare_grad(self.eng, param)
         e = u.entries[0]
         u.gathers.append((e.owner._parameters[e.name], module.padding_idx, found, found.rows._version))
         e.owner._parameters[e.name] = rows  # type: ignore[assignment]
