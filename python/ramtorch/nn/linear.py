@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from .._stream.compiling import is_compiling, opaque
+from .._stream.compiling import is_compiling, opaque, run_eagerly
 from .layers import _StreamedLayer
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -105,11 +105,12 @@ class Linear(_StreamedLayer, nn.Linear):
         return None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
-        # The forward hooks put device views of the weights in place of the parameters around this
-        # call (see ramtorch._stream.shared.LayerStreamer.attach).
+        """``nn.Linear``'s forward, on the device views of the weights that the forward hooks put
+        in place of the parameters around this call (``LayerStreamer.attach``), after the input's
+        checks."""
         error = self._input_error(input)
         if error is not None:
-            if is_compiling():
+            if is_compiling():  # (traced only on a torch without run_eagerly's switch)
                 return opaque(Linear._refuse, self, error)
             return self._refuse(error)
         return nn.Linear.forward(self, input)
@@ -144,3 +145,8 @@ class Linear(_StreamedLayer, nn.Linear):
         new.train(linear.training)
         new._stream_setup(w.device if device is None else device, max_inflight)
         return new
+
+
+# One kernel between two graph breaks (its hooks): compiled, it would gain nothing and be compiled
+# again for every shape of layer, up to Dynamo's recompile limit. It runs as in eager mode.
+run_eagerly(Linear.forward)
