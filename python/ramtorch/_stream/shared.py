@@ -184,43 +184,78 @@ class LayerStreamer(Streamer):
         if is_compiling():
             return opaque(LayerStreamer.layer_pre_forward, self, u, module, args, kwargs)
         _engine.check_fork()
+        token = (self._pass_token, u.uid)
         if torch._C._current_graph_task_id() == -1:
-            token = (self._pass_token, u.uid)
             # Another thread's forward on this device runs to its end first (released by the
             # forward hook, which torch calls also when the forward raises).
             self.eng.forwards.acquire(token)
-            trains = torch.is_grad_enabled() and any(
-                p is not None and p.requires_grad for p in module._parameters.values()
-            )
-            if trains and inside_ddp_forward():
-                refuse_ddp(f"a layer streamed by ramtorch ({type(module).__name__}, trainable)")
+        try:
+            if torch._C._current_graph_task_id() == -1:
+                trains = torch.is_grad_enabled() and any(
+                    p is not None and p.requires_grad for p in module._parameters.values()
+                )
+                if trains and inside_ddp_forward():
+                    refuse_ddp(f"a layer streamed by ramtorch ({type(module).__name__}, trainable)")
+                with self.lock:
+                    self._check_interrupted(trains)
+                    for x in list(self.in_forward.values()):
+                        self._unwind(x)
+                        if x.uid != u.uid:  # its forward was cut short: its hold ends too
+                            self.eng.forwards.release((self._pass_token, x.uid))
+                    self.in_forward.clear()
+                    self._settle_held()
+                    if not u.fwd and u.bwd is None:
+                        self._retake(u, module)
             with self.lock:
-                self._check_interrupted(trains)
-                for x in list(self.in_forward.values()):
-                    while x.fwd:
-                        self._end_forward(x, *x.fwd.pop()[:5])
-                    self._undo_gathers(x)
-                    if x.uid != u.uid:  # its forward was cut short: its hold ends too
-                        self.eng.forwards.release((self._pass_token, x.uid))
-                self.in_forward.clear()
-                self._settle_held()
-                if not u.fwd and u.bwd is None:
-                    self._retake(u, module)
-        out = self.pre_forward(u, module, args, kwargs)
-        with self.lock:
-            self.in_forward[u.uid] = u
-        return out
+                self.in_forward[u.uid] = u
+            return self.pre_forward(u, module, args, kwargs)
+        except BaseException:
+            # Cut short (Ctrl-C, a refused input or layer): nothing of this forward stays behind.
+            self._abandon(u)
+            raise
 
     def layer_post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of a hooked unit (always called, also when its forward raised)."""
         if is_compiling():
             return opaque(LayerStreamer.layer_post_forward, self, u, module, args, kwargs, output)
+        done = False
         try:
             out = self._post_forward(u, output)
             if not u.fwd:
                 with self.lock:
                     self.in_forward.pop(u.uid, None)
+            done = True
             return out
+        finally:
+            if done:
+                self.eng.forwards.release((self._pass_token, u.uid))
+            else:
+                # Cut short between two of its steps: the parameters back, the slot given back.
+                self._abandon(u)
+
+    def _unwind(self, u: _Unit) -> None:
+        """Undoes what running forwards of ``u`` hold (under the lock): the device views in place
+        of its parameters, its slot, its saved-tensor hook. What an interrupt cut short between
+        two of these steps (an entry popped, its undoing not done) is undone too: the real
+        parameters are put back, and a slot no entry records is given back by the reconciliation
+        (:meth:`_settle_held`)."""
+        while u.fwd:
+            self._end_forward(u, *u.fwd.pop()[:5])
+        self._undo_gathers(u)
+        for e in u.entries:
+            # A device view left in place (a parameter the user set meanwhile is kept).
+            if not isinstance(e.owner._parameters.get(e.name), nn.Parameter):
+                e.owner._parameters[e.name] = u.params[e.index]
+        self._pop_saved_tensor_hooks()
+
+    def _abandon(self, u: _Unit) -> None:
+        """A forward of ``u`` that its hooks could not complete: undone, its slot given back, its
+        hold on the device's forwards released."""
+        try:
+            with self.lock:
+                self._unwind(u)
+                self.in_forward.pop(u.uid, None)
+                self._settle_held()
         finally:
             self.eng.forwards.release((self._pass_token, u.uid))
 
