@@ -47,8 +47,9 @@ Files, one concept each:
 - :mod:`.functions`: the autograd functions (:class:`_Fetch`, :class:`_PostBackward`), the
   saved-tensor hooks and the graph walk that sends weight gradients early (:class:`GradientHooks`);
 - :mod:`.streamer`: :class:`Streamer`, the per-unit state machine driven by module hooks;
-- :mod:`.shared`: free-standing units (``ramtorch.nn.Linear``) on one shared streamer per device,
-  whose itinerary records them in the order they run;
+- :mod:`.shared`: free-standing units (``ramtorch.nn.Linear``, ``Embedding``, ``Conv2d``) on one
+  shared streamer per device, streamed through their forward hooks, whose itinerary records them
+  in the order they run;
 - :mod:`.placement`: the planner (which units stay resident, how many slots);
 - :mod:`.compiling`: under ``torch.compile`` the hooks run as in eager mode, between compiled
   regions (a graph break at each streamed unit).

@@ -1,19 +1,18 @@
-"""Free-standing units: layers that stream themselves (``ramtorch.nn.Linear``), one unit each, on
-one shared streamer per compute device.
+"""Free-standing units: layers that stream themselves (``ramtorch.nn.Linear``, ``Embedding``,
+``Conv2d``), one unit each, on one shared streamer per compute device.
 
-They run through the same slots, itinerary, prefetch and gradient hand-off as an offloaded
-model's units (:class:`~ramtorch._stream.streamer.Streamer`); what differs is that no root module
-delimits a pass. The forward itinerary is the order in which the device's free-standing units ran
-since the last pass began; a pass begins when a unit runs again that already ran in it, or at the
-first forward after a backward ended. The backward itinerary is recorded between the first unit a
-backward reaches and the end of that backward, as for an offloaded model.
+They run through the same hooks, slots, itinerary, prefetch, autograd functions and gradient
+hand-off as an offloaded model's units (:class:`~ramtorch._stream.streamer.Streamer`); what differs
+is that no root module delimits a pass. The forward itinerary is the order in which the device's
+free-standing units ran since the last pass began; a pass begins when a unit runs again that
+already ran in it, or at the first forward after a backward ended. The backward itinerary is
+recorded between the first unit a backward reaches and the end of that backward, as for an
+offloaded model.
 
-A layer computes inside :meth:`LayerStreamer.borrow` (its forward, its input gradient in backward,
-or a recomputation of its forward under activation checkpointing), which takes a slot holding the
-unit's current weights and prefetches the units that came next last time. The layer's autograd
-function sends the weight gradients itself (``engine.push_grad``) and reports them with
-:meth:`LayerStreamer.delivered`, which hands them to the optimizers once every forward of the step
-has delivered them.
+A layer's forward hooks (:meth:`LayerStreamer.attach`) put device views of its weights in place of
+its parameters for its own forward (through ``_Fetch`` when autograd records), so torch's kernels
+compute its weight gradients, which leave for the host as soon as each is computed (the early
+gradient hooks of :class:`~ramtorch._stream.functions.GradientHooks`).
 """
 
 from __future__ import annotations
@@ -21,18 +20,16 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import _core, _engine
-from . import gather, guard
+from . import gather
 from .compiling import is_compiling, opaque, run_eagerly
 from .streamer import PassState, Streamer, inside_ddp_forward, refuse_ddp
-from .units import BackwardPhase, _Unit
+from .units import _packed_bytes, _Unit, check_streamable
 
 
 class LayerStreamer(Streamer):
@@ -67,9 +64,6 @@ class LayerStreamer(Streamer):
         # Hooked units with a forward running: one that a Ctrl-C cut short (torch skips forward
         # hooks on BaseExceptions) still holds its slot; the next forward releases it.
         self.in_forward: dict[int, _Unit] = {}
-        # Slots lent to running borrows: slot -> ident of the borrowing thread. Borrows do not nest,
-        # so an entry of the thread that starts one is the leftover of an interrupted one.
-        self.lent: dict[int, int] = {}
         # Reported by the engine's stats as ``layer_*``.
         self.counters = self.eng.layer_counters
         self._pass_token = ("layers", id(self))  # a layer's forward holds (token, unit id)
@@ -86,32 +80,6 @@ class LayerStreamer(Streamer):
         return list(self.by_uid.values())
 
     # -- units ------------------------------------------------------------------------------------
-
-    def adopt(
-        self,
-        module: nn.Module,
-        name: str,
-        params: Sequence[nn.Parameter],
-        names: Sequence[str],
-        flat: torch.Tensor,
-        max_inflight: int,
-    ) -> _Unit:
-        """A unit of ``module``'s ``params`` (attribute ``names``), which already live in the host
-        region ``flat``; it streams on this device from now on."""
-        with self.lock:
-            u = _Unit(self.next_uid, name, module, [(module, n, p) for n, p in zip(names, params)])
-            self.next_uid += 1
-            u.tag = 0  # traces name offloaded units only
-            u.flat = flat
-            u.layout = _engine.Layout(flat, u.params)
-            u.home = [p.data_ptr() for p in u.params]
-            u.gen = _engine.next_generation()
-            guard.register(u.params)
-            self.by_uid[u.uid] = u
-            self.max_inflight = max(self.max_inflight, max_inflight)
-            self.slots = max(self.slots, max_inflight + 1)
-            self.eng.reserve(u.layout.nbytes, max_inflight + 1)
-        return u
 
     def forget(self, u: _Unit) -> None:
         """``u`` no longer streams here (its layer moved to another region or device)."""
@@ -130,14 +98,7 @@ class LayerStreamer(Streamer):
         return free
 
     def _idle(self) -> bool:
-        return PassState.BACKWARD not in self.state and not (self.held or self.lent or self.in_forward)
-
-    def _recorded(self) -> set[int]:
-        me = threading.get_ident()
-        for slot, tid in list(self.lent.items()):
-            if tid == me:
-                del self.lent[slot]  # an interrupted borrow of this thread (they do not nest)
-        return super()._recorded() | set(self.lent)
+        return PassState.BACKWARD not in self.state and not (self.held or self.in_forward)
 
     def _prefetch(self, u: _Unit, key: int, keep: list[int]) -> int:
         if self._free_slots() <= 0 and not self.ahead:
@@ -151,17 +112,43 @@ class LayerStreamer(Streamer):
             return super()._prefetch(u, key, keep)
 
     def _settle_held(self) -> None:
-        """At the start of a forward borrow or hooked forward (outside backward): a slot count
-        that differs from what the running units record is an interrupt's leftover."""
-        if self.held != len(self.lent) + len(self.in_forward) and PassState.BACKWARD not in self.state:
+        """At the start of a hooked forward (outside backward): a slot count that differs from
+        what the running units record is an interrupt's leftover."""
+        if self.held != len(self.in_forward) and PassState.BACKWARD not in self.state:
             self._reconcile()
+
+    def _check_fits(self, u: _Unit) -> None:
+        """``u``'s parameters were set anew in place (``param.data = ...``): the device's slots grow
+        to hold them if they must (a layer's slots are the engine's, sized by what streams)."""
+        self.eng.reserve(_packed_bytes(u.params), self.slots)
+
+    def _retake(self, u: _Unit, module: nn.Module) -> None:
+        """Takes ``module``'s parameters again if one was replaced or removed since the unit was
+        packed (``layer.weight = nn.Parameter(...)``, ``load_state_dict(..., assign=True)``,
+        ``layer.bias = None``): the unit is packed again, with what the module holds now."""
+        now = [(n, p) for n, p in module._parameters.items() if p is not None]
+        if len(now) == len(u.entries) and all(
+            e.name == n and u.params[e.index] is p for e, (n, p) in zip(u.entries, now)
+        ):
+            return
+        label = self.gather_label(u)
+        for n, p in now:
+            if not any(p is q for q in u.params):
+                check_streamable(n, p, who=label)
+        if u.uid in self.ahead:
+            self._drop_ahead(u.uid)
+        u.take([(module, n, p) for n, p in now])
+        u.pack()
+        assert u.layout is not None
+        if not u.gather:
+            self.eng.reserve(u.layout.nbytes, self.slots)
 
     def attach(
         self, module: nn.Module, name: str, max_inflight: int, rows: bool = False
     ) -> tuple[_Unit, list[Any]]:
         """Streams ``module``'s own parameters as one unit of this device through its forward hooks,
-        as an offloaded model's units run (``ramtorch.nn.Embedding``, ``Conv2d``): they move into
-        one host-arena region. ``rows``: an embedding streamed by rows (:mod:`.gather`), which
+        as an offloaded model's units run (``ramtorch.nn.Linear``, ``Embedding``, ``Conv2d``): they
+        move into one host-arena region. ``rows``: an embedding streamed by rows (:mod:`.gather`), which
         needs no slot. Returns the unit and the hook handles (remove them to detach)."""
         with self.lock:
             u = _Unit(
@@ -197,39 +184,78 @@ class LayerStreamer(Streamer):
         if is_compiling():
             return opaque(LayerStreamer.layer_pre_forward, self, u, module, args, kwargs)
         _engine.check_fork()
+        token = (self._pass_token, u.uid)
         if torch._C._current_graph_task_id() == -1:
-            token = (self._pass_token, u.uid)
             # Another thread's forward on this device runs to its end first (released by the
             # forward hook, which torch calls also when the forward raises).
             self.eng.forwards.acquire(token)
-            trains = torch.is_grad_enabled() and any(p.requires_grad for p in u.params)
-            if trains and inside_ddp_forward():
-                refuse_ddp(f"a layer streamed by ramtorch ({type(module).__name__}, trainable)")
+        try:
+            if torch._C._current_graph_task_id() == -1:
+                trains = torch.is_grad_enabled() and any(
+                    p is not None and p.requires_grad for p in module._parameters.values()
+                )
+                if trains and inside_ddp_forward():
+                    refuse_ddp(f"a layer streamed by ramtorch ({type(module).__name__}, trainable)")
+                with self.lock:
+                    self._check_interrupted(trains)
+                    for x in list(self.in_forward.values()):
+                        self._unwind(x)
+                        if x.uid != u.uid:  # its forward was cut short: its hold ends too
+                            self.eng.forwards.release((self._pass_token, x.uid))
+                    self.in_forward.clear()
+                    self._settle_held()
+                    if not u.fwd and u.bwd is None:
+                        self._retake(u, module)
             with self.lock:
-                self._check_interrupted(trains)
-                for x in list(self.in_forward.values()):
-                    while x.fwd:
-                        self._end_forward(x, *x.fwd.pop()[:5])
-                    self._undo_gathers(x)
-                    if x.uid != u.uid:  # its forward was cut short: its hold ends too
-                        self.eng.forwards.release((self._pass_token, x.uid))
-                self.in_forward.clear()
-                self._settle_held()
-        out = self.pre_forward(u, module, args, kwargs)
-        with self.lock:
-            self.in_forward[u.uid] = u
-        return out
+                self.in_forward[u.uid] = u
+            return self.pre_forward(u, module, args, kwargs)
+        except BaseException:
+            # Cut short (Ctrl-C, a refused input or layer): nothing of this forward stays behind.
+            self._abandon(u)
+            raise
 
     def layer_post_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook of a hooked unit (always called, also when its forward raised)."""
         if is_compiling():
             return opaque(LayerStreamer.layer_post_forward, self, u, module, args, kwargs, output)
+        done = False
         try:
             out = self._post_forward(u, output)
             if not u.fwd:
                 with self.lock:
                     self.in_forward.pop(u.uid, None)
+            done = True
             return out
+        finally:
+            if done:
+                self.eng.forwards.release((self._pass_token, u.uid))
+            else:
+                # Cut short between two of its steps: the parameters back, the slot given back.
+                self._abandon(u)
+
+    def _unwind(self, u: _Unit) -> None:
+        """Undoes what running forwards of ``u`` hold (under the lock): the device views in place
+        of its parameters, its slot, its saved-tensor hook. What an interrupt cut short between
+        two of these steps (an entry popped, its undoing not done) is undone too: the real
+        parameters are put back, and a slot no entry records is given back by the reconciliation
+        (:meth:`_settle_held`)."""
+        while u.fwd:
+            self._end_forward(u, *u.fwd.pop()[:5])
+        self._undo_gathers(u)
+        for e in u.entries:
+            # A device view left in place (a parameter the user set meanwhile is kept).
+            if not isinstance(e.owner._parameters.get(e.name), nn.Parameter):
+                e.owner._parameters[e.name] = u.params[e.index]
+        self._pop_saved_tensor_hooks()
+
+    def _abandon(self, u: _Unit) -> None:
+        """A forward of ``u`` that its hooks could not complete: undone, its slot given back, its
+        hold on the device's forwards released."""
+        try:
+            with self.lock:
+                self._unwind(u)
+                self.in_forward.pop(u.uid, None)
+                self._settle_held()
         finally:
             self.eng.forwards.release((self._pass_token, u.uid))
 
@@ -252,7 +278,18 @@ class LayerStreamer(Streamer):
             self._pop_saved_tensor_hooks()
 
     def gather_label(self, u: _Unit) -> str:
-        return f"ramtorch.nn.{u.name}"
+        label = getattr(u.module, "_label", None)
+        return label() if callable(label) else f"ramtorch.nn.{u.name}"
+
+    def forward_failed(self, u: _Unit) -> None:
+        """The running forward of ``u`` raised in its module's own code (a refused input): it
+        delivers no gradient, so the count its pre-hook added for the optimizers' hand-off (see
+        :meth:`~ramtorch._stream.functions.GradientHooks._delivered`) is taken back."""
+        with self.lock:
+            if u.fwd and u.fwd[-1][5] is not None:
+                entry = u.fwd[-1]
+                u.fwd[-1] = (*entry[:5], None, *entry[6:])
+                u.fetches -= 1
 
     def _record_forward(self, u: _Unit) -> None:
         if self.new_pass or u.uid in self.ran:
@@ -269,92 +306,9 @@ class LayerStreamer(Streamer):
         self.ran.add(u.uid)
         self.fwd_pos = self._advance(self.fwd_itin, self.fwd_pos, u.uid)
 
-    def _reach_backward(self, u: _Unit) -> None:
-        self._queue_backward_end()
-        if u.phase is BackwardPhase.IDLE:
-            u.phase = BackwardPhase.REACHED
-            self.cur_bwd.append(u.uid)
-            self.bwd_pos = self._advance(self.bwd_itin, self.bwd_pos, u.uid)
-
-    def begin_backward(self) -> None:
-        """A free-standing unit's backward runs: the end of this backward is a pass boundary (its
-        gradients are written then)."""
-        with self.lock:
-            self._queue_backward_end()
-
     def end_of_backward(self) -> None:
         self.new_pass = True
         super().end_of_backward()
-
-    def count_forward(self, u: _Unit) -> None:
-        """A forward of ``u`` whose backward will deliver its weight gradients (not a recomputation:
-        its backward is the original forward's)."""
-        with self.lock:
-            self._check_interrupted(True)
-            u.fetches += 1
-
-    def delivered(self, u: _Unit, indices: Sequence[int]) -> None:
-        """The gradients of ``u``'s parameters ``indices`` from one more backward are on their way
-        to the host (handed to the optimizers once every counted forward has delivered them)."""
-        with self.lock:
-            for i in indices:
-                self._delivered(u, i)
-
-    # -- use ----------------------------------------------------------------------------------------
-
-    @contextmanager
-    def borrow(self, u: _Unit) -> Iterator[list[torch.Tensor | None]]:
-        """Device views of ``u``'s parameters inside the block, on the current stream: in backward
-        (a gradient, or a recomputation) along the backward itinerary, else along the forward one."""
-        _engine.check_fork()
-        backward = torch._C._current_graph_task_id() != -1
-        if backward:
-            with self._borrow(u, backward) as views:
-                yield views
-            return
-        # A forward: another thread's forward on this device runs to its end first.
-        token = (self._pass_token, "borrow", u.uid)
-        self.eng.forwards.acquire(token)
-        try:
-            with self._borrow(u, backward) as views:
-                yield views
-        finally:
-            self.eng.forwards.release(token)
-
-    @contextmanager
-    def _borrow(self, u: _Unit, backward: bool) -> Iterator[list[torch.Tensor | None]]:
-        with self.lock:
-            if backward:
-                self._reach_backward(u)
-                itin, pos = self.bwd_itin, self.bwd_pos
-            else:
-                self._check_interrupted()
-                self._settle_held()
-                self._record_forward(u)
-                itin, pos = self.fwd_itin, self.fwd_pos
-            slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)])
-            me = threading.get_ident()
-            self.lent[slot] = me  # an interrupt before this line: given back by _reconcile
-            try:
-                # (Nothing of the next pass is copied ahead: its weights may be edited before it
-                # begins. Its first unit starts it, and copies the units after it.)
-                self._prefetch_along(itin, pos, u)
-                assert u.layout is not None
-                views = u.layout.views(self.eng.slot(slot))
-            except BaseException:
-                self._give_lent(slot, me)
-                raise
-        try:
-            yield views
-        finally:
-            with self.lock:
-                self._give_lent(slot, me)
-
-    def _give_lent(self, slot: int, me: int) -> None:
-        """Ends this thread's borrow of ``slot``, unless a reconciliation ended it already."""
-        if self.lent.get(slot) == me:
-            del self.lent[slot]  # forgotten first: an interrupt leaks, never frees twice
-            self._give(slot)
 
 
 run_eagerly(LayerStreamer.layer_pre_forward, LayerStreamer.layer_post_forward)

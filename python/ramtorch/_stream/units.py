@@ -405,13 +405,7 @@ class _Unit:
         self.module = module
         self.params: list[nn.Parameter] = []
         self.entries: list[_Entry] = []
-        seen: dict[int, int] = {}
-        for owner, pname, p in entries:
-            if id(p) not in seen:
-                seen[id(p)] = len(self.params)
-                self.params.append(p)
-            self.entries.append(_Entry(owner, pname, seen[id(p)]))
-        self.nbytes = _packed_bytes(self.params)
+        self.take(entries)
         self.resident = False
         self.container = False  # holds other units: stays resident (it would hold a slot all pass)
         # An embedding table streamed by rows (see .gather): its forwards gather the rows they
@@ -448,6 +442,21 @@ class _Unit:
         # whose gradients are all delivered, not yet handed to the optimizers.
         self.delivered = [0] * len(self.params)
         self.ready: list[nn.Parameter] = []
+
+    def take(self, entries: Sequence[tuple[nn.Module, str, nn.Parameter]]) -> None:
+        """The unit's parameters are ``entries`` (``(owner, name, parameter)``; one held under two
+        names counts once) from now on; pack it before it streams again."""
+        params: list[nn.Parameter] = []
+        out: list[_Entry] = []
+        seen: dict[int, int] = {}
+        for owner, pname, p in entries:
+            if id(p) not in seen:
+                seen[id(p)] = len(params)
+                params.append(p)
+            out.append(_Entry(owner, pname, seen[id(p)]))
+        self.params, self.entries = params, out
+        self.nbytes = _packed_bytes(params)
+        self.reset_backward_counts()
 
     def pack(self) -> None:
         """Moves the parameters (and their grads) into one arena region; a tensor subclass moves

@@ -1,7 +1,7 @@
-"""``ramtorch.nn.Embedding`` and ``ramtorch.nn.Conv2d``: torch's layers with their weights in host
-RAM, each streamed as a unit of its own, through its forward hooks, by its device's shared streamer
-(the one ``ramtorch.nn.Linear`` streams on, with the same itinerary and prefetch as
-:func:`ramtorch.offload`)."""
+"""``ramtorch.nn.Embedding`` and ``ramtorch.nn.Conv2d`` (and the base of ``ramtorch.nn.Linear``):
+torch's layers with their weights in host RAM, each streamed as a unit of its own, through its
+forward hooks, by its device's shared streamer (with the same itinerary, prefetch and gradient path
+as :func:`ramtorch.offload`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,16 @@ from torch import nn
 from .. import _config, _engine
 from .._stream import gather as _gather
 from .._stream import shared as _shared
+
+#: The module's hook dictionaries (keyed by hook id) that may hold the streaming hooks.
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_state_dict_pre_hooks",
+)
 
 
 class _StreamedLayer(nn.Module):
@@ -49,18 +59,32 @@ class _StreamedLayer(nn.Module):
         """Whether the layer streams by rows (an embedding table: see :class:`Embedding`)."""
         return False
 
+    def _label(self) -> str:
+        """Names the layer in its errors."""
+        return f"ramtorch.nn.{type(self).__name__}"
+
+    def _is_home(self) -> bool:
+        """Whether the layer's parameters are those of its unit, in the unit's host region."""
+        u = self.__dict__.get("_ramtorch_unit")
+        if u is None:
+            return False
+        params = list(dict.fromkeys(p for p in self._parameters.values() if p is not None))
+        return len(params) == len(u.params) and all(p is q for p, q in zip(params, u.params)) and u.is_home()
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         ref = next(self.parameters(), None)
         dtype = ref.dtype if ref is not None else torch.get_default_dtype()
-        label = type(self).__name__
+        label = self._label()
         try:
             probe = fn(torch.empty(0, dtype=dtype))
         except Exception as e:  # noqa: BLE001 - re-raised with the layer named
-            raise RuntimeError(f"ramtorch.nn.{label}: cannot apply {getattr(fn, '__name__', fn)}: {e}") from e
+            raise RuntimeError(f"{label}: cannot apply {getattr(fn, '__name__', fn)}: {e}") from e
+        if probe.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"{label}: cannot move to {probe.device}: ramtorch computes on cpu or cuda")
         try:
             device = _engine.normalize_device(probe.device)
         except (RuntimeError, ValueError) as e:
-            raise RuntimeError(f"ramtorch.nn.{label}: {e}") from e
+            raise RuntimeError(f"{label}: {e}") from e
         with torch.no_grad():
             if probe.dtype != dtype:
                 for p in self.parameters():
@@ -74,18 +98,16 @@ class _StreamedLayer(nn.Module):
         return self
 
     def __getstate__(self) -> dict[str, Any]:
+        """The module's state without its streaming (hooks, unit): a copy streams afresh. Hooks
+        the user registered are kept, as ``nn.Module`` keeps them."""
         state = self.__dict__.copy()
+        ours = {h.id for h in state.get("_stream_handles") or ()}
         state["_ramtorch_streamer"] = None
         for key in ("_ramtorch_unit", "_stream_handles", "_layer_streamer"):
             state.pop(key, None)
-        for key in (
-            "_forward_hooks",
-            "_forward_pre_hooks",
-            "_forward_hooks_with_kwargs",
-            "_forward_pre_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-        ):
-            state[key] = type(state[key])()
+        for key in _HOOK_DICTS:
+            if key in state:
+                state[key] = type(state[key])((k, v) for k, v in state[key].items() if k not in ours)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
