@@ -343,7 +343,8 @@ pub(super) struct PMasterBf16<'a>(&'a mut [f32], &'a mut [bf16]);
 /// `f32` master weights and their `f16` compute copy (round to nearest even).
 pub(super) struct PMasterF16<'a>(&'a mut [f32], &'a mut [f16]);
 /// A `bf16` weight and a `bf16` compensation: the master is their sum (about 16 significant bits);
-/// written as the weight rounded to nearest even and the rounding error rounded to nearest even.
+/// written as the weight rounded to nearest even and its rounding error rounded stochastically
+/// (so that what the pair cannot hold is dropped without bias, step after step).
 pub(super) struct PComp<'a>(&'a mut [bf16], &'a mut [bf16]);
 /// A block-quantized state (codes, one scale per block) with the signed or the unsigned map.
 pub(super) struct Q8<'a, const SIGNED: bool>(&'a mut [u8], &'a mut [f32]);
@@ -457,7 +458,7 @@ impl ParamIo for PMasterF16<'_> {
 }
 
 impl ParamIo for PComp<'_> {
-    const SR: bool = false;
+    const SR: bool = true;
     #[inline(always)]
     fn len(&self) -> usize {
         self.0.len().min(self.1.len())
@@ -474,15 +475,15 @@ impl ParamIo for PComp<'_> {
         }
     }
     #[inline(always)]
-    fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
+    fn store(&mut self, at: usize, x: &[f32], r: &[u32]) {
         let n = x.len();
         let (w, c) = (&mut self.0[at..at + n], &mut self.1[at..at + n]);
-        for ((w, c), &v) in w.iter_mut().zip(c.iter_mut()).zip(x) {
+        for (((w, c), &v), &r) in w.iter_mut().zip(c.iter_mut()).zip(x).zip(&r[..n]) {
             let hi = bf16_rne(v);
             // `v - hi` is exact; a non-finite weight keeps no compensation.
             let lo = v - bf16_to_f32(hi);
             *w = hi;
-            *c = bf16_rne(if lo.is_finite() { lo } else { 0.0 });
+            *c = bf16_sr(if lo.is_finite() { lo } else { 0.0 }, r);
         }
     }
     #[inline]

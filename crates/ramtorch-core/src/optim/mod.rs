@@ -11,9 +11,26 @@
 //! - **bfloat16 everywhere**: `param` is `bf16`, loaded to `f32`, updated and written back with
 //!   stochastic rounding.
 //!
+//! - **compensated bfloat16**: `param` is `bf16` and a second `bf16` buffer holds the rounding
+//!   error of the last write (Kahan-style): the master is their sum, about 16 significant bits
+//!   (a relative resolution near 2^-16, against 2^-8 for `bf16` alone), in 4 bytes a parameter;
+//!   written as the new value rounded to nearest even and the new rounding error rounded
+//!   stochastically, so that what the pair cannot hold is dropped without bias
+//!   ([`ParamMut::Compensated`]).
+//!
 //! Gradients may be `f32`, `bf16` or `f16` in every mode. Optimizer states are `f32` (stored
-//! exactly) or `bf16` (written back with stochastic rounding); `f16` states are refused because
-//! `exp_avg_sq` underflows in `f16`.
+//! exactly), `bf16` (written back with stochastic rounding), or block-quantized to 8 bits
+//! ([`StateMut::Q8`], see [`quant`]: one byte an element and one `f32` scale per block of
+//! [`quant::BLOCK`]); `f16` states are refused because `exp_avg_sq` underflows in `f16`.
+//!
+//! # Blocks
+//!
+//! Every rule and format goes through one driver: a tensor is cut into pieces that are whole
+//! quantization blocks (pieces start at multiples of [`quant::BLOCK`]); in a piece, each block's
+//! operands are decoded to `f32`, the rule runs over the block, and the results are encoded back
+//! (the random bits of stochastic rounding stay a function of the element index). The `*_update`
+//! functions take every format ([`ParamMut`], [`StateMut`]); `*_step` and `*_step_from` are their
+//! spelling for unquantized states.
 //!
 //! # Stochastic rounding
 //!
@@ -27,8 +44,9 @@
 //!
 //! # Performance
 //!
-//! Each combination of storage types compiles to one fused loop (load, update, store every operand
-//! of an element) that LLVM vectorises; on x86-64 the loops are also compiled for AVX2 and for
+//! Each combination of storage types compiles to its own loops over a block of
+//! [`quant::BLOCK`] elements (decode every operand into `f32` arrays in L1, update, encode back)
+//! that LLVM vectorises; on x86-64 the loops are also compiled for AVX2 and for
 //! AVX-512, and the best the CPU has is chosen at run time (all paths give the same bits). Tensors
 //! above [`SERIAL_MAX`] elements are split into pieces of [`SERIAL_MAX`] / 2 to [`SERIAL_MAX`]
 //! elements that run on the rayon pool; smaller ones run on the calling thread.
@@ -38,7 +56,8 @@
 //! - [`adamw`](adamw_step), [`sgd`](sgd_step), [`lion`](lion_step): one update rule each (its
 //!   hyperparameters, their checks, the per-element update);
 //! - `kernel`: what the rules share (pieces on the rayon pool, instruction-set dispatch, storage
-//!   modes, the fused loop);
+//!   formats as block codecs, the block-wise driver);
+//! - [`quant`]: 8-bit block quantization of states (the dynamic maps, encode and decode);
 //! - [`precision`]: `f32`↔`bf16`/`f16` conversions and stochastic rounding, used crate-wide;
 //! - `stats`: gradient statistics, in-place scaling, stochastic rounding of a whole tensor.
 //!
