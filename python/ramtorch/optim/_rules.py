@@ -259,7 +259,7 @@ class SGD(_Rule):
 
     def _hyper(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         return {
-            "step": step,
+            "step": 0,  # the rounding stream: the seed already follows the step
             "lr": float(group["lr"]),
             "momentum": float(group["momentum"]),
             "dampening": float(group["dampening"]),
@@ -325,7 +325,7 @@ class Lion(_Rule):
     def _hyper(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         b1, b2 = group["betas"]
         return {
-            "step": step,
+            "step": 0,  # the rounding stream: the seed already follows the step
             "lr": float(group["lr"]),
             "beta1": float(b1),
             "beta2": float(b2),

@@ -270,8 +270,9 @@ class HostStates(torch.optim.Optimizer):
             return str(e)
         for k in ("master", COMPENSATION, *map(scales_name, self._state_names)):
             if k in saved and k not in want:
+                what = "a 'master' copy" if k == "master" else repr(k)
                 return (
-                    f"it has {k!r}, which a {p.dtype} parameter has not with "
+                    f"it has {what}, which a {p.dtype} parameter has not with "
                     f"precision={self.precision!r} (saved with another precision?)"
                 )
         step = saved.get("step")
