@@ -966,7 +966,7 @@ fn optim_step(
 unsafe fn run_rule(h: &RuleStep, b: &StepBufs) -> Result<(), Error> {
     use optim::{ParamMut, StateMut};
     let a = &b.all;
-    // SAFETY (every block below): forwarded contract; each buffer is viewed once.
+    // SAFETY: forwarded contract; each buffer of `b` is viewed once, as one kind of view.
     let param = unsafe {
         match (b.master, b.comp) {
             (Some(_), Some(_)) => {
@@ -991,9 +991,11 @@ unsafe fn run_rule(h: &RuleStep, b: &StepBufs) -> Result<(), Error> {
             (None, None) => ParamMut::Plain(a[0].view_mut()?),
         }
     };
+    // SAFETY: as above (the gradient is only read).
     let grad = unsafe { a[1].view()? };
     let mut states = Vec::with_capacity(2);
     for &(i, sc) in &b.states {
+        // SAFETY: as above; each state and its scales are viewed once.
         states.push(unsafe {
             match sc {
                 Some(s) => StateMut::Q8 {
@@ -1005,6 +1007,7 @@ unsafe fn run_rule(h: &RuleStep, b: &StepBufs) -> Result<(), Error> {
         });
     }
     let mut old = Old::default();
+    // SAFETY: as above; the old values are only read, and overlap no operand (`disjoint`).
     unsafe {
         if let Some(i) = b.old_param {
             old.param = Some(a[i].view()?);

@@ -172,7 +172,7 @@ impl<A: Split, B: Split> Split for (A, B) {
 // block to `f32`, encode it back), so that every combination compiles to its own loops.
 
 // Pieces start at multiples of `ALIGN` (or of 2^32): whole quantization blocks.
-const _: () = assert!(ALIGN % BLOCK == 0);
+const _: () = assert!(ALIGN.is_multiple_of(BLOCK));
 
 /// How a parameter is stored (validated form of a [`ParamMut`]).
 pub(super) enum ParamMode<'a> {
