@@ -1,6 +1,7 @@
 """The update rules, AdamW, SGD and Lion: for each, its hyperparameters, its Rust kernel call
-(``_kernel``, host parameters) and its torch fallback (``_update_torch``, parameters elsewhere).
-The hyperparameter checks and the options every optimizer takes are written once, here."""
+(``_rule`` and ``_hyper``, which ``_state.HostStates._run_kernel`` passes to ``_core.optim_step``
+for host parameters) and its torch fallback (``_update_torch``, parameters elsewhere). The
+hyperparameter checks and the options every optimizer takes are written once, here."""
 
 from __future__ import annotations
 

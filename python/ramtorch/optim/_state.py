@@ -34,7 +34,7 @@ def _is_host(p: torch.Tensor) -> bool:
 class HostStates(torch.optim.Optimizer):
     """The per-parameter state of an optimizer whose host parameters are updated by Rust kernels:
     created on a parameter's first update, loaded (checked) from a state dict. A base of the
-    optimizer (``_optimizer._HostOptimizer``), which supplies the rule (``_kernel``), the
+    optimizer (``_optimizer._HostOptimizer``), which supplies the rule (``_rule``, ``_hyper``), the
     scheduling (``_forget_failed``, ``synchronize``) and ZeRO (``_zero``: None, or the
     ``_zero.Zero`` strategy)."""
 
