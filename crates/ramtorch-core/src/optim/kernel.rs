@@ -583,12 +583,12 @@ impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
     #[inline(always)]
     fn load(&self, at: usize, out: &mut [f32]) {
         let codes = &self.0[at..at + out.len()];
-        quant::decode_block(quant::qmap(SIGNED), codes, self.1[at / BLOCK], out);
+        quant::decode_block(quant::map(SIGNED), codes, self.1[at / BLOCK], out);
     }
     #[inline(always)]
     fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
         let codes = &mut self.0[at..at + x.len()];
-        self.1[at / BLOCK] = quant::encode_block(quant::qmap(SIGNED), x, codes);
+        self.1[at / BLOCK] = quant::encode_block(quant::map(SIGNED), x, codes);
     }
     #[inline]
     fn fill(&mut self, old: State<'_>) {

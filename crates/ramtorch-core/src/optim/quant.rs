@@ -13,8 +13,9 @@
 //! magnitudes flush to the nearest of 0 and the smallest code (`3.25e-7 * scale` unsigned,
 //! `5.5e-7 * scale` signed).
 //!
-//! Encoding is a branch-free binary search over the sorted map (8 comparisons) and a
-//! round-to-nearest between the two neighbours; decoding is a table look-up and a multiply.
+//! Encoding finds the largest map value at or below `x` (a 64 KiB table indexed by the top 16
+//! bits of `x`'s order key gives a start a step or two below it) and rounds to the nearer of it
+//! and the next value, as a binary search over the sorted map would; decoding is a table look-up and a multiply.
 //! Both are pure functions of the block, so results do not depend on threads or chunking.
 
 use std::sync::OnceLock;
@@ -58,38 +59,82 @@ fn build(signed: bool) -> [f32; 256] {
 /// The dynamic map, sorted ascending: `qmap(true)` is signed (values in `[-1, 1]`),
 /// `qmap(false)` unsigned (in `[0, 1]`).
 pub fn qmap(signed: bool) -> &'static [f32; 256] {
-    static SIGNED: OnceLock<[f32; 256]> = OnceLock::new();
-    static UNSIGNED: OnceLock<[f32; 256]> = OnceLock::new();
-    if signed {
-        SIGNED.get_or_init(|| build(true))
+    &map(signed).values
+}
+
+/// A map with its encoder's bucket table: `start[k]` is the largest code `j >= 1` whose value's
+/// order key is at most `k << 16` (0 if none), so that the largest code at or below any `x` in
+/// bucket `k` is found by stepping up from `start[k]` (a step or two: buckets are finer than the
+/// map's gaps but for its top values).
+pub(super) struct Map {
+    pub(super) values: [f32; 256],
+    start: Box<[u8]>,
+}
+
+/// A key of `x`'s bits whose integer order is the float order (for non-NaN `x`, -0 taken as +0).
+#[inline(always)]
+fn order_key(x: f32) -> u32 {
+    let b = (x + 0.0).to_bits();
+    if b & 0x8000_0000 != 0 {
+        !b
     } else {
-        UNSIGNED.get_or_init(|| build(false))
+        b | 0x8000_0000
     }
 }
 
-/// The code of the map value nearest `x` (ties to the upper one); `x` outside the map's range
-/// takes its end code, NaN takes code 0.
-#[inline(always)]
-fn encode(map: &[f32; 256], x: f32) -> u8 {
-    // The largest code whose value is <= x (0 if none): indices stay below 256.
-    let mut c = 0usize;
-    for step in [128usize, 64, 32, 16, 8, 4, 2, 1] {
-        c += if x >= map[c + step] { step } else { 0 };
+impl Map {
+    fn new(signed: bool) -> Map {
+        let values = build(signed);
+        let keys: Vec<u32> = values.iter().map(|&v| order_key(v)).collect();
+        let mut start = vec![0u8; 1 << 16].into_boxed_slice();
+        let mut j = 0usize;
+        for (k, s) in start.iter_mut().enumerate() {
+            let lo = (k as u32) << 16;
+            while j < 255 && keys[j + 1] <= lo {
+                j += 1;
+            }
+            *s = j as u8;
+        }
+        Map { values, start }
     }
-    let up = (c + 1).min(255);
-    let (lo, hi) = (map[c], map[up]);
-    if x - lo >= (hi - lo) * 0.5 {
-        up as u8
+
+    /// The code of the map value nearest `x` (ties to the upper one); `x` below the map takes
+    /// code 0, above it code 255. `x` must not be NaN.
+    #[inline(always)]
+    pub(super) fn encode(&self, x: f32) -> u8 {
+        let m = &self.values;
+        // The largest code >= 1 whose value is <= x, else 0 (as a binary search over the map).
+        let mut c = self.start[(order_key(x) >> 16) as usize] as usize;
+        while c < 255 && x >= m[c + 1] {
+            c += 1;
+        }
+        let up = (c + 1).min(255);
+        let (lo, hi) = (m[c], m[up]);
+        if x - lo >= (hi - lo) * 0.5 {
+            up as u8
+        } else {
+            c as u8
+        }
+    }
+}
+
+/// The map and encoder: `signed` (values in `[-1, 1]`) or unsigned (in `[0, 1]`).
+pub(super) fn map(signed: bool) -> &'static Map {
+    static SIGNED: OnceLock<Map> = OnceLock::new();
+    static UNSIGNED: OnceLock<Map> = OnceLock::new();
+    if signed {
+        SIGNED.get_or_init(|| Map::new(true))
     } else {
-        c as u8
+        UNSIGNED.get_or_init(|| Map::new(false))
     }
 }
 
 /// Decodes one block: `out[i] = map[codes[i]] * scale`.
 #[inline(always)]
-pub(super) fn decode_block(map: &[f32; 256], codes: &[u8], scale: f32, out: &mut [f32]) {
+pub(super) fn decode_block(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
+    let m = &map.values;
     for (o, &c) in out.iter_mut().zip(codes) {
-        *o = map[c as usize] * scale;
+        *o = m[c as usize] * scale;
     }
 }
 
@@ -97,7 +142,7 @@ pub(super) fn decode_block(map: &[f32; 256], codes: &[u8], scale: f32, out: &mut
 /// magnitude (NaN if any value is not finite, which decodes the whole block to NaN, as a NaN would
 /// spread through an unquantized state).
 #[inline(always)]
-pub(super) fn encode_block(map: &[f32; 256], x: &[f32], codes: &mut [u8]) -> f32 {
+pub(super) fn encode_block(map: &Map, x: &[f32], codes: &mut [u8]) -> f32 {
     let mut amax = 0f32;
     let mut finite = true;
     for &v in x {
@@ -109,12 +154,12 @@ pub(super) fn encode_block(map: &[f32; 256], x: &[f32], codes: &mut [u8]) -> f32
         return f32::NAN;
     }
     if amax == 0.0 {
-        let zero = encode(map, 0.0);
+        let zero = map.encode(0.0);
         codes.fill(zero);
         return 0.0;
     }
     for (c, &v) in codes.iter_mut().zip(x) {
-        *c = encode(map, v / amax);
+        *c = map.encode(v / amax);
     }
     amax
 }
@@ -128,7 +173,7 @@ pub fn quantize(
     signed: bool,
 ) -> crate::Result<()> {
     check(x.len(), codes.len(), scales.len())?;
-    let map = qmap(signed);
+    let map = map(signed);
     for ((xb, cb), s) in x
         .chunks(BLOCK)
         .zip(codes.chunks_mut(BLOCK))
@@ -147,7 +192,7 @@ pub fn dequantize(
     signed: bool,
 ) -> crate::Result<()> {
     check(out.len(), codes.len(), scales.len())?;
-    let map = qmap(signed);
+    let map = map(signed);
     for ((ob, cb), &s) in out.chunks_mut(BLOCK).zip(codes.chunks(BLOCK)).zip(scales) {
         decode_block(map, cb, s, ob);
     }
@@ -167,4 +212,56 @@ fn check(n: usize, codes: usize, scales: usize) -> crate::Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reference: a branch-free binary search over the sorted map, then round to nearest.
+    fn encode_by_search(m: &[f32; 256], x: f32) -> u8 {
+        let mut c = 0usize;
+        for step in [128usize, 64, 32, 16, 8, 4, 2, 1] {
+            c += if x >= m[c + step] { step } else { 0 };
+        }
+        let up = (c + 1).min(255);
+        if x - m[c] >= (m[up] - m[c]) * 0.5 {
+            up as u8
+        } else {
+            c as u8
+        }
+    }
+
+    #[test]
+    fn the_bucketed_encoder_equals_a_binary_search() {
+        for signed in [true, false] {
+            let mp = map(signed);
+            let mut xs: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, 1.5, -1.5, 1e-30, -1e-30];
+            for &v in mp.values.iter() {
+                for d in [-2i32, -1, 0, 1, 2] {
+                    xs.push(f32::from_bits((v.to_bits() as i32 + d) as u32));
+                }
+            }
+            for w in mp.values.windows(2) {
+                let mid = (w[0] + w[1]) * 0.5;
+                xs.extend([
+                    mid,
+                    f32::from_bits(mid.to_bits() + 1),
+                    f32::from_bits(mid.to_bits() - 1),
+                ]);
+            }
+            let mut z = 0x1234_5678u64;
+            for _ in 0..200_000 {
+                z = z
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = f32::from_bits((z >> 32) as u32 & 0x807F_FFFF | 0x3F00_0000);
+                let e = ((z >> 8) % 30) as i32;
+                xs.push(u * 2f32.powi(-e));
+            }
+            for x in xs.into_iter().filter(|x| !x.is_nan()) {
+                assert_eq!(mp.encode(x), encode_by_search(&mp.values, x), "x = {x:e}");
+            }
+        }
+    }
 }
