@@ -62,13 +62,17 @@ pub fn qmap(signed: bool) -> &'static [f32; 256] {
     &map(signed).values
 }
 
+/// The most map values in one bucket of [`Map`]'s table (the steps of an encode).
+const STEPS: usize = 2;
+
 /// A map with its encoder's bucket table: `start[k]` is the largest code `j >= 1` whose value's
 /// order key is at most `k << 16` (0 if none), so that the largest code at or below any `x` in
 /// bucket `k` is found by stepping up from `start[k]` (a step or two: buckets are finer than the
 /// map's gaps but for its top values).
 pub(super) struct Map {
     pub(super) values: [f32; 256],
-    start: Box<[u8]>,
+    /// Indexed by the top 16 bits of a key: sized so that no index needs a bounds check.
+    start: Box<[u8; 1 << 16]>,
 }
 
 /// A key of `x`'s bits whose integer order is the float order (for non-NaN `x`, -0 taken as +0).
@@ -86,7 +90,7 @@ impl Map {
     fn new(signed: bool) -> Map {
         let values = build(signed);
         let keys: Vec<u32> = values.iter().map(|&v| order_key(v)).collect();
-        let mut start = vec![0u8; 1 << 16].into_boxed_slice();
+        let mut start = Box::new([0u8; 1 << 16]);
         let mut j = 0usize;
         for (k, s) in start.iter_mut().enumerate() {
             let lo = (k as u32) << 16;
@@ -104,17 +108,17 @@ impl Map {
     pub(super) fn encode(&self, x: f32) -> u8 {
         let m = &self.values;
         // The largest code >= 1 whose value is <= x, else 0 (as a binary search over the map).
+        // No bucket holds more than `STEPS` map values (checked in the tests): fixed, branch-free
+        // steps.
         let mut c = self.start[(order_key(x) >> 16) as usize] as usize;
-        while c < 255 && x >= m[c + 1] {
-            c += 1;
+        for _ in 0..STEPS {
+            c += usize::from(c < 255 && x >= m[(c + 1).min(255)]);
         }
+        let c = c.min(255);
         let up = (c + 1).min(255);
         let (lo, hi) = (m[c], m[up]);
-        if x - lo >= (hi - lo) * 0.5 {
-            up as u8
-        } else {
-            c as u8
-        }
+        // Branch-free, so that the loops over a block can use vector gathers.
+        (c + usize::from(x - lo >= (hi - lo) * 0.5 && up > c)) as u8
     }
 }
 
@@ -229,6 +233,22 @@ mod tests {
             up as u8
         } else {
             c as u8
+        }
+    }
+
+    #[test]
+    fn no_bucket_holds_more_than_steps_map_values() {
+        for signed in [true, false] {
+            let mp = map(signed);
+            let mut per = std::collections::HashMap::new();
+            for &v in &mp.values[1..] {
+                *per.entry(order_key(v) >> 16).or_insert(0usize) += 1;
+            }
+            assert!(
+                per.values().all(|&n| n <= STEPS),
+                "{:?}",
+                per.values().max()
+            );
         }
     }
 
