@@ -1,7 +1,8 @@
 //! The machinery every update rule shares: splitting tensors into pieces for the rayon pool, the
 //! instruction-set dispatch, the storage formats (how a parameter, a gradient and a state are
-//! decoded to `f32` and encoded back, one quantization block at a time) and the block-wise driver
-//! that runs a [`Rule`]: every rule and every storage format goes through [`run_step`].
+//! decoded to `f32` and encoded back, one quantization block at a time) and the driver that runs a
+//! [`Rule`]: every rule and every storage format goes through [`run_step`], which takes a fused
+//! per-element loop when no operand is a block format and the block-wise loop otherwise.
 
 use super::precision::*;
 use super::quant::{self, BLOCK};
@@ -315,10 +316,19 @@ pub(super) trait ParamIo: Split {
     fn fill(&mut self, old: Option<Tensor<'_>>, comp: Option<&[bf16]>);
 }
 
-/// The gradient of a piece, decoded one block at a time.
+/// A parameter format stored element by element (every one but the compensated pair): the fused
+/// per-element loop of [`Fused`] reads and writes it through these.
+pub(super) trait ElemParam: ParamIo {
+    fn get(&self, i: usize) -> f32;
+    fn set(&mut self, i: usize, x: f32, r: u32);
+}
+
+/// The gradient of a piece, decoded one block at a time (or read one element at a time by
+/// [`Fused`]).
 pub(super) trait GradIo: Split + Copy + Sync {
     fn len(&self) -> usize;
     fn load(&self, at: usize, out: &mut [f32]);
+    fn get(&self, i: usize) -> f32;
 }
 
 /// An optimizer state of a piece, decoded and encoded one block at a time; [`NoState`] when
@@ -332,6 +342,13 @@ pub(super) trait StateIo: Split {
     fn store(&mut self, at: usize, x: &[f32], r: &[u32]);
     /// Copies `old` over this piece of the state.
     fn fill(&mut self, old: State<'_>);
+}
+
+/// A state format stored element by element (every one but the block-quantized one): the fused
+/// per-element loop of [`Fused`] reads and writes it through these.
+pub(super) trait ElemState: StateIo {
+    fn get(&self, i: usize) -> f32;
+    fn set(&mut self, i: usize, x: f32, r: u32);
 }
 
 /// A `f32` parameter, updated in place.
@@ -506,6 +523,10 @@ impl GradIo for &[f32] {
     fn load(&self, at: usize, out: &mut [f32]) {
         out.copy_from_slice(&self[at..at + out.len()]);
     }
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self[i]
+    }
 }
 
 impl GradIo for &[bf16] {
@@ -517,6 +538,10 @@ impl GradIo for &[bf16] {
     fn load(&self, at: usize, out: &mut [f32]) {
         load_with(self, at, out, bf16_to_f32);
     }
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        bf16_to_f32(self[i])
+    }
 }
 
 impl GradIo for &[f16] {
@@ -527,6 +552,10 @@ impl GradIo for &[f16] {
     #[inline(always)]
     fn load(&self, at: usize, out: &mut [f32]) {
         load_with(self, at, out, f16_to_f32);
+    }
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        f16_to_f32(self[i])
     }
 }
 
@@ -615,6 +644,83 @@ impl StateIo for NoState {
     fn store(&mut self, _: usize, _: &[f32], _: &[u32]) {}
     #[inline]
     fn fill(&mut self, _: State<'_>) {}
+}
+
+impl ElemParam for PF32<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self.0[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, _: u32) {
+        self.0[i] = x;
+    }
+}
+
+impl ElemParam for PBf16Sr<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        bf16_to_f32(self.0[i])
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, r: u32) {
+        self.0[i] = bf16_sr(x, r);
+    }
+}
+
+impl ElemParam for PMasterBf16<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self.0[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, _: u32) {
+        self.0[i] = x;
+        self.1[i] = bf16_rne(x);
+    }
+}
+
+impl ElemParam for PMasterF16<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self.0[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, _: u32) {
+        self.0[i] = x;
+        self.1[i] = f16_rne(x);
+    }
+}
+
+impl ElemState for &mut [f32] {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, _: u32) {
+        self[i] = x;
+    }
+}
+
+impl ElemState for &mut [bf16] {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        bf16_to_f32(self[i])
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, r: u32) {
+        self[i] = bf16_sr(x, r);
+    }
+}
+
+impl ElemState for NoState {
+    #[inline(always)]
+    fn get(&self, _: usize) -> f32 {
+        0.0
+    }
+    #[inline(always)]
+    fn set(&mut self, _: usize, _: f32, _: u32) {}
 }
 
 /// Copies `old` over `dst` when both are `f32` of one length ([`sources`] checked that they are).
@@ -961,9 +1067,74 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
     fn join(_: (), _: ()) {}
 }
 
+/// The update of one piece when no operand is a block format: one fused loop that loads, updates
+/// and stores every operand of an element, in whatever type each is stored (no `f32` staging
+/// arrays, one pass over memory). Same elements, same random words and same operations as
+/// [`Step`], so the same bits.
+pub(super) struct Fused<R>(Step<R>);
+
+impl<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>
+    Leaf<(((P, G), (A, B)), Sources<'_>)> for Fused<R>
+{
+    type Out = ();
+
+    #[inline(always)]
+    fn run(
+        &self,
+        start: usize,
+        (((mut p, g), (mut a, mut b)), old): (((P, G), (A, B)), Sources<'_>),
+    ) {
+        let n = g.len();
+        // The lengths were validated before the split; stating them lets the compiler drop the
+        // bounds checks in the loop.
+        if p.len() != n || !a.fits(n) || !b.fits(n) {
+            return;
+        }
+        // An out-of-place step: this piece's old values, copied in while they will be in cache.
+        if old.param.is_some() || old.comp.is_some() {
+            p.fill(old.param, old.comp);
+        }
+        if let Some(s) = old.states[0] {
+            a.fill(s);
+        }
+        if let Some(s) = old.states[1] {
+            b.fill(s);
+        }
+        // The random words of `Step`: word 0 rounds the param (bits 0..16) and the first state
+        // (bits 16..32), word 1 the second state.
+        let hi = start as u64 >> 32;
+        let lo = start as u32;
+        let (k0, k1) = self.0.stream.keys(0, hi);
+        let (k2, k3) = self.0.stream.keys(1, hi);
+        let rule = self.0.rule;
+        for i in 0..n {
+            let j = lo.wrapping_add(i as u32);
+            let r0 = if P::SR || A::SR { hash32(j, k0, k1) } else { 0 };
+            let r1 = if B::SR { hash32(j, k2, k3) } else { 0 };
+            let (np, na, nb) = rule.elem(p.get(i), g.get(i), a.get(i), b.get(i));
+            p.set(i, np, r0);
+            a.set(i, na, r0 >> 16);
+            b.set(i, nb, r1);
+        }
+    }
+
+    fn join(_: (), _: ()) {}
+}
+
 /// The states of an optimizer, dispatched to their codec types.
 pub(super) trait States {
+    /// Whether a state is block-quantized (then the step takes the block path).
+    fn blocked(&self) -> bool;
     fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>);
+    /// The fused per-element path; only for states that are not [`blocked`](States::blocked)
+    /// (does nothing for the others).
+    fn run_fused<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Fused<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    );
 }
 
 pub(super) fn go<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo>(
@@ -977,9 +1148,23 @@ pub(super) fn go<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo>(
     for_pieces(g.len(), (((p, g), (a, b)), old), step);
 }
 
+pub(super) fn go_fused<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>(
+    step: &Fused<R>,
+    p: P,
+    g: G,
+    a: A,
+    b: B,
+    old: Sources<'_>,
+) {
+    for_pieces(g.len(), (((p, g), (a, b)), old), step);
+}
+
 /// Two states (AdamW): each `f32` or `bf16`, or both block-quantized (the first with the signed
 /// map, the second with the unsigned one; `adamw_update` refuses other mixes).
 impl States for (StateMode<'_>, StateMode<'_>) {
+    fn blocked(&self) -> bool {
+        self.0.blocked() || self.1.blocked()
+    }
     fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
             (StateMode::F32(a), StateMode::F32(b)) => go(step, p, g, a, b, old),
@@ -993,10 +1178,29 @@ impl States for (StateMode<'_>, StateMode<'_>) {
             _ => {}
         }
     }
+    fn run_fused<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Fused<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    ) {
+        match self {
+            (StateMode::F32(a), StateMode::F32(b)) => go_fused(step, p, g, a, b, old),
+            (StateMode::F32(a), StateMode::Bf16(b)) => go_fused(step, p, g, a, b, old),
+            (StateMode::Bf16(a), StateMode::F32(b)) => go_fused(step, p, g, a, b, old),
+            (StateMode::Bf16(a), StateMode::Bf16(b)) => go_fused(step, p, g, a, b, old),
+            // Block-quantized: `run_step` sent them to the block path.
+            _ => {}
+        }
+    }
 }
 
 /// One state (Lion).
 impl States for StateMode<'_> {
+    fn blocked(&self) -> bool {
+        matches!(self, StateMode::Q8(..))
+    }
     fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
             StateMode::F32(a) => go(step, p, g, a, NoState, old),
@@ -1005,14 +1209,43 @@ impl States for StateMode<'_> {
             StateMode::Q8(c, s, false) => go(step, p, g, Q8::<false>(c, s), NoState, old),
         }
     }
+    fn run_fused<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Fused<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    ) {
+        match self {
+            StateMode::F32(a) => go_fused(step, p, g, a, NoState, old),
+            StateMode::Bf16(a) => go_fused(step, p, g, a, NoState, old),
+            // Block-quantized: `run_step` sent it to the block path.
+            StateMode::Q8(..) => {}
+        }
+    }
 }
 
 /// One optional state (SGD's momentum buffer).
 impl States for Option<StateMode<'_>> {
+    fn blocked(&self) -> bool {
+        self.as_ref().is_some_and(States::blocked)
+    }
     fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
             Some(s) => s.run(step, p, g, old),
             None => go(step, p, g, NoState, NoState, old),
+        }
+    }
+    fn run_fused<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Fused<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    ) {
+        match self {
+            Some(s) => s.run_fused(step, p, g, old),
+            None => go_fused(step, p, g, NoState, NoState, old),
         }
     }
 }
@@ -1031,8 +1264,30 @@ pub(super) fn with_grad<R: Rule, P: ParamIo, S: States>(
     }
 }
 
+/// A parameter stored element by element: the fused per-element loop when no state is
+/// block-quantized either, else the block path.
+fn elem_or_block<R: Rule, P: ElemParam, S: States>(
+    step: Step<R>,
+    p: P,
+    grad: Tensor<'_>,
+    states: S,
+    old: Sources<'_>,
+) {
+    if states.blocked() {
+        return with_grad(&step, p, grad, states, old);
+    }
+    let step = &Fused(step);
+    match grad {
+        Tensor::F32(g) => states.run_fused(step, p, g, old),
+        Tensor::BF16(g) => states.run_fused(step, p, g, old),
+        Tensor::F16(g) => states.run_fused(step, p, g, old),
+    }
+}
+
 /// The one entry of every rule: `rule` over `param`, `grad` and up to two states, in place (or
-/// reading the old values of `old`), piece by piece on the rayon pool, block by block in a piece.
+/// reading the old values of `old`), piece by piece on the rayon pool. When no operand is a block
+/// format (no block-quantized state, no compensated parameter), each piece runs one fused loop
+/// over its elements ([`Fused`]); otherwise block by block ([`Step`]). Both give the same bits.
 pub(super) fn run_step<R: Rule, S: States>(
     rule: R,
     stream: Stream,
@@ -1041,12 +1296,12 @@ pub(super) fn run_step<R: Rule, S: States>(
     states: S,
     old: Sources<'_>,
 ) {
-    let step = &Step { rule, stream };
+    let step = Step { rule, stream };
     match param {
-        ParamMode::F32(p) => with_grad(step, PF32(p), grad, states, old),
-        ParamMode::Bf16Sr(p) => with_grad(step, PBf16Sr(p), grad, states, old),
-        ParamMode::MasterBf16(m, p) => with_grad(step, PMasterBf16(m, p), grad, states, old),
-        ParamMode::MasterF16(m, p) => with_grad(step, PMasterF16(m, p), grad, states, old),
-        ParamMode::Compensated(w, c) => with_grad(step, PComp(w, c), grad, states, old),
+        ParamMode::F32(p) => elem_or_block(step, PF32(p), grad, states, old),
+        ParamMode::Bf16Sr(p) => elem_or_block(step, PBf16Sr(p), grad, states, old),
+        ParamMode::MasterBf16(m, p) => elem_or_block(step, PMasterBf16(m, p), grad, states, old),
+        ParamMode::MasterF16(m, p) => elem_or_block(step, PMasterF16(m, p), grad, states, old),
+        ParamMode::Compensated(w, c) => with_grad(&step, PComp(w, c), grad, states, old),
     }
 }

@@ -26,9 +26,12 @@
 //! # Blocks
 //!
 //! Every rule and format goes through one driver: a tensor is cut into pieces that are whole
-//! quantization blocks (pieces start at multiples of [`quant::BLOCK`]); in a piece, each block's
-//! operands are decoded to `f32`, the rule runs over the block, and the results are encoded back
-//! (the random bits of stochastic rounding stay a function of the element index). The `*_update`
+//! quantization blocks (pieces start at multiples of [`quant::BLOCK`]). When an operand is a block
+//! format (a block-quantized state, a compensated parameter), each block's operands are decoded
+//! to `f32`, the rule runs over the block, and the results are encoded back; otherwise a piece runs
+//! one fused loop over its elements (load, update, store every operand of an element), which gives
+//! the same bits in one pass over memory (the random bits of stochastic rounding stay a function of
+//! the element index either way). The `*_update`
 //! functions take every format ([`ParamMut`], [`StateMut`]); `*_step` and `*_step_from` are their
 //! spelling for unquantized states.
 //!
@@ -44,9 +47,9 @@
 //!
 //! # Performance
 //!
-//! Each combination of storage types compiles to its own loops over a block of
-//! [`quant::BLOCK`] elements (decode every operand into `f32` arrays in L1, update, encode back)
-//! that LLVM vectorises; on x86-64 the loops are also compiled for AVX2 and for
+//! Each combination of storage types compiles to its own loops that LLVM vectorises: one fused
+//! loop per element for the element-wise formats, loops over a block of [`quant::BLOCK`] elements
+//! (decode every operand into `f32` arrays in L1, update, encode back) for the block formats; on x86-64 the loops are also compiled for AVX2 and for
 //! AVX-512, and the best the CPU has is chosen at run time (all paths give the same bits). Tensors
 //! above [`SERIAL_MAX`] elements are split into pieces of [`SERIAL_MAX`] / 2 to [`SERIAL_MAX`]
 //! elements that run on the rayon pool; smaller ones run on the calling thread.
