@@ -41,11 +41,22 @@ def build(arch: str, layers: int, hidden: int, inter: int, vocab: int, device: s
     return model.cpu()
 
 
+def optimizer_name(precision: str, overlap: str) -> str:
+    """The record's ``"optimizer"`` (``BENCH.md``): the state's precision and the mode."""
+    state = {
+        "fp32-master": "fp32 master",
+        "bf16": "bf16",
+        "compact": "8-bit moments, bf16+compensation",
+    }[precision]
+    mode = {"default": "speculative", "backward": "committed in backward", "off": "in step"}[overlap]
+    return f"ramtorch.optim.AdamW({state}, {mode})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", choices=["qwen2", "mistral"], default="qwen2")
     ap.add_argument("--overlap", choices=["default", "backward", "off"], default="default")
-    ap.add_argument("--precision", choices=["fp32-master", "bf16"], default="fp32-master")
+    ap.add_argument("--precision", choices=["fp32-master", "bf16", "compact"], default="fp32-master")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=3072)
@@ -100,6 +111,7 @@ def main() -> None:
         "system": "ramtorch",
         "overlap": a.overlap,
         "precision": a.precision,
+        "optimizer": optimizer_name(a.precision, a.overlap),
         "seconds": sum(times) / len(times),
         "seconds_all": times,
         "setup_seconds": setup,

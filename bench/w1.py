@@ -221,6 +221,13 @@ def make_optimizer(system: str, kind: str, params: list[torch.Tensor]) -> tuple[
         if kind.startswith("rust-bf16"):
             opt = ropt.AdamW(params, lr=1e-5, precision="bf16", pipeline=pipe, overlap=overlap)
             return opt, f"ramtorch.optim.AdamW(bf16{tail})", 14 * nh
+        if kind.startswith("rust-compact"):
+            # Read: weight 2 + compensation 2 + moments 1 + 1 + gradient 2 + scales 8/256;
+            # written: weight, compensation, moments and scales again (14.06 bytes a parameter).
+            opt = ropt.AdamW(params, lr=1e-5, precision="compact", pipeline=pipe, overlap=overlap)
+            mode = tail or ", speculative"
+            name = f"ramtorch.optim.AdamW(8-bit moments, bf16+compensation{mode})"
+            return opt, name, round((14 + 16 / 256) * nh)
         opt = ropt.AdamW(params, lr=1e-5, pipeline=pipe, overlap=overlap)
         return opt, f"ramtorch.optim.AdamW(fp32 master{tail})", 28 * nh
     if system == "resident":
@@ -309,6 +316,9 @@ def main() -> None:
             "rust-bf16",
             "rust-bf16-backward",
             "rust-bf16-pipeline",
+            "rust-compact",
+            "rust-compact-backward",
+            "rust-compact-pipeline",
             "torch-fused",
         ],
         help="phase 'step' of ramtorch: ramtorch.optim.AdamW (fp32 master, bf16 states; -backward: "

@@ -1020,10 +1020,17 @@ fn step_mode(
             _ => None,
         },
         master: (mode == 2).then_some(&o.master[..]),
+        comp: None,
         states: if bf16_states {
-            [Some(Tensor::BF16(&o.sbf[0])), Some(Tensor::BF16(&o.sbf[1]))]
+            [
+                Some(Tensor::BF16(&o.sbf[0]).into()),
+                Some(Tensor::BF16(&o.sbf[1]).into()),
+            ]
         } else {
-            [Some(Tensor::F32(&o.s32[0])), Some(Tensor::F32(&o.s32[1]))]
+            [
+                Some(Tensor::F32(&o.s32[0]).into()),
+                Some(Tensor::F32(&o.s32[1]).into()),
+            ]
         },
     });
     let mut o = o.unwrap_or_default();
@@ -1160,7 +1167,7 @@ fn out_of_place_steps_check_their_old_values() {
         ),
         (
             Old {
-                states: [Some(Tensor::BF16(&bf_old)), None],
+                states: [Some(Tensor::BF16(&bf_old).into()), None],
                 ..Old::default()
             },
             "is bfloat16",

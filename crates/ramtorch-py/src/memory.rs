@@ -64,6 +64,12 @@ fn torch_dtype(py: Python<'_>, d: Dtype) -> PyResult<&Bound<'_, PyAny>> {
     cell.import(py, "torch", name)
 }
 
+/// `torch.uint8` (imported once).
+fn torch_uint8(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static U8: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    U8.import(py, "torch", "uint8")
+}
+
 /// What a tensor says about its memory.
 pub(crate) struct TensorMemory {
     /// `data_ptr()`.
@@ -84,6 +90,8 @@ pub(crate) enum Expect {
     Bytes(usize),
     /// Exactly this many elements of this dtype.
     Elements(Dtype, usize),
+    /// Exactly this many `uint8` elements (the codes of a quantized state).
+    Codes(usize),
 }
 
 /// Where a tensor argument must live.
@@ -151,6 +159,14 @@ pub(crate) fn tensor_memory<'py>(
             return Err(invalid(format!("{what} is {got}, expected {want}")));
         }
     }
+    if let Expect::Codes(_) = expect {
+        let got = t
+            .getattr(intern!(py, "dtype"))
+            .map_err(|e| py_err(what, e))?;
+        if !got.is(torch_uint8(py).map_err(|e| py_err(what, e))?) {
+            return Err(invalid(format!("{what} is {got}, expected uint8")));
+        }
+    }
     let device = || {
         t.getattr(intern!(py, "device"))
             .map(|d| d.to_string())
@@ -196,6 +212,14 @@ pub(crate) fn tensor_memory<'py>(
             }
             numel.checked_mul(want.size())
         }
+        Expect::Codes(n) => {
+            if numel != n {
+                return Err(invalid(format!(
+                    "{what} has {numel} elements, expected {n}"
+                )));
+            }
+            Some(numel)
+        }
         Expect::Bytes(_) => numel.checked_mul(usize_of(call(intern!(py, "element_size"))?)?),
     }
     .ok_or_else(|| invalid(format!("{what}: size overflows")))?;
@@ -235,7 +259,7 @@ pub(crate) fn host_buffer(
     expect: Expect,
 ) -> Result<HostBuffer, Error> {
     let nbytes_of = |e: Expect| match e {
-        Expect::Bytes(n) => Some(n),
+        Expect::Bytes(n) | Expect::Codes(n) => Some(n),
         Expect::Elements(d, n) => n.checked_mul(d.size()),
     };
     if is_address(obj) {

@@ -8,9 +8,10 @@
 //! checked and raises `ValueError`. The GIL is released while the kernels run.
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use ramtorch_core::arena::Lease;
-use ramtorch_core::optim::{self, bf16, f16, Dtype, Old, Tensor, TensorMut};
+use ramtorch_core::optim::{self, bf16, f16, Dtype, Old, State, Tensor, TensorMut};
 use ramtorch_core::Error;
 
 use crate::guard;
@@ -42,7 +43,7 @@ fn resolve<'py>(
         }
         return Err(invalid(format!("{name} is required")));
     };
-    let want = Dtype::parse(dtype).map_err(|e| named(name, e))?;
+    let want = Elem::parse(dtype).map_err(|e| named(name, e))?;
     if is_address(obj) {
         let addr = obj
             .extract::<usize>()
@@ -53,7 +54,11 @@ fn resolve<'py>(
         // Null, misaligned and overflowing addresses are named as such before the region check.
         Buf::new(name, addr, dtype, numel)?;
     }
-    let hb = host_buffer(name, obj, Expect::Elements(want, numel))?;
+    let expect = match want {
+        Elem::Float(d) => Expect::Elements(d, numel),
+        Elem::U8 => Expect::Codes(numel),
+    };
+    let hb = host_buffer(name, obj, expect)?;
     let b = Buf::new(name, hb.addr, dtype, numel)?;
     if let Some(l) = hb.lease {
         keeps.push(Keep::Lease(l));
@@ -65,18 +70,52 @@ fn invalid(msg: String) -> Error {
     Error::InvalidArgument(msg)
 }
 
+/// Element type of a buffer: one of the kernels' float types, or `uint8` (the codes of a
+/// block-quantized state).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Elem {
+    Float(Dtype),
+    U8,
+}
+
+impl Elem {
+    /// Parses a dtype name as [`Dtype::parse`] does, plus `"uint8"`.
+    fn parse(name: &str) -> Result<Elem, Error> {
+        if name.strip_prefix("torch.").unwrap_or(name) == "uint8" {
+            return Ok(Elem::U8);
+        }
+        Dtype::parse(name).map(Elem::Float)
+    }
+
+    const fn size(self) -> usize {
+        match self {
+            Elem::Float(d) => d.size(),
+            Elem::U8 => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for Elem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Elem::Float(d) => d.fmt(f),
+            Elem::U8 => f.write_str("uint8"),
+        }
+    }
+}
+
 /// One buffer as passed from Python, checked but not yet turned into a slice.
 #[derive(Clone, Copy)]
 struct Buf {
     name: &'static str,
     addr: usize,
-    dtype: Dtype,
+    dtype: Elem,
     numel: usize,
 }
 
 impl Buf {
     fn new(name: &'static str, addr: usize, dtype: &str, numel: usize) -> Result<Buf, Error> {
-        let dtype = Dtype::parse(dtype).map_err(|e| match e {
+        let dtype = Elem::parse(dtype).map_err(|e| match e {
             Error::InvalidArgument(m) => invalid(format!("{name}: {m}")),
             e => e,
         })?;
@@ -123,47 +162,96 @@ impl Buf {
     /// `addr` must point to `numel` live, initialised elements of `dtype` that nothing writes
     /// while the view is in use (the module's calling contract), and the buffer must not overlap a
     /// mutable view made at the same time ([`disjoint`] checks that).
-    unsafe fn view<'a>(&self) -> Tensor<'a> {
+    unsafe fn view<'a>(&self) -> Result<Tensor<'a>, Error> {
         let (p, n) = (self.addr, self.numel);
+        let Elem::Float(dtype) = self.dtype else {
+            return Err(invalid(format!(
+                "{} must be a float tensor, got uint8",
+                self.name
+            )));
+        };
         if n == 0 {
-            return match self.dtype {
+            return Ok(match dtype {
                 Dtype::F32 => Tensor::F32(&[]),
                 Dtype::BF16 => Tensor::BF16(&[]),
                 Dtype::F16 => Tensor::F16(&[]),
-            };
+            });
         }
         // SAFETY: non-null and aligned (checked in `new`), `n * size <= isize::MAX` bytes that do
         // not wrap (checked in `new`); validity and exclusivity are the caller's contract above.
         unsafe {
-            match self.dtype {
+            Ok(match dtype {
                 Dtype::F32 => Tensor::F32(std::slice::from_raw_parts(p as *const f32, n)),
                 Dtype::BF16 => Tensor::BF16(std::slice::from_raw_parts(p as *const bf16, n)),
                 Dtype::F16 => Tensor::F16(std::slice::from_raw_parts(p as *const f16, n)),
-            }
+            })
         }
+    }
+
+    /// A read-only view of `uint8` codes.
+    ///
+    /// # Safety
+    /// As for [`Buf::view`].
+    unsafe fn codes<'a>(&self) -> Result<&'a [u8], Error> {
+        if self.dtype != Elem::U8 {
+            return Err(invalid(format!(
+                "{} must be uint8 codes, got {}",
+                self.name, self.dtype
+            )));
+        }
+        if self.numel == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: non-null (checked in `new`; bytes need no alignment), `numel <= isize::MAX`
+        // bytes that do not wrap; validity and exclusivity are the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.numel) })
+    }
+
+    /// A writable view of `uint8` codes.
+    ///
+    /// # Safety
+    /// As for [`Buf::view_mut`].
+    unsafe fn codes_mut<'a>(&self) -> Result<&'a mut [u8], Error> {
+        if self.dtype != Elem::U8 {
+            return Err(invalid(format!(
+                "{} must be uint8 codes, got {}",
+                self.name, self.dtype
+            )));
+        }
+        if self.numel == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `codes`; not aliased by any other view of this call (`disjoint`).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.numel) })
     }
 
     /// A writable view.
     ///
     /// # Safety
     /// As for [`Buf::view`], and nothing else may read the buffer while the view is in use.
-    unsafe fn view_mut<'a>(&self) -> TensorMut<'a> {
+    unsafe fn view_mut<'a>(&self) -> Result<TensorMut<'a>, Error> {
         let (p, n) = (self.addr, self.numel);
+        let Elem::Float(dtype) = self.dtype else {
+            return Err(invalid(format!(
+                "{} must be a float tensor, got uint8",
+                self.name
+            )));
+        };
         if n == 0 {
-            return match self.dtype {
+            return Ok(match dtype {
                 Dtype::F32 => TensorMut::F32(&mut []),
                 Dtype::BF16 => TensorMut::BF16(&mut []),
                 Dtype::F16 => TensorMut::F16(&mut []),
-            };
+            });
         }
         // SAFETY: as in `view`; the buffer is not aliased by any other view of this call
         // (`disjoint`) and, by the caller's contract, by nothing else during the call.
         unsafe {
-            match self.dtype {
+            Ok(match dtype {
                 Dtype::F32 => TensorMut::F32(std::slice::from_raw_parts_mut(p as *mut f32, n)),
                 Dtype::BF16 => TensorMut::BF16(std::slice::from_raw_parts_mut(p as *mut bf16, n)),
                 Dtype::F16 => TensorMut::F16(std::slice::from_raw_parts_mut(p as *mut f16, n)),
-            }
+            })
         }
     }
 
@@ -173,7 +261,7 @@ impl Buf {
     /// As for [`Buf::view_mut`].
     unsafe fn f32_mut<'a>(&self) -> Result<&'a mut [f32], Error> {
         // SAFETY: forwarded contract.
-        match unsafe { self.view_mut() } {
+        match unsafe { self.view_mut()? } {
             TensorMut::F32(s) => Ok(s),
             _ => Err(invalid(format!("{} must be float32", self.name))),
         }
@@ -263,16 +351,20 @@ impl OldBufs {
     /// operand (checked by [`disjoint`] over operands and old values together).
     unsafe fn old<'a>(&self) -> Result<Old<'a>, Error> {
         // SAFETY: forwarded contract.
-        let view = |b: &Option<Buf>| b.map(|b| unsafe { b.view() });
-        let master = match view(&self.0[1]) {
+        let view = |b: &Option<Buf>| b.map(|b| unsafe { b.view() }).transpose();
+        let master = match view(&self.0[1])? {
             None => None,
             Some(Tensor::F32(m)) => Some(m),
             Some(_) => return Err(invalid("old_master must be float32".to_string())),
         };
         Ok(Old {
-            param: view(&self.0[0]),
+            param: view(&self.0[0])?,
             master,
-            states: [view(&self.0[2]), view(&self.0[3])],
+            comp: None,
+            states: [
+                view(&self.0[2])?.map(State::Plain),
+                view(&self.0[3])?.map(State::Plain),
+            ],
         })
     }
 }
@@ -352,11 +444,11 @@ fn adamw_step(
                 };
                 optim::adamw_step_from(
                     &h,
-                    bufs[0].view_mut(),
+                    bufs[0].view_mut()?,
                     m,
-                    bufs[1].view(),
-                    bufs[2].view_mut(),
-                    bufs[3].view_mut(),
+                    bufs[1].view()?,
+                    bufs[2].view_mut()?,
+                    bufs[3].view_mut()?,
                     &old.old()?,
                 )
             }
@@ -444,7 +536,7 @@ fn sgd_step(
             // are valid and unshared for the call by the module's contract.
             unsafe {
                 let buf = if has_buf {
-                    Some(bufs[2].view_mut())
+                    Some(bufs[2].view_mut()?)
                 } else {
                     None
                 };
@@ -453,7 +545,14 @@ fn sgd_step(
                 } else {
                     None
                 };
-                optim::sgd_step_from(&h, bufs[0].view_mut(), m, bufs[1].view(), buf, &old.old()?)
+                optim::sgd_step_from(
+                    &h,
+                    bufs[0].view_mut()?,
+                    m,
+                    bufs[1].view()?,
+                    buf,
+                    &old.old()?,
+                )
             }
         })
     })
@@ -525,15 +624,513 @@ fn lion_step(
                 };
                 optim::lion_step_from(
                     &h,
-                    bufs[0].view_mut(),
+                    bufs[0].view_mut()?,
                     m,
-                    bufs[1].view(),
-                    bufs[2].view_mut(),
+                    bufs[1].view()?,
+                    bufs[2].view_mut()?,
                     &old.old()?,
                 )
             }
         })
     })
+}
+
+/// The hyperparameters of one rule, read from the `hyper` dict of [`optim_step`].
+enum RuleStep {
+    AdamW(optim::AdamW),
+    Sgd(optim::Sgd),
+    Lion(optim::Lion),
+}
+
+/// `hyper[key]`, converted; an error naming the key when it is missing or of another type.
+fn hyper_get<T>(
+    hyper: &Bound<'_, PyDict>,
+    key: &str,
+    conv: impl Fn(&Bound<'_, PyAny>) -> PyResult<T>,
+) -> Result<T, Error> {
+    match hyper.get_item(key) {
+        Ok(Some(v)) => conv(&v).map_err(|e| invalid(format!("hyperparameter {key:?}: {e}"))),
+        Ok(None) => Err(invalid(format!("hyperparameter {key:?} is required"))),
+        Err(e) => Err(invalid(format!("hyperparameter {key:?}: {e}"))),
+    }
+}
+
+impl RuleStep {
+    fn parse(rule: &str, hyper: &Bound<'_, PyDict>) -> Result<RuleStep, Error> {
+        let f = |k: &str| hyper_get(hyper, k, |v| v.extract::<f64>());
+        let b = |k: &str| hyper_get(hyper, k, |v| v.extract::<bool>());
+        let u = |k: &str| hyper_get(hyper, k, |v| v.extract::<u64>());
+        Ok(match rule {
+            "adamw" => RuleStep::AdamW(optim::AdamW {
+                lr: f("lr")?,
+                beta1: f("beta1")?,
+                beta2: f("beta2")?,
+                eps: f("eps")?,
+                weight_decay: f("weight_decay")?,
+                maximize: b("maximize")?,
+                grad_scale: f("grad_scale")?,
+                step: u("step")?,
+                seed: u("seed")?,
+            }),
+            "sgd" => RuleStep::Sgd(optim::Sgd {
+                lr: f("lr")?,
+                momentum: f("momentum")?,
+                dampening: f("dampening")?,
+                weight_decay: f("weight_decay")?,
+                nesterov: b("nesterov")?,
+                maximize: b("maximize")?,
+                first_step: b("first_step")?,
+                grad_scale: f("grad_scale")?,
+                step: u("step")?,
+                seed: u("seed")?,
+            }),
+            "lion" => RuleStep::Lion(optim::Lion {
+                lr: f("lr")?,
+                beta1: f("beta1")?,
+                beta2: f("beta2")?,
+                weight_decay: f("weight_decay")?,
+                maximize: b("maximize")?,
+                grad_scale: f("grad_scale")?,
+                step: u("step")?,
+                seed: u("seed")?,
+            }),
+            _ => {
+                return Err(invalid(format!(
+                    "unknown rule {rule:?}; expected \"adamw\", \"sgd\" or \"lion\""
+                )))
+            }
+        })
+    }
+
+    /// How many states the rule takes: (fewest, most).
+    fn states(&self) -> (usize, usize) {
+        match self {
+            RuleStep::AdamW(_) => (2, 2),
+            RuleStep::Sgd(_) => (0, 1),
+            RuleStep::Lion(_) => (1, 1),
+        }
+    }
+}
+
+/// `str(t.dtype)` of a tensor argument.
+fn dtype_of(name: &str, obj: &Bound<'_, PyAny>) -> Result<String, Error> {
+    obj.getattr("dtype")
+        .and_then(|d| d.str())
+        .map(|s| s.to_string())
+        .map_err(|e| invalid(format!("{name} must be a tensor: {e}")))
+}
+
+/// The buffers of one [`optim_step`], resolved and checked; indices into `all`.
+struct StepBufs {
+    all: Vec<Buf>,
+    master: Option<usize>,
+    comp: Option<usize>,
+    /// Each state, with its scales when quantized.
+    states: Vec<(usize, Option<usize>)>,
+    old_param: Option<usize>,
+    old_master: Option<usize>,
+    old_comp: Option<usize>,
+    old_states: [Option<(usize, Option<usize>)>; 2],
+}
+
+const STATE_NAMES: [&str; 2] = ["state1", "state2"];
+const SCALE_NAMES: [&str; 2] = ["scales1", "scales2"];
+const OLD_STATE_NAMES: [&str; 2] = ["old_state1", "old_state2"];
+const OLD_SCALE_NAMES: [&str; 2] = ["old_scales1", "old_scales2"];
+
+/// Item `k` of an optional list argument (None past its end).
+fn nth<'a, 'py>(
+    list: Option<&'a Vec<Bound<'py, PyAny>>>,
+    k: usize,
+) -> Option<&'a Bound<'py, PyAny>> {
+    list.and_then(|l| l.get(k))
+}
+
+/// One update of one tensor by any rule over any storage format: the one entry the front end
+/// calls. `rule` is `"adamw"`, `"sgd"` or `"lion"`; `hyper` a dict of its hyperparameters (the
+/// fields of `AdamW`, `Sgd` or `Lion`: `lr`, `beta1`, ..., `grad_scale`, `step`, `seed`). `param`,
+/// `grad` and `states` (as many as the rule keeps: AdamW 2, Lion 1, SGD 0 or 1) are contiguous CPU
+/// tensors; their dtypes say their format: a `uint8` state is block-quantized, with its `float32`
+/// scales (one per block of 256) at the same position of `scales`. `master`: the float32 master
+/// weights; `comp`: the bfloat16 compensation of a bfloat16 `param`. `old`, for an out-of-place
+/// update: a dict of the old values (`"param"`, `"master"`, `"comp"`, `"states"`, `"scales"`), each
+/// in its operand's format.
+#[pyfunction]
+#[pyo3(signature = (rule, hyper, param, grad, states, *, master = None, comp = None, scales = None, old = None))]
+#[allow(clippy::too_many_arguments)]
+fn optim_step(
+    py: Python<'_>,
+    rule: &str,
+    hyper: &Bound<'_, PyDict>,
+    param: &Bound<'_, PyAny>,
+    grad: &Bound<'_, PyAny>,
+    states: Vec<Bound<'_, PyAny>>,
+    master: Arg<'_, '_>,
+    comp: Arg<'_, '_>,
+    scales: Option<Vec<Bound<'_, PyAny>>>,
+    old: Option<&Bound<'_, PyDict>>,
+) -> PyResult<()> {
+    let op = "optim_step";
+    let mut keeps = Vec::with_capacity(16);
+    let (h, b) = guard(op, || {
+        let h = RuleStep::parse(rule, hyper)?;
+        let (lo, hi) = h.states();
+        if states.len() < lo || states.len() > hi {
+            return Err(invalid(format!(
+                "{rule} takes {} states, got {}",
+                if lo == hi {
+                    lo.to_string()
+                } else {
+                    format!("{lo} to {hi}")
+                },
+                states.len()
+            )));
+        }
+        let numel = param
+            .call_method0("numel")
+            .and_then(|n| n.extract::<usize>())
+            .map_err(|e| invalid(format!("param must be a tensor: {e}")))?;
+        let nb = optim::quant::blocks(numel);
+        let pdt = dtype_of("param", param)?;
+        let old_item = |key: &str| -> Result<Option<Bound<'_, PyAny>>, Error> {
+            match old {
+                None => Ok(None),
+                Some(d) => d
+                    .get_item(key)
+                    .map_err(|e| invalid(format!("old[{key:?}]: {e}"))),
+            }
+        };
+        let old_list = |key: &str| -> Result<Option<Vec<Bound<'_, PyAny>>>, Error> {
+            match old_item(key)? {
+                None => Ok(None),
+                Some(v) if v.is_none() => Ok(None),
+                Some(v) => v
+                    .extract::<Vec<Bound<'_, PyAny>>>()
+                    .map(Some)
+                    .map_err(|e| invalid(format!("old[{key:?}] must be a list: {e}"))),
+            }
+        };
+        if let Some(d) = old {
+            for k in d.keys() {
+                let k = k.to_string();
+                if !["param", "master", "comp", "states", "scales"].contains(&k.as_str()) {
+                    return Err(invalid(format!(
+                        "old has an unknown key {k:?}; expected \"param\", \"master\", \"comp\", \
+                         \"states\", \"scales\""
+                    )));
+                }
+            }
+        }
+        let mut all = Vec::with_capacity(12);
+        let mut push = |b: Option<Buf>| -> Option<usize> {
+            b.map(|b| {
+                all.push(b);
+                all.len() - 1
+            })
+        };
+        push(resolve(
+            "param",
+            Some(param),
+            &pdt,
+            numel,
+            false,
+            &mut keeps,
+        )?);
+        let gdt = dtype_of("grad", grad)?;
+        push(resolve("grad", Some(grad), &gdt, numel, false, &mut keeps)?);
+        let master = push(resolve(
+            "master", master, "float32", numel, true, &mut keeps,
+        )?);
+        let comp = push(resolve("comp", comp, "bfloat16", numel, true, &mut keeps)?);
+        let old_states_l = old_list("states")?;
+        let old_scales_l = old_list("scales")?;
+        let mut st = Vec::with_capacity(2);
+        let mut old_states = [None, None];
+        for (k, s) in states.iter().enumerate() {
+            let sdt = dtype_of(STATE_NAMES[k], s)?;
+            let quantized = Elem::parse(&sdt)? == Elem::U8;
+            let i = push(resolve(
+                STATE_NAMES[k],
+                Some(s),
+                &sdt,
+                numel,
+                false,
+                &mut keeps,
+            )?);
+            let sc = if quantized {
+                let Some(t) = nth(scales.as_ref(), k) else {
+                    return Err(invalid(format!(
+                        "{} is uint8 (block-quantized) and needs its scales: scales[{k}]",
+                        STATE_NAMES[k]
+                    )));
+                };
+                push(resolve(
+                    SCALE_NAMES[k],
+                    Some(t),
+                    "float32",
+                    nb,
+                    false,
+                    &mut keeps,
+                )?)
+            } else {
+                None
+            };
+            if let Some(i) = i {
+                st.push((i, sc));
+            }
+            let o = push(resolve(
+                OLD_STATE_NAMES[k],
+                nth(old_states_l.as_ref(), k),
+                &sdt,
+                numel,
+                true,
+                &mut keeps,
+            )?);
+            if let Some(o) = o {
+                let osc = if quantized {
+                    let Some(t) = nth(old_scales_l.as_ref(), k) else {
+                        return Err(invalid(format!(
+                            "{} is block-quantized and needs its old scales: old[\"scales\"][{k}]",
+                            OLD_STATE_NAMES[k]
+                        )));
+                    };
+                    push(resolve(
+                        OLD_SCALE_NAMES[k],
+                        Some(t),
+                        "float32",
+                        nb,
+                        false,
+                        &mut keeps,
+                    )?)
+                } else {
+                    None
+                };
+                old_states[k] = Some((o, osc));
+            }
+        }
+        let op_ = old_item("param")?;
+        let old_param = push(resolve(
+            "old_param",
+            op_.as_ref(),
+            &pdt,
+            numel,
+            true,
+            &mut keeps,
+        )?);
+        let om = old_item("master")?;
+        let old_master = push(resolve(
+            "old_master",
+            om.as_ref(),
+            "float32",
+            numel,
+            true,
+            &mut keeps,
+        )?);
+        let oc = old_item("comp")?;
+        let old_comp = push(resolve(
+            "old_comp",
+            oc.as_ref(),
+            "bfloat16",
+            numel,
+            true,
+            &mut keeps,
+        )?);
+        disjoint(&all)?;
+        Ok((
+            h,
+            StepBufs {
+                all,
+                master,
+                comp,
+                states: st,
+                old_param,
+                old_master,
+                old_comp,
+                old_states,
+            },
+        ))
+    })?;
+    py.detach(|| {
+        guard(op, || {
+            // SAFETY: the buffers were checked (non-null, aligned, sized, pairwise disjoint) and
+            // are valid and unshared for the call by the module's contract.
+            unsafe { run_rule(&h, &b) }
+        })
+    })
+}
+
+/// Runs the rule over the checked buffers of [`optim_step`].
+///
+/// # Safety
+/// As for [`Buf::view_mut`], for every buffer of `b` (they are pairwise disjoint).
+unsafe fn run_rule(h: &RuleStep, b: &StepBufs) -> Result<(), Error> {
+    use optim::{ParamMut, StateMut};
+    let a = &b.all;
+    // SAFETY: forwarded contract; each buffer of `b` is viewed once, as one kind of view.
+    let param = unsafe {
+        match (b.master, b.comp) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "master and comp are two ways of keeping the master weights: give one".into(),
+                ))
+            }
+            (Some(m), None) => ParamMut::Master {
+                param: a[0].view_mut()?,
+                master: a[m].f32_mut()?,
+            },
+            (None, Some(c)) => match (a[0].view_mut()?, a[c].view_mut()?) {
+                (TensorMut::BF16(param), TensorMut::BF16(comp)) => {
+                    ParamMut::Compensated { param, comp }
+                }
+                _ => {
+                    return Err(invalid(
+                        "a param with a compensation must be bfloat16".into(),
+                    ))
+                }
+            },
+            (None, None) => ParamMut::Plain(a[0].view_mut()?),
+        }
+    };
+    // SAFETY: as above (the gradient is only read).
+    let grad = unsafe { a[1].view()? };
+    let mut states = Vec::with_capacity(2);
+    for &(i, sc) in &b.states {
+        // SAFETY: as above; each state and its scales are viewed once.
+        states.push(unsafe {
+            match sc {
+                Some(s) => StateMut::Q8 {
+                    codes: a[i].codes_mut()?,
+                    scales: a[s].f32_mut()?,
+                },
+                None => StateMut::Plain(a[i].view_mut()?),
+            }
+        });
+    }
+    let mut old = Old::default();
+    // SAFETY: as above; the old values are only read, and overlap no operand (`disjoint`).
+    unsafe {
+        if let Some(i) = b.old_param {
+            old.param = Some(a[i].view()?);
+        }
+        if let Some(i) = b.old_master {
+            old.master = match a[i].view()? {
+                Tensor::F32(m) => Some(m),
+                _ => return Err(invalid("old master must be float32".into())),
+            };
+        }
+        if let Some(i) = b.old_comp {
+            old.comp = match a[i].view()? {
+                Tensor::BF16(c) => Some(c),
+                _ => return Err(invalid("old comp must be bfloat16".into())),
+            };
+        }
+        for (k, s) in b.old_states.iter().enumerate() {
+            old.states[k] = match *s {
+                None => None,
+                Some((i, Some(sc))) => Some(State::Q8 {
+                    codes: a[i].codes()?,
+                    scales: match a[sc].view()? {
+                        Tensor::F32(x) => x,
+                        _ => return Err(invalid("old scales must be float32".into())),
+                    },
+                }),
+                Some((i, None)) => Some(State::Plain(a[i].view()?)),
+            };
+        }
+    }
+    let mut it = states.into_iter();
+    match h {
+        RuleStep::AdamW(h) => match (it.next(), it.next()) {
+            (Some(m), Some(v)) => optim::adamw_update(h, param, grad, m, v, &old),
+            _ => Err(invalid("adamw takes 2 states".into())),
+        },
+        RuleStep::Sgd(h) => optim::sgd_update(h, param, grad, it.next(), &old),
+        RuleStep::Lion(h) => match it.next() {
+            Some(m) => optim::lion_update(h, param, grad, m, &old),
+            None => Err(invalid("lion takes 1 state".into())),
+        },
+    }
+}
+
+/// Quantizes the float32 tensor `x` block by block (256 elements a block) into `codes` (uint8,
+/// one per element) and `scales` (float32, one per block), with the signed or the unsigned
+/// dynamic map (`ramtorch_core::optim::quant`).
+#[pyfunction]
+fn q8_quantize(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    codes: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    signed: bool,
+) -> PyResult<()> {
+    let op = "q8_quantize";
+    let mut keeps = Vec::with_capacity(3);
+    let bufs = guard(op, || q8_buffers(x, "x", codes, scales, &mut keeps))?;
+    py.detach(|| {
+        guard(op, || {
+            // SAFETY: checked and pairwise disjoint; valid and unshared during the call by
+            // contract.
+            unsafe {
+                let Tensor::F32(x) = bufs[0].view()? else {
+                    return Err(invalid("x must be float32".into()));
+                };
+                optim::quant::quantize(x, bufs[1].codes_mut()?, bufs[2].f32_mut()?, signed)
+            }
+        })
+    })
+}
+
+/// Decodes `codes` and `scales` (as written by `q8_quantize`) into the float32 tensor `out`.
+#[pyfunction]
+fn q8_dequantize(
+    py: Python<'_>,
+    codes: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    signed: bool,
+) -> PyResult<()> {
+    let op = "q8_dequantize";
+    let mut keeps = Vec::with_capacity(3);
+    let bufs = guard(op, || q8_buffers(out, "out", codes, scales, &mut keeps))?;
+    py.detach(|| {
+        guard(op, || {
+            // SAFETY: as in `q8_quantize`.
+            unsafe {
+                let Tensor::F32(s) = bufs[2].view()? else {
+                    return Err(invalid("scales must be float32".into()));
+                };
+                optim::quant::dequantize(bufs[1].codes()?, s, bufs[0].f32_mut()?, signed)
+            }
+        })
+    })
+}
+
+/// The float32 values, codes and scales of `q8_quantize`/`q8_dequantize`, checked.
+fn q8_buffers(
+    x: &Bound<'_, PyAny>,
+    xname: &'static str,
+    codes: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    keeps: &mut Vec<Keep>,
+) -> Result<Vec<Buf>, Error> {
+    let numel = x
+        .call_method0("numel")
+        .and_then(|n| n.extract::<usize>())
+        .map_err(|e| invalid(format!("{xname} must be a tensor: {e}")))?;
+    let nb = optim::quant::blocks(numel);
+    let mut b = Vec::with_capacity(3);
+    b.extend(resolve(xname, Some(x), "float32", numel, false, keeps)?);
+    b.extend(resolve("codes", Some(codes), "uint8", numel, false, keeps)?);
+    b.extend(resolve(
+        "scales",
+        Some(scales),
+        "float32",
+        nb,
+        false,
+        keeps,
+    )?);
+    disjoint(&b)?;
+    Ok(b)
 }
 
 /// `(sum of squares as a float64, whether any element is inf/NaN)` of the `numel` elements of `ptr`
@@ -551,7 +1148,7 @@ fn grad_stats(
     py.detach(|| {
         guard(op, || {
             // SAFETY: checked in `Buf::new`; valid and not written during the call by contract.
-            let s = optim::grad_stats(unsafe { b.view() });
+            let s = optim::grad_stats(unsafe { b.view()? });
             Ok((s.sum_sq, s.non_finite))
         })
     })
@@ -579,7 +1176,7 @@ fn scale(
     py.detach(|| {
         guard(op, || {
             // SAFETY: checked in `Buf::new`; valid and unshared during the call by contract.
-            optim::scale_in_place(unsafe { b.view_mut() }, factor as f32);
+            optim::scale_in_place(unsafe { b.view_mut()? }, factor as f32);
             Ok(())
         })
     })
@@ -608,6 +1205,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(adamw_step, m)?)?;
     m.add_function(wrap_pyfunction!(sgd_step, m)?)?;
     m.add_function(wrap_pyfunction!(lion_step, m)?)?;
+    m.add_function(wrap_pyfunction!(optim_step, m)?)?;
+    m.add_function(wrap_pyfunction!(q8_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(q8_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(grad_stats, m)?)?;
     m.add_function(wrap_pyfunction!(scale, m)?)?;
     m.add_function(wrap_pyfunction!(optim_threads, m)?)?;

@@ -1,6 +1,7 @@
 """The update rules, AdamW, SGD and Lion: for each, its hyperparameters, its Rust kernel call
-(``_kernel``, host parameters) and its torch fallback (``_update_torch``, parameters elsewhere).
-The hyperparameter checks and the options every optimizer takes are written once, here."""
+(``_rule`` and ``_hyper``, which ``_state.HostStates._run_kernel`` passes to ``_core.optim_step``
+for host parameters) and its torch fallback (``_update_torch``, parameters elsewhere). The
+hyperparameter checks and the options every optimizer takes are written once, here."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.sgd import sgd as _torch_sgd
 
-from .. import _core
 from ._optimizer import _HostOptimizer
-from ._state import _DTYPES
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # in typing from Python 3.11
@@ -132,7 +131,21 @@ class AdamW(_Rule):
     Args:
         params: parameters or param groups.
         lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW``.
-        precision: ``"fp32-master"`` (default) or ``"bf16"`` (bf16 states, stochastic rounding).
+        precision: how host state is kept. ``"fp32-master"`` (default): an fp32 master copy
+            of a bf16/fp16 parameter and fp32 moments (16 bytes a parameter besides the bf16
+            weight; a step moves 28 host bytes a parameter). ``"bf16"``: bf16 moments, and the
+            bf16 weight written with stochastic rounding (no master). ``"compact"``: both
+            moments in 8 bits, block-quantized with one fp32 scale per block of 256 elements
+            (``exp_avg`` with a signed, ``exp_avg_sq`` with an unsigned dynamic map, as
+            bitsandbytes' and torchao's 8-bit AdamW), and the master kept as the bf16 weight plus
+            a bf16 compensation (the rounding error of its last write; their sum has about 16
+            significant bits). For a bf16 parameter that is 6 + 8/256 = 6.03 bytes a parameter
+            held (weight 2, compensation 2, moments 1 + 1, scales 0.03), 8.03 with its bf16
+            gradient; a step reads 8.03 and writes 6.03 host bytes a parameter (14.06 in all).
+            A float32 parameter is its own master (4 + 2.03 bytes held). Needs bf16 or fp32
+            parameters; parameters updated on a GPU keep ``"fp32-master"`` state. In the default
+            (speculative) mode each parameter also has a shadow of the same format (another
+            6.03 bytes).
         overlap: ``True`` (default): updates computed during backward, out of place, and
             committed by ``step()`` when their inputs are unchanged, or computed in ``step()``,
             whichever the run measures cheaper: bitwise ``overlap=False``, nothing changes
@@ -152,6 +165,7 @@ class AdamW(_Rule):
     """
 
     _state_names = ("exp_avg", "exp_avg_sq")
+    _rule = "adamw"
     _torch_only = ("amsgrad", "fused", "foreach", "capturable", "differentiable")
 
     def __init__(
@@ -168,41 +182,17 @@ class AdamW(_Rule):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults, **options)
 
-    def _kernel(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        states: list[torch.Tensor],
-        state_dtype: str,
-        master: torch.Tensor | None,
-        step: int,
-        group: dict[str, Any],
-        scale: float,
-        seed: int,
-        old: dict[str, torch.Tensor] | None = None,
-    ) -> None:
+    def _hyper(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         b1, b2 = group["betas"]
-        _core.adamw_step(
-            param=p,
-            param_dtype=_DTYPES[p.dtype],
-            grad=grad,
-            grad_dtype=_DTYPES[grad.dtype],
-            exp_avg=states[0],
-            exp_avg_sq=states[1],
-            state_dtype=state_dtype,
-            master=master,
-            numel=p.numel(),
-            step=step,
-            lr=float(group["lr"]),
-            beta1=float(b1),
-            beta2=float(b2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            maximize=bool(group["maximize"]),
-            grad_scale=scale,
-            seed=seed,
-            **(old or {}),
-        )
+        return {
+            "step": step,
+            "lr": float(group["lr"]),
+            "beta1": float(b1),
+            "beta2": float(b2),
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+            "maximize": bool(group["maximize"]),
+        }
 
     def _update_torch(
         self,
@@ -243,6 +233,7 @@ class SGD(_Rule):
     ``differentiable`` are accepted at ``False``/``None`` only, as in :class:`AdamW`."""
 
     _state_names = ("momentum_buffer",)
+    _rule = "sgd"
     _torch_only = ("fused", "foreach", "differentiable")
 
     def __init__(
@@ -267,39 +258,20 @@ class SGD(_Rule):
         }
         super().__init__(params, defaults, **options)
 
-    def _kernel(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        states: list[torch.Tensor],
-        state_dtype: str,
-        master: torch.Tensor | None,
-        step: int,
-        group: dict[str, Any],
-        scale: float,
-        seed: int,
-        old: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        _core.sgd_step(
-            param=p,
-            param_dtype=_DTYPES[p.dtype],
-            grad=grad,
-            grad_dtype=_DTYPES[grad.dtype],
-            momentum_buffer=states[0] if group["momentum"] != 0 else None,
-            state_dtype=state_dtype,
-            master=master,
-            numel=p.numel(),
-            lr=float(group["lr"]),
-            momentum=float(group["momentum"]),
-            dampening=float(group["dampening"]),
-            weight_decay=float(group["weight_decay"]),
-            nesterov=bool(group["nesterov"]),
-            maximize=bool(group["maximize"]),
-            first_step=step == 1,
-            grad_scale=scale,
-            seed=seed,
-            **(old or {}),
-        )
+    def _hyper(self, group: dict[str, Any], step: int) -> dict[str, Any]:
+        return {
+            "step": 0,  # the rounding stream: the seed already follows the step
+            "lr": float(group["lr"]),
+            "momentum": float(group["momentum"]),
+            "dampening": float(group["dampening"]),
+            "weight_decay": float(group["weight_decay"]),
+            "nesterov": bool(group["nesterov"]),
+            "maximize": bool(group["maximize"]),
+            "first_step": step == 1,
+        }
+
+    def _active_states(self, group: dict[str, Any]) -> int:
+        return 1 if group["momentum"] != 0 else 0
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
@@ -336,6 +308,7 @@ class Lion(_Rule):
     ``precision``, ``overlap``, ``pipeline``, ``max_grad_norm`` as in :class:`AdamW`."""
 
     _state_names = ("exp_avg",)
+    _rule = "lion"
 
     def __init__(
         self,
@@ -350,38 +323,16 @@ class Lion(_Rule):
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults, **options)
 
-    def _kernel(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        states: list[torch.Tensor],
-        state_dtype: str,
-        master: torch.Tensor | None,
-        step: int,
-        group: dict[str, Any],
-        scale: float,
-        seed: int,
-        old: dict[str, torch.Tensor] | None = None,
-    ) -> None:
+    def _hyper(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         b1, b2 = group["betas"]
-        _core.lion_step(
-            param=p,
-            param_dtype=_DTYPES[p.dtype],
-            grad=grad,
-            grad_dtype=_DTYPES[grad.dtype],
-            exp_avg=states[0],
-            state_dtype=state_dtype,
-            master=master,
-            numel=p.numel(),
-            lr=float(group["lr"]),
-            beta1=float(b1),
-            beta2=float(b2),
-            weight_decay=float(group["weight_decay"]),
-            maximize=bool(group["maximize"]),
-            grad_scale=scale,
-            seed=seed,
-            **(old or {}),
-        )
+        return {
+            "step": 0,  # the rounding stream: the seed already follows the step
+            "lr": float(group["lr"]),
+            "beta1": float(b1),
+            "beta2": float(b2),
+            "weight_decay": float(group["weight_decay"]),
+            "maximize": bool(group["maximize"]),
+        }
 
     def _update_torch(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -87,6 +87,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     _shadows: Shadows
     _auto: Any
     _state_names: tuple[str, ...]
+    _host_keys: Callable[[], tuple[str, ...]]  # HostStates: every state tensor of a parameter
     timings: dict[str, Any]
 
     @property
@@ -204,7 +205,7 @@ class OverlapSchedule(torch.optim.Optimizer):
         """Queues the updates of ``params`` into their shadows (``_speculation``): nothing the
         user sees changes until ``step()`` commits them."""
         owned = self._param_ids()
-        names = (*self._state_names, "master")
+        names = (*self._host_keys(), "master")
         frozen: dict[int, dict[str, Any]] = {}  # each group's hyperparameters, frozen once
         work = []
         for p in params:
@@ -217,7 +218,7 @@ class OverlapSchedule(torch.optim.Optimizer):
             state = self.state.get(p)
             if not state or "step" not in state:
                 continue  # a first update makes the states: in step()
-            shadow = self._shadows.get(p, state, self._state_names)
+            shadow = self._shadows.get(p, state, self._host_keys())
             if shadow is None:
                 continue  # the host cannot spare the memory: updated in step()
             step = state["step"]
@@ -306,7 +307,7 @@ class OverlapSchedule(torch.optim.Optimizer):
                     self.timings["recomputed_updates"] += 1
                 continue
             assert state is not None
-            new = self._shadows.swap(pid, state, self._state_names)
+            new = self._shadows.swap(pid, state, self._host_keys())
             p.copy_(new)
             state["step"] += 1
             committed.add(pid)

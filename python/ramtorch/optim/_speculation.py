@@ -14,7 +14,8 @@ bitwise. A speculation that ``step()`` never commits (a skipped step, a probe ba
 gradients) is simply dropped.
 
 The cost is host memory: a shadow holds one more copy of a parameter's states and weight (14
-bytes a parameter with fp32 masters and AdamW, 6 with ``precision="bf16"``). Shadows are made on
+bytes a parameter with fp32 masters and AdamW, 6 with ``precision="bf16"``, 6.03 with
+``precision="compact"``: weight, compensation, codes and scales). Shadows are made on
 a parameter's first speculation only while the host has that memory to spare (``MemAvailable``
 above a reserve); parameters without one are updated in ``step()``."""
 

@@ -1,7 +1,8 @@
 """Host state and precision: the states of host parameters (moments, momentum buffers, the fp32
-master copy of a bf16/fp16 parameter) in host RAM, their dtype for each precision, one update of a
-host parameter through its rule's kernel, and the loading of states (each checked against its
-parameter first)."""
+master copy of a bf16/fp16 parameter, or with ``precision="compact"`` 8-bit block-quantized states
+and the bf16 compensation of a bf16 parameter) in host RAM, their format for each precision, one
+update of a host parameter through the one kernel entry (``_core.optim_step``), and the loading of
+states (each checked against its parameter first)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,21 @@ from typing import Any
 
 import torch
 
-from .. import _arena
+from .. import _arena, _core
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_PRECISIONS = ("fp32-master", "bf16")
+_PRECISIONS = ("fp32-master", "bf16", "compact")
+
+#: Elements per quantization block of a ``precision="compact"`` state (one float32 scale each);
+#: ``ramtorch_core::optim::quant::BLOCK``.
+BLOCK = 256
+#: The state of ``precision="compact"`` that holds a bf16 parameter's rounding error.
+COMPENSATION = "compensation"
+
+
+def scales_name(name: str) -> str:
+    """The key of the per-block scales of quantized state ``name``."""
+    return f"{name}_scales"
 
 
 def _is_host(p: torch.Tensor) -> bool:
@@ -22,7 +34,7 @@ def _is_host(p: torch.Tensor) -> bool:
 class HostStates(torch.optim.Optimizer):
     """The per-parameter state of an optimizer whose host parameters are updated by Rust kernels:
     created on a parameter's first update, loaded (checked) from a state dict. A base of the
-    optimizer (``_optimizer._HostOptimizer``), which supplies the rule (``_kernel``), the
+    optimizer (``_optimizer._HostOptimizer``), which supplies the rule (``_rule``, ``_hyper``), the
     scheduling (``_forget_failed``, ``synchronize``) and ZeRO (``_zero``: None, or the
     ``_zero.Zero`` strategy)."""
 
@@ -32,23 +44,17 @@ class HostStates(torch.optim.Optimizer):
     _seed: int
     _zero: Any
 
-    def _kernel(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        states: list[torch.Tensor],
-        state_dtype: str,
-        master: torch.Tensor | None,
-        step: int,
-        group: dict[str, Any],
-        scale: float,
-        seed: int,
-        old: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """The rule's update of one host parameter (``_rules``). With ``old`` (``old_param``,
-        ``old_master``, ``old_state1``, ``old_state2``) the update is out of place: it reads the
-        old values there and writes the new ones to ``p``, ``states`` and ``master``."""
+    #: The rule's name for ``_core.optim_step`` (``"adamw"``, ``"sgd"``, ``"lion"``).
+    _rule: str = ""
+
+    def _hyper(self, group: dict[str, Any], step: int) -> dict[str, Any]:
+        """The rule's hyperparameters for step ``step`` of ``group``, as ``_core.optim_step``
+        takes them (besides ``grad_scale`` and ``seed``)."""
         raise NotImplementedError
+
+    def _active_states(self, group: dict[str, Any]) -> int:
+        """How many of ``_state_names`` the rule reads with ``group``'s hyperparameters."""
+        return len(self._state_names)
 
     def _state_layout(self, p: torch.Tensor) -> tuple[torch.dtype, bool]:
         """The dtype of a host parameter's states for this precision, and whether it has an fp32
@@ -58,17 +64,46 @@ class HostStates(torch.optim.Optimizer):
         bf16_mode = self.precision == "bf16" and p.dtype == torch.bfloat16
         return (torch.bfloat16 if bf16_mode else torch.float32), p.dtype != torch.float32 and not bf16_mode
 
+    def _compact(self, p: torch.Tensor) -> bool:
+        """Whether host parameter ``p`` keeps ``precision="compact"`` states."""
+        if self.precision != "compact":
+            return False
+        if p.dtype == torch.float16:
+            raise ValueError("precision='compact' needs bfloat16 (or float32) parameters, got float16")
+        return True
+
+    def _host_keys(self) -> tuple[str, ...]:
+        """Every state tensor a host parameter may keep, besides ``step`` and ``master``."""
+        if self.precision != "compact":
+            return self._state_names
+        return (*self._state_names, *map(scales_name, self._state_names), COMPENSATION)
+
+    def _host_specs(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each state of host parameter ``p`` (the master included)."""
+        shape = tuple(p.shape)
+        if self._compact(p):
+            blocks = (-(-p.numel() // BLOCK),)
+            specs = {n: (shape, torch.uint8) for n in self._state_names}
+            specs.update({scales_name(n): (blocks, torch.float32) for n in self._state_names})
+            if p.dtype == torch.bfloat16:
+                specs[COMPENSATION] = (shape, torch.bfloat16)
+            return specs
+        sdtype, needs_master = self._state_layout(p)
+        specs = {n: (shape, sdtype) for n in self._state_names}
+        if needs_master:
+            specs["master"] = (shape, torch.float32)
+        return specs
+
     def _host_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
         state = self.state[p]
         if not state:
-            sdtype, needs_master = self._state_layout(p)
             state["step"] = torch.tensor(0.0)
-            for name in self._state_names:
-                state[name] = _arena.host_empty(tuple(p.shape), sdtype, zeroed=True, pin=False)
-            if needs_master:
-                master = _arena.host_empty(tuple(p.shape), torch.float32, pin=False)
-                master.copy_(p.detach())
-                state["master"] = master
+            for name, (shape, dtype) in self._host_specs(p).items():
+                # Zero codes with a zero scale decode to zero; a zero compensation: the weight is
+                # the master.
+                state[name] = _arena.host_empty(shape, dtype, zeroed=name != "master", pin=False)
+                if name == "master":
+                    state[name].copy_(p.detach())
         return state
 
     def _update_host(
@@ -113,26 +148,37 @@ class HostStates(torch.optim.Optimizer):
         if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
             grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
         state = self.state[p]
-        names = self._state_names
-        sdt = state[names[0]].dtype if names else torch.float32
+        names = self._state_names[: self._active_states(group)]
+        states = [state[n] for n in names]
         master = state.get("master")
-        old: dict[str, torch.Tensor] | None = None
-        dst, dst_states, dst_master = p, [state[n] for n in names], master
+        comp = state.get(COMPENSATION)
+        quantized = bool(names) and state[names[0]].dtype == torch.uint8
+        scales = [state[scales_name(n)] for n in names] if quantized else None
+        old: dict[str, Any] | None = None
+        dst, dst_master, dst_comp, dst_states, dst_scales = p, master, comp, states, scales
         if into is not None:
             # The old values are read where they live; the new ones go to ``into``.
-            old = {"old_master": master} if master is not None else {"old_param": p.detach()}
-            old.update({f"old_state{k + 1}": t for k, t in enumerate(dst_states)})
-            dst, dst_states, dst_master = into["param"], [into[n] for n in names], into.get("master")
-        self._kernel(
+            old = {"master": master} if master is not None else {"param": p.detach()}
+            if comp is not None:
+                old["comp"] = comp
+            old["states"] = states
+            if scales is not None:
+                old["scales"] = scales
+            dst, dst_master, dst_comp = into["param"], into.get("master"), into.get(COMPENSATION)
+            dst_states = [into[n] for n in names]
+            dst_scales = [into[scales_name(n)] for n in names] if quantized else None
+        hyper = self._hyper(group, step)
+        hyper["grad_scale"] = scale
+        hyper["seed"] = hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1)
+        _core.optim_step(
+            self._rule,
+            hyper,
             dst,
             grad,
             dst_states,
-            _DTYPES[sdt],
-            dst_master,
-            step,
-            group,
-            scale,
-            hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1),
+            master=dst_master,
+            comp=dst_comp,
+            scales=dst_scales,
             old=old,
         )
 
@@ -218,26 +264,28 @@ class HostStates(torch.optim.Optimizer):
                 if k != "step" and isinstance(v, torch.Tensor) and tuple(v.shape) != shape:
                     return f"{k!r} has shape {tuple(v.shape)}, expected {shape}"
             return None
-        sdtype, needs_master = self._state_layout(p)
-        want = dict.fromkeys(self._state_names, sdtype)
-        if needs_master:
-            want["master"] = torch.float32
-        elif "master" in saved:
-            return (
-                f"it has a 'master' copy, which a {p.dtype} parameter has not with "
-                f"precision={self.precision!r} (saved with another precision?)"
-            )
+        try:
+            want = self._host_specs(p)
+        except ValueError as e:
+            return str(e)
+        for k in ("master", COMPENSATION, *map(scales_name, self._state_names)):
+            if k in saved and k not in want:
+                what = "a 'master' copy" if k == "master" else repr(k)
+                return (
+                    f"it has {what}, which a {p.dtype} parameter has not with "
+                    f"precision={self.precision!r} (saved with another precision?)"
+                )
         step = saved.get("step")
         if not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex():
             return f"'step' must be a one-element tensor, got {step!r}"
-        for k, dtype in want.items():
+        for k, (kshape, dtype) in want.items():
             v = saved.get(k)
             if k not in saved:
-                return f"it has no {k!r}"
+                return f"it has no {k!r} (saved with another precision than {self.precision!r}?)"
             if not isinstance(v, torch.Tensor):
                 return f"{k!r} is a {type(v).__name__}, not a tensor"
-            if tuple(v.shape) != shape:
-                return f"{k!r} has shape {tuple(v.shape)}, expected {shape}"
+            if tuple(v.shape) != kshape:
+                return f"{k!r} has shape {tuple(v.shape)}, expected {kshape}"
             if v.dtype != dtype:
                 return f"{k!r} has dtype {v.dtype}, expected {dtype} (precision={self.precision!r})"
         return None
@@ -276,7 +324,7 @@ class HostStates(torch.optim.Optimizer):
                     if isinstance(v, torch.Tensor) and (
                         not adopt or v.device.type != "cpu" or not v.is_contiguous()
                     ):  # the kernels take contiguous host buffers
-                        if k != "step" and v.is_floating_point():
+                        if k != "step" and (v.is_floating_point() or v.dtype == torch.uint8):
                             t = _arena.host_empty(tuple(v.shape), v.dtype, pin=False)
                             t.copy_(v)
                             v = t

@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{invalid, Old, Tensor, TensorMut};
+use super::{invalid, Old, ParamMut, StateMut, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -116,6 +116,28 @@ pub fn adamw_step_from(
     exp_avg_sq: TensorMut<'_>,
     old: &Old<'_>,
 ) -> Result<()> {
+    adamw_update(
+        h,
+        ParamMut::new(param, master),
+        grad,
+        StateMut::Plain(exp_avg),
+        StateMut::Plain(exp_avg_sq),
+        old,
+    )
+}
+
+/// As [`adamw_step_from`], over every storage format: `param` as [`ParamMut`] (e.g. a `bf16`
+/// weight with its compensation), the moments as [`StateMut`], both unquantized (`f32`/`bf16`)
+/// or both block-quantized (`exp_avg` with the signed map, `exp_avg_sq` with the unsigned one).
+/// `old` as for [`adamw_step_from`] (`Old::default()`: in place).
+pub fn adamw_update(
+    h: &AdamW,
+    param: ParamMut<'_>,
+    grad: Tensor<'_>,
+    exp_avg: StateMut<'_>,
+    exp_avg_sq: StateMut<'_>,
+    old: &Old<'_>,
+) -> Result<()> {
     check_nonneg("lr", h.lr)?;
     check_beta("beta1", h.beta1, false)?;
     check_beta("beta2", h.beta2, false)?;
@@ -127,12 +149,17 @@ pub fn adamw_step_from(
             "step counts from 1 (the bias corrections divide by 1 - beta^step)",
         ));
     }
+    let param = param_mode(param)?;
     let n = param.len();
     check_grad(&grad, n)?;
-    let param = param_mode(param, master)?;
+    if matches!(exp_avg, StateMut::Q8 { .. }) != matches!(exp_avg_sq, StateMut::Q8 { .. }) {
+        return Err(invalid(
+            "exp_avg and exp_avg_sq must both be block-quantized or both not",
+        ));
+    }
     let states = (
-        state_mode("exp_avg", exp_avg, n)?,
-        state_mode("exp_avg_sq", exp_avg_sq, n)?,
+        state_mode("exp_avg", exp_avg, n, true)?,
+        state_mode("exp_avg_sq", exp_avg_sq, n, false)?,
     );
     // Scalars as torch computes them: in double, then cast to the tensors' float.
     let step = h.step as f64;

@@ -1,9 +1,14 @@
 //! The machinery every update rule shares: splitting tensors into pieces for the rayon pool, the
-//! instruction-set dispatch, the storage modes (how a parameter, a gradient and a state are loaded
-//! and stored) and the fused per-element loop that runs a [`Rule`].
+//! instruction-set dispatch, the storage formats (how a parameter, a gradient and a state are
+//! decoded to `f32` and encoded back, one quantization block at a time) and the driver that runs a
+//! [`Rule`]: every rule and every storage format goes through [`run_step`], which takes a fused
+//! per-element loop when no operand is a block format and the block-wise loop otherwise.
 
 use super::precision::*;
-use super::{bf16, f16, invalid, Old, Tensor, TensorMut, ALIGN, SERIAL_MAX};
+use super::quant::{self, BLOCK};
+use super::{
+    bf16, f16, invalid, Old, ParamMut, State, StateMut, Tensor, TensorMut, ALIGN, SERIAL_MAX,
+};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -164,21 +169,38 @@ impl<A: Split, B: Split> Split for (A, B) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Optimizer storage: validated modes, then one accessor type per way of storing an operand, so
-// that every combination compiles to one fused, vectorised loop.
+// Optimizer storage: validated modes, then one codec type per way of storing an operand (decode a
+// block to `f32`, encode it back), so that every combination compiles to its own loops.
 
-/// How a parameter is stored (validated form of `param` + `master`).
+// Pieces start at multiples of `ALIGN` (or of 2^32): whole quantization blocks.
+const _: () = assert!(ALIGN.is_multiple_of(BLOCK));
+
+/// How a parameter is stored (validated form of a [`ParamMut`]).
 pub(super) enum ParamMode<'a> {
     F32(&'a mut [f32]),
     Bf16Sr(&'a mut [bf16]),
     MasterBf16(&'a mut [f32], &'a mut [bf16]),
     MasterF16(&'a mut [f32], &'a mut [f16]),
+    /// The `bf16` weight and its `bf16` compensation.
+    Compensated(&'a mut [bf16], &'a mut [bf16]),
+}
+
+impl ParamMode<'_> {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            ParamMode::F32(p) => p.len(),
+            ParamMode::Bf16Sr(p) | ParamMode::Compensated(p, _) => p.len(),
+            ParamMode::MasterBf16(m, _) | ParamMode::MasterF16(m, _) => m.len(),
+        }
+    }
 }
 
 /// How an optimizer state is stored.
 pub(super) enum StateMode<'a> {
     F32(&'a mut [f32]),
     Bf16(&'a mut [bf16]),
+    /// Block-quantized: codes, one scale per block, and whether the map is signed.
+    Q8(&'a mut [u8], &'a mut [f32], bool),
 }
 
 pub(super) fn check_len(what: &str, len: usize, expected: usize) -> Result<()> {
@@ -190,39 +212,68 @@ pub(super) fn check_len(what: &str, len: usize, expected: usize) -> Result<()> {
     Ok(())
 }
 
-pub(super) fn param_mode<'a>(
-    param: TensorMut<'a>,
-    master: Option<&'a mut [f32]>,
-) -> Result<ParamMode<'a>> {
-    let n = param.len();
-    if let Some(m) = &master {
-        check_len("master", m.len(), n)?;
-    }
-    match (param, master) {
-        (TensorMut::F32(p), None) => Ok(ParamMode::F32(p)),
-        (TensorMut::BF16(p), None) => Ok(ParamMode::Bf16Sr(p)),
-        (TensorMut::BF16(p), Some(m)) => Ok(ParamMode::MasterBf16(m, p)),
-        (TensorMut::F16(p), Some(m)) => Ok(ParamMode::MasterF16(m, p)),
-        (TensorMut::F16(_), None) => Err(invalid(
+pub(super) fn param_mode(param: ParamMut<'_>) -> Result<ParamMode<'_>> {
+    match param {
+        ParamMut::Plain(TensorMut::F32(p)) => Ok(ParamMode::F32(p)),
+        ParamMut::Plain(TensorMut::BF16(p)) => Ok(ParamMode::Bf16Sr(p)),
+        ParamMut::Plain(TensorMut::F16(_)) => Err(invalid(
             "a float16 param needs float32 master weights (stochastic rounding without a master \
              is implemented for bfloat16 params only)",
         )),
-        (TensorMut::F32(_), Some(_)) => Err(invalid(
-            "master weights are for bfloat16 or float16 params; a float32 param is its own master",
-        )),
+        ParamMut::Master { param, master } => {
+            check_len("master", master.len(), param.len())?;
+            match param {
+                TensorMut::BF16(p) => Ok(ParamMode::MasterBf16(master, p)),
+                TensorMut::F16(p) => Ok(ParamMode::MasterF16(master, p)),
+                TensorMut::F32(_) => Err(invalid(
+                    "master weights are for bfloat16 or float16 params; a float32 param is its \
+                     own master",
+                )),
+            }
+        }
+        ParamMut::Compensated { param, comp } => {
+            check_len("compensation", comp.len(), param.len())?;
+            Ok(ParamMode::Compensated(param, comp))
+        }
     }
 }
 
-pub(super) fn state_mode<'a>(what: &str, state: TensorMut<'a>, n: usize) -> Result<StateMode<'a>> {
-    check_len(what, state.len(), n)?;
+/// Validates a state of `n` elements; `signed` picks the map of a quantized one (a state that can
+/// be negative needs the signed map).
+pub(super) fn state_mode<'a>(
+    what: &str,
+    state: StateMut<'a>,
+    n: usize,
+    signed: bool,
+) -> Result<StateMode<'a>> {
     match state {
-        TensorMut::F32(s) => Ok(StateMode::F32(s)),
-        TensorMut::BF16(s) => Ok(StateMode::Bf16(s)),
-        TensorMut::F16(_) => Err(invalid(format!(
-            "{what}: float16 optimizer states are not supported (they underflow); use float32 or \
-             bfloat16"
-        ))),
+        StateMut::Plain(t) => {
+            check_len(what, t.len(), n)?;
+            match t {
+                TensorMut::F32(s) => Ok(StateMode::F32(s)),
+                TensorMut::BF16(s) => Ok(StateMode::Bf16(s)),
+                TensorMut::F16(_) => Err(invalid(format!(
+                    "{what}: float16 optimizer states are not supported (they underflow); use \
+                     float32 or bfloat16"
+                ))),
+            }
+        }
+        StateMut::Q8 { codes, scales } => {
+            check_len(&format!("{what} codes"), codes.len(), n)?;
+            check_scales(what, scales.len(), n)?;
+            Ok(StateMode::Q8(codes, scales, signed))
+        }
     }
+}
+
+fn check_scales(what: &str, len: usize, n: usize) -> Result<()> {
+    if len != quant::blocks(n) {
+        return Err(invalid(format!(
+            "{what} scales have {len} elements, but a param of {n} elements has {} blocks of {BLOCK}",
+            quant::blocks(n)
+        )));
+    }
+    Ok(())
 }
 
 pub(super) fn check_grad(grad: &Tensor<'_>, n: usize) -> Result<()> {
@@ -252,33 +303,52 @@ pub(super) fn check_beta(what: &str, x: f64, closed: bool) -> Result<()> {
     Ok(())
 }
 
-/// Read/write access to the parameter of element `i` (indices below `len()`).
+/// The parameter of a piece, decoded and encoded one block at a time: `at` is the index of the
+/// block's first element in the piece (a multiple of [`BLOCK`]), the slices are the block's length.
 pub(super) trait ParamIo: Split {
-    /// Whether `set` uses random bits.
+    /// Whether `store` uses random bits.
     const SR: bool;
     fn len(&self) -> usize;
+    fn load(&self, at: usize, out: &mut [f32]);
+    fn store(&mut self, at: usize, x: &[f32], r: &[u32]);
+    /// Copies the old values the update reads (the parameter or its master; the compensation)
+    /// over this piece.
+    fn fill(&mut self, old: Option<Tensor<'_>>, comp: Option<&[bf16]>);
+}
+
+/// A parameter format stored element by element (every one but the compensated pair): the fused
+/// per-element loop of [`Fused`] reads and writes it through these.
+pub(super) trait ElemParam: ParamIo {
     fn get(&self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32, r: u32);
-    /// Copies `old` (the values the update reads: the parameter, or its master) over this piece.
-    fn fill(&mut self, old: Tensor<'_>);
 }
 
-/// Read access to the gradient of element `i`.
+/// The gradient of a piece, decoded one block at a time (or read one element at a time by
+/// [`Fused`]).
 pub(super) trait GradIo: Split + Copy + Sync {
     fn len(&self) -> usize;
+    fn load(&self, at: usize, out: &mut [f32]);
     fn get(&self, i: usize) -> f32;
 }
 
-/// Read/write access to an optimizer state of element `i`; [`NoState`] when absent.
+/// An optimizer state of a piece, decoded and encoded one block at a time; [`NoState`] when
+/// absent (it decodes to zeros).
 pub(super) trait StateIo: Split {
-    /// Whether `set` uses random bits.
+    /// Whether `store` uses random bits.
     const SR: bool;
     /// Whether the state has `n` elements (always true when absent).
     fn fits(&self, n: usize) -> bool;
+    fn load(&self, at: usize, out: &mut [f32]);
+    fn store(&mut self, at: usize, x: &[f32], r: &[u32]);
+    /// Copies `old` over this piece of the state.
+    fn fill(&mut self, old: State<'_>);
+}
+
+/// A state format stored element by element (every one but the block-quantized one): the fused
+/// per-element loop of [`Fused`] reads and writes it through these.
+pub(super) trait ElemState: StateIo {
     fn get(&self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32, r: u32);
-    /// Copies `old` over this piece of the state.
-    fn fill(&mut self, old: Tensor<'_>);
 }
 
 /// A `f32` parameter, updated in place.
@@ -289,8 +359,32 @@ pub(super) struct PBf16Sr<'a>(&'a mut [bf16]);
 pub(super) struct PMasterBf16<'a>(&'a mut [f32], &'a mut [bf16]);
 /// `f32` master weights and their `f16` compute copy (round to nearest even).
 pub(super) struct PMasterF16<'a>(&'a mut [f32], &'a mut [f16]);
+/// A `bf16` weight and a `bf16` compensation: the master is their sum (about 16 significant bits);
+/// written as the weight rounded to nearest even and its rounding error rounded stochastically
+/// (so that what the pair cannot hold is dropped without bias, step after step).
+pub(super) struct PComp<'a>(&'a mut [bf16], &'a mut [bf16]);
+/// A block-quantized state (codes, one scale per block) with the signed or the unsigned map.
+pub(super) struct Q8<'a, const SIGNED: bool>(&'a mut [u8], &'a mut [f32]);
 /// A state that the optimizer does not have.
 pub(super) struct NoState;
+
+/// `out[i] = f(src[at + i])` over the block.
+#[inline(always)]
+fn load_with<T: Copy>(src: &[T], at: usize, out: &mut [f32], f: impl Fn(T) -> f32) {
+    let n = out.len();
+    for (o, &v) in out.iter_mut().zip(&src[at..at + n]) {
+        *o = f(v);
+    }
+}
+
+/// `dst[at + i] = f(x[i], r[i])` over the block.
+#[inline(always)]
+fn store_with<T>(dst: &mut [T], at: usize, x: &[f32], r: &[u32], f: impl Fn(f32, u32) -> T) {
+    let n = x.len();
+    for ((d, &v), &r) in dst[at..at + n].iter_mut().zip(x).zip(&r[..n]) {
+        *d = f(v, r);
+    }
+}
 
 impl ParamIo for PF32<'_> {
     const SR: bool = false;
@@ -299,15 +393,15 @@ impl ParamIo for PF32<'_> {
         self.0.len()
     }
     #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        self.0[i]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        out.copy_from_slice(&self.0[at..at + out.len()]);
     }
     #[inline(always)]
-    fn set(&mut self, i: usize, x: f32, _: u32) {
-        self.0[i] = x;
+    fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
+        self.0[at..at + x.len()].copy_from_slice(x);
     }
     #[inline]
-    fn fill(&mut self, old: Tensor<'_>) {
+    fn fill(&mut self, old: Option<Tensor<'_>>, _: Option<&[bf16]>) {
         fill_f32(self.0, old);
     }
 }
@@ -319,15 +413,15 @@ impl ParamIo for PBf16Sr<'_> {
         self.0.len()
     }
     #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        bf16_to_f32(self.0[i])
+    fn load(&self, at: usize, out: &mut [f32]) {
+        load_with(self.0, at, out, bf16_to_f32);
     }
     #[inline(always)]
-    fn set(&mut self, i: usize, x: f32, r: u32) {
-        self.0[i] = bf16_sr(x, r);
+    fn store(&mut self, at: usize, x: &[f32], r: &[u32]) {
+        store_with(self.0, at, x, r, bf16_sr);
     }
     #[inline]
-    fn fill(&mut self, old: Tensor<'_>) {
+    fn fill(&mut self, old: Option<Tensor<'_>>, _: Option<&[bf16]>) {
         fill_bf16(self.0, old);
     }
 }
@@ -339,16 +433,19 @@ impl ParamIo for PMasterBf16<'_> {
         self.0.len().min(self.1.len())
     }
     #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        self.0[i]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        out.copy_from_slice(&self.0[at..at + out.len()]);
     }
     #[inline(always)]
-    fn set(&mut self, i: usize, x: f32, _: u32) {
-        self.0[i] = x;
-        self.1[i] = bf16_rne(x);
+    fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
+        self.0[at..at + x.len()].copy_from_slice(x);
+        let n = x.len();
+        for (d, &v) in self.1[at..at + n].iter_mut().zip(x) {
+            *d = bf16_rne(v);
+        }
     }
     #[inline]
-    fn fill(&mut self, old: Tensor<'_>) {
+    fn fill(&mut self, old: Option<Tensor<'_>>, _: Option<&[bf16]>) {
         fill_f32(self.0, old); // the compute copy is written, never read
     }
 }
@@ -360,17 +457,60 @@ impl ParamIo for PMasterF16<'_> {
         self.0.len().min(self.1.len())
     }
     #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        self.0[i]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        out.copy_from_slice(&self.0[at..at + out.len()]);
     }
     #[inline(always)]
-    fn set(&mut self, i: usize, x: f32, _: u32) {
-        self.0[i] = x;
-        self.1[i] = f16_rne(x);
+    fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
+        self.0[at..at + x.len()].copy_from_slice(x);
+        let n = x.len();
+        for (d, &v) in self.1[at..at + n].iter_mut().zip(x) {
+            *d = f16_rne(v);
+        }
     }
     #[inline]
-    fn fill(&mut self, old: Tensor<'_>) {
+    fn fill(&mut self, old: Option<Tensor<'_>>, _: Option<&[bf16]>) {
         fill_f32(self.0, old); // the compute copy is written, never read
+    }
+}
+
+impl ParamIo for PComp<'_> {
+    const SR: bool = true;
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len().min(self.1.len())
+    }
+    #[inline(always)]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        let n = out.len();
+        for ((o, &w), &c) in out
+            .iter_mut()
+            .zip(&self.0[at..at + n])
+            .zip(&self.1[at..at + n])
+        {
+            *o = bf16_to_f32(w) + bf16_to_f32(c);
+        }
+    }
+    #[inline(always)]
+    fn store(&mut self, at: usize, x: &[f32], r: &[u32]) {
+        let n = x.len();
+        let (w, c) = (&mut self.0[at..at + n], &mut self.1[at..at + n]);
+        for (((w, c), &v), &r) in w.iter_mut().zip(c.iter_mut()).zip(x).zip(&r[..n]) {
+            let hi = bf16_rne(v);
+            // `v - hi` is exact; a non-finite weight keeps no compensation.
+            let lo = v - bf16_to_f32(hi);
+            *w = hi;
+            *c = bf16_sr(if lo.is_finite() { lo } else { 0.0 }, r);
+        }
+    }
+    #[inline]
+    fn fill(&mut self, old: Option<Tensor<'_>>, comp: Option<&[bf16]>) {
+        fill_bf16(self.0, old);
+        if let Some(c) = comp {
+            if c.len() == self.1.len() {
+                self.1.copy_from_slice(c);
+            }
+        }
     }
 }
 
@@ -378,6 +518,10 @@ impl GradIo for &[f32] {
     #[inline(always)]
     fn len(&self) -> usize {
         <[f32]>::len(self)
+    }
+    #[inline(always)]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        out.copy_from_slice(&self[at..at + out.len()]);
     }
     #[inline(always)]
     fn get(&self, i: usize) -> f32 {
@@ -391,6 +535,10 @@ impl GradIo for &[bf16] {
         <[bf16]>::len(self)
     }
     #[inline(always)]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        load_with(self, at, out, bf16_to_f32);
+    }
+    #[inline(always)]
     fn get(&self, i: usize) -> f32 {
         bf16_to_f32(self[i])
     }
@@ -400,6 +548,10 @@ impl GradIo for &[f16] {
     #[inline(always)]
     fn len(&self) -> usize {
         <[f16]>::len(self)
+    }
+    #[inline(always)]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        load_with(self, at, out, f16_to_f32);
     }
     #[inline(always)]
     fn get(&self, i: usize) -> f32 {
@@ -414,16 +566,18 @@ impl StateIo for &mut [f32] {
         self.len() == n
     }
     #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        self[i]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        out.copy_from_slice(&self[at..at + out.len()]);
     }
     #[inline(always)]
-    fn set(&mut self, i: usize, x: f32, _: u32) {
-        self[i] = x;
+    fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
+        self[at..at + x.len()].copy_from_slice(x);
     }
     #[inline]
-    fn fill(&mut self, old: Tensor<'_>) {
-        fill_f32(self, old);
+    fn fill(&mut self, old: State<'_>) {
+        if let State::Plain(t) = old {
+            fill_f32(self, Some(t));
+        }
     }
 }
 
@@ -434,16 +588,45 @@ impl StateIo for &mut [bf16] {
         self.len() == n
     }
     #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        bf16_to_f32(self[i])
+    fn load(&self, at: usize, out: &mut [f32]) {
+        load_with(self, at, out, bf16_to_f32);
     }
     #[inline(always)]
-    fn set(&mut self, i: usize, x: f32, r: u32) {
-        self[i] = bf16_sr(x, r);
+    fn store(&mut self, at: usize, x: &[f32], r: &[u32]) {
+        store_with(self, at, x, r, bf16_sr);
     }
     #[inline]
-    fn fill(&mut self, old: Tensor<'_>) {
-        fill_bf16(self, old);
+    fn fill(&mut self, old: State<'_>) {
+        if let State::Plain(t) = old {
+            fill_bf16(self, Some(t));
+        }
+    }
+}
+
+impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
+    const SR: bool = false;
+    #[inline(always)]
+    fn fits(&self, n: usize) -> bool {
+        self.0.len() == n && self.1.len() == quant::blocks(n)
+    }
+    #[inline(always)]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        let codes = &self.0[at..at + out.len()];
+        quant::decode_block(quant::map(SIGNED), codes, self.1[at / BLOCK], out);
+    }
+    #[inline(always)]
+    fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
+        let codes = &mut self.0[at..at + x.len()];
+        self.1[at / BLOCK] = quant::encode_block(quant::map(SIGNED), x, codes);
+    }
+    #[inline]
+    fn fill(&mut self, old: State<'_>) {
+        if let State::Q8 { codes, scales } = old {
+            if codes.len() == self.0.len() && scales.len() == self.1.len() {
+                self.0.copy_from_slice(codes);
+                self.1.copy_from_slice(scales);
+            }
+        }
     }
 }
 
@@ -454,19 +637,96 @@ impl StateIo for NoState {
         true
     }
     #[inline(always)]
+    fn load(&self, _: usize, out: &mut [f32]) {
+        out.fill(0.0);
+    }
+    #[inline(always)]
+    fn store(&mut self, _: usize, _: &[f32], _: &[u32]) {}
+    #[inline]
+    fn fill(&mut self, _: State<'_>) {}
+}
+
+impl ElemParam for PF32<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self.0[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, _: u32) {
+        self.0[i] = x;
+    }
+}
+
+impl ElemParam for PBf16Sr<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        bf16_to_f32(self.0[i])
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, r: u32) {
+        self.0[i] = bf16_sr(x, r);
+    }
+}
+
+impl ElemParam for PMasterBf16<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self.0[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, _: u32) {
+        self.0[i] = x;
+        self.1[i] = bf16_rne(x);
+    }
+}
+
+impl ElemParam for PMasterF16<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self.0[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, _: u32) {
+        self.0[i] = x;
+        self.1[i] = f16_rne(x);
+    }
+}
+
+impl ElemState for &mut [f32] {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self[i]
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, _: u32) {
+        self[i] = x;
+    }
+}
+
+impl ElemState for &mut [bf16] {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        bf16_to_f32(self[i])
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, r: u32) {
+        self[i] = bf16_sr(x, r);
+    }
+}
+
+impl ElemState for NoState {
+    #[inline(always)]
     fn get(&self, _: usize) -> f32 {
         0.0
     }
     #[inline(always)]
     fn set(&mut self, _: usize, _: f32, _: u32) {}
-    #[inline]
-    fn fill(&mut self, _: Tensor<'_>) {}
 }
 
 /// Copies `old` over `dst` when both are `f32` of one length ([`sources`] checked that they are).
 #[inline]
-fn fill_f32(dst: &mut [f32], old: Tensor<'_>) {
-    if let Tensor::F32(s) = old {
+fn fill_f32(dst: &mut [f32], old: Option<Tensor<'_>>) {
+    if let Some(Tensor::F32(s)) = old {
         if s.len() == dst.len() {
             dst.copy_from_slice(s);
         }
@@ -475,50 +735,96 @@ fn fill_f32(dst: &mut [f32], old: Tensor<'_>) {
 
 /// Copies `old` over `dst` when both are `bf16` of one length.
 #[inline]
-fn fill_bf16(dst: &mut [bf16], old: Tensor<'_>) {
-    if let Tensor::BF16(s) = old {
+fn fill_bf16(dst: &mut [bf16], old: Option<Tensor<'_>>) {
+    if let Some(Tensor::BF16(s)) = old {
         if s.len() == dst.len() {
             dst.copy_from_slice(s);
         }
     }
 }
 
+impl Split for State<'_> {
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        match self {
+            State::Plain(t) => {
+                let (a, b) = t.split_at(mid);
+                (State::Plain(a), State::Plain(b))
+            }
+            State::Q8 { codes, scales } => {
+                let (c0, c1) = codes.split_at(mid);
+                let (s0, s1) = scales.split_at((mid / BLOCK).min(scales.len()));
+                (
+                    State::Q8 {
+                        codes: c0,
+                        scales: s0,
+                    },
+                    State::Q8 {
+                        codes: c1,
+                        scales: s1,
+                    },
+                )
+            }
+        }
+    }
+}
+
 /// The old values of an out-of-place step, checked against the operands they stand for: the
-/// parameter's (or, with a master, the master's), the first and the second state's. Each piece
-/// copies its part of them over its destination just before updating it, while it is in cache,
-/// so an out-of-place step moves the bytes of an in-place one (read old, write new).
+/// parameter's (or, with a master, the master's), the compensation, the first and the second
+/// state's. Each piece copies its part of them over its destination just before updating it,
+/// while it is in cache, so an out-of-place step moves the bytes of an in-place one (read old,
+/// write new).
 #[derive(Clone, Copy, Default)]
-pub(super) struct Sources<'a>([Option<Tensor<'a>>; 3]);
+pub(super) struct Sources<'a> {
+    param: Option<Tensor<'a>>,
+    comp: Option<&'a [bf16]>,
+    states: [Option<State<'a>>; 2],
+}
 
 impl Split for Sources<'_> {
     fn split_at(self, mid: usize) -> (Self, Self) {
-        let mut a = [None; 3];
-        let mut b = [None; 3];
-        for (k, t) in self.0.into_iter().enumerate() {
-            if let Some(t) = t {
-                let (x, y) = t.split_at(mid);
-                a[k] = Some(x);
-                b[k] = Some(y);
+        fn two<T: Split + Copy>(x: Option<T>, mid: usize) -> (Option<T>, Option<T>) {
+            match x {
+                Some(t) => {
+                    let (a, b) = t.split_at(mid);
+                    (Some(a), Some(b))
+                }
+                None => (None, None),
             }
         }
-        (Sources(a), Sources(b))
+        let (p0, p1) = two(self.param, mid);
+        let (c0, c1) = two(self.comp, mid);
+        let (a0, a1) = two(self.states[0], mid);
+        let (b0, b1) = two(self.states[1], mid);
+        (
+            Sources {
+                param: p0,
+                comp: c0,
+                states: [a0, b0],
+            },
+            Sources {
+                param: p1,
+                comp: c1,
+                states: [a1, b1],
+            },
+        )
     }
 }
 
 /// Checks `old` against the step's operands (`param` and the states `a`, `b` when present) and
 /// returns the sources of the pieces. With a master, the old parameter is not read (the compute
 /// copy is rewritten from the master), so it must not be given; every other old value must have
-/// its operand's dtype and length.
+/// its operand's format and length.
 pub(super) fn sources<'a>(
     old: &Old<'a>,
     param: &ParamMode<'_>,
     a: Option<&StateMode<'_>>,
     b: Option<&StateMode<'_>>,
 ) -> Result<Sources<'a>> {
+    use super::Dtype;
     fn check<'a>(
         what: &str,
         t: Option<Tensor<'a>>,
-        dtype: Option<super::Dtype>,
+        dtype: Option<Dtype>,
         n: usize,
     ) -> Result<Option<Tensor<'a>>> {
         let Some(t) = t else { return Ok(None) };
@@ -536,26 +842,54 @@ pub(super) fn sources<'a>(
         check_len(&format!("old {what}"), t.len(), n)?;
         Ok(Some(t))
     }
-    use super::Dtype;
-    let (n, read) = match param {
-        ParamMode::F32(p) => (p.len(), Some(("param", Dtype::F32))),
-        ParamMode::Bf16Sr(p) => (p.len(), Some(("param", Dtype::BF16))),
-        ParamMode::MasterBf16(m, _) | ParamMode::MasterF16(m, _) => (m.len(), None),
-    };
-    let state_dtype = |s: Option<&StateMode<'_>>| {
-        s.map(|s| match s {
-            StateMode::F32(_) => Dtype::F32,
-            StateMode::Bf16(_) => Dtype::BF16,
-        })
+    fn check_state<'a>(
+        what: &str,
+        s: Option<State<'a>>,
+        mode: Option<&StateMode<'_>>,
+        n: usize,
+    ) -> Result<Option<State<'a>>> {
+        let Some(s) = s else { return Ok(None) };
+        let Some(mode) = mode else {
+            return Err(invalid(format!(
+                "old {what} given, but the step has no {what}"
+            )));
+        };
+        let want = match mode {
+            StateMode::F32(_) => Some(Dtype::F32),
+            StateMode::Bf16(_) => Some(Dtype::BF16),
+            StateMode::Q8(..) => None,
+        };
+        match (s, want) {
+            (State::Plain(t), Some(_)) => Ok(check(what, Some(t), want, n)?.map(State::Plain)),
+            (State::Q8 { codes, scales }, None) => {
+                check_len(&format!("old {what} codes"), codes.len(), n)?;
+                check_scales(&format!("old {what}"), scales.len(), n)?;
+                Ok(Some(s))
+            }
+            (State::Plain(t), None) => Err(invalid(format!(
+                "old {what} is {}, but {what} is block-quantized (codes and scales)",
+                t.dtype()
+            ))),
+            (State::Q8 { .. }, Some(d)) => Err(invalid(format!(
+                "old {what} is block-quantized, but {what} is {d}"
+            ))),
+        }
+    }
+    let n = param.len();
+    let (read, comp) = match param {
+        ParamMode::F32(_) => (Some(Dtype::F32), false),
+        ParamMode::Bf16Sr(_) => (Some(Dtype::BF16), false),
+        ParamMode::Compensated(..) => (Some(Dtype::BF16), true),
+        ParamMode::MasterBf16(..) | ParamMode::MasterF16(..) => (None, false),
     };
     let first = match read {
-        Some((what, dtype)) => {
+        Some(dtype) => {
             if old.master.is_some() {
                 return Err(invalid(
                     "old master given, but the step has no master weights",
                 ));
             }
-            check(what, old.param, Some(dtype), n)?
+            check("param", old.param, Some(dtype), n)?
         }
         None => {
             if old.param.is_some() {
@@ -567,11 +901,26 @@ pub(super) fn sources<'a>(
             check("master", old.master.map(Tensor::F32), Some(Dtype::F32), n)?
         }
     };
-    Ok(Sources([
-        first,
-        check("state 1", old.states[0], state_dtype(a), n)?,
-        check("state 2", old.states[1], state_dtype(b), n)?,
-    ]))
+    let old_comp = match old.comp {
+        Some(c) if comp => {
+            check_len("old compensation", c.len(), n)?;
+            Some(c)
+        }
+        Some(_) => {
+            return Err(invalid(
+                "old compensation given, but the param has no compensation",
+            ))
+        }
+        None => None,
+    };
+    Ok(Sources {
+        param: first,
+        comp: old_comp,
+        states: [
+            check_state("state 1", old.states[0], a, n)?,
+            check_state("state 2", old.states[1], b, n)?,
+        ],
+    })
 }
 
 impl Split for PF32<'_> {
@@ -602,6 +951,22 @@ impl Split for PMasterF16<'_> {
     }
 }
 
+impl Split for PComp<'_> {
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let ((w0, c0), (w1, c1)) = (self.0, self.1).split_at(mid);
+        (PComp(w0, c0), PComp(w1, c1))
+    }
+}
+
+impl<const SIGNED: bool> Split for Q8<'_, SIGNED> {
+    /// `mid` is a multiple of [`BLOCK`] (pieces start at multiples of [`ALIGN`] or of 2^32).
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (c0, c1) = self.0.split_at_mut(mid);
+        let (s0, s1) = self.1.split_at_mut((mid / BLOCK).min(self.1.len()));
+        (Q8(c0, s0), Q8(c1, s1))
+    }
+}
+
 impl Split for NoState {
     fn split_at(self, _: usize) -> (Self, Self) {
         (NoState, NoState)
@@ -614,8 +979,9 @@ pub(super) trait Rule: Copy + Sync {
     fn elem(&self, p: f32, g: f32, a: f32, b: f32) -> (f32, f32, f32);
 }
 
-/// The update of one piece of a tensor: one fused loop that loads, updates and stores every
-/// operand of an element, in whatever type each is stored.
+/// The update of one piece of a tensor, one quantization block at a time: decode every operand of
+/// the block to `f32`, run the rule over the block, encode the results back. The piece starts at
+/// a multiple of [`BLOCK`], so its blocks are the tensor's.
 pub(super) struct Step<R> {
     rule: R,
     stream: Stream,
@@ -633,20 +999,19 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
         (((mut p, g), (mut a, mut b)), old): (((P, G), (A, B)), Sources<'_>),
     ) {
         let n = g.len();
-        // The lengths were validated before the split; stating them lets the compiler drop the
-        // bounds checks in the loop.
+        // The lengths were validated before the split.
         if p.len() != n || !a.fits(n) || !b.fits(n) {
             return;
         }
         // An out-of-place step: this piece's old values, copied in while they will be in cache.
-        if let Some(t) = old.0[0] {
-            p.fill(t);
+        if old.param.is_some() || old.comp.is_some() {
+            p.fill(old.param, old.comp);
         }
-        if let Some(t) = old.0[1] {
-            a.fill(t);
+        if let Some(s) = old.states[0] {
+            a.fill(s);
         }
-        if let Some(t) = old.0[2] {
-            b.fill(t);
+        if let Some(s) = old.states[1] {
+            b.fill(s);
         }
         // Random word 0 of an element rounds the param (bits 0..16) and the first state (bits
         // 16..32); word 1 rounds the second state. Pieces do not straddle a multiple of 2^32.
@@ -655,6 +1020,93 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
         let (k0, k1) = self.stream.keys(0, hi);
         let (k2, k3) = self.stream.keys(1, hi);
         let rule = self.rule;
+        let (mut xp, mut xg, mut xa, mut xb) =
+            ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
+        let (mut rp, mut ra, mut rb) = ([0u32; BLOCK], [0u32; BLOCK], [0u32; BLOCK]);
+        let mut at = 0;
+        while at < n {
+            let len = BLOCK.min(n - at);
+            let (xp, xg, xa, xb) = (
+                &mut xp[..len],
+                &mut xg[..len],
+                &mut xa[..len],
+                &mut xb[..len],
+            );
+            p.load(at, xp);
+            g.load(at, xg);
+            a.load(at, xa);
+            b.load(at, xb);
+            let base = lo.wrapping_add(at as u32);
+            if P::SR || A::SR {
+                for (i, (rp, ra)) in rp[..len].iter_mut().zip(&mut ra[..len]).enumerate() {
+                    let r = hash32(base.wrapping_add(i as u32), k0, k1);
+                    *rp = r;
+                    *ra = r >> 16;
+                }
+            }
+            if B::SR {
+                for (i, rb) in rb[..len].iter_mut().enumerate() {
+                    *rb = hash32(base.wrapping_add(i as u32), k2, k3);
+                }
+            }
+            for (((p, &g), a), b) in xp
+                .iter_mut()
+                .zip(&*xg)
+                .zip(xa.iter_mut())
+                .zip(xb.iter_mut())
+            {
+                (*p, *a, *b) = rule.elem(*p, g, *a, *b);
+            }
+            p.store(at, xp, &rp[..len]);
+            a.store(at, xa, &ra[..len]);
+            b.store(at, xb, &rb[..len]);
+            at += len;
+        }
+    }
+
+    fn join(_: (), _: ()) {}
+}
+
+/// The update of one piece when no operand is a block format: one fused loop that loads, updates
+/// and stores every operand of an element, in whatever type each is stored (no `f32` staging
+/// arrays, one pass over memory). Same elements, same random words and same operations as
+/// [`Step`], so the same bits.
+pub(super) struct Fused<R>(Step<R>);
+
+impl<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>
+    Leaf<(((P, G), (A, B)), Sources<'_>)> for Fused<R>
+{
+    type Out = ();
+
+    #[inline(always)]
+    fn run(
+        &self,
+        start: usize,
+        (((mut p, g), (mut a, mut b)), old): (((P, G), (A, B)), Sources<'_>),
+    ) {
+        let n = g.len();
+        // The lengths were validated before the split; stating them lets the compiler drop the
+        // bounds checks in the loop.
+        if p.len() != n || !a.fits(n) || !b.fits(n) {
+            return;
+        }
+        // An out-of-place step: this piece's old values, copied in while they will be in cache.
+        if old.param.is_some() || old.comp.is_some() {
+            p.fill(old.param, old.comp);
+        }
+        if let Some(s) = old.states[0] {
+            a.fill(s);
+        }
+        if let Some(s) = old.states[1] {
+            b.fill(s);
+        }
+        // The random words of `Step`: word 0 rounds the param (bits 0..16) and the first state
+        // (bits 16..32), word 1 the second state.
+        let hi = start as u64 >> 32;
+        let lo = start as u32;
+        let (k0, k1) = self.0.stream.keys(0, hi);
+        let (k2, k3) = self.0.stream.keys(1, hi);
+        let rule = self.0.rule;
         for i in 0..n {
             let j = lo.wrapping_add(i as u32);
             let r0 = if P::SR || A::SR { hash32(j, k0, k1) } else { 0 };
@@ -669,9 +1121,20 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
     fn join(_: (), _: ()) {}
 }
 
-/// The states of an optimizer, dispatched to their accessor types.
+/// The states of an optimizer, dispatched to their codec types.
 pub(super) trait States {
+    /// Whether a state is block-quantized (then the step takes the block path).
+    fn blocked(&self) -> bool;
     fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>);
+    /// The fused per-element path; only for states that are not [`blocked`](States::blocked)
+    /// (does nothing for the others).
+    fn run_fused<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Fused<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    );
 }
 
 pub(super) fn go<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo>(
@@ -685,34 +1148,104 @@ pub(super) fn go<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo>(
     for_pieces(g.len(), (((p, g), (a, b)), old), step);
 }
 
-/// Two states (AdamW).
+pub(super) fn go_fused<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>(
+    step: &Fused<R>,
+    p: P,
+    g: G,
+    a: A,
+    b: B,
+    old: Sources<'_>,
+) {
+    for_pieces(g.len(), (((p, g), (a, b)), old), step);
+}
+
+/// Two states (AdamW): each `f32` or `bf16`, or both block-quantized (the first with the signed
+/// map, the second with the unsigned one; `adamw_update` refuses other mixes).
 impl States for (StateMode<'_>, StateMode<'_>) {
+    fn blocked(&self) -> bool {
+        self.0.blocked() || self.1.blocked()
+    }
     fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
             (StateMode::F32(a), StateMode::F32(b)) => go(step, p, g, a, b, old),
             (StateMode::F32(a), StateMode::Bf16(b)) => go(step, p, g, a, b, old),
             (StateMode::Bf16(a), StateMode::F32(b)) => go(step, p, g, a, b, old),
             (StateMode::Bf16(a), StateMode::Bf16(b)) => go(step, p, g, a, b, old),
+            (StateMode::Q8(c, s, _), StateMode::Q8(d, t, _)) => {
+                go(step, p, g, Q8::<true>(c, s), Q8::<false>(d, t), old)
+            }
+            // Refused by validation: a quantized state beside an unquantized one.
+            _ => {}
+        }
+    }
+    fn run_fused<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Fused<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    ) {
+        match self {
+            (StateMode::F32(a), StateMode::F32(b)) => go_fused(step, p, g, a, b, old),
+            (StateMode::F32(a), StateMode::Bf16(b)) => go_fused(step, p, g, a, b, old),
+            (StateMode::Bf16(a), StateMode::F32(b)) => go_fused(step, p, g, a, b, old),
+            (StateMode::Bf16(a), StateMode::Bf16(b)) => go_fused(step, p, g, a, b, old),
+            // Block-quantized: `run_step` sent them to the block path.
+            _ => {}
         }
     }
 }
 
 /// One state (Lion).
 impl States for StateMode<'_> {
+    fn blocked(&self) -> bool {
+        matches!(self, StateMode::Q8(..))
+    }
     fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
             StateMode::F32(a) => go(step, p, g, a, NoState, old),
             StateMode::Bf16(a) => go(step, p, g, a, NoState, old),
+            StateMode::Q8(c, s, true) => go(step, p, g, Q8::<true>(c, s), NoState, old),
+            StateMode::Q8(c, s, false) => go(step, p, g, Q8::<false>(c, s), NoState, old),
+        }
+    }
+    fn run_fused<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Fused<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    ) {
+        match self {
+            StateMode::F32(a) => go_fused(step, p, g, a, NoState, old),
+            StateMode::Bf16(a) => go_fused(step, p, g, a, NoState, old),
+            // Block-quantized: `run_step` sent it to the block path.
+            StateMode::Q8(..) => {}
         }
     }
 }
 
 /// One optional state (SGD's momentum buffer).
 impl States for Option<StateMode<'_>> {
+    fn blocked(&self) -> bool {
+        self.as_ref().is_some_and(States::blocked)
+    }
     fn run<R: Rule, P: ParamIo, G: GradIo>(self, step: &Step<R>, p: P, g: G, old: Sources<'_>) {
         match self {
             Some(s) => s.run(step, p, g, old),
             None => go(step, p, g, NoState, NoState, old),
+        }
+    }
+    fn run_fused<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Fused<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    ) {
+        match self {
+            Some(s) => s.run_fused(step, p, g, old),
+            None => go_fused(step, p, g, NoState, NoState, old),
         }
     }
 }
@@ -731,6 +1264,30 @@ pub(super) fn with_grad<R: Rule, P: ParamIo, S: States>(
     }
 }
 
+/// A parameter stored element by element: the fused per-element loop when no state is
+/// block-quantized either, else the block path.
+fn elem_or_block<R: Rule, P: ElemParam, S: States>(
+    step: Step<R>,
+    p: P,
+    grad: Tensor<'_>,
+    states: S,
+    old: Sources<'_>,
+) {
+    if states.blocked() {
+        return with_grad(&step, p, grad, states, old);
+    }
+    let step = &Fused(step);
+    match grad {
+        Tensor::F32(g) => states.run_fused(step, p, g, old),
+        Tensor::BF16(g) => states.run_fused(step, p, g, old),
+        Tensor::F16(g) => states.run_fused(step, p, g, old),
+    }
+}
+
+/// The one entry of every rule: `rule` over `param`, `grad` and up to two states, in place (or
+/// reading the old values of `old`), piece by piece on the rayon pool. When no operand is a block
+/// format (no block-quantized state, no compensated parameter), each piece runs one fused loop
+/// over its elements ([`Fused`]); otherwise block by block ([`Step`]). Both give the same bits.
 pub(super) fn run_step<R: Rule, S: States>(
     rule: R,
     stream: Stream,
@@ -739,11 +1296,12 @@ pub(super) fn run_step<R: Rule, S: States>(
     states: S,
     old: Sources<'_>,
 ) {
-    let step = &Step { rule, stream };
+    let step = Step { rule, stream };
     match param {
-        ParamMode::F32(p) => with_grad(step, PF32(p), grad, states, old),
-        ParamMode::Bf16Sr(p) => with_grad(step, PBf16Sr(p), grad, states, old),
-        ParamMode::MasterBf16(m, p) => with_grad(step, PMasterBf16(m, p), grad, states, old),
-        ParamMode::MasterF16(m, p) => with_grad(step, PMasterF16(m, p), grad, states, old),
+        ParamMode::F32(p) => elem_or_block(step, PF32(p), grad, states, old),
+        ParamMode::Bf16Sr(p) => elem_or_block(step, PBf16Sr(p), grad, states, old),
+        ParamMode::MasterBf16(m, p) => elem_or_block(step, PMasterBf16(m, p), grad, states, old),
+        ParamMode::MasterF16(m, p) => elem_or_block(step, PMasterF16(m, p), grad, states, old),
+        ParamMode::Compensated(w, c) => with_grad(&step, PComp(w, c), grad, states, old),
     }
 }

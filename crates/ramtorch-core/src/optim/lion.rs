@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{Old, Tensor, TensorMut};
+use super::{Old, ParamMut, StateMut, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -105,15 +105,33 @@ pub fn lion_step_from(
     exp_avg: TensorMut<'_>,
     old: &Old<'_>,
 ) -> Result<()> {
+    lion_update(
+        h,
+        ParamMut::new(param, master),
+        grad,
+        StateMut::Plain(exp_avg),
+        old,
+    )
+}
+
+/// As [`lion_step_from`], over every storage format ([`ParamMut`], [`StateMut`]; a quantized
+/// `exp_avg` uses the signed map).
+pub fn lion_update(
+    h: &Lion,
+    param: ParamMut<'_>,
+    grad: Tensor<'_>,
+    exp_avg: StateMut<'_>,
+    old: &Old<'_>,
+) -> Result<()> {
     check_nonneg("lr", h.lr)?;
     check_beta("beta1", h.beta1, true)?;
     check_beta("beta2", h.beta2, true)?;
     check_nonneg("weight_decay", h.weight_decay)?;
     check_finite("grad_scale", h.grad_scale)?;
+    let param = param_mode(param)?;
     let n = param.len();
     check_grad(&grad, n)?;
-    let param = param_mode(param, master)?;
-    let state = state_mode("exp_avg", exp_avg, n)?;
+    let state = state_mode("exp_avg", exp_avg, n, true)?;
     let gs = if h.maximize {
         -h.grad_scale
     } else {

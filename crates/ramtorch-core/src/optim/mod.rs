@@ -11,9 +11,29 @@
 //! - **bfloat16 everywhere**: `param` is `bf16`, loaded to `f32`, updated and written back with
 //!   stochastic rounding.
 //!
+//! - **compensated bfloat16**: `param` is `bf16` and a second `bf16` buffer holds the rounding
+//!   error of the last write (Kahan-style): the master is their sum, about 16 significant bits
+//!   (a relative resolution near 2^-16, against 2^-8 for `bf16` alone), in 4 bytes a parameter;
+//!   written as the new value rounded to nearest even and the new rounding error rounded
+//!   stochastically, so that what the pair cannot hold is dropped without bias
+//!   ([`ParamMut::Compensated`]).
+//!
 //! Gradients may be `f32`, `bf16` or `f16` in every mode. Optimizer states are `f32` (stored
-//! exactly) or `bf16` (written back with stochastic rounding); `f16` states are refused because
-//! `exp_avg_sq` underflows in `f16`.
+//! exactly), `bf16` (written back with stochastic rounding), or block-quantized to 8 bits
+//! ([`StateMut::Q8`], see [`quant`]: one byte an element and one `f32` scale per block of
+//! [`quant::BLOCK`]); `f16` states are refused because `exp_avg_sq` underflows in `f16`.
+//!
+//! # Blocks
+//!
+//! Every rule and format goes through one driver: a tensor is cut into pieces that are whole
+//! quantization blocks (pieces start at multiples of [`quant::BLOCK`]). When an operand is a block
+//! format (a block-quantized state, a compensated parameter), each block's operands are decoded
+//! to `f32`, the rule runs over the block, and the results are encoded back; otherwise a piece runs
+//! one fused loop over its elements (load, update, store every operand of an element), which gives
+//! the same bits in one pass over memory (the random bits of stochastic rounding stay a function of
+//! the element index either way). The `*_update`
+//! functions take every format ([`ParamMut`], [`StateMut`]); `*_step` and `*_step_from` are their
+//! spelling for unquantized states.
 //!
 //! # Stochastic rounding
 //!
@@ -27,8 +47,9 @@
 //!
 //! # Performance
 //!
-//! Each combination of storage types compiles to one fused loop (load, update, store every operand
-//! of an element) that LLVM vectorises; on x86-64 the loops are also compiled for AVX2 and for
+//! Each combination of storage types compiles to its own loops that LLVM vectorises: one fused
+//! loop per element for the element-wise formats, loops over a block of [`quant::BLOCK`] elements
+//! (decode every operand into `f32` arrays in L1, update, encode back) for the block formats; on x86-64 the loops are also compiled for AVX2 and for
 //! AVX-512, and the best the CPU has is chosen at run time (all paths give the same bits). Tensors
 //! above [`SERIAL_MAX`] elements are split into pieces of [`SERIAL_MAX`] / 2 to [`SERIAL_MAX`]
 //! elements that run on the rayon pool; smaller ones run on the calling thread.
@@ -38,7 +59,8 @@
 //! - [`adamw`](adamw_step), [`sgd`](sgd_step), [`lion`](lion_step): one update rule each (its
 //!   hyperparameters, their checks, the per-element update);
 //! - `kernel`: what the rules share (pieces on the rayon pool, instruction-set dispatch, storage
-//!   modes, the fused loop);
+//!   formats as block codecs, the block-wise driver);
+//! - [`quant`]: 8-bit block quantization of states (the dynamic maps, encode and decode);
 //! - [`precision`]: `f32`↔`bf16`/`f16` conversions and stochastic rounding, used crate-wide;
 //! - `stats`: gradient statistics, in-place scaling, stochastic rounding of a whole tensor.
 //!
@@ -65,14 +87,15 @@ mod adamw;
 mod kernel;
 mod lion;
 pub mod precision;
+pub mod quant;
 mod sgd;
 mod stats;
 #[cfg(test)]
 mod tests;
 
-pub use adamw::{adamw_step, adamw_step_from, AdamW};
-pub use lion::{lion_step, lion_step_from, Lion};
-pub use sgd::{sgd_step, sgd_step_from, Sgd};
+pub use adamw::{adamw_step, adamw_step_from, adamw_update, AdamW};
+pub use lion::{lion_step, lion_step_from, lion_update, Lion};
+pub use sgd::{sgd_step, sgd_step_from, sgd_update, Sgd};
 pub use stats::{grad_stats, scale_in_place, stochastic_round_bf16, GradStats};
 
 /// Tensors with at most this many elements are processed on the calling thread; larger ones are
@@ -144,24 +167,101 @@ impl fmt::Display for Dtype {
     }
 }
 
+/// A parameter, as the `*_update` functions take it.
+#[derive(Debug)]
+pub enum ParamMut<'a> {
+    /// A `f32` parameter (updated in place) or a `bf16` one (stochastic rounding).
+    Plain(TensorMut<'a>),
+    /// `f32` master weights, updated, and the `bf16`/`f16` compute copy, rewritten from them
+    /// rounded to nearest even.
+    Master {
+        /// The compute copy.
+        param: TensorMut<'a>,
+        /// The master weights.
+        master: &'a mut [f32],
+    },
+    /// A `bf16` weight and its `bf16` compensation: the master is their sum.
+    Compensated {
+        /// The weight (the compute copy).
+        param: &'a mut [bf16],
+        /// The rounding error of the last write of `param`.
+        comp: &'a mut [bf16],
+    },
+}
+
+impl<'a> ParamMut<'a> {
+    /// The parameter of the `*_step` functions: `param`, with `master` when given.
+    pub fn new(param: TensorMut<'a>, master: Option<&'a mut [f32]>) -> Self {
+        match master {
+            Some(master) => ParamMut::Master { param, master },
+            None => ParamMut::Plain(param),
+        }
+    }
+}
+
+/// A writable optimizer state, as the `*_update` functions take it.
+#[derive(Debug)]
+pub enum StateMut<'a> {
+    /// One `f32` or `bf16` element per parameter element.
+    Plain(TensorMut<'a>),
+    /// Block-quantized (see [`quant`]): one code per element, one scale per block of
+    /// [`quant::BLOCK`] elements (the last one may be short).
+    Q8 {
+        /// Indices into the dynamic map.
+        codes: &'a mut [u8],
+        /// The largest magnitude of each block.
+        scales: &'a mut [f32],
+    },
+}
+
+impl<'a> From<TensorMut<'a>> for StateMut<'a> {
+    fn from(t: TensorMut<'a>) -> Self {
+        StateMut::Plain(t)
+    }
+}
+
+/// A read-only optimizer state (the old values of an out-of-place step), in either format of
+/// [`StateMut`].
+#[derive(Clone, Copy, Debug)]
+pub enum State<'a> {
+    /// One `f32` or `bf16` element per parameter element.
+    Plain(Tensor<'a>),
+    /// Block-quantized codes and scales.
+    Q8 {
+        /// Indices into the dynamic map.
+        codes: &'a [u8],
+        /// The largest magnitude of each block.
+        scales: &'a [f32],
+    },
+}
+
+impl<'a> From<Tensor<'a>> for State<'a> {
+    fn from(t: Tensor<'a>) -> Self {
+        State::Plain(t)
+    }
+}
+
 /// The old values of an out-of-place step (`adamw_step_from` and the other `_from` functions):
 /// the step reads these and writes its results to its own operands, leaving these unchanged, so
 /// an update can be computed ahead and committed, or dropped, later. Per piece, the old values
 /// are copied over the operand right before the piece is updated (while it is in cache): the
 /// step moves the bytes of an in-place one. `None`: that operand is read in place.
 ///
-/// `param` is the old parameter for a float32 or stochastically rounded bfloat16 parameter;
-/// with master weights the parameter is only written (rounded from the master), so `master` is
-/// given instead. `states` are the old optimizer states, in the rule's order. Each must have its
-/// operand's dtype and length, and none may overlap an operand.
+/// `param` is the old parameter for a float32, stochastically rounded or compensated bfloat16
+/// parameter (with `comp`, the old compensation, for the last); with master weights the
+/// parameter is only written (rounded from the master), so `master` is given instead. `states`
+/// are the old optimizer states, in the rule's order. Each must have its operand's format and
+/// length, and none may overlap an operand.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Old<'a> {
     /// The old parameter (no master weights).
     pub param: Option<Tensor<'a>>,
     /// The old master weights.
     pub master: Option<&'a [f32]>,
+    /// The old compensation of a compensated parameter.
+    pub comp: Option<&'a [bf16]>,
     /// The old states: AdamW's `exp_avg`, `exp_avg_sq`; SGD's momentum buffer; Lion's `exp_avg`.
-    pub states: [Option<Tensor<'a>>; 2],
+    pub states: [Option<State<'a>>; 2],
 }
 
 /// A read-only, typed view of a contiguous tensor.

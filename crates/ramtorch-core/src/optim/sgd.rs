@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{invalid, Old, Tensor, TensorMut};
+use super::{invalid, Old, ParamMut, StateMut, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -120,6 +120,24 @@ pub fn sgd_step_from(
     momentum_buffer: Option<TensorMut<'_>>,
     old: &Old<'_>,
 ) -> Result<()> {
+    sgd_update(
+        h,
+        ParamMut::new(param, master),
+        grad,
+        momentum_buffer.map(StateMut::Plain),
+        old,
+    )
+}
+
+/// As [`sgd_step_from`], over every storage format ([`ParamMut`], [`StateMut`]; a quantized
+/// momentum buffer uses the signed map).
+pub fn sgd_update(
+    h: &Sgd,
+    param: ParamMut<'_>,
+    grad: Tensor<'_>,
+    momentum_buffer: Option<StateMut<'_>>,
+    old: &Old<'_>,
+) -> Result<()> {
     check_nonneg("lr", h.lr)?;
     check_nonneg("momentum", h.momentum)?;
     check_finite("dampening", h.dampening)?;
@@ -130,12 +148,13 @@ pub fn sgd_step_from(
             "Nesterov momentum requires a momentum and zero dampening",
         ));
     }
+    let param = param_mode(param)?;
     let n = param.len();
     check_grad(&grad, n)?;
     let has_momentum = h.momentum != 0.0;
     let state = match momentum_buffer {
         Some(b) => {
-            let s = state_mode("momentum_buffer", b, n)?;
+            let s = state_mode("momentum_buffer", b, n, true)?;
             has_momentum.then_some(s)
         }
         None if has_momentum => {
@@ -143,7 +162,6 @@ pub fn sgd_step_from(
         }
         None => None,
     };
-    let param = param_mode(param, master)?;
     let gs = if h.maximize {
         -h.grad_scale
     } else {

@@ -1,0 +1,268 @@
+"""Quality of ``precision="compact"`` (8-bit moments, bf16 weight + bf16 compensation) against the
+default fp32-master AdamW, on the demo's byte-level transformer LM (``examples/demo.py``) with bf16
+weights, on the CPU (``--workload minilm``: a MiniLM-shaped BERT fine-tuned on a synthetic
+classification task instead).
+
+Both runs start from the same initial weights and see the same batches (same seeds); the only
+difference is the optimizer's state format. Reported: the training loss of every step, the mean of
+the last 50 steps, and the loss on 16 held-out batches at the end. Writes a JSON list of records
+(one per optimizer) and an SVG plot of both curves::
+
+    python bench/compact_quality.py --steps 500 --out bench/results/2026-12-01-compact-quality
+
+This is a benchmark (it reports numbers); ``tests/test_optim_compact.py`` holds the assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import demo  # noqa: E402  (examples/demo.py: the corpus, batches and model)
+import ramtorch  # noqa: E402
+import ramtorch.optim  # noqa: E402
+
+LAST = 50  # steps averaged for the final training loss
+EVAL_BATCHES = 16
+
+OPTIMIZERS = {
+    "fp32-master": "ramtorch.optim.AdamW(fp32 master, speculative)",
+    "compact": "ramtorch.optim.AdamW(8-bit moments, bf16+compensation, speculative)",
+}
+
+
+def run(precision: str, args: argparse.Namespace, data: torch.Tensor) -> dict[str, object]:
+    """Trains one model with ``precision``; returns its record."""
+    device = torch.device("cpu")
+    torch.manual_seed(args.seed)
+    model = demo.ByteLM(args.d_model, args.layers, args.heads, args.seq, device).to(torch.bfloat16)
+    ramtorch.offload(model, device=device)
+    opt = ramtorch.optim.AdamW(
+        model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), precision=precision
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    warmup = max(1, min(30, args.steps // 10))
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = demo.lr_at(step, args.steps, args.lr, warmup)
+        x, y = demo.get_batch(data, args.batch, args.seq, device, gen)
+        loss = F.cross_entropy(model(x).float().view(-1, demo.VOCAB), y.reshape(-1))
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ramtorch.synchronize()
+    seconds = time.perf_counter() - t0
+    eval_gen = torch.Generator().manual_seed(args.seed + 1)
+    with torch.no_grad():
+        held_out = []
+        for _ in range(EVAL_BATCHES):
+            x, y = demo.get_batch(data, args.batch, args.seq, device, eval_gen)
+            held_out.append(F.cross_entropy(model(x).float().view(-1, demo.VOCAB), y.reshape(-1)).item())
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for st in opt.state.values()
+        for k, t in st.items()
+        if k != "step" and isinstance(t, torch.Tensor)
+    )
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "workload": "demo-bytelm",
+        "phase": "quality",
+        "system": "ramtorch",
+        "device": "cpu",
+        "optimizer": OPTIMIZERS[precision],
+        "precision": precision,
+        "params": params,
+        "weights": "bfloat16",
+        "steps": args.steps,
+        "final_train_loss": sum(losses[-LAST:]) / LAST,
+        "held_out_loss": sum(held_out) / len(held_out),
+        "optimizer_state_bytes_per_param": state_bytes / params,
+        "seconds": seconds,
+        "losses": losses,
+    }
+
+
+def run_minilm(precision: str, args: argparse.Namespace) -> dict[str, object]:
+    """A MiniLM-shaped BERT (``transformers.BertConfig``: 6 layers, hidden 384, 12 heads, FFN
+    1536, vocabulary 30522; random initialisation) with bf16 weights, fine-tuned for sequence
+    classification on a synthetic task: a sequence of token ids drawn from the first 2000 is
+    labelled by the sign of a fixed random weighting of its tokens (a bag-of-words rule the model
+    can learn from scratch). Returns its record."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    device = torch.device("cpu")
+    torch.manual_seed(args.seed)
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        max_position_embeddings=512,
+        num_labels=2,
+    )
+    model = BertForSequenceClassification(cfg).to(torch.bfloat16)
+    ramtorch.offload(model, device=device)
+    opt = ramtorch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, precision=precision)
+    rule = torch.randn(2000, generator=torch.Generator().manual_seed(7))
+
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, 2000, (args.batch, args.seq), generator=gen)
+        return ids, (rule[ids].sum(1) > 0).long()
+
+    gen = torch.Generator().manual_seed(args.seed)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        ids, y = batch(gen)
+        loss = F.cross_entropy(model(input_ids=ids).logits.float(), y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ramtorch.synchronize()
+    seconds = time.perf_counter() - t0
+    eval_gen = torch.Generator().manual_seed(args.seed + 1)
+    held_out, correct, total = [], 0, 0
+    with torch.no_grad():
+        for _ in range(EVAL_BATCHES):
+            ids, y = batch(eval_gen)
+            logits = model(input_ids=ids).logits.float()
+            held_out.append(F.cross_entropy(logits, y).item())
+            correct += int((logits.argmax(1) == y).sum())
+            total += y.numel()
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "workload": "minilm-synthetic-classification",
+        "phase": "quality",
+        "system": "ramtorch",
+        "device": "cpu",
+        "optimizer": OPTIMIZERS[precision],
+        "precision": precision,
+        "params": params,
+        "weights": "bfloat16",
+        "steps": args.steps,
+        "final_train_loss": sum(losses[-LAST:]) / min(LAST, len(losses)),
+        "held_out_loss": sum(held_out) / len(held_out),
+        "held_out_accuracy": correct / total,
+        "seconds": seconds,
+        "losses": losses,
+    }
+
+
+def svg(records: list[dict[str, object]], title: str) -> str:
+    """A line plot of each record's losses (a 20-step moving average), hand-written SVG."""
+    w, h, pad = 720, 420, 60
+    curves = []
+    for r in records:
+        ls = r["losses"]
+        assert isinstance(ls, list)
+        k = 20
+        curves.append(
+            [sum(ls[max(0, i - k + 1) : i + 1]) / (i - max(0, i - k + 1) + 1) for i in range(len(ls))]
+        )
+    n = max(len(c) for c in curves)
+    lo = min(min(c) for c in curves)
+    hi = max(max(c) for c in curves)
+    lo, hi = lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo)
+
+    def xy(i: int, v: float) -> str:
+        x = pad + (w - 2 * pad) * i / max(1, n - 1)
+        y = h - pad - (h - 2 * pad) * (v - lo) / (hi - lo)
+        return f"{x:.1f},{y:.1f}"
+
+    colors = ["#1f77b4", "#d62728"]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="24" text-anchor="middle" font-size="14">{title}</text>',
+        f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
+        f'<text x="{w / 2}" y="{h - 20}" text-anchor="middle">step</text>',
+        f'<text x="16" y="{h / 2}" text-anchor="middle" transform="rotate(-90 16 {h / 2})">'
+        "training loss (20-step mean)</text>",
+    ]
+    for t in range(5):
+        v = lo + (hi - lo) * t / 4
+        y = h - pad - (h - 2 * pad) * t / 4
+        out.append(f'<text x="{pad - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.2f}</text>')
+        i = round((n - 1) * t / 4)
+        x = pad + (w - 2 * pad) * t / 4
+        out.append(f'<text x="{x:.1f}" y="{h - pad + 16}" text-anchor="middle">{i}</text>')
+    for c, color in zip(curves, colors):
+        pts = " ".join(xy(i, v) for i, v in enumerate(c))
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}"/>')
+    for k, (r, color) in enumerate(zip(records, colors)):
+        y = pad + 10 + 18 * k
+        label = (
+            f"{r['precision']}: last {LAST} steps {r['final_train_loss']:.4f}, "
+            f"held out {r['held_out_loss']:.4f}"
+        )
+        x0 = w - pad - 330
+        out.append(f'<line x1="{x0}" y1="{y}" x2="{x0 + 20}" y2="{y}" stroke="{color}" stroke-width="2"/>')
+        out.append(f'<text x="{w - pad - 305}" y="{y + 4}">{label}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs both optimizers, writes ``<out>.json`` and ``<out>.svg``; status 1 if the final losses
+    differ by more than 1%."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=["bytelm", "minilm"], default="bytelm")
+    p.add_argument("--out", type=Path, required=True, help="output path without suffix")
+    args = p.parse_args(argv)
+    data = demo.load_corpus(ROOT)[0] if args.workload == "bytelm" else torch.empty(0)
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    command = "python bench/compact_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    records = []
+    for precision in OPTIMIZERS:
+        r = run(precision, args, data) if args.workload == "bytelm" else run_minilm(precision, args)
+        r.update(commit=commit, command=command, threads=torch.get_num_threads())
+        print(
+            f"{precision}: last {LAST} steps {r['final_train_loss']:.4f}, held out {r['held_out_loss']:.4f}, "
+            f"{r['seconds']:.0f} s",
+            flush=True,
+        )
+        records.append(r)
+    ref, new = records
+    for key in ("final_train_loss", "held_out_loss"):
+        rel = (float(new[key]) - float(ref[key])) / float(ref[key])  # type: ignore[arg-type]
+        new[f"{key}_rel_diff"] = rel
+        print(f"{key}: compact vs fp32-master {rel * 100:+.2f}%")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
+    what = "byte LM" if args.workload == "bytelm" else "MiniLM-shaped BERT, synthetic classification"
+    title = f"{what}, {ref['params'] / 1e6:.2f} M params, bf16 weights, CPU: AdamW fp32-master vs compact"
+    args.out.with_suffix(".svg").write_text(svg(records, title))
+    ok = all(abs(float(new[f"{k}_rel_diff"])) <= 0.01 for k in ("final_train_loss",))  # type: ignore[arg-type]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

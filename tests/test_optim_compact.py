@@ -1,0 +1,346 @@
+"""``precision="compact"``: 8-bit block-quantized moments and the bf16 weight with a bf16
+compensation. The block quantization's error bounds, the compensated master against an fp32 one,
+AdamW in this format against fp32-master AdamW on a small model, the out-of-place (speculative)
+update, state dicts and checkpoints (bitwise), and the errors bad input gets."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import ramtorch
+import ramtorch.optim as ropt
+import torch
+from conftest import Net
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ramtorch import _core
+from ramtorch.io import load_checkpoint, save_checkpoint
+from torch import nn
+
+BLOCK = 256
+# Half the largest gap of each map, relative to the block's scale (also the distance from -1 to
+# the signed map's smallest value, 1 - 0.9/128): the signed map has 64 values in
+# [0.1, 1) (gaps 0.9/64), the unsigned one 128 (gaps 0.9/128).
+HALF_GAP = {True: 0.9 / 64 / 2, False: 0.9 / 128 / 2}
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _roundtrip(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes = torch.empty(x.numel(), dtype=torch.uint8)
+    scales = torch.empty(_blocks(x.numel()), dtype=torch.float32)
+    _core.q8_quantize(x, codes, scales, signed)
+    out = torch.empty_like(x)
+    _core.q8_dequantize(codes, scales, out, signed)
+    return out, codes, scales
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 3 * BLOCK + 17),
+    log_scale=st.floats(-30, 30),
+    signed=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_block_quantization_round_trip_error_bounds(
+    n: int, log_scale: float, signed: bool, seed: int
+) -> None:
+    """Each value comes back within half the map's largest gap times its block's largest
+    magnitude, within 7.1% (signed) / 3.6% (unsigned) of itself when it is at least a tenth of
+    that magnitude; the largest magnitude of a block is its scale, stored exactly."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * (2.0**log_scale)
+    if not signed:
+        x = x.square()
+    y, codes, scales = _roundtrip(x, signed)
+    for b in range(_blocks(n)):
+        xb, yb = x[b * BLOCK : (b + 1) * BLOCK], y[b * BLOCK : (b + 1) * BLOCK]
+        amax = xb.abs().max()
+        assert scales[b] == amax
+        err = (xb - yb).abs()
+        assert bool((err <= HALF_GAP[signed] * amax * (1 + 1e-3)).all())
+        big = xb.abs() >= amax / 10
+        rel = {True: 0.071, False: 0.036}[signed]
+        assert bool((err[big] <= rel * xb.abs()[big]).all())
+        assert torch.equal(yb.sign() * (yb != 0), xb.sign() * (yb != 0))  # no sign flips
+
+
+def test_block_quantization_keeps_zeros_and_flags_non_finite_blocks() -> None:
+    x = torch.zeros(2 * BLOCK + 5)
+    x[BLOCK + 3] = float("nan")
+    y, _, scales = _roundtrip(x, True)
+    assert bool((y[:BLOCK] == 0).all()) and scales[0] == 0
+    assert bool(y[BLOCK : 2 * BLOCK].isnan().all())  # a NaN spreads to its block, not further
+    assert bool((y[2 * BLOCK :] == 0).all())
+
+
+def _hyper(step: int, lr: float = 1e-3, wd: float = 0.0) -> dict[str, Any]:
+    return {
+        "step": step,
+        "lr": lr,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": wd,
+        "maximize": False,
+        "grad_scale": 1.0,
+        "seed": step,
+    }
+
+
+def test_compensated_master_tracks_an_fp32_master_far_better_than_bf16() -> None:
+    """The same AdamW steps (fp32 moments for all, so only the weight's format differs) on weights
+    near 1, whose updates (about lr = 1e-4) are far below bf16's resolution there (2^-7 to 2^-8).
+    Each write of the pair errs by at most one unit of the compensation's last place (2^-16 near
+    1), stochastically rounded so that the errors do not add up in one direction: after 300 steps
+    they stay within about 4 standard deviations of such a random walk, under 2^-10. A bf16 weight
+    with stochastic rounding (``precision="bf16"``) wanders by more than 50x that."""
+    n, steps = 4096, 300
+    g = torch.Generator().manual_seed(0)
+    w0 = 1.0 + 0.01 * torch.rand(n, generator=g)
+    master = w0.clone()
+    p_master = w0.bfloat16()
+    p_comp, comp = w0.bfloat16(), (w0 - w0.bfloat16().float()).bfloat16()
+    p_sr = w0.bfloat16()
+    states = {k: [torch.zeros(n), torch.zeros(n)] for k in ("master", "comp", "sr")}
+    for t in range(1, steps + 1):
+        grad = torch.randn(n, generator=g) + 0.5
+        h = _hyper(t, lr=1e-4)
+        _core.optim_step("adamw", h, p_master, grad, states["master"], master=master)
+        _core.optim_step("adamw", h, p_comp, grad, states["comp"], comp=comp)
+        _core.optim_step("adamw", h, p_sr, grad, states["sr"])
+    moved = (master - w0).abs().mean()
+    assert moved > 0.01  # the weights did move, by about steps * lr
+    err_comp = (p_comp.float() + comp.float() - master).abs().max()
+    err_sr = (p_sr.float() - master).abs().max()
+    assert err_comp <= 2.0**-10
+    assert err_comp * 50 < err_sr
+    assert (p_comp.float() - master).abs().max() <= 2.0**-7  # the weight: the master, rounded
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(123)
+    target = nn.Linear(16, 4)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=g)
+        with torch.no_grad():
+            y = target(x).sin()
+        loss = (model(x.to(torch.bfloat16)).float() - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    # 16*300 + 300 + 300*4 + 4 parameters: the first weight spans 19 blocks with a short last one.
+    return nn.Sequential(nn.Linear(16, 300), nn.GELU(), nn.Linear(300, 4)).to(torch.bfloat16)
+
+
+def test_compact_adamw_tracks_fp32_master_adamw() -> None:
+    """400 steps of a small bf16 MLP regression, same data, fp32-master vs compact state.
+
+    Tolerance: the 8-bit moments differ from fp32 ones by at most 0.7% (m) and 0.35% (v) of their
+    block's largest magnitude, i.e. under 7.1% / 3.6% relative for the elements that matter (those
+    within a tenth of the block's largest); so each step's update differs by at most about 9% of
+    its own size, with signs that vary from step to step, and the compensated master adds errors
+    of 2^-16 relative. Over a run these perturbations do not add up coherently: the final loss is
+    asserted within 3% of fp32-master's (a third of a single step's worst-case relative update
+    error), after both fell by more than 3x, and the weights within 10% of the distance fp32-master
+    moved them."""
+    ref, ours = _mlp(), _mlp()
+    w0 = [p.detach().float().clone() for p in ref.parameters()]
+    o_ref = ropt.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
+    o_ours = ropt.AdamW(ours.parameters(), lr=3e-3, weight_decay=0.01, precision="compact")
+    l_ref = _train(ref, o_ref, 400)
+    l_ours = _train(ours, o_ours, 400)
+    final_ref, final_ours = sum(l_ref[-20:]) / 20, sum(l_ours[-20:]) / 20
+    assert final_ref < l_ref[0] / 3 and final_ours < l_ours[0] / 3
+    assert abs(final_ours - final_ref) <= 0.03 * final_ref
+    for p, q, w in zip(ref.parameters(), ours.parameters(), w0):
+        moved = (p.float() - w).norm()
+        assert (q.float() - p.float()).norm() <= 0.1 * moved
+    st0 = o_ours.state[next(ours.parameters())]
+    assert st0["exp_avg"].dtype == torch.uint8 and st0["exp_avg_sq"].dtype == torch.uint8
+    assert st0["compensation"].dtype == torch.bfloat16
+    assert st0["exp_avg_scales"].shape == (_blocks(16 * 300),)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 2 * BLOCK + 40), seed=st.integers(0, 1000), bf16=st.booleans())
+def test_out_of_place_compact_step_equals_in_place_bitwise(n: int, seed: int, bf16: bool) -> None:
+    """The speculative (out-of-place) update of the compact format writes the bits of the
+    in-place one and leaves its inputs unchanged, for any size (blocks cut short included)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = _blocks(n)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    p = torch.randn(n, generator=g).to(dtype)
+    comp = (torch.randn(n, generator=g) * 1e-3).bfloat16() if bf16 else None
+    m, v = (
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g),
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g),
+    )
+    ms, vs = torch.rand(nb, generator=g), torch.rand(nb, generator=g) * 1e-3
+    grad = torch.randn(n, generator=g).bfloat16()
+    live = [t.clone() if t is not None else None for t in (p, comp, m, v, ms, vs)]
+    # In place.
+    ip = [t.clone() if t is not None else None for t in live]
+    _core.optim_step(
+        "adamw", _hyper(3, wd=0.1), ip[0], grad, [ip[2], ip[3]], comp=ip[1], scales=[ip[4], ip[5]]
+    )
+    # Out of place, into fresh buffers.
+    out = [torch.empty_like(t) if t is not None else None for t in live]
+    old: dict[str, Any] = {"param": live[0], "states": [live[2], live[3]], "scales": [live[4], live[5]]}
+    if bf16:
+        old["comp"] = live[1]
+    _core.optim_step(
+        "adamw",
+        _hyper(3, wd=0.1),
+        out[0],
+        grad,
+        [out[2], out[3]],
+        comp=out[1],
+        scales=[out[4], out[5]],
+        old=old,
+    )
+    for a, b in zip(ip, out):
+        if a is not None:
+            assert torch.equal(a, b)
+    for a, b in zip(live, (p, comp, m, v, ms, vs)):
+        if a is not None:
+            assert torch.equal(a, b)  # the old values are read, never written
+
+
+@pytest.mark.parametrize("rule", ["sgd", "lion"])
+def test_sgd_and_lion_take_the_compact_format(rule: str) -> None:
+    """The other rules run through the same block driver with a quantized state and a
+    compensated weight: a step moves the weight and matches the fp32-state step closely."""
+    torch.manual_seed(0)
+    model, ref = _mlp(), _mlp()
+    cls = {"sgd": ropt.SGD, "lion": ropt.Lion}[rule]
+    kw: dict[str, Any] = {"lr": 1e-2, "momentum": 0.9} if rule == "sgd" else {"lr": 1e-3}
+    opt = cls(model.parameters(), precision="compact", **kw)
+    o_ref = cls(ref.parameters(), **kw)
+    l_ours, l_ref = _train(model, opt, 30), _train(ref, o_ref, 30)
+    assert l_ours[-1] < l_ours[0]
+    assert abs(l_ours[-1] - l_ref[-1]) <= 0.1 * l_ref[-1]
+    name = "momentum_buffer" if rule == "sgd" else "exp_avg"
+    assert opt.state[next(model.parameters())][name].dtype == torch.uint8
+
+
+def _offloaded(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    ref = Net().to(torch.bfloat16)
+    a, b = copy.deepcopy(ref), copy.deepcopy(ref)
+    ramtorch.offload(a, device="cpu")
+    ramtorch.offload(b, device="cpu")
+    return a, b
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x.to(torch.bfloat16)).float().square().mean().backward()
+    getattr(opt, "synchronize", lambda: None)()
+    opt.step()
+    opt.zero_grad()
+
+
+def _states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def test_speculative_compact_updates_commit_the_bits_of_in_step_updates() -> None:
+    """The default (speculative) mode computes compact updates during backward into shadows of
+    the same format and commits them: bitwise the updates of ``overlap=False``."""
+    ours, sync = _offloaded()
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, precision="compact")
+    o_sync = ropt.AdamW(sync.parameters(), lr=1e-2, precision="compact", overlap=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        x = torch.randn(5, 8, generator=g)
+        _step(ours, opt, x)
+        _step(sync, o_sync, x)
+        for p, q in zip(ours.parameters(), sync.parameters()):
+            assert torch.equal(p.detach(), q.detach())
+        for a, b in zip(_states(opt), _states(o_sync)):
+            assert torch.equal(a, b)
+    assert opt.timings["committed_updates"] > 0
+
+
+def test_state_dict_and_checkpoint_resume_bitwise(tmp_path: Any) -> None:
+    """A checkpoint holds the codes, scales and compensation; a run resumed from it takes the
+    steps of the uninterrupted run, bitwise."""
+    a, b = _offloaded(1)
+    oa = ropt.AdamW(a.parameters(), lr=1e-2, precision="compact")
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(5, 8, generator=g) for _ in range(7)]
+    for x in xs[:4]:
+        _step(a, oa, x)
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, a, oa)
+    sd = oa.state_dict()
+    keys = set(next(iter(sd["state"].values())))
+    assert {"exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales", "compensation"} <= keys
+    for x in xs[4:]:
+        _step(a, oa, x)
+    ob = ropt.AdamW(b.parameters(), lr=1e-2, precision="compact")
+    load_checkpoint(path, b, ob)
+    for x in xs[4:]:
+        _step(b, ob, x)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    for s, t in zip(_states(oa), _states(ob)):
+        assert torch.equal(s, t)
+    # The state dict of another precision is refused, naming what differs.
+    oc = ropt.AdamW(b.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="another precision|dtype"):
+        oc.load_state_dict(sd)
+
+
+def test_bad_input_gets_clear_errors() -> None:
+    n = 300
+    p, grad = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n)
+    codes = [torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)]
+    scales = [torch.zeros(2), torch.zeros(2)]
+    h = _hyper(1)
+    with pytest.raises(ValueError, match="needs its scales"):
+        _core.optim_step("adamw", h, p, grad, codes)
+    with pytest.raises(ValueError, match="scales1 has 3 elements, expected 2"):
+        _core.optim_step("adamw", h, p, grad, codes, scales=[torch.zeros(3), scales[1]])
+    with pytest.raises(ValueError, match="state2 is torch.int8, expected uint8|int8"):
+        _core.optim_step("adamw", h, p, grad, [codes[0], codes[1].to(torch.int8)], scales=scales)
+    with pytest.raises(ValueError, match="both be block-quantized"):
+        _core.optim_step("adamw", h, p, grad, [codes[0], torch.zeros(n)], scales=scales)
+    with pytest.raises(ValueError, match="grad has 299 elements, expected 300"):
+        _core.optim_step("adamw", h, p, grad[:299], codes, scales=scales)
+    with pytest.raises(ValueError, match="compensation must be bfloat16"):
+        _core.optim_step(
+            "adamw", h, p.float(), grad, codes, scales=scales, comp=torch.zeros(n, dtype=torch.bfloat16)
+        )
+    with pytest.raises(ValueError, match="unknown rule"):
+        _core.optim_step("adam", h, p, grad, codes, scales=scales)
+    with pytest.raises(ValueError, match='hyperparameter "lr" is required'):
+        _core.optim_step("adamw", {k: v for k, v in h.items() if k != "lr"}, p, grad, codes, scales=scales)
+    with pytest.raises(ValueError, match="takes 2 states"):
+        _core.optim_step("adamw", h, p, grad, codes[:1], scales=scales)
+    with pytest.raises(ValueError, match="overlap"):
+        _core.optim_step("adamw", h, p, grad, [codes[0], codes[0]], scales=scales)
+    with pytest.raises(ValueError, match="codes"):
+        _core.q8_quantize(torch.zeros(n), torch.zeros(n), torch.zeros(2), True)
+    w = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    opt = ropt.AdamW([w], precision="compact")
+    w.grad = torch.ones_like(w)
+    with pytest.raises(ValueError, match="compact.*float16"):
+        opt.step()
+
+
+def test_unknown_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="compact"):
+        ropt.AdamW([nn.Parameter(torch.zeros(4))], precision="8bit")
