@@ -191,7 +191,9 @@ ARCHS: dict[str, Spec] = {
             num_attention_heads=32,
             vocab_size=51200,
             max_position_embeddings=8192,
-            partial_rotary_factor=0.4,
+            # Phi-2's 0.4 of its 80-wide heads is 32 rotary dimensions; of 128-wide heads it would
+            # be 51.2, which transformers' rotary embedding cannot split: half of each head here.
+            partial_rotary_factor=0.5,
             tie_word_embeddings=False,
         ),
         32,
