@@ -481,3 +481,45 @@ def test_a_forward_without_backward_does_not_lock_out_other_threads() -> None:
     th.join(300)
     assert not th.is_alive() and not errors, errors
     torch.testing.assert_close(out[0], ref(x).detach())
+
+
+def test_ctrl_c_inside_a_linear_layers_forward_holds_nothing(monkeypatch) -> None:
+    """A KeyboardInterrupt inside ``ramtorch.nn.Linear``'s own forward (between its hooks, where
+    torch calls no forward hook) leaves the real parameters in place and the device's forwards
+    free: another thread's forward runs, and so does the next step, equal to torch."""
+    import threading
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 4)
+    layer = ramtorch.nn.Linear.from_linear(ref, device="cpu")
+    x = torch.randn(3, 8)
+    real = F.linear
+    calls = {"n": 0}
+
+    def interrupted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "linear", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        layer(x)
+    assert type(layer.weight) is nn.Parameter and layer.weight.device.type == "cpu"
+    assert not _engine.engine_for(torch.device("cpu")).forwards._tokens
+    out: list[torch.Tensor] = []
+
+    def other() -> None:
+        with torch.no_grad():  # inference: a forward with gradients is this thread's step
+            out.append(layer(x))
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join(300)
+    assert not th.is_alive() and out
+    torch.testing.assert_close(out[0], ref(x).detach())
+    layer(x).sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)

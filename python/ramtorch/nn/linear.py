@@ -113,7 +113,15 @@ class Linear(_StreamedLayer, nn.Linear):
             if is_compiling():  # (traced only on a torch without run_eagerly's switch)
                 return opaque(Linear._refuse, self, error)
             return self._refuse(error)
-        return nn.Linear.forward(self, input)
+        try:
+            return nn.Linear.forward(self, input)
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                # A Ctrl-C here skips the forward hook (torch calls it on exceptions only): the
+                # forward is undone now, so the weights, the slot and the device's forwards are
+                # not held until this thread streams a layer again.
+                self._layer_streamer._abandon(self._ramtorch_unit)
+            raise
 
     def _refuse(self, error: Exception) -> NoReturn:
         """Raises ``error``: this forward delivers no gradient, so it is not counted for the
