@@ -43,9 +43,10 @@ gradients the first one, untimed, left: no ``zero_grad`` between). Times are med
 calls after ``--warmup`` calls, each ended by a device synchronisation.
 
 Limit, per record, from ceilings measured in this run (pinned 2 GiB copies, before the models):
-``link`` = forward: streamed bytes per pass (``ramtorch.stats``) / H2D; with backward:
-max(2 × streamed / H2D, gradient bytes of the streamed parameters / D2H) (the weights cross twice,
-the gradients come back on the other direction at the same time); ``compute`` = the resident
+``link`` = forward: streamed bytes per pass (``ramtorch.stats``) / H2D; with backward: streamed /
+H2D (the forward) + max(streamed / H2D, gradient bytes of the streamed parameters / D2H,
+(streamed + gradient bytes) / duplex) (the backward: the weights cross again while the gradients
+go out, and both directions at once move ``duplex_gbps`` in total, measured as the others); ``compute`` = the resident
 model's time for the same phase. ``limit_seconds`` = max(link, compute), ``limit_parts`` =
 ``{"link_seconds", "compute_seconds"}``, ``ratio`` (= ``limit_over_measured``) = limit / measured,
 ``vs_resident`` = resident seconds / ramtorch seconds. If the resident model does not fit, its
@@ -559,13 +560,14 @@ def ceilings(device: str) -> dict[str, float]:
     t = time.perf_counter()
     b.copy_(a)
     g = a.numel() / (time.perf_counter() - t) / 1e9
-    return {"h2d_gbps": g, "d2h_gbps": g}
+    return {"h2d_gbps": g, "d2h_gbps": g, "duplex_gbps": 2 * g}
 
 
 def add_limits(records: list[dict[str, Any]], bw: dict[str, float]) -> None:
     """limit_seconds, limit_parts, ratio (limit / measured) and vs_resident of every record, in place."""
     resident = {(r["workload"], r["phase"]): r.get("seconds") for r in records if r["system"] == "resident"}
     h2d, d2h = bw["h2d_gbps"] * 1e9, bw["d2h_gbps"] * 1e9
+    duplex = bw.get("duplex_gbps", bw["h2d_gbps"] + bw["d2h_gbps"]) * 1e9
     for r in records:
         compute = resident.get((r["workload"], r["phase"]))
         if r["system"] == "resident":
@@ -573,7 +575,10 @@ def add_limits(records: list[dict[str, Any]], bw: dict[str, float]) -> None:
         elif r["phase"] == "forward":
             link = r["streamed_bytes_per_pass"] / h2d
         else:
-            link = max(2 * r["streamed_bytes_per_pass"] / h2d, r["streamed_grad_bytes"] / d2h)
+            w, g = r["streamed_bytes_per_pass"], r["streamed_grad_bytes"]
+            # forward: the weights in; backward: the weights in again while the gradients go out
+            # (each direction at most its own ceiling, both together at most the duplex one)
+            link = w / h2d + max(w / h2d, g / d2h, (w + g) / duplex)
         limit = max(link, compute or 0.0) if (compute or link) else None
         r["limit_seconds"] = limit
         r["limit_parts"] = {"link_seconds": link, "compute_seconds": compute}

@@ -114,7 +114,9 @@ def log(msg: str) -> None:
 
 def link_bandwidth(device: str) -> dict[str, float] | None:
     """Pinned host→device and device→host bandwidth in GB/s (2 GiB copies, best of 3 after a
-    warm-up), as bench/run.py measures it; None off CUDA."""
+    warm-up), as bench/run.py measures it, and ``duplex_gbps``: the total of both directions at
+    once (the link is full duplex, but the two directions together move less than twice one);
+    None off CUDA."""
     if not device.startswith("cuda"):
         return None
     out = _copy_speeds(device, 2 << 30)
@@ -138,7 +140,25 @@ def _copy_speeds(device: str, n: int) -> dict[str, float]:
             ts.append(time.perf_counter() - t)
         return n / min(ts) / 1e9
 
-    return {"h2d_gbps": best(d, h), "d2h_gbps": best(h, d)}
+    out = {"h2d_gbps": best(d, h), "d2h_gbps": best(h, d)}
+    # both directions at once (as in a backward pass: weights in, gradients out), on two streams
+    h2, d2 = torch.empty_like(h).pin_memory(), torch.empty_like(d)
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+
+    def duplex() -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.cuda.stream(streams[0]):
+            d.copy_(h, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            h2.copy_(d2, non_blocking=True)
+        torch.cuda.synchronize()
+        return 2 * n / (time.perf_counter() - t) / 1e9
+
+    duplex()
+    out["duplex_gbps"] = max(duplex() for _ in range(3))
+    del h2, d2
+    return out
 
 
 # -- model facts ----------------------------------------------------------------------------------

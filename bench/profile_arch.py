@@ -28,6 +28,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--accumulate", action="store_true", help="keep .grad between passes")
+    ap.add_argument("--forward", action="store_true", help="forward passes only (no_grad, eval)")
+    ap.add_argument("--out", default=None, help="a folder to keep each trace in (<arch>-<pass>.json)")
+    ap.add_argument("--no-profiler", action="store_true", help="skip torch.profiler's table")
     a = ap.parse_args()
     import ramtorch
 
@@ -37,10 +40,14 @@ def main() -> None:
         model.to("cpu")
         torch.cuda.empty_cache()
         ramtorch.offload(model, device="cuda")
-        model.train()
+        model.train(not a.forward)
         params = list(model.parameters())
 
         def step(model: torch.nn.Module = model, x: dict = x, params: list = params) -> None:
+            if a.forward:
+                with torch.no_grad():
+                    model(**x)
+                return
             arch.loss_of(model(**x)).backward()
             ramtorch.synchronize()
             if not a.accumulate:
@@ -54,11 +61,15 @@ def main() -> None:
         step()
         torch.cuda.synchronize()
         print(f"## {name}: {1e3 * (time.perf_counter() - t):.1f} ms", flush=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
-        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        if not a.no_profiler:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                step()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
+        kind = "forward" if a.forward else "forward_backward"
+        folder = a.out or tempfile.mkdtemp()
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{name}-{kind}.json")
         with ramtorch.trace(path):
             step()
         print(json.dumps(busy_summary(path), indent=1)[:3000], flush=True)
