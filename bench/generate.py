@@ -23,7 +23,7 @@ random sequences of ``--prompt`` tokens, no padding. Greedy generation::
     model.generate(ids, attention_mask=ones, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                    pad_token_id=0)
 
-One warm-up generate (2 new tokens: prefill and decode shapes) per (B, cache), then ``--reps``
+One warm-up generate of N tokens (every shape the timed ones see) per (B, cache, mode), then ``--reps``
 times, interleaved: a generate of 1 new token and one of N = ``--new`` tokens (medians reported).
 
 ``--modes``: how ramtorch's generates run, each measured in turn for every (B, cache), in this
@@ -254,8 +254,10 @@ def timed(model: nn.Module, ids: torch.Tensor, new: int, kv: str, device: str, r
 def measure(
     model: nn.Module, ids: torch.Tensor, new: int, kv: str, reps: int, device: str, ram: bool
 ) -> tuple[Runs, Runs]:
-    """One warm-up generate, then ``reps`` × (generate 1 token, generate ``new`` tokens)."""
-    generate(model, ids, 2, kv)
+    """One warm-up generate of ``new`` tokens (every decode shape of the timed ones seen once, so
+    that the mode measured first pays no first-call costs the next one would not), then ``reps``
+    × (generate 1 token, generate ``new`` tokens)."""
+    generate(model, ids, new, kv)
     sync(device)
     first, full = Runs(), Runs()
     for _ in range(reps):

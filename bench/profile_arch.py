@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--forward", action="store_true", help="forward passes only (no_grad, eval)")
     ap.add_argument("--out", default=None, help="a folder to keep each trace in (<arch>-<pass>.json)")
     ap.add_argument("--no-profiler", action="store_true", help="skip torch.profiler's table")
+    ap.add_argument("--torch-trace", action="store_true", help="keep torch.profiler's trace (with --out)")
     a = ap.parse_args()
     import ramtorch
 
@@ -62,9 +63,13 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"## {name}: {1e3 * (time.perf_counter() - t):.1f} ms", flush=True)
         if not a.no_profiler:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts[: 1 + a.torch_trace]) as prof:
                 step()
                 torch.cuda.synchronize()
+            if a.torch_trace and a.out:
+                os.makedirs(a.out, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(a.out, f"{name}-torch.json"))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
         kind = "forward" if a.forward else "forward_backward"
         folder = a.out or tempfile.mkdtemp()

@@ -198,7 +198,9 @@ def lookup(
     # From page-locked memory the copy is asynchronous; torch's host allocator keeps the staging
     # buffer from reuse until the copy is done.
     rows = staging.to(device, non_blocking=True) if cuda else staging
-    remapped = inverse.to(device) if cuda else inverse
+    # Page-locked too: from pageable memory the copy would make this thread wait for the stream,
+    # and the rows' copy ahead of it shares the link with the prefetches already queued.
+    remapped = inverse.pin_memory().to(device, non_blocking=True) if cuda else inverse
     pad = None
     if padding_idx is not None and index.numel():
         pos = int(torch.searchsorted(index, padding_idx))

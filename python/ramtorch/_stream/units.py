@@ -61,10 +61,52 @@ def _block_list(m: nn.Module) -> bool:
     return len(kinds) >= 2 and len(set(kinds)) == 1
 
 
+def _within(name: str, outer: str) -> bool:
+    """Whether the module named ``name`` is ``outer`` or lies inside it (``""``: the model)."""
+    return not outer or name == outer or name.startswith(outer + ".")
+
+
+def _block_lists(model: nn.Module, prefix: str = "") -> list[tuple[int, str, nn.Module]]:
+    """The lists of blocks (see :func:`_block_list`) in ``model`` that hold parameters, as
+    ``(parameter count, name, module)``, largest first, none inside another one taken before it:
+    the largest, then every other one outside it (an encoder-decoder's two stacks)."""
+    found = sorted(
+        ((_pcount(m), f"{prefix}.{name}" if prefix and name else prefix or name, m)
+         for name, m in model.named_modules() if _block_list(m)),
+        key=lambda x: -x[0],
+    )  # fmt: skip
+    taken: list[tuple[int, str, nn.Module]] = []
+    for n, name, m in found:
+        if n > 0 and not any(_within(name, t) or _within(t, name) for _, t, _ in taken):
+            taken.append((n, name, m))
+    return taken
+
+
+def _split_dominant(roots: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``roots`` with a block that holds more than half of their parameters replaced by the blocks
+    of the largest list inside it, as long as one does (ResNet's third stage, which holds most of
+    the network: streamed whole, nothing else would stream while it copies)."""
+    while True:
+        sizes = [_pcount(m) for _, m in roots]
+        total = sum(sizes)
+        k = max(range(len(sizes)), key=sizes.__getitem__) if sizes else -1
+        if k < 0 or sizes[k] * 2 <= total:
+            return roots
+        name, m = roots[k]
+        inner = [x for x in _block_lists(m, name) if x[2] is not m]
+        if not inner:
+            return roots
+        _, lname, lst = inner[0]
+        roots = roots[:k] + [(f"{lname}.{c}", child) for c, child in lst.named_children()] + roots[k + 1 :]
+
+
 def find_unit_roots(model: nn.Module, unit: Any) -> list[tuple[str, nn.Module]]:
-    """The block modules: the outermost modules of the named classes, or the children of the
-    model's largest list of blocks (by parameter count): an ``nn.ModuleList``, or an
-    ``nn.Sequential`` of blocks of one class (see :func:`_block_list`)."""
+    """The block modules: the outermost modules of the named classes, or by default the children
+    of the model's lists of blocks (an ``nn.ModuleList``, or an ``nn.Sequential`` of blocks of one
+    class: see :func:`_block_list`): the largest list (by parameter count) and every other list
+    outside it (an encoder-decoder's encoder and decoder), and in place of a block that holds
+    most of the parameters, the blocks of the largest list inside it (a ResNet's stages are a
+    list of blocks; its third stage holds most of the network)."""
     spec = _unit_classes(unit)
     if spec is not None:
         roots: list[tuple[str, nn.Module]] = []
@@ -78,16 +120,12 @@ def find_unit_roots(model: nn.Module, unit: Any) -> list[tuple[str, nn.Module]]:
         if not roots:
             raise ValueError(f"unit={unit!r}: no module of the model matches")
         return roots
-    best: tuple[int, str, nn.Module] | None = None
-    for name, m in model.named_modules():
-        if _block_list(m):
-            n = _pcount(m)
-            if n > 0 and (best is None or n > best[0]):
-                best = (n, name, m)
-    if best is None:
-        return []
-    _, lname, lst = best
-    return [(f"{lname}.{k}" if lname else k, child) for k, child in lst.named_children()]
+    roots = [
+        (f"{lname}.{k}" if lname else k, child)
+        for _, lname, lst in _block_lists(model)
+        for k, child in lst.named_children()
+    ]
+    return _split_dominant(roots)
 
 
 def repeated_block_class(module: nn.Module) -> tuple[str, int] | None:
