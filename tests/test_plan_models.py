@@ -130,13 +130,12 @@ def test_defaults_are_the_ceilings_benchmarks_measured():
     assert (c.h2d_gbps, c.d2h_gbps, c.tflops, c.efficiency, c.host_gbps) == (h2d, h2d, tflops, eff, host)
 
 
-def test_encoder_decoder_blocks_outside_the_default_are_named_with_the_unit_that_covers_them(
-    tmp_path, capsys
-):
+def test_an_encoder_decoder_streams_both_stacks_block_by_block_by_default(tmp_path, capsys):
     path = _config(tmp_path, "t5")
-    assert main(["plan", "--model", path]) == 0
-    assert "--unit T5Block" in capsys.readouterr().out
-    assert main(["plan", "--model", path, "--unit", "T5Block", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    names = [u["name"] for u in out["units"]]
-    assert {"encoder.block.0", "decoder.block.0"} <= set(names) and out["notes"] == []
+    for extra in ([], ["--unit", "T5Block"]):
+        assert main(["plan", "--model", path, "--json", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        names = [u["name"] for u in out["units"]]
+        assert {"encoder.block.0", "decoder.block.0"} <= set(names), names
+        assert not any(".SelfAttention" in n or ".DenseReluDense" in n for n in names), names
+        assert not any("--unit" in n for n in out["notes"]), out["notes"]

@@ -242,9 +242,8 @@ def predict(
 
 
 def _block_notes(model: nn.Module) -> list[str]:
-    """Blocks of the default units' class that are not units themselves (the encoder of an
-    encoder-decoder: the default takes the largest list of blocks only), with the ``unit=`` that
-    makes them units."""
+    """Blocks of the default units' class that are not units themselves (blocks that no list
+    holds: registered one by one as attributes), with the ``unit=`` that makes them units."""
     roots = _stream_units.find_unit_roots(model, None)
     classes = {type(m) for _, m in roots}
     names = [n for n, _ in roots]
