@@ -417,6 +417,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         speculate = auto.wants_speculation()
         self._mode = UpdateMode.SPECULATE if speculate else UpdateMode.IN_STEP
         if auto.choice == "in step":
+            self._wait_host_copies()  # a spare weight may still be the source of a copy to a GPU
             self._shadows.clear()  # the spare buffers' memory goes back
 
     def _grad_norm(self, params: list[torch.Tensor] | None = None) -> float:

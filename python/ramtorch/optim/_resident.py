@@ -545,6 +545,13 @@ class ResidentStates(torch.optim.Optimizer):
             self._upload_hook.remove()
             self._upload_hook = None
 
+    def _wait_host_copies(self) -> None:
+        """Waits until no host copy of a weight is the source of a copy to a device still running
+        (before spare buffers are freed)."""
+        for slot in self._slots.values():
+            if slot.upload is not None:
+                slot.upload.synchronize()
+
     def _forget_resident_grads(self) -> None:
         """``zero_grad``: the host copies no longer stand for a gradient (references dropped)."""
         for slot in self._slots.values():
