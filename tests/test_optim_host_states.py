@@ -5,8 +5,10 @@ during backward, under torch's step semantics.
 
 Without CUDA such a parameter is a plain CPU tensor that the streaming engine does not hold: it
 takes the same path (hooks, speculation, commit or update in ``step()``) without copies, which
-these tests check against ``torch.optim.AdamW`` and against the host-parameter path. The copies
-to and from a GPU are checked by the tests marked ``gpu``."""
+these tests check against ``torch.optim.AdamW`` and against the host-parameter path. With the
+``copies`` fixture the CPU parameters are treated as living elsewhere: their updates go through
+host copies of their weights and gradients and the new weights are copied back, as on a GPU but
+without streams. The CUDA copies and their events are checked by the tests marked ``gpu``."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import ramtorch
 import ramtorch.optim as ropt
 import torch
 from conftest import Net, changes, snapshot
+from ramtorch.optim import _resident
 from torch import nn
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -26,6 +29,15 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 #: speculation kept on, every update in step().
 SCHEDULES = ["default", "speculate", "in-step"]
 STEPS = 5
+
+
+@pytest.fixture(params=["in place", "host copies"])
+def copies(request, monkeypatch) -> str:
+    """Parametrizes a test over CPU parameters updated where they are, and treated as living
+    elsewhere (through host copies of weight and gradient, the weight copied back)."""
+    if request.param == "host copies":
+        monkeypatch.setattr(_resident, "_elsewhere", lambda p: True)
+    return request.param
 
 
 def _model(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
@@ -98,7 +110,7 @@ def _train(
 
 @pytest.mark.parametrize("settle", [False, True], ids=["racing", "settled"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_adamw_with_host_states_equals_torch(schedule, settle):
+def test_adamw_with_host_states_equals_torch(schedule, settle, copies):
     ref = _model()
     ours = copy.deepcopy(ref)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -111,6 +123,8 @@ def test_adamw_with_host_states_equals_torch(schedule, settle):
         assert committed == speculated <= n * (STEPS - 1)
         if settle:  # every step after the first
             assert committed == n * (STEPS - 1)
+    for p in ours.parameters():
+        assert (o_ours._slots[id(p)].host_copy is not None) == (copies == "host copies")
     if schedule == "in-step":
         assert o_ours.timings["in_backward_updates"] == 0
     for p in ours.parameters():
@@ -119,7 +133,7 @@ def test_adamw_with_host_states_equals_torch(schedule, settle):
 
 @pytest.mark.parametrize("precision", ["fp32-master", "bf16", "compact"])
 @pytest.mark.parametrize("schedule", ["speculate", "in-step"])
-def test_bf16_weights_update_as_host_parameters_do(precision, schedule):
+def test_bf16_weights_update_as_host_parameters_do(precision, schedule, copies):
     """The same bits, weights and states, as the host-parameter path (the same kernels)."""
     host = _model(dtype=torch.bfloat16)
     ours = copy.deepcopy(host)
@@ -150,7 +164,7 @@ def test_nothing_changes_before_step():
     assert changes(before, model, opt) == "the model changed"
 
 
-def test_state_dict_round_trip_resumes_bitwise():
+def test_state_dict_round_trip_resumes_bitwise(copies):
     a = _model(dtype=torch.bfloat16)
     o_a = _ours(a)
     _train([(a, o_a)], 3)
@@ -194,7 +208,7 @@ def test_zero_grad_either_way_equals_torch(set_to_none):
 
 
 @pytest.mark.parametrize("schedule", ["speculate", "in-step"])
-def test_two_micro_batches_a_step_equal_torch(schedule):
+def test_two_micro_batches_a_step_equal_torch(schedule, copies):
     ref = _model()
     ours = copy.deepcopy(ref)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -217,6 +231,22 @@ def test_two_micro_batches_a_step_equal_torch(schedule):
     assert o_ours._micro == 2
     assert o_ours.timings["committed_updates"] == o_ours.timings["speculated_updates"]
     assert (o_ours.timings["committed_updates"] > 0) == (schedule == "speculate")
+
+
+def test_weights_written_between_steps_are_what_the_next_update_reads(copies):
+    """A load or an edit of the weights between steps (an fp32 weight is its own master): the host
+    copy is made again from the parameter."""
+    ref = _model()
+    ours = copy.deepcopy(ref)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    o_ours = _ours(ours)
+    _train([(ref, o_ref), (ours, o_ours)], 2, settle=True)
+    with torch.no_grad():
+        for model in (ref, ours):
+            model.out.weight.mul_(0.5)
+            model.inp.bias.copy_(torch.arange(16.0))
+    _train([(ref, o_ref), (ours, o_ours)], 3, seed=2, settle=True)
+    _assert_close(ref, ours)
 
 
 def test_param_groups_with_their_own_learning_rates_equal_torch():

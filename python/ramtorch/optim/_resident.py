@@ -68,6 +68,12 @@ def _key(p: torch.Tensor) -> tuple[Any, ...]:
     return (p.device, p.dtype, tuple(p.shape), p.data_ptr())
 
 
+def _elsewhere(p: torch.Tensor) -> bool:
+    """Whether ``p`` lives outside host memory: its update goes through a host copy of its weight
+    and gradient, and its new weight is copied back."""
+    return p.device.type != "cpu"
+
+
 def _distributed() -> bool:
     """Whether gradients may change after their hook (DDP reduces them at the end of backward)."""
     dist = torch.distributed
@@ -84,7 +90,7 @@ class _Slot:
         self.key = _key(p)
         #: The host copy of the weight (page-locked); None when the parameter is in host memory.
         self.host_copy: torch.Tensor | None = None
-        if p.device.type != "cpu":
+        if _elsewhere(p):
             self.host_copy = _arena.host_empty(tuple(p.shape), p.dtype, pin=True)
         #: ``p._version`` when ``host_copy`` last equalled the parameter (-1: never).
         self.version = -1
