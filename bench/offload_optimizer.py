@@ -146,7 +146,6 @@ def child(a: argparse.Namespace) -> list[dict[str, Any]]:
         if cuda:
             torch.cuda.synchronize()
 
-
     def forward_backward() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
 
