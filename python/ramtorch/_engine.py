@@ -171,6 +171,40 @@ def _wait_update(u: Update) -> None:
         ) from u.error
 
 
+# -- streamed parameters ------------------------------------------------------------------------
+
+#: id(param) -> the parameter, weakly (a later tensor with the same id is told apart), for every
+#: parameter whose forward uses device copies that an engine streams: its gradient reaches the
+#: host through the engine. The streaming front-end (``_stream.guard``) registers them; the
+#: optimizers tell them from the parameters that stay where they are.
+STREAMED: dict[int, weakref.ref[torch.Tensor]] = {}
+_STREAMED_LOCK = threading.Lock()
+
+
+def register_streamed(params: Sequence[torch.Tensor] | Iterator[torch.Tensor]) -> None:
+    """``params`` are streamed from now on."""
+    with _STREAMED_LOCK:
+        for p in params:
+            STREAMED[id(p)] = weakref.ref(p, _forget_streamed(id(p)))
+
+
+def _forget_streamed(key: int) -> Callable[[object], None]:
+    """The callback that drops ``key``'s entry once its parameter is freed."""
+
+    def forget(_: object) -> None:
+        entry = STREAMED.get(key)
+        if entry is not None and entry() is None:
+            STREAMED.pop(key, None)
+
+    return forget
+
+
+def is_streamed(t: Any) -> bool:
+    """Whether ``t`` is a registered streamed parameter."""
+    entry = STREAMED.get(id(t))
+    return entry is not None and entry() is t
+
+
 _GENERATIONS = itertools.count(1)
 
 

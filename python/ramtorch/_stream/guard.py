@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-# id(param) -> the parameter, weakly (a later tensor with the same id is told apart).
-_STREAMED: dict[int, weakref.ref[torch.Tensor]] = {}
+from .. import _engine
+
+# id(param) -> the parameter, weakly: the engine's registry of streamed parameters (the same dict).
+_STREAMED = _engine.STREAMED
 _LOCK = threading.Lock()
 _installed = False
 # Backwards running with ``inputs=`` (none of them streamed: those are refused): no streamed
@@ -32,21 +33,9 @@ _restricted = 0
 
 def register(params: Iterable[torch.Tensor]) -> None:
     """``params`` are streamed from now on (their forward uses device copies)."""
+    _engine.register_streamed(list(params))
     with _LOCK:
-        for p in params:
-            _STREAMED[id(p)] = weakref.ref(p, _forgetter(id(p)))
         _install()
-
-
-def _forgetter(key: int) -> Any:
-    """The callback that drops ``key``'s entry once its parameter is freed."""
-
-    def forget(_: object) -> None:
-        entry = _STREAMED.get(key)
-        if entry is not None and entry() is None:
-            _STREAMED.pop(key, None)
-
-    return forget
 
 
 def restricted() -> bool:
@@ -54,10 +43,8 @@ def restricted() -> bool:
     return _restricted > 0
 
 
-def is_streamed(t: Any) -> bool:
-    """Whether ``t`` is a registered streamed parameter."""
-    entry = _STREAMED.get(id(t))
-    return entry is not None and entry() is t
+#: Whether a tensor is a registered streamed parameter.
+is_streamed = _engine.is_streamed
 
 
 def _install() -> None:

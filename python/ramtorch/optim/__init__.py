@@ -52,6 +52,16 @@ directly between ``step()`` and the next forward (an EMA of the weights, logging
 call ``opt.synchronize()`` first, or it may see a mix of old and new weights. Not with ZeRO
 (``shard()``), where ``step()`` publishes the new weights to the other ranks.
 
+**States of GPU-resident parameters in host RAM** (``states="host"``; ``_resident``). When the
+weights fit on the GPU but their optimizer state does not (ZeRO-Offload's case), every parameter
+that lives on a GPU (a model on the GPU that :func:`ramtorch.offload` does not stream, or the units
+it keeps resident) keeps its states in host RAM in the format of a host parameter (``precision``
+applies) and is updated by the Rust kernels: its gradient is copied to pinned host memory as
+backward produces it, its update is speculated during the rest of backward and committed by
+``step()`` under the rules above, and ``step()`` copies the new weight back (``upload_wait``:
+the compute stream waits at the end of ``step()``, or each module's forward for its own
+parameters). Nothing changes before ``step()`` in any mode.
+
 :func:`ramtorch.trace` shows where a step's optimizer time goes: each update, on the worker
 thread (during backward, pipelined) or in ``step()``, and each wait of a forward or another reader
 for a pipelined update, on the timeline of the device's copies and compute.
@@ -78,6 +88,9 @@ Where each part lives:
   gradients land (``on_grads``), speculative or committed, the end of backward
   (``before_finish``/``after_finish``), the commit of speculations (``_commit``), ``drain``; the
   registration of optimizers with the engines.
+- ``_resident.py``: ``states="host"``: the host copies of a GPU-resident parameter's weight and
+  gradient, the copies between them on side CUDA streams, the speculation and commit of its
+  update, and what waits for its new weight.
 - ``_speculation.py``: what a speculative update read and where it is computed (spare buffers
   made while the host can spare them), and the per-run choice between speculating and updating in
   ``step()``.

@@ -1,8 +1,9 @@
 """The torch-facing optimizer: a :class:`torch.optim.Optimizer` whose host parameters are
 updated by Rust kernels (``_state``), scheduled during backward (``_schedule``), optionally
 sharded (``_zero``); ``step()`` finishes what backward left, updates the rest (GPU-resident
-parameters with torch's kernels) and clips; ``state_dict`` and ZeRO consolidation. The update
-rules (``_rules``) subclass it."""
+parameters with torch's kernels, or with ``states="host"`` through the host kernels:
+``_resident``) and clips; ``state_dict`` and ZeRO consolidation. The update rules (``_rules``)
+subclass it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from .. import _core, _engine
 from ._jobs import _Jobs
+from ._resident import ResidentStates
 from ._schedule import OverlapSchedule, UpdateMode, listen
 from ._speculation import AutoChoice, Shadows, same_group, same_value
 from ._state import _DTYPES, _PRECISIONS, HostStates, _is_host
@@ -37,8 +39,9 @@ def _round_stochastic(src: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     out.copy_(torch.where(torch.isfinite(src), cut, src))
 
 
-class _HostOptimizer(OverlapSchedule, HostStates):
-    """Shared machinery: host parameters through Rust kernels, the rest through torch."""
+class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
+    """Shared machinery: host parameters through Rust kernels, the rest through torch (or, with
+    ``states="host"``, through the Rust kernels too)."""
 
     #: torch.amp.GradScaler passes its scale and inf flag to step() (as ``grad_scale`` and
     #: ``found_inf`` attributes) instead of unscaling every gradient in a pass of its own.
@@ -53,6 +56,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         overlap: bool | str = True,
         pipeline: bool = False,
         max_grad_norm: float | None = None,
+        states: str = "device",
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
@@ -61,6 +65,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         if overlap not in (True, False, "backward"):
             raise ValueError(f"overlap must be True, False or 'backward', got {overlap!r}")
         self._check_group(defaults)
+        self._init_resident(states)  # before the groups are added: their gradients are hooked
         super().__init__(params, defaults)  # each group is checked in add_param_group
         self.precision = precision
         self.max_grad_norm = max_grad_norm
@@ -133,7 +138,13 @@ class _HostOptimizer(OverlapSchedule, HostStates):
 
         ``stage=1`` reduces and updates in ``step()``. ``stage=2`` reduces each unit's gradients
         as soon as they have landed, during backward (the owner updates right away, as without
-        ZeRO), and a rank keeps only the gradients it owns. Returns the optimizer."""
+        ZeRO), and a rank keeps only the gradients it owns. Returns the optimizer. Not with
+        ``states="host"``."""
+        if self.states == "host":
+            raise ValueError(
+                f"{type(self).__name__}.shard(): ZeRO is not supported with states='host'; build the "
+                "optimizer with states='device' (the default) to shard it"
+            )
         zero = Zero.plan(self, group, stage)
         self.drain()
         self._zero = zero
@@ -239,6 +250,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         super().add_param_group(param_group)
         self.__dict__.pop("_ids_cache", None)
         self.__dict__.pop("_index_cache", None)
+        self._hook_resident(self.param_groups[-1]["params"])
 
     # -- step --------------------------------------------------------------------------------------
 
@@ -248,6 +260,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         were not changed since, and updates every other parameter that has a gradient."""
         if self._zero is not None:
             self._zero.consolidated = None  # the state changes
+        self._settle_uploads()  # the last step's new weights, where no forward waited for them
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -271,6 +284,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                 self.drain()
             finally:
                 self._spec_closed = False
+        rspec = self._close_resident()  # speculations of parameters with host states (_resident)
         done, self._done = self._done, {}
         done_hyper, self._done_hyper = self._done_hyper, {}
         spec, self._spec = self._spec, {}
@@ -335,13 +349,17 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
         t = time.perf_counter()
         committed = self._commit(spec, scale)
+        committed |= self._commit_resident(rspec, scale)
         host_updates = self.timings["in_step_updates"]
+        resident: list[tuple[torch.nn.Parameter, dict[str, Any]]] = []
         for index, group in enumerate(self.param_groups):
             dev_params = []
             for p in group["params"]:
                 if p.grad is None or id(p) in done or id(p) in committed or not self._owns(p):
                     continue
-                if _is_host(p):
+                if self._is_resident(p):
+                    resident.append((p, group))  # states="host": after the loop, in forward order
+                elif _is_host(p):
                     start = time.perf_counter() if spans is not None else 0.0
                     self._update_host(p, p.grad, group, scale)
                     self.timings["in_step_updates"] += 1
@@ -359,6 +377,12 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     spans.add(
                         spans.CALLER, "torch update", start, end, dev_params, where, {"param_group": index}
                     )
+        if resident:
+            start = time.perf_counter()
+            self._update_resident(resident, scale)
+            if spans is not None:
+                spans.add(spans.CALLER, "update", start, time.perf_counter(), [p for p, _ in resident], None)
+        self._end_resident_step()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and _is_host(p):
@@ -367,7 +391,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
                     torch.autograd.graph.increment_version(p)
         end = time.perf_counter()
         self.timings["in_step_seconds"] += end - t
-        self._choose(bool(spec), self.timings["in_step_updates"] - host_updates, end)
+        self._choose(bool(spec) or bool(rspec), self.timings["in_step_updates"] - host_updates, end)
         if self._zero is not None:
             self._zero.publish(self.param_groups)
         return loss
@@ -393,6 +417,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         speculate = auto.wants_speculation()
         self._mode = UpdateMode.SPECULATE if speculate else UpdateMode.IN_STEP
         if auto.choice == "in step":
+            self._wait_host_copies()  # a spare weight may still be the source of a copy to a GPU
             self._shadows.clear()  # the spare buffers' memory goes back
 
     def _grad_norm(self, params: list[torch.Tensor] | None = None) -> float:
@@ -500,6 +525,7 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         if not set_to_none and self._jobs.busy():
             self._jobs.wait()
         self._clip_request = None  # measured on gradients that are gone
+        self._forget_resident_grads()
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -536,7 +562,16 @@ class _HostOptimizer(OverlapSchedule, HostStates):
         self.drain()
         self._zero.gather(super().state_dict()["state"], to)
 
+    def synchronize(self) -> None:
+        """Waits for every update queued so far (see ``pipeline``), and makes the compute stream
+        wait for the new weights still being copied to the GPU (``states="host"`` with
+        ``upload_wait="forward"``); raises if an update failed."""
+        self.drain()
+        self._settle_uploads()
+
     def __del__(self) -> None:
         jobs = getattr(self, "_jobs", None)
         if jobs is not None:
             jobs.close()
+        if getattr(self, "_rhooks", None):
+            self._unhook_resident()

@@ -72,6 +72,7 @@ class HostOptions(TypedDict, total=False):
     overlap: bool | str
     pipeline: bool
     max_grad_norm: float | None
+    states: str
 
 
 #: Arguments of torch's optimizers that ramtorch's rules do not implement, with the value that
@@ -157,6 +158,16 @@ class AdamW(_Rule):
             module documentation).
         max_grad_norm: clip the global gradient norm to this (with ``overlap="backward"`` or
             ``pipeline``, the updates then run in ``step()``).
+        states: where the states of parameters that live on a GPU (a model on the GPU, units
+            that ``offload`` keeps resident) are kept. ``"device"`` (default): on the GPU, updated
+            by torch's kernels (an fp32 master and moments: 12-16 bytes a parameter of device
+            memory). ``"host"``: in host RAM, in the format of a host parameter (``precision``
+            applies), updated by the Rust kernels. Each gradient is copied to the host as
+            backward produces it, the update is computed on a CPU thread during the rest of
+            backward (committed by ``step()``: nothing changes before it, as in the default
+            mode) and ``step()`` copies the new weights back (``opt.upload_wait`` says what
+            waits for them). The GPU then holds only the weights and their gradients. Not with
+            ZeRO (``shard()``).
 
     ``torch.optim.AdamW``'s ``amsgrad``, ``fused``, ``foreach``, ``capturable`` and
     ``differentiable`` are accepted at the values that ask for nothing more (``False``, or
@@ -229,7 +240,7 @@ class AdamW(_Rule):
 class SGD(_Rule):
     """SGD with momentum (as :class:`torch.optim.SGD`), host parameters updated by Rust kernels,
     overlapped with backward. Arguments as ``torch.optim.SGD`` plus ``precision``, ``overlap``,
-    ``pipeline``, ``max_grad_norm`` (see :class:`AdamW`); its ``fused``, ``foreach`` and
+    ``pipeline``, ``max_grad_norm``, ``states`` (see :class:`AdamW`); its ``fused``, ``foreach`` and
     ``differentiable`` are accepted at ``False``/``None`` only, as in :class:`AdamW`."""
 
     _state_names = ("momentum_buffer",)
@@ -305,7 +316,7 @@ class SGD(_Rule):
 class Lion(_Rule):
     """Lion (Chen et al., 2023): ``p -= lr * (sign(b1*m + (1-b1)*g) + wd*p)``, then
     ``m = b2*m + (1-b2)*g``. Host parameters through Rust kernels, overlapped with backward;
-    ``precision``, ``overlap``, ``pipeline``, ``max_grad_norm`` as in :class:`AdamW`."""
+    ``precision``, ``overlap``, ``pipeline``, ``max_grad_norm``, ``states`` as in :class:`AdamW`."""
 
     _state_names = ("exp_avg",)
     _rule = "lion"

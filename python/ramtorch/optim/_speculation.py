@@ -115,10 +115,11 @@ class Shadows:
         self.nbytes = 0
 
     def get(
-        self, p: torch.Tensor, state: dict[str, Any], names: tuple[str, ...]
+        self, p: torch.Tensor, state: dict[str, Any], names: tuple[str, ...], pin_param: bool = False
     ) -> dict[str, torch.Tensor] | None:
         """``p``'s shadow (the weight as ``"param"``, each state of ``names``, ``"master"`` when
-        ``state`` has one), made now if the host can spare it; None if it cannot."""
+        ``state`` has one), made now if the host can spare it; None if it cannot. ``pin_param``:
+        the weight's buffer is page-locked (it is copied to a GPU once committed)."""
         pid = id(p)
         want: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"param": (tuple(p.shape), p.dtype)}
         for name in (*names, "master"):
@@ -140,7 +141,10 @@ class Shadows:
             if not host_can_spare(nbytes):
                 self._refused.add(pid)
                 return None
-            bufs = {name: _arena.host_empty(shape, dt, pin=False) for name, (shape, dt) in want.items()}
+            bufs = {
+                name: _arena.host_empty(shape, dt, pin=pin_param and name == "param")
+                for name, (shape, dt) in want.items()
+            }
             self._bufs[pid] = bufs
             self.nbytes += nbytes
         return bufs
@@ -153,6 +157,13 @@ class Shadows:
             if name in bufs:
                 state[name], bufs[name] = bufs[name], state[name]
         return bufs["param"]
+
+    def swap_param(self, pid: int, weight: torch.Tensor) -> torch.Tensor:
+        """After :meth:`swap`: the shadow's new weight becomes the live host copy of a parameter
+        that lives elsewhere (returned), and ``weight``, the old host copy, the spare."""
+        bufs = self._bufs[pid]
+        new, bufs["param"] = bufs["param"], weight
+        return new
 
     def forget(self, pid: int) -> None:
         """Frees ``pid``'s shadow (its parameter left the optimizer, or its states were replaced

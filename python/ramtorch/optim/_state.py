@@ -47,6 +47,17 @@ class HostStates(torch.optim.Optimizer):
     #: The rule's name for ``_core.optim_step`` (``"adamw"``, ``"sgd"``, ``"lion"``).
     _rule: str = ""
 
+    #: Where the states of parameters that are not in host RAM live: ``"device"`` (on their
+    #: device, updated by torch's kernels) or ``"host"`` (in host RAM, updated by the kernels of
+    #: host parameters; ``_resident``).
+    states: str = "device"
+
+    def _kept_on_host(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s states live in host RAM in the format of a host parameter (and its
+        updates run through the Rust kernels): host parameters, and with ``states="host"`` every
+        parameter of a dtype the kernels take, wherever it lives."""
+        return _is_host(p) or (self.states == "host" and p.dtype in _DTYPES)
+
     def _hyper(self, group: dict[str, Any], step: int) -> dict[str, Any]:
         """The rule's hyperparameters for step ``step`` of ``group``, as ``_core.optim_step``
         takes them (besides ``grad_scale`` and ``seed``)."""
@@ -107,16 +118,22 @@ class HostStates(torch.optim.Optimizer):
         return state
 
     def _update_host(
-        self, p: torch.nn.Parameter, grad: torch.Tensor, group: dict[str, Any], scale: float
+        self,
+        p: torch.nn.Parameter,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        scale: float,
+        weight: torch.Tensor | None = None,
     ) -> None:
         """Updates host parameter ``p`` with ``grad`` (times ``scale``) through the rule's kernel:
         its states are made on its first update; the seed of its stochastic rounding follows
-        the step and its position."""
+        the step and its position. ``weight``: the host tensor the kernel reads and writes as
+        the weight, when it is not ``p`` itself (the host copy of a parameter on a GPU)."""
         if self._zero is not None:
             self._zero.consolidated = None  # the state changes
         state = self._host_state(p)
         state["step"] += 1
-        self._run_kernel(p, grad, group, int(state["step"].item()), scale)
+        self._run_kernel(p, grad, group, int(state["step"].item()), scale, weight=weight)
 
     def _update_host_into(
         self,
@@ -125,12 +142,13 @@ class HostStates(torch.optim.Optimizer):
         group: dict[str, Any],
         step: int,
         shadow: dict[str, torch.Tensor],
+        weight: torch.Tensor | None = None,
     ) -> None:
         """The update of host parameter ``p`` for step ``step`` with ``grad`` and ``group``'s
         hyperparameters, out of place: the new weight, states and master go to ``shadow``
-        (``_speculation``); ``p`` and its states are read, never written. The same bits as
-        :meth:`_update_host` would write in place."""
-        self._run_kernel(p, grad, group, step, 1.0, shadow)
+        (``_speculation``); ``p`` (or ``weight``, its host copy) and its states are read, never
+        written. The same bits as :meth:`_update_host` would write in place."""
+        self._run_kernel(p, grad, group, step, 1.0, shadow, weight=weight)
 
     def _run_kernel(
         self,
@@ -140,10 +158,13 @@ class HostStates(torch.optim.Optimizer):
         step: int,
         scale: float,
         into: dict[str, torch.Tensor] | None = None,
+        weight: torch.Tensor | None = None,
     ) -> None:
         """Step ``step`` of the rule on ``p`` (whose states exist), in place, or out of place into
-        ``into`` (the weight as ``"param"``, the states, ``"master"``)."""
-        if not p.is_contiguous():
+        ``into`` (the weight as ``"param"``, the states, ``"master"``). ``weight``: the host
+        tensor that stands for ``p``'s weight (default ``p``)."""
+        w = p if weight is None else weight
+        if not w.is_contiguous():
             raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
         if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
             grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
@@ -155,10 +176,10 @@ class HostStates(torch.optim.Optimizer):
         quantized = bool(names) and state[names[0]].dtype == torch.uint8
         scales = [state[scales_name(n)] for n in names] if quantized else None
         old: dict[str, Any] | None = None
-        dst, dst_master, dst_comp, dst_states, dst_scales = p, master, comp, states, scales
+        dst, dst_master, dst_comp, dst_states, dst_scales = w, master, comp, states, scales
         if into is not None:
             # The old values are read where they live; the new ones go to ``into``.
-            old = {"master": master} if master is not None else {"param": p.detach()}
+            old = {"master": master} if master is not None else {"param": w.detach()}
             if comp is not None:
                 old["comp"] = comp
             old["states"] = states
@@ -210,7 +231,7 @@ class HostStates(torch.optim.Optimizer):
     def _drop_host_states(self) -> None:
         """Frees the states of host parameters (before a load reads new ones: one copy at a time)."""
         self.synchronize()
-        for p in [p for p in self.state if _is_host(p)]:
+        for p in [p for p in self.state if self._kept_on_host(p)]:
             del self.state[p]
 
     def _paired_params(self, state_dict: Any) -> list[tuple[Any, int, torch.nn.Parameter]] | None:
@@ -259,7 +280,7 @@ class HostStates(torch.optim.Optimizer):
         if not isinstance(saved, dict):
             return f"it is a {type(saved).__name__}, not a dict of states"
         shape = tuple(p.shape)
-        if not _is_host(p):  # updated by torch: every state but the step has the parameter's shape
+        if not self._kept_on_host(p):  # updated by torch: every state but the step has its shape
             for k, v in saved.items():
                 if k != "step" and isinstance(v, torch.Tensor) and tuple(v.shape) != shape:
                     return f"{k!r} has shape {tuple(v.shape)}, expected {shape}"
@@ -298,8 +319,8 @@ class HostStates(torch.optim.Optimizer):
         host: dict[Any, torch.nn.Parameter] = {}
         device: dict[Any, torch.nn.Parameter] = {}
         if pairs is not None:  # else torch's load_state_dict raises on the groups
-            host = {i: p for i, _, p in pairs if _is_host(p)}
-            device = {i: p for i, _, p in pairs if not _is_host(p) and p.dtype in _DTYPES}
+            host = {i: p for i, _, p in pairs if self._kept_on_host(p)}
+            device = {i: p for i, _, p in pairs if not self._kept_on_host(p) and p.dtype in _DTYPES}
         # torch's own loading for the rest: it would cast host states to the parameter's dtype.
         rest = dict(state_dict)
         rest["state"] = {i: v for i, v in original.items() if i not in host}
