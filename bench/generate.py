@@ -157,7 +157,6 @@ def _copy_speeds(device: str, n: int) -> dict[str, float]:
 
     duplex()
     out["duplex_gbps"] = max(duplex() for _ in range(3))
-    del h2, d2
     return out
 
 
