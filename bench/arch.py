@@ -44,10 +44,10 @@ calls after ``--warmup`` calls, each ended by a device synchronisation.
 
 Limit, per record, from ceilings measured in this run (pinned 2 GiB copies, before the models):
 ``link`` = forward: streamed bytes per pass (``ramtorch.stats``) / H2D; with backward: streamed /
-H2D (the forward) + max(streamed / H2D, gradient bytes of the streamed parameters / D2H,
-(streamed + gradient bytes) / duplex) (the backward: the weights cross again while the gradients
-go out, and both directions at once move ``duplex_gbps`` in total, measured as the others);
-``compute`` = the resident model's time for the same phase. ``limit_seconds`` = max(link, compute), ``limit_parts`` =
+H2D (the forward) + max(streamed / H2D, gradient bytes of the streamed parameters / D2H, (streamed +
+gradient bytes) / duplex) (the backward: the weights cross again while the gradients go out, and
+both directions at once move ``duplex_gbps`` in total, measured as the others); ``compute`` = the
+resident model's time for the same phase. ``limit_seconds`` = max(link, compute), ``limit_parts`` =
 ``{"link_seconds", "compute_seconds"}``, ``ratio`` (= ``limit_over_measured``) = limit / measured,
 ``vs_resident`` = resident seconds / ramtorch seconds. If the resident model does not fit, its
 records carry ``"error"`` and the limit is the link alone (``compute_seconds`` null).
