@@ -3,8 +3,8 @@ AdamW step) of a transformers decoder resident on the GPU in bf16 (random weight
 optimizer state in host RAM or on the GPU, one process per system. Writes a JSON list of records
 (``BENCH.md`` names) to ``--out``.
 
-    python bench/offload_optimizer.py --out bench/results/<date>-offload-optimizer.json \
-        --commit $(git rev-parse --short HEAD)
+    python3 bench/offload_optimizer.py --out $OUT/offload-optimizer.json [--systems a,b] \
+        [--warmup 7] [--reps 3] [--steps 3] [--commit abc1234]
 
 Systems (``--systems``, comma-separated; all by default):
 
@@ -184,7 +184,6 @@ def child(a: argparse.Namespace) -> list[dict[str, Any]]:
         "device": torch.cuda.get_device_name() if cuda else a.device,
         "gpus": 1,
         "commit": a.commit,
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
     ms = statistics.median(per_step) * 1e3
     rec = {
@@ -290,11 +289,19 @@ def main() -> None:
         for rec in got:
             rec.setdefault("bench_system", system)
             rec.setdefault("commit", a.commit)
+            rec["command"] = command_line()
             shown = f"{rec['ms']:.1f} ms ({rec.get('phase')})" if "ms" in rec else rec.get("status")
             print(f"  {system}: {shown}", file=sys.stderr, flush=True)
         records += got
         with open(a.out, "w") as fh:  # written after each system: a later failure keeps the rest
             json.dump(records, fh, indent=1)
+
+
+def command_line() -> str:
+    """This run's command as typed from the repository's root, the output file by its name only."""
+    args = sys.argv[1:]
+    shown = [os.path.basename(x) if i and args[i - 1] == "--out" else x for i, x in enumerate(args)]
+    return " ".join(["python3", f"bench/{os.path.basename(__file__)}", *shown])
 
 
 if __name__ == "__main__":
