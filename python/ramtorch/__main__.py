@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--unit",
         default=None,
-        help="block class name (default: children of the largest ModuleList, or Sequential of "
-        "blocks of one class)",
+        help="block class name (default: the children of the largest ModuleList, or Sequential of "
+        "blocks of one class, and of every other such list outside it)",
     )
     p.add_argument(
         "--max-inflight",
@@ -65,6 +65,24 @@ def main(argv: list[str] | None = None) -> int:
         default=c.host_gbps,
         help="optimizer host memory traffic GB/s, the AdamW kernel's (default: %(default)s, measured)",
     )
+    p.add_argument(
+        "--precision",
+        choices=_plan.PRECISIONS,
+        default="fp32-master",
+        help="ramtorch.optim.AdamW's precision priced for training (default: %(default)s)",
+    )
+    p.add_argument(
+        "--states",
+        choices=_plan.STATES,
+        default="device",
+        help="where the optimizer states of parameters kept on the GPU live (default: %(default)s)",
+    )
+    p.add_argument(
+        "--host-memory",
+        default=None,
+        help="host RAM to check that training fits in, e.g. 128GiB, or 'auto' for this machine's "
+        "(default: not checked)",
+    )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     a = ap.parse_args(argv)
     try:
@@ -77,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             ceilings,
             unit=a.unit,
             max_inflight=a.max_inflight,
+            precision=a.precision,
+            states=a.states,
+            host_memory=a.host_memory,
         )
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as e:
         print(f"ramtorch plan: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ allocated), runs the same planner, then simulates the streaming pipeline unit by
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +31,14 @@ from ._stream import gather as _gather
 from ._stream import placement
 from ._stream import units as _stream_units
 from ._units import format_bytes, parse_bytes
+from .optim import _state as _optim_state
+
+#: ``precision`` values of ``ramtorch.optim`` that the plan prices.
+PRECISIONS = _optim_state._PRECISIONS
+#: ``states`` values of ``ramtorch.optim``: where the states of parameters kept on the device live.
+STATES = ("device", "host")
+#: AdamW's states (``ramtorch.optim.AdamW._state_names``): the optimizer the plan prices.
+_ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -82,9 +91,30 @@ class Prediction:
     #: ``ramtorch.optim.AdamW`` keeps them (``precision="fp32-master"``): per parameter its
     #: gradient, two fp32 moments and, below fp32, an fp32 master (14 bytes a bf16 parameter).
     resident_training_bytes: int = 0
+    #: The optimizer priced: ``ramtorch.optim.AdamW(precision=..., states=...)``.
+    precision: str = "fp32-master"
+    states: str = "device"
+    #: Host RAM of the weights that stream (the streamed units, tables gathered by rows).
+    host_weight_bytes: int = 0
+    #: Host RAM that training adds: the gradients of the streamed parameters and the optimizer
+    #: states kept in host RAM (``states="host"``: those of the parameters on the device too, with
+    #: a page-locked copy of their gradients). The spare buffers of the default schedule's
+    #: speculation are not counted: they are made only while memory allows.
+    host_training_bytes: int = 0
+    #: Parameters of the model (tied ones once).
+    params: int = 0
+    #: Host memory the plan was checked against (``None``: not checked), and whether training fits
+    #: in it with a reserve for the runtime (the larger of 2 GiB and a tenth of it).
+    host_memory: int | None = None
+    fits_host: bool | None = None
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        """Host bytes a parameter holds in training (weights, gradients, optimizer states)."""
+        return (self.host_weight_bytes + self.host_training_bytes) / max(1, self.params)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "host_bytes_per_param": self.host_bytes_per_param}
 
     def summary(self) -> str:
         resident = [u.name for u in self.units if u.resident]
@@ -94,10 +124,13 @@ class Prediction:
             f"device memory held by ramtorch: {format_bytes(held)} ({format_bytes(self.resident_bytes)} "
             f"resident + {self.slots} slots x {format_bytes(self.slot_bytes)})",
             "not counted in it, when training: gradients and optimizer states of the resident units "
-            f"on the device (AdamW, fp32 master): {format_bytes(self.resident_training_bytes)}",
+            f"on the device ({self._optimizer()}): {format_bytes(self.resident_training_bytes)}",
+            f"host memory: {format_bytes(self.host_weight_bytes)} of streamed weights; training adds "
+            f"{format_bytes(self.host_training_bytes)} (gradients, optimizer states): "
+            f"{self.host_bytes_per_param:.2f} bytes a parameter{self._fit()}",
             f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}",
             f"predicted forward: {format_seconds(self.forward_seconds)}, forward+backward: "
-            f"{format_seconds(self.forward_backward_seconds)}, training step (AdamW, fp32 master): "
+            f"{format_seconds(self.forward_backward_seconds)}, training step ({self._optimizer()}): "
             f"{format_seconds(self.step_seconds)}",
         ]
         if resident:
@@ -105,6 +138,41 @@ class Prediction:
             lines.append(f"resident: {shown}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _optimizer(self) -> str:
+        return f"AdamW, {self.precision}" + (", states in host RAM" if self.states == "host" else "")
+
+    def _fit(self) -> str:
+        if self.host_memory is None:
+            return ""
+        need = self.host_weight_bytes + self.host_training_bytes
+        verdict = "fits" if self.fits_host else "does NOT fit"
+        return f"; {verdict} in {format_bytes(self.host_memory)} of host memory (needs {format_bytes(need)})"
+
+
+def host_reserve(host_memory: int) -> int:
+    """Host memory kept for the runtime (torch, CUDA, Python, activations' pinned copies) when a
+    plan is checked against ``host_memory``: the larger of 2 GiB and a tenth of it."""
+    return max(2 << 30, host_memory // 10)
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def optimizer_bytes(p: torch.Tensor, precision: str, *, device: bool = False) -> tuple[int, float]:
+    """``(held, moved)``: bytes of ``ramtorch.optim.AdamW``'s states for parameter ``p`` (the
+    master included), and bytes a step moves for it (its gradient read, every state read and
+    written, the weight written, and read too where no master holds it). ``device``: the states
+    of a parameter updated on its device by torch's kernels (``precision="compact"`` keeps fp32
+    masters there)."""
+    if device and precision == "compact":
+        precision = "fp32-master"
+    specs = _optim_state.state_specs(tuple(p.shape), p.dtype, precision, _ADAMW_STATES)
+    held = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs.values())
+    size = p.numel() * p.element_size()
+    return held, size + 2 * held + (size if "master" in specs else 2 * size)
 
 
 def format_seconds(t: float) -> str:
@@ -150,9 +218,22 @@ def predict(
     *,
     unit: Any = None,
     max_inflight: int | None = None,
-    optimizer_bytes_per_param: int = 28,
+    optimizer_bytes_per_param: float | None = None,
+    precision: str = "fp32-master",
+    states: str = "device",
+    host_memory: int | str | None = None,
 ) -> Prediction:
-    """The plan :func:`ramtorch.offload` would make for ``model`` and its predicted times."""
+    """The plan :func:`ramtorch.offload` would make for ``model``, its predicted times and its
+    host memory in training with ``ramtorch.optim.AdamW(precision=precision, states=states)``.
+    ``optimizer_bytes_per_param``: host bytes a step moves per parameter (default: what that
+    optimizer moves for the model's parameters, 28 for a bf16 parameter with fp32 masters).
+    ``host_memory``: bytes (or ``"24GiB"``, or ``"auto"``: this machine's) to check that training
+    fits in, less :func:`host_reserve`; ``None``: not checked."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if states not in STATES:
+        raise ValueError(f"states must be one of {STATES}, got {states!r}")
+    memory = machine_memory() if host_memory == "auto" else parse_bytes(host_memory, "host_memory")
     c = ceilings or Ceilings()
     inflight = _config.max_inflight(max_inflight)
     raw, shared = _stream_units.collect_units(model, unit)
@@ -203,6 +284,25 @@ def predict(
         sizes[k] = min(tokens, w.shape[0]) * w.shape[1] * w.element_size()
     rate = c.tflops * 1e12 * c.efficiency
     counts = [sum(p.numel() for p in u.params) for u in units]
+    # Host memory in training, and the bytes a step moves per parameter.
+    trained = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    on_host = {id(p) for k, u in enumerate(units) if k not in resident for p in u.params}
+    host_weights = sum(units[k].nbytes for k in range(len(units)) if k not in resident)
+    host_training, moved = 0, 0.0
+    for p in trained:
+        here = id(p) in on_host or states == "host"
+        held, step_bytes = optimizer_bytes(p, precision, device=not here)
+        if precision == "compact":
+            # Its block codec is bound by arithmetic, not memory: on the measured host (16 cores)
+            # a compact update takes about what an fp32-master one does per parameter (0.22 ns),
+            # though it moves half the bytes. Priced as the fp32-master update.
+            step_bytes = max(step_bytes, optimizer_bytes(p, "fp32-master", device=not here)[1])
+        moved += step_bytes
+        if here:  # states (and a host gradient: .grad, or the page-locked copy of a device one)
+            host_training += held + p.numel() * p.element_size()
+    nparams = sum(p.numel() for p in model.parameters())
+    if optimizer_bytes_per_param is None:
+        optimizer_bytes_per_param = moved / max(1, sum(p.numel() for p in trained))
     copies = [0.0 if k in resident else sizes[k] / (c.h2d_gbps * 1e9) for k in range(len(units))]
     fwd_comp = [2 * n * tokens / rate for n in counts]
     fwd, _ = _simulate(copies, fwd_comp, pl.slots)
@@ -237,7 +337,16 @@ def predict(
             f"reads (at most {format_bytes(sizes[k])} at {tokens} tokens), in no slot"
             for k in sorted(gathered)
         ],
-        resident_training_bytes=sum(_training_bytes(p) for p in on_device if p.is_floating_point()),
+        resident_training_bytes=sum(
+            _training_bytes(p, precision, states) for p in on_device if p.is_floating_point()
+        ),
+        precision=precision,
+        states=states,
+        host_weight_bytes=host_weights,
+        host_training_bytes=host_training,
+        params=nparams,
+        host_memory=memory,
+        fits_host=None if memory is None else host_weights + host_training <= memory - host_reserve(memory),
     )
 
 
@@ -261,10 +370,12 @@ def _block_notes(model: nn.Module) -> list[str]:
     ]
 
 
-def _training_bytes(p: torch.Tensor) -> int:
-    """Device bytes a parameter updated on its device adds in training with ramtorch's AdamW
-    (fp32 master): its gradient, two fp32 moments, and an fp32 master below fp32."""
-    return p.numel() * (p.element_size() + 8 + (4 if p.element_size() < 4 else 0))
+def _training_bytes(p: torch.Tensor, precision: str = "fp32-master", states: str = "device") -> int:
+    """Device bytes a parameter kept on the device adds in training with ramtorch's AdamW: its
+    gradient, and with ``states="device"`` its states there (two fp32 moments, and an fp32 master
+    below fp32, with ``precision="fp32-master"``)."""
+    grad = p.numel() * p.element_size()
+    return grad if states == "host" else grad + optimizer_bytes(p, precision, device=True)[0]
 
 
 def build_meta_model(spec: str) -> nn.Module:

@@ -27,6 +27,32 @@ def scales_name(name: str) -> str:
     return f"{name}_scales"
 
 
+def state_specs(
+    shape: tuple[int, ...], dtype: torch.dtype, precision: str, names: tuple[str, ...]
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each state (the master included) that a parameter of ``shape`` and
+    ``dtype`` keeps in host RAM under ``precision``, for a rule whose states are ``names``: the
+    layout of :meth:`HostStates._host_specs`, and what :mod:`ramtorch.plan` counts."""
+    if precision == "compact":
+        if dtype == torch.float16:
+            raise ValueError("precision='compact' needs bfloat16 (or float32) parameters, got float16")
+        n = 1
+        for d in shape:
+            n *= d
+        specs = {name: (shape, torch.uint8) for name in names}
+        specs.update({scales_name(name): ((-(-n // BLOCK),), torch.float32) for name in names})
+        if dtype == torch.bfloat16:
+            specs[COMPENSATION] = (shape, torch.bfloat16)
+        return specs
+    if precision == "bf16" and dtype == torch.float16:
+        raise ValueError("precision='bf16' needs bfloat16 parameters, got float16")
+    bf16_mode = precision == "bf16" and dtype == torch.bfloat16
+    specs = {name: (shape, torch.bfloat16 if bf16_mode else torch.float32) for name in names}
+    if dtype != torch.float32 and not bf16_mode:
+        specs["master"] = (shape, torch.float32)
+    return specs
+
+
 def _is_host(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype in _DTYPES
 
@@ -91,19 +117,7 @@ class HostStates(torch.optim.Optimizer):
 
     def _host_specs(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each state of host parameter ``p`` (the master included)."""
-        shape = tuple(p.shape)
-        if self._compact(p):
-            blocks = (-(-p.numel() // BLOCK),)
-            specs = {n: (shape, torch.uint8) for n in self._state_names}
-            specs.update({scales_name(n): (blocks, torch.float32) for n in self._state_names})
-            if p.dtype == torch.bfloat16:
-                specs[COMPENSATION] = (shape, torch.bfloat16)
-            return specs
-        sdtype, needs_master = self._state_layout(p)
-        specs = {n: (shape, sdtype) for n in self._state_names}
-        if needs_master:
-            specs["master"] = (shape, torch.float32)
-        return specs
+        return state_specs(tuple(p.shape), p.dtype, self.precision, self._state_names)
 
     def _host_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
         state = self.state[p]
