@@ -34,8 +34,8 @@ fn bytes_per_param(mode: &str) -> f64 {
 
 /// A deterministic pseudo-random value in [-1, 1) for element `i` (SplitMix64).
 fn unit(i: usize, salt: u64) -> f32 {
-    let mut z = (i as u64 ^ salt.wrapping_mul(0xD1B5_4A32_D192_ED03))
-        .wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z =
+        (i as u64 ^ salt.wrapping_mul(0xD1B5_4A32_D192_ED03)).wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
