@@ -110,6 +110,39 @@ fn step(b: &mut Bufs, g: &[bf16], h: &AdamW) -> Result<(), ramtorch_core::Error>
     }
 }
 
+/// The block codec alone, on the calling thread, over 16384 elements (in L1 and L2): ns per
+/// element to quantize (signed and unsigned map) and to dequantize.
+fn codec() -> Result<(), ramtorch_core::Error> {
+    const N: usize = 1 << 14;
+    const REPS: usize = 2000;
+    let x: Vec<f32> = (0..N).map(|i| unit(i, 3) * unit(i, 4).abs()).collect();
+    let mut codes = vec![0u8; N];
+    let mut scales = vec![0f32; blocks(N)];
+    let mut y = vec![0f32; N];
+    for signed in [true, false] {
+        let x: Vec<f32> = if signed {
+            x.clone()
+        } else {
+            x.iter().map(|v| v * v).collect()
+        };
+        let t0 = Instant::now();
+        for _ in 0..REPS {
+            quant::quantize(&x, &mut codes, &mut scales, signed)?;
+        }
+        let enc = t0.elapsed().as_secs_f64() * 1e9 / (N * REPS) as f64;
+        let t0 = Instant::now();
+        for _ in 0..REPS {
+            quant::dequantize(&codes, &scales, &mut y, signed)?;
+        }
+        let dec = t0.elapsed().as_secs_f64() * 1e9 / (N * REPS) as f64;
+        let map = if signed { "signed" } else { "unsigned" };
+        println!(
+            "codec, {map:>8} map: quantize {enc:.3} ns/element, dequantize {dec:.3} ns/element"
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let n: usize = args.first().map_or(Ok(1 << 26), |s| s.parse())?;
@@ -123,6 +156,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             return Err(format!("unknown mode {m:?} (fp32-master, bf16, compact)").into());
         }
     }
+    codec()?;
     let all = threads();
     let single = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
     println!("N = {n}, {reps} reps (best of), pool of {all} threads");
