@@ -52,8 +52,8 @@
 //! (decode every operand into `f32` arrays in L1, update, encode back) for the block formats; on
 //! x86-64 the loops are also compiled for AVX2 and for AVX-512, and the best the CPU has is chosen
 //! at run time (all paths give the same bits). The 8-bit codec of [`quant`] is written with AVX2
-//! and AVX-512 intrinsics (table look-ups as gathers), so that a step with block-quantized states
-//! costs about as much arithmetic per element as one with `bf16` states. Tensors
+//! and AVX-512 intrinsics (table look-ups as gathers, no division in the AVX-512 encoder), with the
+//! bits of its scalar code. Tensors
 //! above [`SERIAL_MAX`] elements are split into pieces of [`SERIAL_MAX`] / 2 to [`SERIAL_MAX`]
 //! elements that run on the rayon pool; smaller ones run on the calling thread.
 //!
