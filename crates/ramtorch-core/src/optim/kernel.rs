@@ -1038,10 +1038,13 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
             b.load(at, xb);
             let base = lo.wrapping_add(at as u32);
             if P::SR || A::SR {
-                for (i, (rp, ra)) in rp[..len].iter_mut().zip(&mut ra[..len]).enumerate() {
-                    let r = hash32(base.wrapping_add(i as u32), k0, k1);
-                    *rp = r;
-                    *ra = r >> 16;
+                for (i, rp) in rp[..len].iter_mut().enumerate() {
+                    *rp = hash32(base.wrapping_add(i as u32), k0, k1);
+                }
+                if A::SR {
+                    for (ra, &r) in ra[..len].iter_mut().zip(&rp[..len]) {
+                        *ra = r >> 16;
+                    }
                 }
             }
             if B::SR {

@@ -49,8 +49,11 @@
 //!
 //! Each combination of storage types compiles to its own loops that LLVM vectorises: one fused
 //! loop per element for the element-wise formats, loops over a block of [`quant::BLOCK`] elements
-//! (decode every operand into `f32` arrays in L1, update, encode back) for the block formats; on x86-64 the loops are also compiled for AVX2 and for
-//! AVX-512, and the best the CPU has is chosen at run time (all paths give the same bits). Tensors
+//! (decode every operand into `f32` arrays in L1, update, encode back) for the block formats; on
+//! x86-64 the loops are also compiled for AVX2 and for AVX-512, and the best the CPU has is chosen
+//! at run time (all paths give the same bits). The 8-bit codec of [`quant`] is written with AVX2
+//! and AVX-512 intrinsics (table look-ups as gathers, no division in the AVX-512 encoder), with the
+//! bits of its scalar code. Tensors
 //! above [`SERIAL_MAX`] elements are split into pieces of [`SERIAL_MAX`] / 2 to [`SERIAL_MAX`]
 //! elements that run on the rayon pool; smaller ones run on the calling thread.
 //!

@@ -13,9 +13,13 @@
 //! magnitudes flush to the nearest of 0 and the smallest code (`3.25e-7 * scale` unsigned,
 //! `5.5e-7 * scale` signed).
 //!
-//! Encoding finds the largest map value at or below `x` (a 64 KiB table indexed by the top 16
-//! bits of `x`'s order key gives a start a step or two below it) and rounds to the nearer of it
-//! and the next value, as a binary search over the sorted map would; decoding is a table look-up and a multiply.
+//! Encoding rounds `x / scale` to the nearest map value (ties to the upper one), as a binary search
+//! over the sorted map followed by a comparison with the midpoint would: a table indexed by the
+//! sign, binade and top seven mantissa bits of the quotient gives the code at the start of its
+//! bucket and where in the bucket the next code begins, so a code is one look-up and one integer
+//! compare (checked on every float against the binary search). Decoding is a table look-up and a
+//! multiply. On x86-64 both run eight or sixteen elements at a time (AVX2, AVX-512, the look-ups
+//! as gathers), with the bits of the scalar code.
 //! Both are pure functions of the block, so results do not depend on threads or chunking.
 
 use std::sync::OnceLock;
@@ -62,63 +66,123 @@ pub fn qmap(signed: bool) -> &'static [f32; 256] {
     &map(signed).values
 }
 
-/// The most map values in one bucket of [`Map`]'s table (the steps of an encode).
-const STEPS: usize = 2;
+/// Binades of the encoder's table, per sign: magnitudes below `2^-23` share the first (no map
+/// value's rounding boundary is that small), `[2^-23, 2^-22)` up to `[0.5, 1)` have one each, and
+/// `[1, inf)` shares the last (every magnitude there takes the top code of its sign).
+const BINADES: u32 = 25;
+/// The biased exponent of the first binade with its own buckets (`2^-23`), minus one.
+const LOW_EXP: u32 = 126 - 23;
+/// Top mantissa bits that index a bucket within a binade: buckets `2^-7` of a binade wide, so
+/// that none holds more than one rounding boundary (checked when the table is built).
+const MANT_BITS: u32 = 7;
+/// Entries of the encoder's table: the sign bit selects a half of `2^12` (of which the
+/// `BINADES << MANT_BITS` = 3200 first are used).
+const TABLE: usize = 2 << 12;
 
-/// A map with its encoder's bucket table: `start[k]` is the largest code `j >= 1` whose value's
-/// order key is at most `k << 16` (0 if none), so that the largest code at or below any `x` in
-/// bucket `k` is found by stepping up from `start[k]` (a step or two: buckets are finer than the
-/// map's gaps but for its top values).
+/// A map with its encoder's table.
+///
+/// The encoder rounds `x` to the nearest map value (ties to the upper one), which is a monotone
+/// step function of `x`: code `c + 1` begins at the smallest float `t_c` with
+/// `t_c - m[c] >= (m[c + 1] - m[c]) / 2`. The table cuts the floats into buckets (sign, binade,
+/// top [`MANT_BITS`] mantissa bits) that hold at most one such `t_c` each, and stores for each
+/// bucket the code of its smallest value (bits 16..24) and, in the low 16 bits, where in the
+/// bucket the next code begins: the low 16 bits of `t_c` (in value order: complemented for a
+/// negative bucket) minus one, or `0xFFFF` if the code does not change in the bucket. Encoding
+/// is then one look-up and one compare, identical for scalar and vector code.
 pub(super) struct Map {
     pub(super) values: [f32; 256],
-    /// Indexed by the top 16 bits of a key: sized so that no index needs a bounds check.
-    start: Box<[u8; 1 << 16]>,
+    table: Box<[u32; TABLE]>,
 }
 
-/// A key of `x`'s bits whose integer order is the float order (for non-NaN `x`, -0 taken as +0).
+/// The bucket of `x`'s bits `b` (see [`Map`]) and `x`'s low 16 bits in value order.
 #[inline(always)]
-fn order_key(x: f32) -> u32 {
-    let b = (x + 0.0).to_bits();
-    if b & 0x8000_0000 != 0 {
-        !b
-    } else {
-        b | 0x8000_0000
-    }
+fn bucket(b: u32) -> (usize, u32) {
+    let sign = b >> 31;
+    let exp = (b >> 23) & 0xFF;
+    let binade = exp.saturating_sub(LOW_EXP).min(BINADES - 1);
+    let top = (b >> 16) & ((1 << MANT_BITS) - 1);
+    let low = (b ^ (((b as i32) >> 31) as u32)) & 0xFFFF;
+    ((sign << 12 | binade << MANT_BITS | top) as usize, low)
 }
 
 impl Map {
     fn new(signed: bool) -> Map {
         let values = build(signed);
-        let keys: Vec<u32> = values.iter().map(|&v| order_key(v)).collect();
-        let mut start = Box::new([0u8; 1 << 16]);
-        let mut j = 0usize;
-        for (k, s) in start.iter_mut().enumerate() {
-            let lo = (k as u32) << 16;
-            while j < 255 && keys[j + 1] <= lo {
-                j += 1;
+        let mut table = Box::new([0u32; TABLE]);
+        for sign in 0..2u32 {
+            for binade in 0..BINADES {
+                for top in 0..1u32 << MANT_BITS {
+                    // The bucket's floats, ascending: low 16 bits in value order `l` -> bits.
+                    // Binade 0 stands for every exponent up to `LOW_EXP`, the last binade for
+                    // every one from 127 up: their buckets are checked over that whole range.
+                    let (e_lo, e_hi) = match binade {
+                        0 => (0, LOW_EXP),
+                        b if b == BINADES - 1 => (LOW_EXP + b, 0xFE),
+                        b => (LOW_EXP + b, LOW_EXP + b),
+                    };
+                    let at = |e: u32, l: u32| -> f32 {
+                        let low = if sign == 1 { l ^ 0xFFFF } else { l };
+                        f32::from_bits(sign << 31 | e << 23 | top << 16 | low)
+                    };
+                    // Value order within the bucket: for a negative sign, larger exponents are
+                    // smaller values.
+                    let (first, last) = if sign == 1 {
+                        (at(e_hi, 0), at(e_lo, 0xFFFF))
+                    } else {
+                        (at(e_lo, 0), at(e_hi, 0xFFFF))
+                    };
+                    let c0 = encode_by_search(&values, first);
+                    let c1 = encode_by_search(&values, last);
+                    let entry = if c1 == c0 {
+                        0xFFFF
+                    } else {
+                        assert!(
+                            c1 == c0 + 1 && e_lo == e_hi,
+                            "a bucket of the encoder's table holds two rounding boundaries"
+                        );
+                        // The smallest `l` of the bucket that takes code `c0 + 1` (monotone).
+                        let (mut lo, mut hi) = (0u32, 0xFFFFu32);
+                        while lo < hi {
+                            let mid = (lo + hi) / 2;
+                            if encode_by_search(&values, at(e_lo, mid)) > c0 {
+                                hi = mid;
+                            } else {
+                                lo = mid + 1;
+                            }
+                        }
+                        lo - 1
+                    };
+                    let (idx, _) = bucket(first.to_bits());
+                    table[idx] = u32::from(c0) << 16 | entry;
+                }
             }
-            *s = j as u8;
         }
-        Map { values, start }
+        Map { values, table }
     }
 
     /// The code of the map value nearest `x` (ties to the upper one); `x` below the map takes
     /// code 0, above it code 255. `x` must not be NaN.
     #[inline(always)]
     pub(super) fn encode(&self, x: f32) -> u8 {
-        let m = &self.values;
-        // The largest code >= 1 whose value is <= x, else 0 (as a binary search over the map).
-        // No bucket holds more than `STEPS` map values (checked in the tests): fixed, branch-free
-        // steps.
-        let mut c = self.start[(order_key(x) >> 16) as usize] as usize;
-        for _ in 0..STEPS {
-            c += usize::from(c < 255 && x >= m[(c + 1).min(255)]);
-        }
-        let c = c.min(255);
-        let up = (c + 1).min(255);
-        let (lo, hi) = (m[c], m[up]);
-        // Branch-free, so that the loops over a block can use vector gathers.
-        (c + usize::from(x - lo >= (hi - lo) * 0.5 && up > c)) as u8
+        let (idx, low) = bucket(x.to_bits());
+        let e = self.table[idx & (TABLE - 1)];
+        ((e >> 16) + u32::from(low > (e & 0xFFFF))) as u8
+    }
+}
+
+/// The reference encoder: a branch-free binary search over the sorted map for the largest value
+/// at or below `x` (code 0 if none), then the nearer of it and the next value (ties to the upper
+/// one). `x` must not be NaN.
+fn encode_by_search(m: &[f32; 256], x: f32) -> u8 {
+    let mut c = 0usize;
+    for step in [128usize, 64, 32, 16, 8, 4, 2, 1] {
+        c += if x >= m[c + step] { step } else { 0 };
+    }
+    let up = (c + 1).min(255);
+    if x - m[c] >= (m[up] - m[c]) * 0.5 {
+        up as u8
+    } else {
+        c as u8
     }
 }
 
@@ -136,6 +200,19 @@ pub(super) fn map(signed: bool) -> &'static Map {
 /// Decodes one block: `out[i] = map[codes[i]] * scale`.
 #[inline(always)]
 pub(super) fn decode_block(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    match super::kernel::isa() {
+        // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ on this CPU.
+        super::kernel::Isa::Avx512 => return unsafe { x86::decode_avx512(map, codes, scale, out) },
+        // SAFETY: `isa()` found AVX2 and F16C on this CPU.
+        super::kernel::Isa::Avx2 => return unsafe { x86::decode_avx2(map, codes, scale, out) },
+        super::kernel::Isa::Base => {}
+    }
+    decode_scalar(map, codes, scale, out);
+}
+
+#[inline(always)]
+fn decode_scalar(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
     let m = &map.values;
     for (o, &c) in out.iter_mut().zip(codes) {
         *o = m[c as usize] * scale;
@@ -147,25 +224,211 @@ pub(super) fn decode_block(map: &Map, codes: &[u8], scale: f32, out: &mut [f32])
 /// spread through an unquantized state).
 #[inline(always)]
 pub(super) fn encode_block(map: &Map, x: &[f32], codes: &mut [u8]) -> f32 {
-    let mut amax = 0f32;
-    let mut finite = true;
-    for &v in x {
-        amax = amax.max(v.abs());
-        finite &= v.is_finite();
-    }
-    if !finite {
+    // The largest magnitude as the largest of the bits without the sign (the same order for
+    // non-NaN floats; infinities and NaNs are the bits from 0x7F80_0000 up).
+    let amax_bits = x
+        .iter()
+        .fold(0u32, |a, &v| a.max(v.to_bits() & 0x7FFF_FFFF));
+    if amax_bits >= 0x7F80_0000 {
         codes.fill(0);
         return f32::NAN;
     }
+    let amax = f32::from_bits(amax_bits);
     if amax == 0.0 {
         let zero = map.encode(0.0);
         codes.fill(zero);
         return 0.0;
     }
+    #[cfg(target_arch = "x86_64")]
+    match super::kernel::isa() {
+        // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ on this CPU.
+        super::kernel::Isa::Avx512 => unsafe { x86::encode_avx512(map, x, amax, codes) },
+        // SAFETY: `isa()` found AVX2 and F16C on this CPU.
+        super::kernel::Isa::Avx2 => unsafe { x86::encode_avx2(map, x, amax, codes) },
+        super::kernel::Isa::Base => encode_scalar(map, x, amax, codes),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    encode_scalar(map, x, amax, codes);
+    amax
+}
+
+/// `codes[i] = map.encode(x[i] / amax)`.
+#[inline(always)]
+fn encode_scalar(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
     for (c, &v) in codes.iter_mut().zip(x) {
         *c = map.encode(v / amax);
     }
-    amax
+}
+
+/// The block codec in AVX2 and AVX-512: the scalar code's operations, eight or sixteen lanes at
+/// a time (the look-ups are gathers), the same bits.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Map, BINADES, LOW_EXP, MANT_BITS};
+    use std::arch::x86_64::*;
+
+    /// The codes of the eight floats of bits `b` (one per 32-bit lane), as [`Map::encode`].
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn codes8(table: &[u32; super::TABLE], b: __m256i) -> __m256i {
+        let sign = _mm256_srli_epi32::<31>(b);
+        let exp = _mm256_and_si256(_mm256_srli_epi32::<23>(b), _mm256_set1_epi32(0xFF));
+        let binade = _mm256_min_epi32(
+            _mm256_max_epi32(
+                _mm256_sub_epi32(exp, _mm256_set1_epi32(LOW_EXP as i32)),
+                _mm256_setzero_si256(),
+            ),
+            _mm256_set1_epi32(BINADES as i32 - 1),
+        );
+        let top = _mm256_and_si256(
+            _mm256_srli_epi32::<16>(b),
+            _mm256_set1_epi32((1 << MANT_BITS) - 1),
+        );
+        let idx = _mm256_or_si256(
+            _mm256_or_si256(
+                _mm256_slli_epi32::<12>(sign),
+                _mm256_slli_epi32::<{ MANT_BITS as i32 }>(binade),
+            ),
+            top,
+        );
+        let low16 = _mm256_set1_epi32(0xFFFF);
+        let low = _mm256_and_si256(_mm256_xor_si256(b, _mm256_srai_epi32::<31>(b)), low16);
+        // SAFETY: every index is below 2 << 12 = the table's length (sign bit 12, binade below
+        // 2^5 at bit 7, top below 2^7).
+        let e = unsafe { _mm256_i32gather_epi32::<4>(table.as_ptr().cast(), idx) };
+        let base = _mm256_srli_epi32::<16>(e);
+        // `low > boundary` is -1 (both below 2^16: the signed compare is the unsigned one).
+        _mm256_sub_epi32(base, _mm256_cmpgt_epi32(low, _mm256_and_si256(e, low16)))
+    }
+
+    /// [`super::encode_scalar`] in AVX2.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn encode_avx2(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
+        let n = x.len().min(codes.len());
+        let a = _mm256_set1_ps(amax);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n`, within both slices.
+            unsafe {
+                let y = _mm256_div_ps(_mm256_loadu_ps(x.as_ptr().add(i)), a);
+                let c = codes8(&map.table, _mm256_castps_si256(y));
+                let w =
+                    _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+                _mm_storel_epi64(codes.as_mut_ptr().add(i).cast(), _mm_packus_epi16(w, w));
+            }
+            i += 8;
+        }
+        super::encode_scalar(map, &x[i..n], amax, &mut codes[i..n]);
+    }
+
+    /// [`super::decode_scalar`] in AVX2.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn decode_avx2(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
+        let n = out.len().min(codes.len());
+        let s = _mm256_set1_ps(scale);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: `i + 8 <= n`, within both slices; the codes index the map's 256 values.
+            unsafe {
+                let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes.as_ptr().add(i).cast()));
+                let v = _mm256_i32gather_ps::<4>(map.values.as_ptr(), c);
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, s));
+            }
+            i += 8;
+        }
+        super::decode_scalar(map, &codes[i..n], scale, &mut out[i..n]);
+    }
+
+    /// [`super::encode_scalar`] in AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW, VL and DQ.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")]
+    pub(super) unsafe fn encode_avx512(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
+        let n = x.len().min(codes.len());
+        let a = _mm512_set1_ps(amax);
+        // `x / amax` without a division where `amax` is not tiny: `q = x * (1 / amax)`, then
+        // two corrections `q += (x - q * amax) * (1 / amax)` with the remainder computed exactly
+        // by a fused multiply-add; the first brings `q` within one ulp of the quotient, the second
+        // rounds it correctly (Markstein's theorem: a correctly rounded reciprocal, a `q` within
+        // one ulp, no underflow), so `y` has the bits of the division. From `amax >= 2^-64` on,
+        // every remainder that matters is exact (a quotient below 2^-26 codes as 0 whatever its
+        // last bits: see `BINADES`).
+        let fast = amax >= f32::from_bits(0x1F80_0000);
+        let r = _mm512_set1_ps(1.0 / amax);
+        let table = &map.table;
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: `i + 16 <= n`, within both slices; the gather's indices as in `codes8`.
+            unsafe {
+                let v = _mm512_loadu_ps(x.as_ptr().add(i));
+                let y = if fast {
+                    let q = _mm512_mul_ps(v, r);
+                    let q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, a, v), r, q);
+                    _mm512_fmadd_ps(_mm512_fnmadd_ps(q, a, v), r, q)
+                } else {
+                    _mm512_div_ps(v, a)
+                };
+                let b = _mm512_castps_si512(y);
+                let sign = _mm512_srli_epi32::<31>(b);
+                let exp = _mm512_and_si512(_mm512_srli_epi32::<23>(b), _mm512_set1_epi32(0xFF));
+                let binade = _mm512_min_epi32(
+                    _mm512_max_epi32(
+                        _mm512_sub_epi32(exp, _mm512_set1_epi32(LOW_EXP as i32)),
+                        _mm512_setzero_si512(),
+                    ),
+                    _mm512_set1_epi32(BINADES as i32 - 1),
+                );
+                let top = _mm512_and_si512(
+                    _mm512_srli_epi32::<16>(b),
+                    _mm512_set1_epi32((1 << MANT_BITS) - 1),
+                );
+                let idx = _mm512_or_si512(
+                    _mm512_or_si512(
+                        _mm512_slli_epi32::<12>(sign),
+                        _mm512_slli_epi32::<{ MANT_BITS }>(binade),
+                    ),
+                    top,
+                );
+                let low16 = _mm512_set1_epi32(0xFFFF);
+                let low = _mm512_and_si512(_mm512_xor_si512(b, _mm512_srai_epi32::<31>(b)), low16);
+                let e = _mm512_i32gather_epi32::<4>(idx, table.as_ptr().cast());
+                let up = _mm512_cmpgt_epi32_mask(low, _mm512_and_si512(e, low16));
+                let base = _mm512_srli_epi32::<16>(e);
+                let c = _mm512_mask_add_epi32(base, up, base, _mm512_set1_epi32(1));
+                _mm_storeu_si128(codes.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c));
+            }
+            i += 16;
+        }
+        super::encode_scalar(map, &x[i..n], amax, &mut codes[i..n]);
+    }
+
+    /// [`super::decode_scalar`] in AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW, VL and DQ.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")]
+    pub(super) unsafe fn decode_avx512(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
+        let n = out.len().min(codes.len());
+        let s = _mm512_set1_ps(scale);
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: `i + 16 <= n`, within both slices; the codes index the map's 256 values.
+            unsafe {
+                let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.as_ptr().add(i).cast()));
+                let v = _mm512_i32gather_ps::<4>(c, map.values.as_ptr());
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(v, s));
+            }
+            i += 16;
+        }
+        super::decode_scalar(map, &codes[i..n], scale, &mut out[i..n]);
+    }
 }
 
 /// Quantizes `x` block by block into `codes` (one per element) and `scales` (one per block,
@@ -221,66 +484,273 @@ fn check(n: usize, codes: usize, scales: usize) -> crate::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::kernel::{Isa, FORCE_ISA};
 
-    /// The reference: a branch-free binary search over the sorted map, then round to nearest.
-    fn encode_by_search(m: &[f32; 256], x: f32) -> u8 {
-        let mut c = 0usize;
-        for step in [128usize, 64, 32, 16, 8, 4, 2, 1] {
-            c += if x >= m[c + step] { step } else { 0 };
-        }
-        let up = (c + 1).min(255);
-        if x - m[c] >= (m[up] - m[c]) * 0.5 {
-            up as u8
+    /// The encoder this crate had before the table of rounding boundaries (kept as a second
+    /// reference): a 64 KiB table indexed by the top 16 bits of `x`'s order key gives the largest
+    /// code `j >= 1` at or below the bucket's start, two steps up find the largest code at or
+    /// below `x`, then the nearer of it and the next.
+    struct OldMap {
+        values: [f32; 256],
+        start: Vec<u8>,
+    }
+
+    fn order_key(x: f32) -> u32 {
+        let b = (x + 0.0).to_bits();
+        if b & 0x8000_0000 != 0 {
+            !b
         } else {
-            c as u8
+            b | 0x8000_0000
         }
     }
 
-    #[test]
-    fn no_bucket_holds_more_than_steps_map_values() {
-        for signed in [true, false] {
-            let mp = map(signed);
-            let mut per = std::collections::HashMap::new();
-            for &v in &mp.values[1..] {
-                *per.entry(order_key(v) >> 16).or_insert(0usize) += 1;
+    impl OldMap {
+        fn new(signed: bool) -> OldMap {
+            let values = build(signed);
+            let keys: Vec<u32> = values.iter().map(|&v| order_key(v)).collect();
+            let mut start = vec![0u8; 1 << 16];
+            let mut j = 0usize;
+            for (k, s) in start.iter_mut().enumerate() {
+                let lo = (k as u32) << 16;
+                while j < 255 && keys[j + 1] <= lo {
+                    j += 1;
+                }
+                *s = j as u8;
             }
-            assert!(
-                per.values().all(|&n| n <= STEPS),
-                "{:?}",
-                per.values().max()
-            );
+            OldMap { values, start }
+        }
+
+        fn encode(&self, x: f32) -> u8 {
+            let m = &self.values;
+            let mut c = self.start[(order_key(x) >> 16) as usize] as usize;
+            for _ in 0..2 {
+                c += usize::from(c < 255 && x >= m[(c + 1).min(255)]);
+            }
+            let c = c.min(255);
+            let up = (c + 1).min(255);
+            let (lo, hi) = (m[c], m[up]);
+            (c + usize::from(x - lo >= (hi - lo) * 0.5 && up > c)) as u8
         }
     }
 
+    /// A small deterministic generator (an LCG's top bits).
+    fn lcg(z: &mut u64) -> u64 {
+        *z = z
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *z >> 32
+    }
+
+    /// Values that probe the encoder: zeros, ones, denormals, infinities, every map value and
+    /// its neighbours, every midpoint between map values and its neighbours, every bucket edge
+    /// of the table, random values over thirty binades.
+    fn probes(m: &[f32; 256]) -> Vec<f32> {
+        let mut xs: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            1.5,
+            -1.5,
+            2.0,
+            -2.0,
+            1e-30,
+            -1e-30,
+            f32::MIN_POSITIVE,
+            -f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            f32::from_bits(0x8000_0001),
+            f32::from_bits(0x007F_FFFF),
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let near = |x: f32, xs: &mut Vec<f32>| {
+            for d in -3i32..=3 {
+                xs.push(f32::from_bits((x.to_bits() as i32).wrapping_add(d) as u32));
+            }
+        };
+        for &v in m {
+            near(v, &mut xs);
+        }
+        for w in m.windows(2) {
+            near((w[0] + w[1]) * 0.5, &mut xs);
+            near(w[0] + (w[1] - w[0]) * 0.5, &mut xs);
+        }
+        for b in 0..1u32 << 16 {
+            near(f32::from_bits(b << 16), &mut xs);
+        }
+        let mut z = 0x1234_5678u64;
+        for _ in 0..400_000 {
+            let r = lcg(&mut z) as u32;
+            let u = f32::from_bits(r & 0x807F_FFFF | 0x3F00_0000);
+            let e = (lcg(&mut z) % 30) as i32;
+            xs.push(u * 2f32.powi(-e));
+        }
+        xs.retain(|x| !x.is_nan());
+        xs
+    }
+
     #[test]
-    fn the_bucketed_encoder_equals_a_binary_search() {
+    fn the_table_encoder_equals_a_binary_search_and_the_old_encoder() {
         for signed in [true, false] {
             let mp = map(signed);
-            let mut xs: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, 1.5, -1.5, 1e-30, -1e-30];
-            for &v in mp.values.iter() {
-                for d in [-2i32, -1, 0, 1, 2] {
-                    xs.push(f32::from_bits((v.to_bits() as i32 + d) as u32));
+            let old = OldMap::new(signed);
+            assert_eq!(old.values, mp.values);
+            for x in probes(&mp.values) {
+                let want = encode_by_search(&mp.values, x);
+                assert_eq!(mp.encode(x), want, "x = {x:e} ({:#x})", x.to_bits());
+                assert_eq!(old.encode(x), want, "old, x = {x:e}");
+            }
+        }
+    }
+
+    /// Every non-NaN float (2^32 of them, on the rayon pool): `cargo test --release -p
+    /// ramtorch-core -- --ignored every_float`.
+    #[test]
+    #[ignore = "minutes on a few cores"]
+    fn every_float_encodes_as_the_binary_search_and_the_old_encoder() {
+        use rayon::prelude::*;
+        for signed in [true, false] {
+            let mp = map(signed);
+            let old = OldMap::new(signed);
+            (0..1u32 << 16).into_par_iter().for_each(|hi| {
+                for lo in 0..1u32 << 16 {
+                    let x = f32::from_bits(hi << 16 | lo);
+                    if x.is_nan() {
+                        continue;
+                    }
+                    let want = encode_by_search(&mp.values, x);
+                    assert_eq!(mp.encode(x), want, "x = {x:e}");
+                    assert_eq!(old.encode(x), want, "old, x = {x:e}");
+                }
+            });
+        }
+    }
+
+    /// Blocks whose quotients `x / amax` fall on and around the rounding boundaries of the maps,
+    /// for scales over seventy binades (the vector encoders may divide by other means than a
+    /// division): every instruction set gives the scalar code's codes.
+    #[test]
+    fn every_instruction_set_encodes_boundaries_alike() {
+        boundaries_alike(60, 0x5555_1234);
+    }
+
+    /// As [`every_instruction_set_encodes_boundaries_alike`] over many more scales, on the rayon
+    /// pool: `cargo test --release -p ramtorch-core -- --ignored many_scales`.
+    #[test]
+    #[ignore = "a minute on a few cores"]
+    fn many_scales_encode_boundaries_alike() {
+        use rayon::prelude::*;
+        (0..256u64)
+            .into_par_iter()
+            .for_each(|k| boundaries_alike(40, k * 7919 + 1));
+    }
+
+    fn boundaries_alike(scales: usize, seed: u64) {
+        let mut z = seed;
+        let mut amaxes: Vec<f32> = vec![1.0, f32::from_bits(0x3FFF_FFFF), 3.0, 1e-3, 7e-21];
+        for _ in 0..scales {
+            let m = lcg(&mut z) as u32 & 0x007F_FFFF;
+            let e = 127 - 70 + (lcg(&mut z) % 80) as u32;
+            amaxes.push(f32::from_bits(e << 23 | m));
+        }
+        amaxes.extend([
+            f32::from_bits(0x1F80_0000),
+            f32::from_bits(0x1F7F_FFFF),
+            1e-30,
+        ]);
+        let step = |x: f32, d: i32| f32::from_bits((x.to_bits() as i32).wrapping_add(d) as u32);
+        for signed in [true, false] {
+            let mp = map(signed);
+            for &amax in &amaxes {
+                let mut xs: Vec<f32> = Vec::new();
+                for w in mp.values.windows(2) {
+                    for d in -3..=3 {
+                        let y = step((w[0] + w[1]) * 0.5, d);
+                        for e in -2..=2 {
+                            let v = step(y * amax, e);
+                            if v.abs() <= amax {
+                                xs.push(v);
+                            }
+                        }
+                    }
+                }
+                for chunk in xs.chunks(BLOCK - 1) {
+                    let mut x = chunk.to_vec();
+                    x.push(amax);
+                    let run = |isa: Isa| {
+                        FORCE_ISA.with(|f| f.set(Some(isa)));
+                        let mut codes = vec![0u8; x.len()];
+                        let s = encode_block(mp, &x, &mut codes);
+                        FORCE_ISA.with(|f| f.set(None));
+                        (codes, s.to_bits())
+                    };
+                    let base = run(Isa::Base);
+                    #[cfg(target_arch = "x86_64")]
+                    for isa in [Isa::Avx2, Isa::Avx512] {
+                        assert!(run(isa) == base, "{isa:?}, amax {amax:e}");
+                    }
                 }
             }
-            for w in mp.values.windows(2) {
-                let mid = (w[0] + w[1]) * 0.5;
-                xs.extend([
-                    mid,
-                    f32::from_bits(mid.to_bits() + 1),
-                    f32::from_bits(mid.to_bits() - 1),
-                ]);
+        }
+    }
+
+    /// Blocks through every instruction set the codec is compiled for: the same codes, scales and
+    /// decoded values as the scalar code.
+    #[test]
+    fn every_instruction_set_codes_blocks_alike() {
+        let mut z = 0x9876_5432u64;
+        let mut blocks: Vec<Vec<f32>> = Vec::new();
+        for len in [1usize, 7, 8, 15, 16, 17, 31, 33, 100, 255, 256] {
+            for kind in 0..6 {
+                let x: Vec<f32> = (0..len)
+                    .map(|i| {
+                        let r = lcg(&mut z) as u32;
+                        let u = f32::from_bits(r & 0x807F_FFFF | 0x3F00_0000);
+                        match kind {
+                            0 => u,
+                            1 => u * 2f32.powi(-((lcg(&mut z) % 30) as i32)),
+                            2 => u.abs() * 1e-3,
+                            3 if i == len / 2 => f32::from_bits(1),
+                            3 => 0.0,
+                            4 if i == 0 => f32::INFINITY,
+                            _ => u * 1e30,
+                        }
+                    })
+                    .collect();
+                blocks.push(x);
             }
-            let mut z = 0x1234_5678u64;
-            for _ in 0..200_000 {
-                z = z
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let u = f32::from_bits((z >> 32) as u32 & 0x807F_FFFF | 0x3F00_0000);
-                let e = ((z >> 8) % 30) as i32;
-                xs.push(u * 2f32.powi(-e));
-            }
-            for x in xs.into_iter().filter(|x| !x.is_nan()) {
-                assert_eq!(mp.encode(x), encode_by_search(&mp.values, x), "x = {x:e}");
+        }
+        blocks.push(vec![-0.0; 256]);
+        for signed in [true, false] {
+            let mp = map(signed);
+            for x in &blocks {
+                let run = |isa: Isa| {
+                    FORCE_ISA.with(|f| f.set(Some(isa)));
+                    let mut codes = vec![0u8; x.len()];
+                    let s = encode_block(mp, x, &mut codes);
+                    let mut y = vec![0f32; x.len()];
+                    decode_block(mp, &codes, s, &mut y);
+                    FORCE_ISA.with(|f| f.set(None));
+                    (
+                        codes,
+                        s.to_bits(),
+                        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    )
+                };
+                let base = run(Isa::Base);
+                for (i, (&c, &v)) in base.0.iter().zip(x).enumerate() {
+                    if base.1 != f32::NAN.to_bits() && base.1 != 0 {
+                        let want = encode_by_search(&mp.values, v / f32::from_bits(base.1));
+                        assert_eq!(c, want, "element {i}");
+                    }
+                }
+                #[cfg(target_arch = "x86_64")]
+                for isa in [Isa::Avx2, Isa::Avx512] {
+                    assert!(run(isa) == base, "{isa:?} differs from the scalar codec");
+                }
             }
         }
     }
