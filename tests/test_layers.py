@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "ramtorch._units": ENGINE,
     "ramtorch._log": ENGINE,
     "ramtorch._profile": ENGINE,
+    "ramtorch._nodes": ENGINE,
     "ramtorch._stream": STREAM,
     "ramtorch._offload": FEATURE,
     "ramtorch.nn": FEATURE,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _arena
+from . import _arena, _nodes
 from ._stream.units import _set_inner, _Sub, check_streamable, stream_tensors
 
 __all__ = ["init", "share_parameters"]
@@ -103,35 +103,58 @@ def _first_difference(mine: list[tuple[str, tuple[int, ...], str, str]], ref: li
 
 
 def share_parameters(
-    model: nn.Module, *, src_rank: int = 0, group: dist.ProcessGroup | None = None
+    model: nn.Module, *, src_rank: int | None = None, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor | None:
-    """Makes every rank of ``group`` (all processes on this node) use one shared host copy of
-    ``model``'s CPU floating-point parameters, the values of rank ``src_rank`` (a global rank).
+    """Makes the ranks of each node use one shared host copy of ``model``'s CPU floating-point
+    parameters: every rank of ``group`` (a group of one host's ranks), or by default every rank of
+    this rank's node, the nodes of the world found from the launcher (``GROUP_RANK``, else ``rank //
+    LOCAL_WORLD_SIZE``, else the host name; see :mod:`ramtorch._nodes`), one copy per node.
 
-    Collective: every rank of ``group`` must call it, with a model of identical parameter names,
-    shapes and dtypes (checked first: a :class:`ValueError` naming the first difference is raised on
-    every rank, before any parameter is touched). The source rank copies its parameters into one new
-    shared region (64-byte aligned, in ``named_parameters()`` order), the others map it, and every
-    rank points its parameters' ``.data`` at views of it; then a barrier. Gradients, buffers and
+    The values are those of rank ``src_rank`` (a global rank; default: the group's first rank, or
+    global rank 0 across nodes: each node's first rank fills its node's copy, and the copies of
+    the other nodes are then overwritten with node 0's bytes, so that every node starts from the
+    same weights, as ``DistributedDataParallel`` broadcasts rank 0's at construction).
+
+    Collective: every rank of ``group`` (by default, of the world) must call it, with a model of
+    identical parameter names, shapes and dtypes (checked first: a :class:`ValueError` naming the
+    first difference is raised on every rank, before any parameter is touched). The source rank
+    copies its parameters into one new shared region (64-byte aligned, in ``named_parameters()``
+    order), the others map it, and every rank points its parameters' ``.data`` at views of it;
+    then a barrier. Gradients, buffers and
     parameters not on the CPU or not floating point are left alone. Frozen tensor-subclass weights
     (torchao quantized weights, as in QLoRA) are shared by their inner tensors and stay the same
     subclass; a subclass that cannot be (one without dense inner tensors reachable through
     ``__tensor_flatten__``, or one that requires grad) is an error naming the parameter, raised on
     every rank before any parameter is touched.
 
-    After this, a write to a shared parameter by any rank is seen by all ranks (order writes and
-    reads across ranks yourself, e.g. with a barrier). Returns the flat ``uint8`` region (``None``
-    when there is nothing to share); the parameters keep it alive, so it may be dropped.
+    After this, a write to a shared parameter by any rank is seen by all ranks of its node (order
+    writes and reads across ranks yourself, e.g. with a barrier; ``ramtorch.optim``'s ZeRO sends
+    an owner's new weights to one rank of every other node). Returns the flat ``uint8`` region
+    (``None`` when there is nothing to share); the parameters keep it alive, so it may be dropped.
 
     ``torch.distributed`` must be initialised by the caller (gloo or nccl; with nccl, set the
-    current CUDA device first, as for any object collective). Every rank must run on this node as
-    the same user, and the source rank's region must stay alive until the other ranks have mapped
-    it, which the function ensures before returning.
+    current CUDA device first, as for any object collective). The ranks of a node must run on one
+    host as the same user, and the source rank's region must stay alive until the other ranks have
+    mapped it, which the function ensures before returning.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("share_parameters: torch.distributed is not initialised")
-    world = dist.get_world_size(group)
     rank = dist.get_rank()
+    topo = _nodes.topology() if group is None else None
+    across = topo is not None and topo.multi
+    if across:
+        assert topo is not None
+        if src_rank is None:
+            src_rank = 0
+        if src_rank not in range(dist.get_world_size()):
+            raise ValueError(f"share_parameters: src_rank {src_rank} is not in the group")
+        # Each node's first rank fills its node's copy (then node 0's bytes replace it).
+        node_src, node_group = topo.node_of(rank)[0], topo.node_group
+    else:
+        if src_rank is None:
+            src_rank = dist.get_global_rank(group, 0) if group is not None else 0
+        node_src, node_group = src_rank, group
+    world = dist.get_world_size(group)
     src_index = dist.get_group_rank(group, src_rank) if group is not None else src_rank
     if not 0 <= src_index < world:
         raise ValueError(f"share_parameters: src_rank {src_rank} is not in the group")
@@ -161,10 +184,11 @@ def share_parameters(
             raise kind(prob[1] if r == rank else f"{prob[1]} (on rank {r})")
     src_host, _, ref, _ = gathered[src_index]
     for host, r, fp, _ in gathered:
-        if host != src_host:
+        if not across and host != src_host:
             raise RuntimeError(
                 f"share_parameters: rank {r} runs on host {host!r}, the source rank {src_rank} on "
-                f"{src_host!r}; shared parameters need every rank on one node"
+                f"{src_host!r}; the ranks of a group share host memory and must run on one host "
+                "(across nodes, leave group=None: each node gets its copy)"
             )
         diff = _first_difference(fp, ref)
         if diff is not None:
@@ -174,6 +198,9 @@ def share_parameters(
     if not params:
         dist.barrier(group=group)
         return None
+    origin = src_rank  # whose weights every node ends with
+    group, src_rank = node_group, node_src  # from here on: this node's copy
+    world = dist.get_world_size(group)
 
     unit_offsets, total = [], 0
     for u in units:
@@ -231,8 +258,22 @@ def share_parameters(
                 _set_inner(p, x, views)  # the same subclass tensor, its inner tensors shared
             else:
                 p.data = views[x]
+    if across:
+        assert topo is not None
+        # Every node starts from the source's weights: the source sends its node's copy to the
+        # rank at its local index on every other node, which writes it into its node's copy.
+        dist.barrier(group=group)  # this node's copy is filled
+        if topo.place(rank)[1] == topo.place(origin)[1]:
+            dist.broadcast(flat, src=origin, group=_cross(topo, origin))
     for _, p in params:
-        p._ramtorch_shared = True  # ZeRO: the owner's update reaches every rank without a broadcast
+        # ZeRO: the owner's update reaches the ranks of its node without a broadcast (and one
+        # rank of every other node, which writes it into its node's copy)
+        p._ramtorch_shared = True
     # Every rank has mapped the region and the source has filled it before anyone returns.
-    dist.barrier(group=group)
+    dist.barrier(group=None if across else group)
     return flat
+
+
+def _cross(topo: _nodes.Topology, rank: int) -> dist.ProcessGroup:
+    """The group of the ranks at ``rank``'s local index on every node."""
+    return topo.cross[topo.place(rank)[1]]

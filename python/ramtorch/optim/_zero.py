@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .. import _nodes
+
 
 def _first_diff(a: str, b: str) -> str:
     """Where two settings descriptions part, with some context."""
@@ -97,7 +99,10 @@ class Zero:
 
         owner = self.owner[id(p)]
         dst = dist.get_global_rank(self.group, owner) if self.group is not None else owner
-        dist.reduce(grad, dst=dst, op=dist.ReduceOp.SUM, group=self.group)
+        try:
+            dist.reduce(grad, dst=dst, op=dist.ReduceOp.SUM, group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise _nodes.explain("ZeRO's gradient reduction", e) from e
         if owner == dist.get_rank(self.group):
             grad.div_(dist.get_world_size(self.group))
 
@@ -109,15 +114,32 @@ class Zero:
                     self.reduce_one(p, p.grad)
 
     def publish(self, param_groups: list[dict[str, Any]]) -> None:
-        """Sends each owner's new weights to the other ranks (nothing to send for parameters in
-        shared host memory)."""
+        """Sends each owner's new weights to the other ranks. A parameter in shared host memory
+        (``ramtorch.distributed.share_parameters``) needs nothing sent within its owner's node;
+        across nodes the owner sends it to the rank at its local index on every other node, which
+        writes it into that node's copy."""
         import torch.distributed as dist
 
+        try:
+            self._publish(param_groups)
+        except (RuntimeError, dist.DistError) as e:
+            raise _nodes.explain("ZeRO's publication of new weights", e) from e
+
+    def _publish(self, param_groups: list[dict[str, Any]]) -> None:
+        import torch.distributed as dist
+
+        topo = _nodes.current()
         for g in param_groups:
             for p in g["params"]:
-                if not p.requires_grad or getattr(p, "_ramtorch_shared", False):
+                if not p.requires_grad:
                     continue
-                dist.broadcast(p.data, src=self.global_rank(self.owner[id(p)]), group=self.group)
+                src = self.global_rank(self.owner[id(p)])
+                if getattr(p, "_ramtorch_shared", False):
+                    if topo is not None and topo.multi:
+                        # (ranks outside the group skip the call: torch returns at once for them)
+                        dist.broadcast(p.data, src=src, group=topo.cross[topo.place(src)[1]])
+                    continue
+                dist.broadcast(p.data, src=src, group=self.group)
         dist.barrier(group=self.group)
 
     def all_reduce_sum(self, total: float) -> float:
@@ -125,7 +147,10 @@ class Zero:
         import torch.distributed as dist
 
         t = torch.tensor([total], dtype=torch.float64)
-        dist.all_reduce(t, group=self.group)
+        try:
+            dist.all_reduce(t, group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise _nodes.explain("ZeRO's gradient norm", e) from e
         return float(t.item())
 
     def kept_indices(self, param_groups: list[dict[str, Any]]) -> set[int]:
