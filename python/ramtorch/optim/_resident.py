@@ -430,21 +430,8 @@ class ResidentStates(torch.optim.Optimizer):
             if entry is None or slot is None:
                 continue
             p, group = entry
-            g = p.grad
             state = self.state.get(p)
-            valid = (
-                scale == 1.0
-                and s.done
-                and s.grad is not None
-                and g is s.grad[0]
-                and g._version == s.grad[1]
-                and p._version == s.param_version
-                and slot.key == _key(p)
-                and bool(state)
-                and int(state["step"]) + 1 == s.step
-                and all(state.get(n) is t and t._version == v for n, (t, v) in s.read.items())
-                and same_group(s.hyper, group)
-            )
+            valid = s.holds(p, state, scale) and slot.key == _key(p) and same_group(s.hyper, group)
             if not valid:
                 if s.done:
                     self.timings["recomputed_updates"] += 1

@@ -288,20 +288,8 @@ class OverlapSchedule(torch.optim.Optimizer):
             key = (id(s.hyper), id(group))
             if key not in same:
                 same[key] = same_group(s.hyper, group)
-            g = p.grad
             state = self.state.get(p)
-            valid = (
-                scale == 1.0
-                and s.done
-                and s.grad is not None
-                and g is s.grad[0]
-                and g._version == s.grad[1]
-                and p._version == s.param_version
-                and bool(state)
-                and int(state["step"]) + 1 == s.step
-                and all(state.get(n) is t and t._version == v for n, (t, v) in s.read.items())
-                and same[key]
-            )
+            valid = s.holds(p, state, scale) and same[key]
             if not valid:
                 if s.done:
                     self.timings["recomputed_updates"] += 1

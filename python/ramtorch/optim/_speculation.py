@@ -103,6 +103,21 @@ class Speculation:
     #: Set by the worker once the shadow holds the update (a failed one never commits).
     done: bool = False
 
+    def holds(self, p: torch.Tensor, state: dict[str, Any] | None, scale: float) -> bool:
+        """Whether the update computed ahead is the one ``step()`` would compute now for ``p``
+        (``state``: its live state): done, from ``p``'s current gradient, weight and states, for
+        the next step, with no gradient scale (the caller compares the hyperparameters)."""
+        g = p.grad
+        if not state or scale != 1.0 or not self.done or self.grad is None:
+            return False
+        return (
+            g is self.grad[0]
+            and g._version == self.grad[1]
+            and p._version == self.param_version
+            and int(state["step"]) + 1 == self.step
+            and all(state.get(n) is t and t._version == v for n, (t, v) in self.read.items())
+        )
+
 
 class Shadows:
     """The spare buffers of the parameters that speculate, made on first use while the host can
