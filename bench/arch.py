@@ -5,6 +5,7 @@ next to the same model resident on the GPU; writes one JSON list (BENCH.md recor
 
     python3 bench/arch.py --out $OUT/arch.json [--arch llama qwen2 ...] [--phases forward ...]
         [--tokens 4096] [--reps 3] [--warmup 1] [--layers N] [--commit abc1234]
+        [--phases ... decode --batch 1 8 --prompt 128 --new 16]
     python3 bench/arch.py --smoke --out /tmp/arch.json      # tiny configs on the CPU, 1 rep
 
 Architectures (their per-layer shapes are those of the real configs named; ``layers`` blocks):
@@ -39,7 +40,10 @@ Phases: ``forward`` (``torch.no_grad()``, ``eval()``), ``forward_backward`` (``t
 loss: the model's own with labels for the language models, the mean square of the last hidden state
 otherwise; ``ramtorch.synchronize()`` so every ``.grad`` is written; gradients set to None after),
 ``forward_backward_accumulate`` (the time of a second forward+backward that adds into the
-gradients the first one, untimed, left: no ``zero_grad`` between). Times are medians of ``--reps``
+gradients the first one, untimed, left: no ``zero_grad`` between), and on request ``decode`` (the
+language models only: a step of greedy ``generate()`` with default options at each ``--batch``,
+after a ``--prompt``-token prompt, measured as ``bench/generate.py`` does; records carry
+``"batch"``; its link limit is one forward's streamed bytes). Times are medians of ``--reps``
 calls after ``--warmup`` calls, each ended by a device synchronisation.
 
 Limit, per record, from ceilings measured in this run (pinned 2 GiB copies, before the models):
@@ -72,7 +76,9 @@ from benchlib import gpu_peak, reset_peak, rss, sync
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PHASES = ("forward", "forward_backward", "forward_backward_accumulate")
+PHASES = ("forward", "forward_backward", "forward_backward_accumulate", "decode")
+#: The phases run when none are named (``decode`` on request: it takes longer).
+DEFAULT_PHASES = PHASES[:3]
 
 
 @dataclass(frozen=True)
@@ -487,6 +493,9 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         common["depths"] = list(model.config.depths)
     records: list[dict[str, Any]] = []
     for phase in a.phases:  # the compute floor, while the model is on the GPU
+        if phase == "decode":
+            records += decode_records(a, model, name, common, {}, "resident")
+            continue
         model.train(phase != "forward")
         before, fn = phase_fns(model, x, offloaded=False)[phase]
         try:
@@ -517,6 +526,9 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         "offload_seconds": offload_seconds,
     }
     for phase in a.phases:
+        if phase == "decode":
+            records += decode_records(a, model, name, common, extra, "ramtorch")
+            continue
         model.train(phase != "forward")
         before, fn = phase_fns(model, x, offloaded=True)[phase]
         r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
@@ -525,6 +537,61 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         records.append({**common, **extra, "phase": phase, "system": "ramtorch", **r})
         log(name, phase, "ramtorch", r["seconds"])
     return records
+
+
+def decode_records(
+    a: argparse.Namespace,
+    model: nn.Module,
+    name: str,
+    common: dict[str, Any],
+    extra: dict[str, Any],
+    system: str,
+) -> list[dict[str, Any]]:
+    """Greedy ``generate()`` of the language models (other kinds: none), per batch size: one
+    warm-up generate of ``--new`` tokens, then ``--reps`` × (a generate of 1 token, one of
+    ``--new``); the record's ``seconds`` is a decode step, (median of the long ones − median of the
+    short ones) / (new − 1), as ``bench/generate.py`` measures it. Default options: no
+    ``weights_unchanged``, so the records carry no ``"options"``."""
+    if ARCHS[name].kind != "lm" or a.new < 2:
+        return []
+    model.eval()
+    dev, out = a.device, []
+    vocab = model.config.vocab_size
+    for b in a.batch:
+        g = torch.Generator().manual_seed(1000 + b)
+        ids = torch.randint(3, vocab, (b, a.prompt), generator=g).to(dev)
+
+        def gen(n: int, ids: torch.Tensor = ids) -> None:
+            with torch.no_grad():
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
+        try:
+            gen(a.new)
+            short: list[float] = []
+            long: list[float] = []
+            for _ in range(a.reps):
+                for n, into in ((1, short), (a.new, long)):
+                    sync(dev)
+                    t = time.perf_counter()
+                    gen(n)
+                    sync(dev)
+                    into.append(time.perf_counter() - t)
+            step = (statistics.median(long) - statistics.median(short)) / (a.new - 1)
+            r: dict[str, Any] = {"seconds": step, "prefill_seconds": statistics.median(short)}
+        except torch.OutOfMemoryError as e:
+            r = {"seconds": None, "error": f"{system}: {str(e)[:200]}"}
+        free_device()
+        rec = {**common, **extra, "phase": "decode", "system": system, "batch": b, "prompt": a.prompt}
+        out.append({**rec, "new_tokens": a.new, "tokens": b, **r})
+        log(name, f"decode B={b}", system, r.get("seconds"))
+    return out
 
 
 def streamed_grad_bytes(model: nn.Module, device: str, streamed: int) -> int:
@@ -565,14 +632,18 @@ def ceilings(device: str) -> dict[str, float]:
 
 def add_limits(records: list[dict[str, Any]], bw: dict[str, float]) -> None:
     """limit_seconds, limit_parts, ratio (limit / measured) and vs_resident of every record, in place."""
-    resident = {(r["workload"], r["phase"]): r.get("seconds") for r in records if r["system"] == "resident"}
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["workload"], r["phase"], r.get("batch") if r["phase"] == "decode" else None)
+
+    resident = {key(r): r.get("seconds") for r in records if r["system"] == "resident"}
     h2d, d2h = bw["h2d_gbps"] * 1e9, bw["d2h_gbps"] * 1e9
     duplex = bw.get("duplex_gbps", bw["h2d_gbps"] + bw["d2h_gbps"]) * 1e9
     for r in records:
-        compute = resident.get((r["workload"], r["phase"]))
+        compute = resident.get(key(r))
         if r["system"] == "resident":
             link = 0.0
-        elif r["phase"] == "forward":
+        elif r["phase"] in ("forward", "decode"):  # a decode step is one forward pass
             link = r["streamed_bytes_per_pass"] / h2d
         else:
             w, g = r["streamed_bytes_per_pass"], r["streamed_grad_bytes"]
@@ -609,6 +680,7 @@ def git_commit() -> str:
 def child_args(a: argparse.Namespace, name: str) -> list[str]:
     out = ["--child", name, "--tokens", str(a.tokens), "--reps", str(a.reps), "--warmup", str(a.warmup)]
     out += ["--phases", *a.phases, "--device", a.device]
+    out += ["--batch", *map(str, a.batch), "--prompt", str(a.prompt), "--new", str(a.new)]
     if a.layers:
         out += ["--layers", str(a.layers)]
     if a.smoke:
@@ -668,7 +740,10 @@ def main() -> None:
         "--out", default=None, help="JSON list of the records (rewritten after each architecture)"
     )
     ap.add_argument("--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS))
-    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(DEFAULT_PHASES))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode: sequences per generate()")
+    ap.add_argument("--prompt", type=int, default=128, help="decode: prompt tokens")
+    ap.add_argument("--new", type=int, default=16, help="decode: new tokens per timed generate()")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per step (vision: 256 per image)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
