@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import time
 
 import pytest
 import ramtorch
@@ -167,8 +168,13 @@ def dying_node_worker(rank: int, world: int, port: int, out: str) -> None:
         msg = "no error"
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         msg = f"{type(e).__name__}: {e}"
-    with open(f"{out}.{rank}", "w") as fh:
+    with open(f"{out}.{rank}.tmp", "w") as fh:
         fh.write(msg)
+    os.replace(f"{out}.{rank}.tmp", f"{out}.{rank}")
+    # Rank 0 hosts the rendezvous store: it stays until the other survivor has told its error too
+    # (which reads the heartbeats there), as a real job's surviving ranks would.
+    while not all(os.path.exists(f"{out}.{r}") for r in range(PER_NODE)):
+        time.sleep(0.1)
     os._exit(0)
 
 

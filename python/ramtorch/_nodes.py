@@ -12,21 +12,44 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+import threading
+import time
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 
 
-@dataclass
+def _weak(group: Any) -> Any:
+    """A callable that returns ``group``: a weak reference, or for the marker torch returns to a
+    rank outside a group (which holds nothing), the marker itself."""
+    try:
+        return weakref.ref(group)
+    except TypeError:
+        return lambda: group
+
+
 class Topology:
     """The nodes of the world as lists of global ranks (ordered by node, then rank), this rank's
     node group (``None`` with one node: the world), and per local index ``i`` the group of the
-    ranks at index ``i`` of every node (``None`` with one node)."""
+    ranks at index ``i`` of every node (empty with one node). The groups are held weakly: torch's
+    registry keeps them while the world lives, and ``destroy_process_group`` ends them (with their
+    threads) whatever this object's lifetime."""
 
-    nodes: list[list[int]]
-    node_group: Any = None
-    cross: list[Any] = field(default_factory=list)
+    def __init__(
+        self, nodes: list[list[int]], node_group: Any = None, cross: list[Any] | None = None
+    ) -> None:
+        self.nodes = nodes
+        self._node_group = None if node_group is None else _weak(node_group)
+        self._cross = [_weak(g) for g in cross or []]
+
+    @property
+    def node_group(self) -> Any:
+        return None if self._node_group is None else self._node_group()
+
+    @property
+    def cross(self) -> list[Any]:
+        return [r() for r in self._cross]
 
     @property
     def multi(self) -> bool:
@@ -45,7 +68,7 @@ class Topology:
         return self.nodes[self.place(rank)[0]]
 
 
-#: The topology of the current world, with the world group it was made for.
+#: The topology of the current world, with (a weak reference to) the world group it was made for.
 _CURRENT: tuple[Any, Topology] | None = None
 
 
@@ -67,7 +90,7 @@ def node_key(rank: int) -> str:
 
 def current() -> Topology | None:
     """The topology made by :func:`topology` for the current world, if any (no collective)."""
-    if _CURRENT is None or not dist.is_initialized() or _CURRENT[0] is not dist.group.WORLD:
+    if _CURRENT is None or not dist.is_initialized() or _CURRENT[0]() is not dist.group.WORLD:
         return None
     return _CURRENT[1]
 
@@ -100,51 +123,85 @@ def topology() -> Topology:
         shown = ", ".join(f"{len(n)} (ranks {n[0]}..{n[-1]})" for n in nodes)
         raise ValueError(f"ramtorch: every node must hold as many ranks; the nodes hold {shown}")
     topo = Topology(nodes)
-    if topo.multi:
+    if len(nodes) > 1:
         # Every rank creates every group, in the same order (new_group is a collective).
         groups = [dist.new_group(ranks) for ranks in nodes]
-        topo.node_group = groups[topo.place(rank)[0]]
-        topo.cross = [dist.new_group([n[i] for n in nodes]) for i in range(len(nodes[0]))]
-    _CURRENT = (dist.group.WORLD, topo)
+        cross = [dist.new_group([n[i] for n in nodes]) for i in range(len(nodes[0]))]
+        topo = Topology(nodes, groups[topo.place(rank)[0]], cross)
+    _CURRENT = (weakref.ref(dist.group.WORLD), topo)
     return topo
 
 
-#: Failed collectives seen by this process: the survivors of a failure count alike, so that they
-#: meet under one key of the rendezvous store (:func:`unresponsive`).
-_FAILURES = 0
+#: Seconds between two beats of a rank's heartbeat (:func:`start_heartbeat`).
+BEAT_SECONDS = 0.5
+#: The heartbeat thread of this process, with the world group it beats for.
+_HEART: tuple[Any, threading.Thread] | None = None
 
 
-def unresponsive(wait_seconds: float = 5.0) -> list[int] | None:
-    """After a collective failed: the ranks that do not answer through the rendezvous store
-    within ``wait_seconds`` (dead or stalled), each surviving rank writing its own mark and
-    waiting for the others'. ``[0]`` when the store itself is gone (rank 0 hosts it); ``None``
-    when the store cannot tell (not reachable from here for another reason)."""
-    global _FAILURES
-    _FAILURES += 1
+def _store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def start_heartbeat() -> None:
+    """Starts this rank's heartbeat (once per world): a daemon thread that writes a counter to the
+    rendezvous store every :data:`BEAT_SECONDS`, so that :func:`unresponsive` can tell a rank that
+    is dead or frozen from one that is alive but blocked in a collective. It stops when the store
+    goes away or the world changes."""
+    global _HEART
+    if not dist.is_initialized():
+        return
+    world = weakref.ref(dist.group.WORLD)  # (held weakly: destroy_process_group ends the group)
+    if _HEART is not None and _HEART[0]() is world() and _HEART[1].is_alive():
+        return
     try:
-        from torch.distributed import distributed_c10d
+        store, rank = _store(), dist.get_rank()
+    except Exception:  # noqa: BLE001 - no store: no heartbeat
+        return
 
-        store = distributed_c10d._get_default_store()
-        world, rank = dist.get_world_size(), dist.get_rank()
+    def beat() -> None:
+        n = 0
+        while dist.is_initialized() and world() is not None and dist.group.WORLD is world():
+            n += 1
+            try:
+                store.set(f"ramtorch/heartbeat/{rank}", str(n))
+            except Exception:  # noqa: BLE001 - the store is gone: nobody to tell
+                return
+            time.sleep(BEAT_SECONDS)
+
+    t = threading.Thread(target=beat, name="ramtorch-heartbeat", daemon=True)
+    t.start()
+    _HEART = (world, t)
+
+
+def unresponsive(wait_seconds: float = 6 * BEAT_SECONDS) -> list[int] | None:
+    """After a collective failed: the ranks whose heartbeat (:func:`start_heartbeat`) does not move
+    within ``wait_seconds`` (dead or frozen; a rank blocked in a collective still beats). ``[0]``
+    when the store itself is gone (rank 0 hosts it); ``None`` when it cannot tell (no store, or no
+    heartbeats)."""
+    try:
+        store, world, rank = _store(), dist.get_world_size(), dist.get_rank()
     except Exception:  # noqa: BLE001 - no store to ask: nothing to say
         return None
-    prefix = f"ramtorch/alive/{_FAILURES}/"
+    keys = {r: f"ramtorch/heartbeat/{r}" for r in range(world) if r != rank}
+
+    def read() -> dict[int, bytes | None]:
+        return {r: store.get(k) if store.check([k]) else None for r, k in keys.items()}
+
     try:
-        store.set(f"{prefix}{rank}", "1")
+        first = read()
+        if all(v is None for v in first.values()) and keys:
+            return None  # no rank beats: heartbeats were never started
+        deadline = time.monotonic() + wait_seconds
+        silent = set(keys)
+        while silent and time.monotonic() < deadline:
+            time.sleep(BEAT_SECONDS / 2)
+            now = read()
+            silent = {r for r in silent if now[r] is None or now[r] == first[r]}
     except Exception:  # noqa: BLE001 - the store's host is gone
         return [0]
-    import time
-
-    deadline = time.monotonic() + wait_seconds
-    missing = [r for r in range(world) if r != rank]
-    while missing and time.monotonic() < deadline:
-        try:
-            missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
-        except Exception:  # noqa: BLE001 - the store's host died meanwhile
-            return [0]
-        if missing:
-            time.sleep(0.05)
-    return missing
+    return sorted(silent)
 
 
 def explain(what: str, error: BaseException) -> RuntimeError:
@@ -153,10 +210,11 @@ def explain(what: str, error: BaseException) -> RuntimeError:
     if missing is None:
         who = "a rank did not answer"
     elif not missing:
-        who = "every rank answers after it (a transient error, or a rank's own failure)"
+        who = "every rank is alive (a transient error, or a rank's own failure)"
+    elif missing == [0] and dist.get_rank() != 0:
+        who = "rank 0, which hosts the rendezvous store, did not answer (dead or stalled)"
     else:
         names = ", ".join(str(r) for r in missing)
         who = f"rank{'s' if len(missing) > 1 else ''} {names} did not answer (dead or stalled)"
-    return RuntimeError(
-        f"ramtorch: {what} failed on rank {dist.get_rank()}: {who}; {type(error).__name__}: {error}"
-    )
+    where = f"rank {dist.get_rank()}"
+    return RuntimeError(f"ramtorch: {what} failed on {where}: {who}; {type(error).__name__}: {error}")

@@ -70,6 +70,7 @@ class Zero:
                 r = min(range(world), key=lambda k: (loads[k], k))
                 owner[id(p)] = r
                 loads[r] += p.numel()
+        _nodes.start_heartbeat()  # a failed collective can then name the ranks that are gone
         return cls(group, owner, stage)
 
     def world(self) -> int:
