@@ -301,14 +301,21 @@ mod x86 {
     }
 
     /// The codes of eight floats from their table entries `e` and low 16 bits `low`, as
-    /// [`Map::encode`], packed into the low eight bytes.
+    /// [`Map::encode`], one per 32-bit lane.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn codes8(e: __m256i, low: __m256i) -> __m128i {
+    fn codes8_wide(e: __m256i, low: __m256i) -> __m256i {
         let base = _mm256_srli_epi32::<16>(e);
         // `low > boundary` is -1 (both below 2^16: the signed compare is the unsigned one).
         let up = _mm256_cmpgt_epi32(low, _mm256_and_si256(e, _mm256_set1_epi32(0xFFFF)));
-        let c = _mm256_sub_epi32(base, up);
+        _mm256_sub_epi32(base, up)
+    }
+
+    /// [`codes8_wide`] packed into the low eight bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn codes8(e: __m256i, low: __m256i) -> __m128i {
+        let c = codes8_wide(e, low);
         let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
         _mm_packus_epi16(w, w)
     }
@@ -365,6 +372,25 @@ mod x86 {
             *e = table[*e as usize & (TABLE - 1)];
         }
         let mut i = 0;
+        while i + 32 <= whole {
+            // SAFETY: `i + 32 <= whole <= n`, within `codes` and the written part of both arrays.
+            unsafe {
+                let c = |k: usize| {
+                    let e = _mm256_loadu_si256(idx.as_ptr().add(i + k).cast());
+                    let lo = _mm256_loadu_si256(low_ptr.add(i + k).cast());
+                    codes8_wide(e, lo)
+                };
+                // Packing works within 128-bit lanes: bytes come out in the order of dwords
+                // 0-3 of a, b, c, d then 4-7 of each; the permute restores element order.
+                let ab = _mm256_packus_epi32(c(0), c(8));
+                let cd = _mm256_packus_epi32(c(16), c(24));
+                let bytes = _mm256_packus_epi16(ab, cd);
+                let ordered =
+                    _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256(codes.as_mut_ptr().add(i).cast(), ordered);
+            }
+            i += 32;
+        }
         while i < whole {
             // SAFETY: `i + 8 <= whole <= n`, within `codes` and the written part of both arrays.
             unsafe {
