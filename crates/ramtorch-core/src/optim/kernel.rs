@@ -314,6 +314,10 @@ pub(super) trait ParamIo: Split {
     /// Copies the old values the update reads (the parameter or its master; the compensation)
     /// over this piece.
     fn fill(&mut self, old: Option<Tensor<'_>>, comp: Option<&[bf16]>);
+    /// Asks the CPU to start bringing the block at `at` into cache (a hint, no effect on
+    /// results); `at` may be past the end.
+    #[inline(always)]
+    fn prefetch(&self, _at: usize) {}
 }
 
 /// A parameter format stored element by element (every one but the compensated pair): the fused
@@ -329,6 +333,9 @@ pub(super) trait GradIo: Split + Copy + Sync {
     fn len(&self) -> usize;
     fn load(&self, at: usize, out: &mut [f32]);
     fn get(&self, i: usize) -> f32;
+    /// As [`ParamIo::prefetch`].
+    #[inline(always)]
+    fn prefetch(&self, _at: usize) {}
 }
 
 /// An optimizer state of a piece, decoded and encoded one block at a time; [`NoState`] when
@@ -342,6 +349,9 @@ pub(super) trait StateIo: Split {
     fn store(&mut self, at: usize, x: &[f32], r: &[u32]);
     /// Copies `old` over this piece of the state.
     fn fill(&mut self, old: State<'_>);
+    /// As [`ParamIo::prefetch`].
+    #[inline(always)]
+    fn prefetch(&self, _at: usize) {}
 }
 
 /// A state format stored element by element (every one but the block-quantized one): the fused
@@ -367,6 +377,24 @@ pub(super) struct PComp<'a>(&'a mut [bf16], &'a mut [bf16]);
 pub(super) struct Q8<'a, const SIGNED: bool>(&'a mut [u8], &'a mut [f32]);
 /// A state that the optimizer does not have.
 pub(super) struct NoState;
+
+/// Hints the CPU to bring the elements `at..at + BLOCK` of `src` (those that exist) into cache.
+#[inline(always)]
+fn prefetch_block<T>(src: &[T], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at < src.len() {
+        let bytes = (src.len() - at).min(BLOCK) * std::mem::size_of::<T>();
+        let p = src[at..].as_ptr().cast::<i8>();
+        let mut off = 0;
+        while off < bytes {
+            // SAFETY: `off < bytes`, within `src[at..]`; a prefetch reads nothing architecturally.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.add(off))
+            };
+            off += 64;
+        }
+    }
+}
 
 /// `out[i] = f(src[at + i])` over the block.
 #[inline(always)]
@@ -503,6 +531,11 @@ impl ParamIo for PComp<'_> {
             *c = bf16_sr(if lo.is_finite() { lo } else { 0.0 }, r);
         }
     }
+    #[inline(always)]
+    fn prefetch(&self, at: usize) {
+        prefetch_block(self.0, at);
+        prefetch_block(self.1, at);
+    }
     #[inline]
     fn fill(&mut self, old: Option<Tensor<'_>>, comp: Option<&[bf16]>) {
         fill_bf16(self.0, old);
@@ -520,6 +553,10 @@ impl GradIo for &[f32] {
         <[f32]>::len(self)
     }
     #[inline(always)]
+    fn prefetch(&self, at: usize) {
+        prefetch_block(self, at);
+    }
+    #[inline(always)]
     fn load(&self, at: usize, out: &mut [f32]) {
         out.copy_from_slice(&self[at..at + out.len()]);
     }
@@ -535,6 +572,10 @@ impl GradIo for &[bf16] {
         <[bf16]>::len(self)
     }
     #[inline(always)]
+    fn prefetch(&self, at: usize) {
+        prefetch_block(self, at);
+    }
+    #[inline(always)]
     fn load(&self, at: usize, out: &mut [f32]) {
         load_with(self, at, out, bf16_to_f32);
     }
@@ -548,6 +589,10 @@ impl GradIo for &[f16] {
     #[inline(always)]
     fn len(&self) -> usize {
         <[f16]>::len(self)
+    }
+    #[inline(always)]
+    fn prefetch(&self, at: usize) {
+        prefetch_block(self, at);
     }
     #[inline(always)]
     fn load(&self, at: usize, out: &mut [f32]) {
@@ -613,6 +658,10 @@ impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
     fn load(&self, at: usize, out: &mut [f32]) {
         let codes = &self.0[at..at + out.len()];
         quant::decode_block(quant::map(SIGNED), codes, self.1[at / BLOCK], out);
+    }
+    #[inline(always)]
+    fn prefetch(&self, at: usize) {
+        prefetch_block(self.0, at);
     }
     #[inline(always)]
     fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
@@ -1032,6 +1081,12 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
                 &mut xa[..len],
                 &mut xb[..len],
             );
+            // Streams of the block two ahead, while this one computes.
+            let ahead = at + 2 * BLOCK;
+            p.prefetch(ahead);
+            g.prefetch(ahead);
+            a.prefetch(ahead);
+            b.prefetch(ahead);
             p.load(at, xp);
             g.load(at, xg);
             a.load(at, xa);

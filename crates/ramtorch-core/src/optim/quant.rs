@@ -18,8 +18,9 @@
 //! sign, binade and top seven mantissa bits of the quotient gives the code at the start of its
 //! bucket and where in the bucket the next code begins, so a code is one look-up and one integer
 //! compare (checked on every float against the binary search). Decoding is a table look-up and a
-//! multiply. On x86-64 both run eight or sixteen elements at a time (AVX2, AVX-512, the look-ups
-//! as gathers), with the bits of the scalar code.
+//! multiply. On x86-64 the arithmetic runs eight or sixteen elements at a time (AVX2, AVX-512),
+//! with the bits of the scalar code; AVX-512 looks up with gathers, AVX2 one element at a time
+//! (on CPUs with microcoded gathers, such as AMD's up to Zen 3, those are the slower way).
 //! Both are pure functions of the block, so results do not depend on threads or chunking.
 
 use std::sync::OnceLock;
@@ -264,13 +265,14 @@ fn encode_scalar(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
 /// a time (the look-ups are gathers), the same bits.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Map, BINADES, LOW_EXP, MANT_BITS};
+    use super::{Map, BINADES, BLOCK, LOW_EXP, MANT_BITS, TABLE};
     use std::arch::x86_64::*;
 
-    /// The codes of the eight floats of bits `b` (one per 32-bit lane), as [`Map::encode`].
+    /// The table indices and the low 16 bits in value order of the eight floats of bits `b` (one
+    /// per 32-bit lane), as [`super::bucket`].
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn codes8(table: &[u32; super::TABLE], b: __m256i) -> __m256i {
+    fn bucket8(b: __m256i) -> (__m256i, __m256i) {
         let sign = _mm256_srli_epi32::<31>(b);
         let exp = _mm256_and_si256(_mm256_srli_epi32::<23>(b), _mm256_set1_epi32(0xFF));
         let binade = _mm256_min_epi32(
@@ -291,58 +293,124 @@ mod x86 {
             ),
             top,
         );
-        let low16 = _mm256_set1_epi32(0xFFFF);
-        let low = _mm256_and_si256(_mm256_xor_si256(b, _mm256_srai_epi32::<31>(b)), low16);
-        // SAFETY: every index is below 2 << 12 = the table's length (sign bit 12, binade below
-        // 2^5 at bit 7, top below 2^7).
-        let e = unsafe { _mm256_i32gather_epi32::<4>(table.as_ptr().cast(), idx) };
-        let base = _mm256_srli_epi32::<16>(e);
-        // `low > boundary` is -1 (both below 2^16: the signed compare is the unsigned one).
-        _mm256_sub_epi32(base, _mm256_cmpgt_epi32(low, _mm256_and_si256(e, low16)))
+        let low = _mm256_and_si256(
+            _mm256_xor_si256(b, _mm256_srai_epi32::<31>(b)),
+            _mm256_set1_epi32(0xFFFF),
+        );
+        (idx, low)
     }
 
-    /// [`super::encode_scalar`] in AVX2.
+    /// The codes of eight floats from their table entries `e` and low 16 bits `low`, as
+    /// [`Map::encode`], one per 32-bit lane.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn codes8_wide(e: __m256i, low: __m256i) -> __m256i {
+        let base = _mm256_srli_epi32::<16>(e);
+        // `low > boundary` is -1 (both below 2^16: the signed compare is the unsigned one).
+        let up = _mm256_cmpgt_epi32(low, _mm256_and_si256(e, _mm256_set1_epi32(0xFFFF)));
+        _mm256_sub_epi32(base, up)
+    }
+
+    /// [`codes8_wide`] packed into the low eight bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn codes8(e: __m256i, low: __m256i) -> __m128i {
+        let c = codes8_wide(e, low);
+        let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+        _mm_packus_epi16(w, w)
+    }
+
+    /// [`super::encode_scalar`] in AVX2, in three passes over the block: the quotients' table
+    /// indices and low bits eight at a time, the table look-ups one element at a time (cheaper
+    /// than gathers on CPUs whose gathers are microcoded), the codes eight at a time.
     ///
     /// # Safety
     /// The CPU must have AVX2.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn encode_avx2(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
         let n = x.len().min(codes.len());
+        for (x, codes) in x[..n].chunks(BLOCK).zip(codes[..n].chunks_mut(BLOCK)) {
+            // SAFETY: the caller's CPU has AVX2.
+            unsafe { encode_avx2_chunk(map, x, amax, codes) };
+        }
+    }
+
+    /// [`encode_avx2`] over at most [`BLOCK`] elements.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn encode_avx2_chunk(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
+        let n = x.len().min(codes.len()).min(BLOCK);
+        let whole = n / 8 * 8;
         let a = _mm256_set1_ps(amax);
+        // Scratch written before it is read (the first `whole` elements only), so not zeroed.
+        let mut idx = std::mem::MaybeUninit::<[u32; BLOCK]>::uninit();
+        let mut low = std::mem::MaybeUninit::<[u32; BLOCK]>::uninit();
+        let (idx_ptr, low_ptr) = (
+            idx.as_mut_ptr().cast::<u32>(),
+            low.as_mut_ptr().cast::<u32>(),
+        );
         let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`, within both slices.
+        while i < whole {
+            // SAFETY: `i + 8 <= whole <= n`, within `x` and both arrays (of `BLOCK >= n`).
             unsafe {
                 let y = _mm256_div_ps(_mm256_loadu_ps(x.as_ptr().add(i)), a);
-                let c = codes8(&map.table, _mm256_castps_si256(y));
-                let w =
-                    _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
-                _mm_storel_epi64(codes.as_mut_ptr().add(i).cast(), _mm_packus_epi16(w, w));
+                let (ix, lo) = bucket8(_mm256_castps_si256(y));
+                _mm256_storeu_si256(idx_ptr.add(i).cast(), ix);
+                _mm256_storeu_si256(low_ptr.add(i).cast(), lo);
             }
             i += 8;
         }
-        super::encode_scalar(map, &x[i..n], amax, &mut codes[i..n]);
+        // SAFETY: the loop above wrote the first `whole` elements of `idx`.
+        let idx = unsafe { std::slice::from_raw_parts_mut(idx_ptr, whole) };
+        let table = &map.table;
+        for e in idx.iter_mut() {
+            // Every index is below 2 << 12 = the table's length (sign bit 12, binade below 2^5
+            // at bit 7, top below 2^7): the mask only states it.
+            *e = table[*e as usize & (TABLE - 1)];
+        }
+        let mut i = 0;
+        while i + 32 <= whole {
+            // SAFETY: `i + 32 <= whole <= n`, within `codes` and the written part of both arrays.
+            unsafe {
+                let c = |k: usize| {
+                    let e = _mm256_loadu_si256(idx.as_ptr().add(i + k).cast());
+                    let lo = _mm256_loadu_si256(low_ptr.add(i + k).cast());
+                    codes8_wide(e, lo)
+                };
+                // Packing works within 128-bit lanes: bytes come out in the order of dwords
+                // 0-3 of a, b, c, d then 4-7 of each; the permute restores element order.
+                let ab = _mm256_packus_epi32(c(0), c(8));
+                let cd = _mm256_packus_epi32(c(16), c(24));
+                let bytes = _mm256_packus_epi16(ab, cd);
+                let ordered =
+                    _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256(codes.as_mut_ptr().add(i).cast(), ordered);
+            }
+            i += 32;
+        }
+        while i < whole {
+            // SAFETY: `i + 8 <= whole <= n`, within `codes` and the written part of both arrays.
+            unsafe {
+                let e = _mm256_loadu_si256(idx.as_ptr().add(i).cast());
+                let lo = _mm256_loadu_si256(low_ptr.add(i).cast());
+                _mm_storel_epi64(codes.as_mut_ptr().add(i).cast(), codes8(e, lo));
+            }
+            i += 8;
+        }
+        super::encode_scalar(map, &x[whole..n], amax, &mut codes[whole..n]);
     }
 
-    /// [`super::decode_scalar`] in AVX2.
+    /// [`super::decode_scalar`] for AVX2: one look-up per element (cheaper than gathers on CPUs
+    /// whose gathers are microcoded), the same multiply.
     ///
     /// # Safety
     /// The CPU must have AVX2.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn decode_avx2(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
-        let n = out.len().min(codes.len());
-        let s = _mm256_set1_ps(scale);
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: `i + 8 <= n`, within both slices; the codes index the map's 256 values.
-            unsafe {
-                let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes.as_ptr().add(i).cast()));
-                let v = _mm256_i32gather_ps::<4>(map.values.as_ptr(), c);
-                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, s));
-            }
-            i += 8;
-        }
-        super::decode_scalar(map, &codes[i..n], scale, &mut out[i..n]);
+        super::decode_scalar(map, codes, scale, out);
     }
 
     /// [`super::encode_scalar`] in AVX-512.
@@ -750,6 +818,78 @@ mod tests {
                 #[cfg(target_arch = "x86_64")]
                 for isa in [Isa::Avx2, Isa::Avx512] {
                     assert!(run(isa) == base, "{isa:?} differs from the scalar codec");
+                }
+            }
+        }
+    }
+
+    /// Blocks that mix edge values (zeros of both signs, denormals, the smallest normals, values
+    /// spanning forty binades, the block's own maximum of either sign) at every length from 1 to
+    /// [`BLOCK`], plus all-zero, non-finite and NaN blocks: every instruction set gives the scalar
+    /// codec's codes, scale and decoded values, and the codes are the binary search's.
+    #[test]
+    fn every_instruction_set_codes_edge_blocks_alike() {
+        let mut z = 0x0bad_cafe_u64;
+        let edges = [
+            0.0,
+            -0.0,
+            f32::from_bits(1),
+            f32::from_bits(0x8000_0001),
+            f32::from_bits(0x007F_FFFF),
+            -f32::MIN_POSITIVE,
+            f32::MIN_POSITIVE,
+        ];
+        let mut blocks: Vec<Vec<f32>> = Vec::new();
+        for len in 1..=BLOCK {
+            let x: Vec<f32> = (0..len)
+                .map(|_| {
+                    let r = lcg(&mut z) as u32;
+                    match r % 4 {
+                        0 => edges[(r / 4) as usize % edges.len()],
+                        _ => {
+                            let u = f32::from_bits(lcg(&mut z) as u32 & 0x807F_FFFF | 0x3F00_0000);
+                            u * 2f32.powi(-((lcg(&mut z) % 40) as i32))
+                        }
+                    }
+                })
+                .collect();
+            blocks.push(x);
+        }
+        blocks.push(vec![0.0; BLOCK]);
+        blocks.push(vec![0.0; 13]);
+        blocks.push(vec![f32::from_bits(1); 9]);
+        let mut x = vec![0.5f32; 100];
+        x[57] = f32::NAN;
+        blocks.push(x);
+        let mut x = vec![-0.25f32; 40];
+        x[39] = f32::NEG_INFINITY;
+        blocks.push(x);
+        for signed in [true, false] {
+            let mp = map(signed);
+            for x in &blocks {
+                let run = |isa: Isa| {
+                    FORCE_ISA.with(|f| f.set(Some(isa)));
+                    let mut codes = vec![0u8; x.len()];
+                    let s = encode_block(mp, x, &mut codes);
+                    let mut y = vec![0f32; x.len()];
+                    decode_block(mp, &codes, s, &mut y);
+                    FORCE_ISA.with(|f| f.set(None));
+                    (
+                        codes,
+                        s.to_bits(),
+                        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    )
+                };
+                let base = run(Isa::Base);
+                let scale = f32::from_bits(base.1);
+                if scale.is_finite() && scale != 0.0 {
+                    for (&c, &v) in base.0.iter().zip(x) {
+                        assert_eq!(c, encode_by_search(&mp.values, v / scale));
+                    }
+                }
+                #[cfg(target_arch = "x86_64")]
+                for isa in [Isa::Avx2, Isa::Avx512] {
+                    assert!(run(isa) == base, "{isa:?}, length {}", x.len());
                 }
             }
         }
