@@ -767,6 +767,17 @@ mod tests {
 
     /// Blocks through every instruction set the codec is compiled for: the same codes, scales and
     /// decoded values as the scalar code.
+    /// Codes, scale bits and decoded bits of block `x` with the codec of instruction set `isa`.
+    fn codec_on(mp: &Map, x: &[f32], isa: Isa) -> (Vec<u8>, u32, Vec<u32>) {
+        FORCE_ISA.with(|f| f.set(Some(isa)));
+        let mut codes = vec![0u8; x.len()];
+        let s = encode_block(mp, x, &mut codes);
+        let mut y = vec![0f32; x.len()];
+        decode_block(mp, &codes, s, &mut y);
+        FORCE_ISA.with(|f| f.set(None));
+        (codes, s.to_bits(), y.iter().map(|v| v.to_bits()).collect())
+    }
+
     #[test]
     fn every_instruction_set_codes_blocks_alike() {
         let mut z = 0x9876_5432u64;
@@ -795,19 +806,7 @@ mod tests {
         for signed in [true, false] {
             let mp = map(signed);
             for x in &blocks {
-                let run = |isa: Isa| {
-                    FORCE_ISA.with(|f| f.set(Some(isa)));
-                    let mut codes = vec![0u8; x.len()];
-                    let s = encode_block(mp, x, &mut codes);
-                    let mut y = vec![0f32; x.len()];
-                    decode_block(mp, &codes, s, &mut y);
-                    FORCE_ISA.with(|f| f.set(None));
-                    (
-                        codes,
-                        s.to_bits(),
-                        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    )
-                };
+                let run = |isa: Isa| codec_on(mp, x, isa);
                 let base = run(Isa::Base);
                 for (i, (&c, &v)) in base.0.iter().zip(x).enumerate() {
                     if base.1 != f32::NAN.to_bits() && base.1 != 0 {
@@ -867,19 +866,7 @@ mod tests {
         for signed in [true, false] {
             let mp = map(signed);
             for x in &blocks {
-                let run = |isa: Isa| {
-                    FORCE_ISA.with(|f| f.set(Some(isa)));
-                    let mut codes = vec![0u8; x.len()];
-                    let s = encode_block(mp, x, &mut codes);
-                    let mut y = vec![0f32; x.len()];
-                    decode_block(mp, &codes, s, &mut y);
-                    FORCE_ISA.with(|f| f.set(None));
-                    (
-                        codes,
-                        s.to_bits(),
-                        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    )
-                };
+                let run = |isa: Isa| codec_on(mp, x, isa);
                 let base = run(Isa::Base);
                 let scale = f32::from_bits(base.1);
                 if scale.is_finite() && scale != 0.0 {
