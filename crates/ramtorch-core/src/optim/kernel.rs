@@ -829,6 +829,23 @@ pub(super) struct Sources<'a> {
     states: [Option<State<'a>>; 2],
 }
 
+impl Sources<'_> {
+    /// An out-of-place step: copies this piece's old values into its parameter and states before
+    /// the update (while they will be in cache); nothing for an in-place one.
+    #[inline(always)]
+    fn fill<P: ParamIo, A: StateIo, B: StateIo>(self, p: &mut P, a: &mut A, b: &mut B) {
+        if self.param.is_some() || self.comp.is_some() {
+            p.fill(self.param, self.comp);
+        }
+        if let Some(s) = self.states[0] {
+            a.fill(s);
+        }
+        if let Some(s) = self.states[1] {
+            b.fill(s);
+        }
+    }
+}
+
 impl Split for Sources<'_> {
     fn split_at(self, mid: usize) -> (Self, Self) {
         fn two<T: Split + Copy>(x: Option<T>, mid: usize) -> (Option<T>, Option<T>) {
@@ -1052,16 +1069,7 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
         if p.len() != n || !a.fits(n) || !b.fits(n) {
             return;
         }
-        // An out-of-place step: this piece's old values, copied in while they will be in cache.
-        if old.param.is_some() || old.comp.is_some() {
-            p.fill(old.param, old.comp);
-        }
-        if let Some(s) = old.states[0] {
-            a.fill(s);
-        }
-        if let Some(s) = old.states[1] {
-            b.fill(s);
-        }
+        old.fill(&mut p, &mut a, &mut b);
         // Random word 0 of an element rounds the param (bits 0..16) and the first state (bits
         // 16..32); word 1 rounds the second state. Pieces do not straddle a multiple of 2^32.
         let hi = start as u64 >> 32;
@@ -1148,16 +1156,7 @@ impl<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>
         if p.len() != n || !a.fits(n) || !b.fits(n) {
             return;
         }
-        // An out-of-place step: this piece's old values, copied in while they will be in cache.
-        if old.param.is_some() || old.comp.is_some() {
-            p.fill(old.param, old.comp);
-        }
-        if let Some(s) = old.states[0] {
-            a.fill(s);
-        }
-        if let Some(s) = old.states[1] {
-            b.fill(s);
-        }
+        old.fill(&mut p, &mut a, &mut b);
         // The random words of `Step`: word 0 rounds the param (bits 0..16) and the first state
         // (bits 16..32), word 1 the second state.
         let hi = start as u64 >> 32;
