@@ -98,7 +98,7 @@ class Prediction:
     host_weight_bytes: int = 0
     #: Host RAM that training adds: the gradients of the streamed parameters and the optimizer
     #: states kept in host RAM (``states="host"``: those of the parameters on the device too, with
-    #: a page-locked copy of their gradients). The spare buffers of the default schedule's
+    #: page-locked copies of their gradients and weights). The spare buffers of the default schedule's
     #: speculation are not counted: they are made only while memory allows.
     host_training_bytes: int = 0
     #: Parameters of the model (tied ones once).
@@ -300,6 +300,8 @@ def predict(
         moved += step_bytes
         if here:  # states (and a host gradient: .grad, or the page-locked copy of a device one)
             host_training += held + p.numel() * p.element_size()
+            if id(p) not in on_host:  # states="host" on the device: the host copy of its weight
+                host_training += p.numel() * p.element_size()
     nparams = sum(p.numel() for p in model.parameters())
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = moved / max(1, sum(p.numel() for p in trained))
