@@ -36,6 +36,9 @@ OPTIMIZER_NAMES = {
 }
 
 
+SCHEDULES = {"default": "default schedule", "backward": "committed in backward", "off": "in step"}
+
+
 def llama_config(a: argparse.Namespace, layers: int) -> Any:
     import transformers
 
@@ -134,6 +137,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--accum", type=int, nargs="+", default=[3], help="micro-batches a step, each a run")
     ap.add_argument("--precision", choices=sorted(OPTIMIZER_NAMES), default="compact")
+    ap.add_argument(
+        "--overlap",
+        choices=["default", "backward", "off"],
+        default="default",
+        help="ramtorch.optim.AdamW's overlap: default (True), 'backward', or off (False)",
+    )
     ap.add_argument("--gpu-budget", default=None, help="ramtorch.offload's gpu_budget (default: none)")
     ap.add_argument("--warmup", type=int, default=6, help="steps before timing (the schedule chooses in 5)")
     ap.add_argument("--reps", type=int, default=2)
@@ -209,7 +218,8 @@ def main() -> None:
     model = build(a, a.layers)
     ramtorch.offload(model, device=a.device, gpu_budget=budget_arg(a.gpu_budget))
     free(a.device)
-    opt = ropt.AdamW(model.parameters(), lr=1e-5, precision=a.precision)
+    overlap: bool | str = {"default": True, "backward": "backward", "off": False}[a.overlap]
+    opt = ropt.AdamW(model.parameters(), lr=1e-5, precision=a.precision, overlap=overlap)
     setup = time.perf_counter() - t0
     print(f"offloaded in {setup:.1f} s", file=sys.stderr)
 
@@ -247,7 +257,7 @@ def main() -> None:
             "system": "ramtorch",
             "tokens": tokens,
             "micro_batches": accum,
-            "optimizer": f"ramtorch.optim.AdamW({OPTIMIZER_NAMES[a.precision]}, default schedule)",
+            "optimizer": f"ramtorch.optim.AdamW({OPTIMIZER_NAMES[a.precision]}, {SCHEDULES[a.overlap]})",
             "schedule_chosen": getattr(getattr(opt, "_auto", None), "choice", None),
             "seconds": seconds,
             "seconds_all": times,
@@ -261,6 +271,8 @@ def main() -> None:
         }
         if a.gpu_budget is not None:
             rec["gpu_budget"] = a.gpu_budget
+        if a.overlap != "default":
+            rec["options"] = {"overlap": a.overlap}
         emit(rec)
         ratio = "" if res_flops is None else f", {flops / res_flops:.2f} of resident"
         print(f"{tokens} tokens a step: {seconds:.2f} s, {flops:.0f} TFLOP/s{ratio}", file=sys.stderr)
