@@ -9,6 +9,7 @@ is compared with the same plain model on the same inputs."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import ramtorch
@@ -233,6 +234,60 @@ def test_a_returned_weight_does_not_change_with_the_slot_in_later_steps(device: 
         ours(x)
         ours(x)
     torch.testing.assert_close(kept, expected)
+
+
+class Caching(nn.Module):
+    """Keeps views of its weight on itself between calls: the transpose once (a lazy cache), its
+    first rows in a list every call, and a tensor of its own that is no view of the weight."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d))
+        self.cache: torch.Tensor | None = None
+        self.rows: list[torch.Tensor] = []
+        self.own: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = self.weight.t()
+            self.own = torch.ones(1, device=x.device)
+        self.rows = [self.weight[:2]]
+        return x @ self.cache + self.rows[0].sum() * self.own
+
+
+class CachingNet(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Caching(d)] + [nn.Linear(d, d) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:  # each takes a slot: the caching block's is overwritten
+            x = torch.tanh(b(x))
+        return x
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_views_a_forward_keeps_on_its_module_do_not_read_the_reused_slot(device: str, mode: str) -> None:
+    torch.manual_seed(0)
+    ref = CachingNet()
+    ours = ramtorch.offload(copy.deepcopy(ref), device=device, max_inflight=1)
+    ref.to(device)
+    x = torch.randn(3, 8, device=device)
+    ctx = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with ctx():
+        with pytest.warns(UserWarning, match=r"stored views of its streamed weights \(cache, rows\)"):
+            b1 = ours(x)
+        own = ours.blocks[0].own
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once per unit
+            b2, b3 = ours(x), ours(2 * x)
+        a1, a2, a3 = ref(x), ref(x), ref(2 * x)
+    for a, b in ((a1, b1), (a2, b2), (a3, b3)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    kept = ours.blocks[0]
+    torch.testing.assert_close(kept.cache, ref.blocks[0].weight.t())
+    torch.testing.assert_close(kept.rows[0], ref.blocks[0].weight[:2])
+    assert kept.own is own  # a tensor that is not a view of the weights is left as it is
 
 
 # -- recompute mode and buffers --------------------------------------------------------------------

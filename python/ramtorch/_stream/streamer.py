@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -555,6 +556,8 @@ class Streamer(Prefetcher, GradientHooks):
             if written:
                 self._write_back(u, buf)
             output = self._own_memory(output, addr)
+            if own and (probe or u.stashes):
+                self._own_stashes(u, addr)
         finally:
             self._end_forward(u, slot, own, ctx, addr, before)
         self.eng.mark(u.tag, MARK_FWD_END)
@@ -629,6 +632,40 @@ class Streamer(Prefetcher, GradientHooks):
             return output
         leaves = [t.clone() if isinstance(t, torch.Tensor) and self._in_slot(t, addr) else t for t in leaves]
         return tree_unflatten(leaves, spec)
+
+    def _own_stashes(self, u: _Unit, addr: int) -> None:
+        """Tensors that ``u``'s forward stored on its modules and that live in its slot (``self.
+        cache = self.weight[:4]``, a transposed weight kept for the next call) are replaced by
+        copies of their own: the slot is given back after this forward and later units overwrite
+        it. Unlike torch's view, such a copy does not follow later edits of the weights; a warning
+        says so, once per unit. Checked after the unit's first forward in each mode and, once a
+        stash is found, after every forward."""
+        found: list[str] = []
+        for mname, m in u.module.named_modules():
+            d = m.__dict__
+            for name, v in list(d.items()):
+                if name in _MODULE_INTERNALS:
+                    continue
+                if isinstance(v, torch.Tensor):
+                    if not isinstance(v, nn.Parameter) and self._in_slot(v, addr):
+                        d[name] = v.clone()
+                        found.append(f"{mname}.{name}" if mname else name)
+                elif isinstance(v, (list, tuple, dict)) and v:
+                    leaves, spec = tree_flatten(v)
+                    hit = [isinstance(t, torch.Tensor) and self._in_slot(t, addr) for t in leaves]
+                    if any(hit):
+                        d[name] = tree_unflatten([t.clone() if h else t for t, h in zip(leaves, hit)], spec)
+                        found.append(f"{mname}.{name}" if mname else name)
+        if found and not u.stashes:
+            u.stashes = True
+            warnings.warn(
+                f"ramtorch: the forward of unit {u.name!r} stored views of its streamed weights "
+                f"({', '.join(found)}); they are replaced by copies, since the weights' device "
+                "memory is reused once the forward returns. Unlike views, the copies do not follow "
+                "later changes of the weights (an optimizer step): read the parameters again "
+                "instead of keeping views of them, or keep the module resident",
+                stacklevel=2,
+            )
 
     def _in_slot(self, t: torch.Tensor, addr: int) -> bool:
         """Whether ``t`` lives in the slot whose storage begins at ``addr``."""
@@ -818,6 +855,11 @@ class Streamer(Prefetcher, GradientHooks):
 run_eagerly(Streamer.begin_pass, Streamer.end_pass, Streamer.pre_forward, Streamer.post_forward)
 
 _STREAMERS: weakref.WeakSet[Streamer] = weakref.WeakSet()
+
+
+#: Attributes every ``nn.Module`` has (parameters, buffers, submodules, hooks): not the tensors
+#: a forward may store on a module.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 
 
 def streamers() -> list[Streamer]:

@@ -450,6 +450,10 @@ class _Unit:
         # evaluation).
         self.writes = False
         self.probed: set[bool] = set()
+        # Whether its forward stores views of its weights on its modules (``Streamer.
+        # _own_stashes``): then every forward's module attributes are checked, not only the
+        # first in each mode.
+        self.stashes = False
         self.bwd: int | None = None  # the slot of its running backward (phase HELD)
         self.bwd_range: Any = None  # its backward's profiler range (ramtorch._profile), if one is open
         self.phase = BackwardPhase.IDLE
