@@ -126,6 +126,68 @@ def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage, sha
         assert all(r["d2h"] == micro * len(batches()) * r["streamed"] for r in results)
 
 
+LRS = [1e-2, 3e-3, 1e-2, 5e-3]  # set after each step's backward, before its step()
+
+
+def reference_late_lr() -> list[torch.Tensor]:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, lr in zip(batches(), LRS):
+        model(x).square().mean().backward()
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def semantics_worker(rank: int, world: int, port: int, out: str, share: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        model = ramtorch.offload(Net(), device="cpu")
+        if share:
+            from ramtorch.distributed import share_parameters
+
+            share_parameters(model)
+        opt = ropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).shard(stage=2)
+        unchanged = []
+        for x, lr in zip(batches(), LRS):
+            before = [p.detach().clone() for p in model.parameters()]
+            mine = x.chunk(world)[rank]
+            (model(mine).square().mean() * mine.shape[0] * world / x.shape[0]).backward()
+            opt.synchronize()  # every update computed during backward has finished
+            unchanged.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+            opt.param_groups[0]["lr"] = lr  # after backward: the step must use it
+            opt.step()
+            opt.zero_grad()
+        params = [p.detach().clone() for p in model.parameters()]
+        torch.save({"params": params, "unchanged": unchanged, "timings": dict(opt.timings)}, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    exit_rank()
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_zero2_changes_nothing_before_step(tmp_path, share):
+    """ZeRO-2's default keeps torch's semantics: the owners compute their updates during backward
+    but commit them in step(), so a rank's own weights do not change before its step() (with one
+    shared copy, another rank's step() writes them), and a learning rate set between backward and
+    step() is the one used."""
+    out = str(tmp_path / "r")
+    world = 2
+    mp.spawn(semantics_worker, args=(world, free_port(), out, share), nprocs=world, join=True)
+    ref = reference_late_lr()
+    results = [torch.load(f"{out}.{r}") for r in range(world)]
+    for res in results:
+        if not share:  # (one copy for all ranks: another rank's step() writes it)
+            assert all(res["unchanged"]), res["unchanged"]
+        for a, b in zip(ref, res["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # The updates were speculated during backward and committed or recomputed by step().
+    assert sum(r["timings"]["speculated_updates"] for r in results) > 0
+
+
 def test_zero1_with_global_norm_clipping_runs_everywhere(tmp_path):
     out = str(tmp_path / "c")
     mp.spawn(worker, args=(2, free_port(), out, True), nprocs=2, join=True)

@@ -137,8 +137,9 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         ``broadcast`` from the owner.
 
         ``stage=1`` reduces and updates in ``step()``. ``stage=2`` reduces each unit's gradients
-        as soon as they have landed, during backward (the owner updates right away, as without
-        ZeRO), and a rank keeps only the gradients it owns. Returns the optimizer. Not with
+        as soon as they have landed, during backward, and a rank keeps only the gradients it owns;
+        the owner computes its updates then (committed by ``step()`` by default, as without ZeRO;
+        during backward with ``overlap="backward"``). Returns the optimizer. Not with
         ``states="host"``."""
         if self.states == "host":
             raise ValueError(
@@ -153,9 +154,15 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         self._jobs.lifo = False  # collectives in the same order on every rank
         if stage == 1:
             self._mode = UpdateMode.IN_STEP
+        elif self._mode is UpdateMode.SPECULATE:
+            # The default: each owner computes its updates during backward, as the unit's
+            # gradients are reduced to it, into spare buffers; step() commits them (or updates in
+            # place what changed since) and publishes the new weights to the other ranks. Nothing
+            # changes before step(), on any rank. Every rank speculates (no per-rank choice).
+            listen(self)
         elif self._mode is not UpdateMode.IN_STEP:
-            # Committed during backward, as each unit's gradients are reduced to its owner; step()
-            # publishes the new weights to the other ranks.
+            # overlap="backward"/pipeline=True: committed during backward, as each unit's
+            # gradients are reduced to its owner; step() publishes the new weights.
             self._mode = UpdateMode.OVERLAP
             listen(self)
         return self
