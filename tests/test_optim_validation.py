@@ -295,3 +295,24 @@ def test_good_hyperparameters_still_match_torch():
         train(ref, ref_opt, 2)
         for p, q in zip(ours.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32-master", "compact"])
+def test_states_that_cannot_fit_in_host_memory_are_refused_before_they_are_made(monkeypatch, precision):
+    """The first step checks the states it is about to make against the host memory available:
+    a clear MemoryError, nothing allocated and nothing changed, instead of the process being
+    killed when the kernels first write the pages."""
+    from ramtorch.optim import _speculation
+
+    p = nn.Parameter(torch.randn(64, 1024).to(torch.bfloat16))
+    p.grad = torch.randn(64, 1024).to(torch.bfloat16)
+    before = p.detach().clone()
+    opt = ropt.AdamW([p], lr=1e-3, precision=precision)
+    gib = 1 << 30
+    monkeypatch.setattr(_speculation, "_meminfo", lambda: (gib + 1000, 64 * gib))  # 1000 bytes free
+    with pytest.raises(MemoryError, match=r"need [\d.]+ [KM]iB of host memory, but 1\.00 GiB is available"):
+        opt.step()
+    assert not opt.state.get(p) and torch.equal(p.detach(), before)
+    monkeypatch.setattr(_speculation, "_meminfo", lambda: (2 * gib, 64 * gib))  # room for them
+    opt.step()
+    assert opt.state[p] and not torch.equal(p.detach(), before)

@@ -7,6 +7,7 @@ subclass it."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from .. import _core, _engine
+from .._units import format_bytes
+from . import _speculation
 from ._jobs import _Jobs
 from ._resident import ResidentStates
 from ._schedule import OverlapSchedule, UpdateMode, listen
@@ -37,6 +40,11 @@ def _round_stochastic(src: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=gen)
     cut = ((bits + noise) & ~0xFFFF).view(torch.float32)
     out.copy_(torch.where(torch.isfinite(src), cut, src))
+
+
+#: Host memory left to the runtime when the first update's states are checked against the
+#: memory available (``_check_host_memory``).
+_STATE_MARGIN = 1 << 30
 
 
 class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
@@ -277,6 +285,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         # (The scaler sets both attributes for this call and deletes them after it.)
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         self._stepped = True
+        self._check_host_memory()
         if (grad_scale is not None or found_inf is not None) and self._mode is not UpdateMode.IN_STEP:
             # Gradients are scaled until step() unscales them: updates cannot run in backward.
             self._mode = UpdateMode.IN_STEP
@@ -402,6 +411,35 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         if self._zero is not None:
             self._zero.publish(self.param_groups)
         return loss
+
+    def _check_host_memory(self) -> None:
+        """Before an update makes states in host RAM: a ``MemoryError`` that names the bytes when
+        they cannot fit in the memory the host has available now, instead of the kernel ending
+        the process once the kernels first write their pages (states are allocated lazily)."""
+        need, count = 0, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or self.state.get(p) or not self._owns(p):
+                    continue
+                if not (_is_host(p) or self._is_resident(p)):
+                    continue
+                for shape, dtype in self._host_specs(p).values():
+                    need += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                count += p.numel()
+        info = _speculation._meminfo() if need else None
+        if info is None:
+            return
+        available = info[0] - _STATE_MARGIN
+        if need > available:
+            raise MemoryError(
+                f"{type(self).__name__}: the optimizer states of {count:.3g} parameters "
+                f"(precision={self.precision!r}) need {format_bytes(need)} of host memory, but "
+                f"{format_bytes(max(0, info[0]))} is available: the process would be killed once "
+                "the states are first written. Use precision='compact' (about 4 bytes of state a bf16 "
+                "parameter) or 'bf16', shard the optimizer over several ranks (shard()), or free host "
+                "memory; `python -m ramtorch plan --host-memory auto` predicts what training needs "
+                "before anything is allocated"
+            )
 
     def _choose(self, speculated: bool, in_step: int, now: float) -> None:
         """The default schedule (``overlap=True``): feeds the time of this training iteration
