@@ -31,7 +31,7 @@ def host_bytes(nbytes: int, zeroed: bool = False, pin: bool = True) -> torch.Ten
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def host_empty(

@@ -217,19 +217,21 @@ def next_generation() -> int:
 class Layout:
     """Where a unit's tensors sit in its host region: ``(offset, shape, dtype)`` per tensor."""
 
-    __slots__ = ("entries", "nbytes")
+    __slots__ = ("entries", "nbytes", "_spans")
 
     def __init__(self, flat: torch.Tensor, views: Sequence[torch.Tensor | None]) -> None:
         base = flat.data_ptr()
         self.entries = [None if v is None else (v.data_ptr() - base, tuple(v.shape), v.dtype) for v in views]
         self.nbytes = flat.numel()
+        # Per tensor, (first byte, end byte, dtype, shape): the views of every use without
+        # recomputing sizes.
+        self._spans = [
+            None if e is None else (e[0], e[0] + _arena._nbytes(e[1], e[2]), e[2], e[1]) for e in self.entries
+        ]
 
     def views(self, slot: torch.Tensor) -> list[torch.Tensor | None]:
         """The tensors of this layout inside ``slot`` (a ``uint8`` buffer holding the region)."""
-        return [
-            None if e is None else slot[e[0] : e[0] + _arena._nbytes(e[1], e[2])].view(e[2]).view(e[1])
-            for e in self.entries
-        ]
+        return [None if s is None else slot[s[0] : s[1]].view(s[2]).view(s[3]) for s in self._spans]
 
 
 class ForwardLock:

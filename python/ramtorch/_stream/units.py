@@ -287,6 +287,18 @@ def stream_tensors(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], 
     return leaves, tree
 
 
+def _inner_checks(t: torch.Tensor, out: list[tuple[torch.Tensor, str, torch.Tensor]]) -> None:
+    """Appends ``(holder, name, inner)`` for every inner tensor of ``t`` (inner subclasses'
+    too): what :meth:`_Unit.stream_leaves` checks by identity instead of flattening again."""
+    if _is_plain(t):
+        return
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    for n in names:
+        x = getattr(t, n)
+        out.append((t, n, x))
+        _inner_checks(x, out)
+
+
 def _set_inner(t: torch.Tensor, sub: _Sub, leaves: Sequence[torch.Tensor]) -> None:
     """Points the subclass tensor ``t``'s inner tensors at ``leaves`` (in place: ``t`` may be a
     parameter the optimizer, hooks or the user hold)."""
@@ -436,6 +448,8 @@ class _Unit:
         # Per parameter, where its packed tensors are, when some parameter is a tensor subclass
         # (see :func:`stream_tensors`); ``None`` (the fast path) when each parameter is one tensor.
         self.tree: list[int | _Sub] | None = None
+        # stream_leaves(): (parameters, (holder, name, inner) checks, leaves, all plain).
+        self._leaf_cache: tuple[list[Any], list[Any], list[torch.Tensor], bool] | None = None
         self.flat: torch.Tensor | None = None
         self.layout: _engine.Layout | None = None
         self.home: list[int] = []
@@ -569,9 +583,32 @@ class _Unit:
                 return False
         return True
 
+    def stream_leaves(self) -> tuple[list[torch.Tensor], bool]:
+        """``stream_tensors(self.params)``'s tensors, and whether every parameter is plain. Cached
+        while each parameter, and each inner tensor of a subclass parameter, is the object it was
+        (checked by identity on every call): flattening a quantized weight again
+        (``__tensor_flatten__``) on every pass cost more host time than the pass's kernels on
+        small units. A write into an inner tensor keeps the object (its ``data_ptr`` and version
+        are read by the callers); a new one is seen."""
+        c = self._leaf_cache
+        params = self.params
+        if (
+            c is not None
+            and len(c[0]) == len(params)
+            and all(a is b for a, b in zip(c[0], params))
+            and all(getattr(h, n, None) is x for h, n, x in c[1])
+        ):
+            return c[2], c[3]
+        leaves, tree = stream_tensors(params)
+        checks: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+        for p in params:
+            _inner_checks(p, checks)
+        self._leaf_cache = (list(params), checks, leaves, tree is None)
+        return leaves, tree is None
+
     def _is_home_tree(self, lay: _engine.Layout) -> bool:
-        leaves, tree = stream_tensors(self.params)
-        if tree is None or len(leaves) != len(self.home):
+        leaves, plain = self.stream_leaves()
+        if plain or len(leaves) != len(self.home):
             return False
         for t, ptr, e in zip(leaves, self.home, lay.entries):
             if t.device.type != "cpu" or t.data_ptr() != ptr or e is None or t.dtype != e[2]:
@@ -583,7 +620,7 @@ class _Unit:
         generation and the parameters' version counters)."""
         if self.tree is not None:
             # A subclass's own version counter does not see in-place edits of its inner tensors.
-            tensors = stream_tensors(self.params)[0]
+            tensors = self.stream_leaves()[0]
             return hash((self.gen, tuple(t._version for t in tensors))) & ((1 << 63) - 1)
         return hash((self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
 
