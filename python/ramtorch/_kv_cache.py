@@ -70,7 +70,9 @@ class _HostLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        raise RuntimeError("a HostCache layer is updated through HostCache.update (it pages its layers together)")
+        raise RuntimeError(
+            "a HostCache layer is updated through HostCache.update (it pages its layers together)"
+        )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -112,6 +114,7 @@ class _Slot:
     version: int = -1
     length: int = 0
     ready: Any = None  # CUDA event: the copies into ``buf`` are done
+    busy: bool = False  # taken by the layer being assembled
     free: Any = None  # CUDA event: the last reader of ``buf`` is done
     pages: list[torch.Tensor] = field(default_factory=list)  # host pages of the copies in flight
 
@@ -188,19 +191,19 @@ class HostCache(Cache):
         layer ``layer_idx`` and returns the layer's keys and values, old tokens then new, on the
         compute device (fresh tensors, as ``DynamicCache`` returns them)."""
         self._check_states(key_states, value_states, layer_idx)
+        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:
+            self._check_layer(self.layers[layer_idx], layer_idx, key_states, value_states)
         self._check_order(layer_idx)
         while len(self.layers) <= layer_idx:
             self.layers.append(_HostLayer())
         layer = self.layers[layer_idx]
-        assert isinstance(layer, _HostLayer)
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        else:
-            self._check_layer(layer, layer_idx, key_states, value_states)
         if layer_idx != self._first and layer.length != self._pass_base:
             raise RuntimeError(
                 f"HostCache: layer {layer_idx} holds {layer.length} tokens but layer {self._first} held "
-                f"{self._pass_base} when this pass began: an earlier forward stopped midway; crop or reset the cache"
+                f"{self._pass_base} when this pass began: an earlier forward stopped midway; "
+                "crop or reset the cache"
             )
         old = self._take(layer_idx, layer)
         self._prefetch_after(layer_idx)
@@ -272,7 +275,9 @@ class HostCache(Cache):
         """Layer ``layer_idx``'s keys and values as CPU tensors ``[batch, heads, tokens, dim]``
         (a copy, assembled from the pages after the copies in flight are done)."""
         if not 0 <= layer_idx < len(self.layers) or not self.layers[layer_idx].is_initialized:
-            raise IndexError(f"HostCache.host_tensors: layer {layer_idx} holds nothing (the cache has {len(self)} layers)")
+            raise IndexError(
+                f"HostCache.host_tensors: layer {layer_idx} holds nothing (the cache has {len(self)} layers)"
+            )
         self._quiesce()
         layer = self.layers[layer_idx]
         keys = torch.cat(layer.key_pages)[: layer.length] if layer.key_pages else None
@@ -311,53 +316,48 @@ class HostCache(Cache):
             raise TypeError(f"HostCache.update: layer_idx must be an int, got {type(layer_idx).__name__}")
         if layer_idx < 0:
             raise ValueError(f"HostCache.update: layer_idx must be non-negative, got {layer_idx}")
+        where = f"HostCache.update (layer {layer_idx})"
         for name, t in (("key_states", keys), ("value_states", values)):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"HostCache.update (layer {layer_idx}): {name} must be a tensor, got {type(t).__name__}")
+                raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
             if t.dim() != 4:
                 raise ValueError(
-                    f"HostCache.update (layer {layer_idx}): {name} must be [batch, heads, tokens, head_dim], "
-                    f"got shape {tuple(t.shape)}"
+                    f"{where}: {name} must be [batch, heads, tokens, head_dim], got shape {tuple(t.shape)}"
                 )
             if t.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"HostCache.update (layer {layer_idx}): {name} is on {t.device}; HostCache serves CPU and CUDA")
+                raise ValueError(f"{where}: {name} is on {t.device}; HostCache serves CPU and CUDA")
         if keys.device != values.device:
-            raise ValueError(
-                f"HostCache.update (layer {layer_idx}): key_states are on {keys.device} but value_states on {values.device}"
-            )
+            raise ValueError(f"{where}: key_states are on {keys.device} but value_states on {values.device}")
         if keys.dtype != values.dtype:
-            raise ValueError(
-                f"HostCache.update (layer {layer_idx}): key_states are {keys.dtype} but value_states {values.dtype}"
-            )
+            raise ValueError(f"{where}: key_states are {keys.dtype} but value_states {values.dtype}")
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(
-                f"HostCache.update (layer {layer_idx}): key_states {tuple(keys.shape)} and value_states "
+                f"{where}: key_states {tuple(keys.shape)} and value_states "
                 f"{tuple(values.shape)} differ in batch, heads or tokens"
             )
         if torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
             raise RuntimeError(
-                f"HostCache.update (layer {layer_idx}): the keys require grad, but HostCache keeps them in host "
-                "memory, detached from autograd: run under torch.no_grad() (generate() does), or use DynamicCache "
-                "to backpropagate through the cache"
+                f"{where}: the keys require grad, but HostCache keeps them in host memory, detached "
+                "from autograd: run under torch.no_grad() (generate() does), or use DynamicCache to "
+                "backpropagate through the cache"
             )
         if self.device is None:
             self.device = keys.device
         elif keys.device != self.device:
             raise ValueError(
-                f"HostCache.update (layer {layer_idx}): key_states are on {keys.device} but this cache computes on "
+                f"{where}: key_states are on {keys.device} but this cache computes on "
                 f"{self.device} (its earlier layers and steps): use one HostCache per device"
             )
 
     def _check_layer(self, layer: _HostLayer, idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        where = f"HostCache.update (layer {idx})"
         if keys.dtype != layer.dtype:
-            raise ValueError(
-                f"HostCache.update (layer {idx}): key_states are {keys.dtype} but the layer holds {layer.dtype}"
-            )
+            raise ValueError(f"{where}: key_states are {keys.dtype} but the layer holds {layer.dtype}")
         b, h, dk, dv = layer.shape
         got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
         if got != (b, h, dk, dv):
             raise ValueError(
-                f"HostCache.update (layer {idx}): states of batch {got[0]}, {got[1]} heads, key dim {got[2]}, value dim "
+                f"{where}: states of batch {got[0]}, {got[1]} heads, key dim {got[2]}, value dim "
                 f"{got[3]} do not match the layer's batch {b}, {h} heads, key dim {dk}, value dim {dv}"
             )
 
@@ -375,8 +375,8 @@ class HostCache(Cache):
         elif self._last is None or idx <= self._last:
             before = "none" if self._last is None else f"layer {self._last}"
             raise ValueError(
-                f"HostCache.update: layer {idx} after {before}: layers must be updated in order within a pass, "
-                f"each once, the pass starting at layer {self._first}"
+                f"HostCache.update: layer {idx} after {before}: layers must be updated in order within a "
+                f"pass, each once, the pass starting at layer {self._first}"
             )
         self._last = idx
         self._this_pass.append(idx)
@@ -405,8 +405,10 @@ class HostCache(Cache):
         if slot is None:
             self._counts["prefetch_misses"] += 1
             slot = self._copy_in(idx, layer, exclude=())
+            assert slot is not None  # only one slot is ever busy, and the ring has two or more
         else:
             self._counts["prefetch_hits"] += 1
+        slot.busy = True
         if self._cuda() and slot.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
         keys, values = self._views(slot, layer)
@@ -428,7 +430,7 @@ class HostCache(Cache):
         if self._cuda():
             slot.free = torch.cuda.Event()
             slot.free.record(torch.cuda.current_stream(self.device))
-        slot.layer, slot.version = None, -1
+        slot.layer, slot.version, slot.busy = None, -1, False
 
     def _prefetch_after(self, idx: int) -> None:
         """Queues the copies of the ``lookahead`` layers after ``idx`` in the order of the last
@@ -448,19 +450,25 @@ class HostCache(Cache):
                 continue
             self._copy_in(target, layer, exclude=wanted)
 
-    def _pick_slot(self, exclude: Sequence[int]) -> _Slot:
-        for s in self._slots:
+    def _pick_slot(self, exclude: Sequence[int]) -> _Slot | None:
+        """A ring buffer to copy into: a free one, else one whose layer is stale or not in
+        ``exclude`` (the layers wanted soon); never the one being read. ``None`` if none is."""
+        idle = [s for s in self._slots if not s.busy]
+        for s in idle:
             if s.layer is None:
                 return s
-        for s in self._slots:
+        for s in idle:
             layer = self.layers[s.layer] if s.layer is not None and s.layer < len(self.layers) else None
             if s.layer not in exclude or layer is None or layer.version != s.version:
                 return s
-        return self._slots[0]
+        return None
 
-    def _copy_in(self, idx: int, layer: _HostLayer, exclude: Sequence[int]) -> _Slot:
-        """Copies layer ``idx``'s old tokens into a ring buffer (on the side stream with CUDA)."""
+    def _copy_in(self, idx: int, layer: _HostLayer, exclude: Sequence[int]) -> _Slot | None:
+        """Copies layer ``idx``'s old tokens into a ring buffer (on the side stream with CUDA);
+        ``None`` if every buffer holds a layer wanted sooner."""
         slot = self._pick_slot(exclude)
+        if slot is None:
+            return None
         kb, vb = layer.token_bytes()
         n = layer.length
         need = _round_up(n * kb, _ALIGN) + n * vb
@@ -486,9 +494,15 @@ class HostCache(Cache):
             self._copy_pages(layer, keys, values)
             slot.ready = torch.cuda.Event()
             slot.ready.record(side)
-        self._inflight[:] = [(e, p) for e, p in self._inflight if not e.query()]
-        self._inflight.append((slot.ready, pages))
+        self._track(slot.ready, pages)
         return slot
+
+    def _track(self, event: Any, pages: list[torch.Tensor]) -> None:
+        """Keeps ``pages`` alive until ``event`` (after copies that read or write them): the
+        oldest entries are dropped as their events complete."""
+        while self._inflight and self._inflight[0][0].query():
+            self._inflight.pop(0)
+        self._inflight.append((event, pages))
 
     def _pages_for(self, layer: _HostLayer) -> list[torch.Tensor]:
         used = -(-layer.length // self.page_tokens)
@@ -503,10 +517,10 @@ class HostCache(Cache):
             values[i * p : i * p + rows].copy_(layer.value_pages[i][:rows], non_blocking=cuda)
 
     def _grow(self, slot: _Slot, need: int, layer: _HostLayer) -> None:
-        """A larger ring buffer: room for twice the tokens, rounded to whole pages, of the largest
-        layer seen (so that growth reallocates rarely)."""
+        """A larger ring buffer: room for the layer's tokens and a quarter more (at least a page),
+        rounded to whole pages, so that a growing sequence reallocates it rarely."""
         kb, vb = layer.token_bytes()
-        tokens = _round_up(max(2 * layer.length, self.page_tokens), self.page_tokens)
+        tokens = _round_up(layer.length + max(layer.length // 4, self.page_tokens), self.page_tokens)
         largest = max([need, _round_up(tokens * kb, _ALIGN) + tokens * vb])
         if slot.buf is not None:
             largest = max(largest, slot.buf.numel())
@@ -564,6 +578,8 @@ class HostCache(Cache):
         if cuda:
             layer.appended = torch.cuda.Event()
             layer.appended.record(torch.cuda.current_stream(self.device))
+            # the pages stay alive until the copies into them are done, even if the cache dies
+            self._track(layer.appended, layer.key_pages[start // p :] + layer.value_pages[start // p :])
         kb, vb = layer.token_bytes()
         self._counts["d2h_bytes"] += n * (kb + vb)
         self._pass_bytes += n * (kb + vb)
@@ -579,8 +595,7 @@ class HostCache(Cache):
                 layer.appended.synchronize()
                 layer.appended = None
         for s in self._slots:
-            if s.layer is not None:
-                s.layer, s.version = None, -1
+            s.layer, s.version, s.busy = None, -1, False
 
     def _rebatch(self, fn: Any, what: str) -> None:
         """Replaces every page by ``fn(page)`` (a new batch dimension), in fresh host pages."""
@@ -633,8 +648,8 @@ def prefill(
     total = input_ids.shape[1]
     if attention_mask is not None and attention_mask.shape[-1] != past + total:
         raise ValueError(
-            f"ramtorch.prefill: attention_mask covers {attention_mask.shape[-1]} tokens; the cache holds {past} "
-            f"and input_ids has {total}, so it must cover {past + total}"
+            f"ramtorch.prefill: attention_mask covers {attention_mask.shape[-1]} tokens; the cache holds "
+            f"{past} and input_ids has {total}, so it must cover {past + total}"
         )
     out = None
     name = _cache_kwarg(model)

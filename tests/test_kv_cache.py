@@ -1,0 +1,350 @@
+"""``ramtorch.HostCache``, the KV cache paged in host RAM: the same tokens and bitwise the same
+logits as transformers' ``DynamicCache`` (greedy and beam search, ``generate`` and a hand-written
+decoding loop, plain and under ``ramtorch.offload``), pages that grow one at a time, batches,
+chunked prefill, and clear errors."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import ramtorch
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models are tiny: one intra-op thread runs them many times faster than several that
+    contend for a busy machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _config(arch: str) -> object:
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        initializer_range=0.2,  # a random model that does not repeat one token forever
+    )
+    return {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,  # a sliding window (4096) longer than the tests
+    }[arch](**common)
+
+
+def tiny(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = _config(arch)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _cache_kw(model: torch.nn.Module, cache: object) -> dict:
+    """The cache under the name this transformers' ``generate``/``forward`` takes it by
+    (``cache`` from 5.24, ``past_key_values`` before)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, cache: object = None, mask=None, **kw):
+    extra = _cache_kw(model, cache) if cache is not None else {}
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids) if mask is None else mask,
+        do_sample=False,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **extra,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["plain", "offloaded"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_generate_is_bitwise_dynamic_cache(arch, offloaded):
+    model = tiny(arch)
+    if offloaded:
+        ramtorch.offload(model, device="cpu")
+    ids = torch.randint(1, VOCAB, (3, 7))
+    want = generate(model, ids, max_new_tokens=10, output_logits=True)
+    cache = ramtorch.HostCache(page_tokens=4)
+    got = generate(model, ids, cache, max_new_tokens=10, output_logits=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+    assert len(set(want.sequences[0, 7:].tolist())) > 1  # the check is not vacuous
+    s = cache.stats()
+    assert s["tokens"] == 7 + 9 and s["pages"] == 3 * 4  # 16 tokens: 4 pages of keys a layer
+    assert s["prefetch_hits"] > 0 and s["passes"] == 10
+    if offloaded:
+        assert model._ramtorch_streamer.stats()["prefetch_hits"] > 0
+
+
+def test_beam_search_is_bitwise_dynamic_cache():
+    """Beam search reorders the cache every step (``reorder_cache``) and expands it."""
+    model = tiny("llama", seed=1)
+    ids = torch.randint(1, VOCAB, (2, 6))
+    kw = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, output_scores=True)
+    want = generate(model, ids, **kw)
+    got = generate(model, ids, ramtorch.HostCache(page_tokens=3), **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(got.sequences_scores, want.sequences_scores)
+
+
+def test_left_padded_batch_is_bitwise_dynamic_cache():
+    model = tiny("qwen2", seed=2)
+    ids = torch.randint(1, VOCAB, (4, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[3, :5] = 0
+    ids[mask == 0] = 0
+    want = generate(model, ids, mask=mask, max_new_tokens=6, output_logits=True)
+    got = generate(
+        model, ids, ramtorch.HostCache(page_tokens=5), mask=mask, max_new_tokens=6, output_logits=True
+    )
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+
+
+@torch.no_grad()
+def _forced(
+    model: torch.nn.Module, cache: object, prompt: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """The logits of a teacher-forced decoding loop: the prompt, then one token a step."""
+    out = model(prompt, use_cache=True, **_cache_kw(model, cache))
+    rows = [out.logits[:, -1]]
+    for k in range(tokens.shape[1]):
+        out = model(tokens[:, k : k + 1], use_cache=True, **_cache_kw(model, cache))
+        rows.append(out.logits[:, -1])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_decoding_loop_is_bitwise_dynamic_cache(arch):
+    model = tiny(arch, seed=3)
+    prompt = torch.randint(1, VOCAB, (2, 5))
+    tokens = torch.randint(1, VOCAB, (2, 9))
+    ref = transformers.DynamicCache()
+    want = _forced(model, ref, prompt, tokens)
+    cache = ramtorch.HostCache(page_tokens=2, lookahead=2)
+    got = _forced(model, cache, prompt, tokens)
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == ref.get_seq_length() == 14
+    for i in range(3):
+        keys, values = cache.host_tensors(i)
+        assert torch.equal(keys, ref.layers[i].keys) and torch.equal(values, ref.layers[i].values)
+
+
+def test_the_loop_may_start_in_inference_mode_and_go_on_outside_it():
+    model = tiny("llama", seed=4)
+    prompt = torch.randint(1, VOCAB, (1, 6))
+    tokens = torch.randint(1, VOCAB, (1, 4))
+    ref, cache = transformers.DynamicCache(), ramtorch.HostCache(page_tokens=4)
+    with torch.inference_mode():
+        a = model(prompt, use_cache=True, **_cache_kw(model, ref)).logits
+        b = model(prompt, use_cache=True, **_cache_kw(model, cache)).logits
+    assert torch.equal(a, b)
+    with torch.no_grad():
+        a = model(tokens, use_cache=True, **_cache_kw(model, ref)).logits
+        b = model(tokens, use_cache=True, **_cache_kw(model, cache)).logits
+    assert torch.equal(a, b)
+
+
+def test_pages_grow_one_at_a_time_and_stay_in_place():
+    """Appends of several sizes across page boundaries: the pages fill in order, new pages are
+    added without moving the old ones, each layer gets back exactly ``torch.cat``'s result, and
+    the device holds the ring (two layers' tokens, a quarter more), not the cache."""
+    torch.manual_seed(5)
+    layers = 8
+    cache = ramtorch.HostCache(page_tokens=3, lookahead=1)
+    ref = [[torch.empty(2, 2, 0, 8), torch.empty(2, 2, 0, 4)] for _ in range(layers)]
+    first_page = None
+    for n in (1, 5, 2, 7, 3, 1):
+        for layer in range(layers):
+            k, v = torch.randn(2, 2, n, 8), torch.randn(2, 2, n, 4)  # values of another head dim
+            ref[layer] = [torch.cat([ref[layer][0], k], dim=-2), torch.cat([ref[layer][1], v], dim=-2)]
+            keys, values = cache.update(k, v, layer)
+            assert torch.equal(keys, ref[layer][0]) and torch.equal(values, ref[layer][1])
+            assert keys.is_contiguous() and values.is_contiguous()
+        if first_page is None:
+            first_page = cache.layers[0].key_pages[0].data_ptr()
+        tokens = ref[0][0].shape[2]
+        assert cache.get_seq_length() == tokens
+        assert len(cache.layers[0].key_pages) == len(cache.layers[-1].value_pages) == -(-tokens // 3)
+    assert cache.layers[0].key_pages[0].data_ptr() == first_page
+    s = cache.stats()
+    per_token = 2 * 2 * (8 + 4) * 4  # batch 2, 2 heads, key dim 8 and value dim 4, fp32
+    assert s["tokens"] == 19 and s["pages"] == layers * 7
+    assert s["host_bytes"] == layers * 7 * 3 * per_token
+    # lookahead + 1 buffers of at most 18 old tokens + a quarter, rounded to pages (24)
+    assert len(cache._slots) == 2 and s["device_bytes"] <= 2 * (24 * per_token + 256)
+    assert s["device_bytes"] < layers * 19 * per_token / 2
+    assert s["prefetch_hits"] > 0
+    for layer in range(layers):
+        keys, values = cache.host_tensors(layer)
+        assert torch.equal(keys, ref[layer][0]) and torch.equal(values, ref[layer][1])
+
+
+def test_kv_bytes_per_step_counts_what_one_decode_step_moves():
+    model = tiny("llama", seed=6)
+    cache = ramtorch.HostCache(page_tokens=4)
+    prompt = torch.randint(1, VOCAB, (2, 6))
+    tokens = torch.randint(1, VOCAB, (2, 3))
+    assert cache.kv_bytes_per_step == 0
+    _forced(model, cache, prompt, tokens)
+    # per layer and token: 2 (batch) x 2 (KV heads) x 16 (head dim) x 4 bytes, keys and values
+    per_token = 2 * 2 * 16 * 4 * 2
+    # the last step read 8 old tokens of each of the 3 layers and wrote 1 new token back; its
+    # last layer also queued the next step's first layer (9 tokens)
+    assert cache.kv_bytes_per_step == (2 * 8 + 9) * per_token + 3 * per_token
+    assert cache.stats()["d2h_bytes"] == 3 * 9 * per_token
+
+
+def test_crop_and_reset():
+    model = tiny("llama", seed=7)
+    prompt = torch.randint(1, VOCAB, (2, 7))
+    tokens = torch.randint(1, VOCAB, (2, 3))
+    ref, cache = transformers.DynamicCache(), ramtorch.HostCache(page_tokens=3)
+    _forced(model, ref, prompt, tokens)
+    _forced(model, cache, prompt, tokens)
+    ref.crop(-4)
+    cache.crop(-4)
+    assert cache.get_seq_length() == 6 and len(cache.layers[0].key_pages) == 2
+    for i in range(3):
+        assert torch.equal(cache.host_tensors(i)[0], ref.layers[i].keys)
+    # decoding goes on from the cropped cache as from the cropped DynamicCache
+    more = torch.randint(1, VOCAB, (2, 4))
+    with torch.no_grad():
+        a = model(more, use_cache=True, **_cache_kw(model, ref)).logits
+        b = model(more, use_cache=True, **_cache_kw(model, cache)).logits
+    assert torch.equal(a, b)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.stats()["pages"] == 0
+    with torch.no_grad():
+        c = model(prompt, use_cache=True, **_cache_kw(model, cache)).logits
+        d = model(prompt, use_cache=True, **_cache_kw(model, transformers.DynamicCache())).logits
+    assert torch.equal(c, d)
+
+
+def test_chunked_prefill_matches_one_shot_prefill():
+    """Chunks of 5 tokens give the one-shot prefill's cache and logits up to rounding (the
+    chunks' matrix products have other shapes); generation goes on from it."""
+    model = tiny("llama", seed=8)
+    ids = torch.randint(1, VOCAB, (2, 23))
+    cache = ramtorch.HostCache(page_tokens=4)
+    ref = transformers.DynamicCache()
+    with torch.no_grad():
+        want = model(ids, use_cache=True, **_cache_kw(model, ref)).logits[:, -1]
+        got = ramtorch.prefill(model, ids, cache, chunk_tokens=5).logits[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == 23 and cache.stats()["passes"] >= 4
+    for i in range(3):
+        torch.testing.assert_close(cache.host_tensors(i)[0], ref.layers[i].keys, rtol=1e-5, atol=1e-5)
+    # prefill all but the last token, then generate: the tokens of a plain generate
+    plain = generate(model, ids, max_new_tokens=8)
+    cache = ramtorch.HostCache(page_tokens=4)
+    with torch.no_grad():
+        ramtorch.prefill(
+            model, ids[:, :-1], cache, chunk_tokens=6, attention_mask=torch.ones_like(ids[:, :-1])
+        )
+    chunked = generate(model, ids, cache, max_new_tokens=8)
+    assert torch.equal(chunked.sequences, plain.sequences)
+
+
+def test_wrong_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="page_tokens must be at least 1"):
+        ramtorch.HostCache(page_tokens=0)
+    with pytest.raises(TypeError, match="lookahead must be an int"):
+        ramtorch.HostCache(lookahead=1.5)
+    cache = ramtorch.HostCache(page_tokens=2)
+    k = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"key_states are torch.float32 but value_states torch.float64"):
+        cache.update(k, k.double(), 0)
+    with pytest.raises(ValueError, match=r"value_states is on meta; HostCache serves CPU and CUDA"):
+        cache.update(k, torch.empty(1, 2, 3, 8, device="meta"), 0)
+    with pytest.raises(
+        ValueError, match=r"must be \[batch, heads, tokens, head_dim\], got shape \(2, 3, 8\)"
+    ):
+        cache.update(k[0], k[0], 0)
+    with pytest.raises(TypeError, match="layer_idx must be an int"):
+        cache.update(k, k, "0")
+    with pytest.raises(ValueError, match="layer_idx must be non-negative"):
+        cache.update(k, k, -1)
+    cache.update(k, k, 0)
+    cache.update(k, k, 1)
+    with pytest.raises(ValueError, match="layer 1 after layer 1: layers must be updated in order"):
+        cache.update(k, k, 1)
+    cache.update(k, k, 2)
+    with pytest.raises(ValueError, match=r"key_states are torch.float64 but the layer holds torch.float32"):
+        cache.update(k.double(), k.double(), 0)
+    with pytest.raises(ValueError, match="states of batch 2, 2 heads.*do not match the layer's batch 1"):
+        cache.update(k.repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), 0)
+    # a pass that stops midway leaves the layers unequal: the next pass says so
+    cache.update(k, k, 0)  # a pass that stops after layer 0
+    cache.update(k, k, 0)  # the next pass (layer 0 starts passes)
+    with pytest.raises(
+        RuntimeError, match="layer 1 holds 3 tokens but layer 0 held 6 when this pass began.*midway"
+    ):
+        cache.update(k, k, 1)
+    with pytest.raises(RuntimeError, match="detached from autograd"):
+        ramtorch.HostCache().update(k.requires_grad_(), k, 0)
+    with pytest.raises(ValueError, match="pass a negative number"):
+        cache.crop(2)
+    with pytest.raises(IndexError, match="layer 7 holds nothing"):
+        cache.host_tensors(7)
+    model = tiny("llama")
+    ids = torch.randint(1, VOCAB, (1, 4))
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+        ramtorch.prefill(model, ids, ramtorch.HostCache(), chunk_tokens=0)
+    with pytest.raises(ValueError, match="attention_mask covers 3 tokens.*must cover 4"):
+        ramtorch.prefill(model, ids, ramtorch.HostCache(), chunk_tokens=2, attention_mask=torch.ones(1, 3))
+
+
+def test_the_package_serves_it_lazily():
+    import subprocess
+    import sys
+
+    code = "import sys, ramtorch; assert 'transformers' not in sys.modules; ramtorch.HostCache; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.strip() == "ok", r.stderr[-2000:]
+    with pytest.raises(AttributeError, match="no attribute 'HostCach'"):
+        ramtorch.HostCach  # noqa: B018
+
+
+@pytest.mark.gpu
+def test_side_stream_paging_is_bitwise_dynamic_cache_on_cuda():
+    """On CUDA the pages are page-locked, copied ahead on a side stream, and the device holds only
+    the ring: the same tokens and logits as DynamicCache, plain and under ramtorch.offload."""
+    ref = tiny("llama", seed=9).to(torch.bfloat16).cuda()
+    ids = torch.randint(1, VOCAB, (2, 40), device="cuda")
+    want = generate(ref, ids, max_new_tokens=24, output_logits=True)
+    cache = ramtorch.HostCache(page_tokens=16, lookahead=2)
+    got = generate(ref, ids, cache, max_new_tokens=24, output_logits=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+    assert cache.layers[0].key_pages[0].is_pinned()
+    s = cache.stats()
+    assert s["prefetch_hits"] >= 3 * 22 and s["prefetch_misses"] <= 2
+    # the ring: lookahead + 1 buffers, each at most the largest layer's 63 old tokens and a
+    # quarter, rounded to pages (80)
+    per_token = 2 * 2 * 16 * 2 * 2
+    assert s["device_bytes"] <= 3 * (80 * per_token + 256)
+    ours = copy.deepcopy(ref).cpu()
+    ramtorch.offload(ours, device="cuda")
+    got = generate(ours, ids, ramtorch.HostCache(page_tokens=16), max_new_tokens=24, output_logits=True)
+    assert torch.equal(got.sequences, want.sequences)
+    with pytest.raises(ValueError, match="this cache computes on cuda:0"):
+        cache.update(
+            torch.randn(2, 2, 1, 16, dtype=torch.bfloat16), torch.randn(2, 2, 1, 16, dtype=torch.bfloat16), 0
+        )
