@@ -27,7 +27,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _config(arch: str) -> object:
+def _config(arch: str, **overrides: object) -> object:
     common = dict(
         hidden_size=64,
         intermediate_size=128,
@@ -37,6 +37,7 @@ def _config(arch: str) -> object:
         vocab_size=VOCAB,
         max_position_embeddings=128,
         initializer_range=0.2,  # a random model that does not repeat one token forever
+        **overrides,
     )
     return {
         "llama": transformers.LlamaConfig,
@@ -89,6 +90,25 @@ def test_greedy_generate_is_bitwise_dynamic_cache(arch, offloaded):
     assert s["prefetch_hits"] > 0 and s["passes"] == 10
     if offloaded:
         assert model._ramtorch_streamer.stats()["prefetch_hits"] > 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_sliding_window_layers_are_kept_whole_and_masked(arch):
+    """Past a sliding window of 4 tokens DynamicCache drops old tokens where HostCache keeps them
+    and the mask leaves them out: the same tokens, the logits equal up to rounding (the softmax
+    runs over more, masked, positions)."""
+    extra = dict(use_sliding_window=True, max_window_layers=1) if arch == "qwen2" else {}
+    cfg = _config(arch, sliding_window=4, **extra)
+    torch.manual_seed(10)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, VOCAB, (2, 7))
+    ref = transformers.DynamicCache(config=model.config)  # what generate() makes by default
+    want = generate(model, ids, ref, max_new_tokens=8, output_logits=True)
+    cache = ramtorch.HostCache(page_tokens=3)
+    got = generate(model, ids, cache, max_new_tokens=8, output_logits=True)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
+    assert ref.layers[-1].keys.shape[-2] < cache.get_seq_length(2) == 14  # the window was in effect
 
 
 def test_beam_search_is_bitwise_dynamic_cache():

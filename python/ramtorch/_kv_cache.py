@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,9 +99,8 @@ class _HostLayer(CacheLayerMixin):
     def host_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.key_pages + self.value_pages)
 
-    # transformers calls these through Cache; HostCache routes them to its own methods, which
-    # first wait for copies in flight.
-    def reset(self) -> None:  # pragma: no cover - HostCache.reset does it
+    def reset(self) -> None:
+        # the pages may be in flight: HostCache.reset waits for the copies, then drops the layers
         raise RuntimeError("reset a HostCache through HostCache.reset")
 
 
@@ -116,7 +115,6 @@ class _Slot:
     ready: Any = None  # CUDA event: the copies into ``buf`` are done
     busy: bool = False  # taken by the layer being assembled
     free: Any = None  # CUDA event: the last reader of ``buf`` is done
-    pages: list[torch.Tensor] = field(default_factory=list)  # host pages of the copies in flight
 
 
 def _drain(inflight: list[tuple[Any, list[torch.Tensor]]]) -> None:
@@ -130,10 +128,11 @@ class HostCache(Cache):
     """A transformers KV cache whose keys and values live in host RAM, paged, and reach the
     compute device one layer at a time, ahead of the layer that reads them.
 
-    Use it wherever transformers takes a cache::
+    Use it wherever transformers takes a cache (``cache=`` from transformers 5.24, where
+    ``past_key_values=`` still works with a deprecation warning)::
 
         cache = ramtorch.HostCache(page_tokens=256)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(ids, cache=cache, max_new_tokens=64)
 
     Args:
         page_tokens: tokens per host page. Pages are allocated one at a time as the sequence
