@@ -508,12 +508,19 @@ class HostCache(Cache):
         return layer.key_pages[:used] + layer.value_pages[:used]
 
     def _copy_pages(self, layer: _HostLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copies the layer's filled rows into ``keys``/``values`` (``[tokens, batch, heads,
+        dim]``): the full pages in one call (a loop in C++, not per page in Python), then the
+        filled part of the last page."""
         p = self.page_tokens
+        full, rest = divmod(layer.length, p)
         cuda = self._cuda()
-        for i in range(-(-layer.length // p)):
-            rows = min(p, layer.length - i * p)
-            keys[i * p : i * p + rows].copy_(layer.key_pages[i][:rows], non_blocking=cuda)
-            values[i * p : i * p + rows].copy_(layer.value_pages[i][:rows], non_blocking=cuda)
+        if full:
+            dst = list(keys[: full * p].unflatten(0, (full, p)).unbind(0))
+            dst += values[: full * p].unflatten(0, (full, p)).unbind(0)
+            torch._foreach_copy_(dst, layer.key_pages[:full] + layer.value_pages[:full], non_blocking=cuda)
+        if rest:
+            keys[full * p : layer.length].copy_(layer.key_pages[full][:rest], non_blocking=cuda)
+            values[full * p : layer.length].copy_(layer.value_pages[full][:rest], non_blocking=cuda)
 
     def _grow(self, slot: _Slot, need: int, layer: _HostLayer) -> None:
         """A larger ring buffer: room for the layer's tokens and a quarter more (at least a page),
