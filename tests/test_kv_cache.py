@@ -150,16 +150,20 @@ def _forced(
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_a_decoding_loop_is_bitwise_dynamic_cache(arch):
+@pytest.mark.parametrize(("arch", "lookahead"), [("llama", 0), ("llama", 2), ("mistral", 1), ("qwen2", 5)])
+def test_a_decoding_loop_is_bitwise_dynamic_cache(arch, lookahead):
+    """Any lookahead: none (each layer copied when asked for), up to more than the layers."""
     model = tiny(arch, seed=3)
     prompt = torch.randint(1, VOCAB, (2, 5))
     tokens = torch.randint(1, VOCAB, (2, 9))
     ref = transformers.DynamicCache()
     want = _forced(model, ref, prompt, tokens)
-    cache = ramtorch.HostCache(page_tokens=2, lookahead=2)
+    cache = ramtorch.HostCache(page_tokens=2, lookahead=lookahead)
     got = _forced(model, cache, prompt, tokens)
     assert torch.equal(got, want)
+    s = cache.stats()
+    assert s["prefetch_hits"] + s["prefetch_misses"] == 9 * 3  # each decode step takes 3 layers
+    assert (s["prefetch_hits"] == 0) == (lookahead == 0)
     assert cache.get_seq_length() == ref.get_seq_length() == 14
     for i in range(3):
         keys, values = cache.host_tensors(i)
@@ -229,6 +233,27 @@ def test_kv_bytes_per_step_counts_what_one_decode_step_moves():
     # last layer also queued the next step's first layer (9 tokens)
     assert cache.kv_bytes_per_step == (2 * 8 + 9) * per_token + 3 * per_token
     assert cache.stats()["d2h_bytes"] == 3 * 9 * per_token
+
+
+def test_batch_selection_and_repetition_match_dynamic_cache():
+    """``batch_select_indices`` and ``batch_repeat_interleave`` (used by contrastive search and
+    by callers that fork sequences) reshape the pages' batch as DynamicCache reshapes its own."""
+    model = tiny("llama", seed=11)
+    prompt = torch.randint(1, VOCAB, (3, 5))
+    tokens = torch.randint(1, VOCAB, (3, 2))
+    ref, cache = transformers.DynamicCache(), ramtorch.HostCache(page_tokens=4)
+    _forced(model, ref, prompt, tokens)
+    _forced(model, cache, prompt, tokens)
+    for op, arg in (("batch_select_indices", torch.tensor([2, 0])), ("batch_repeat_interleave", 2)):
+        getattr(ref, op)(arg)
+        getattr(cache, op)(arg)
+        for i in range(3):
+            assert torch.equal(cache.host_tensors(i)[1], ref.layers[i].values)
+    more = torch.randint(1, VOCAB, (4, 3))
+    with torch.no_grad():
+        a = model(more, use_cache=True, **_cache_kw(model, ref)).logits
+        b = model(more, use_cache=True, **_cache_kw(model, cache)).logits
+    assert torch.equal(a, b)
 
 
 def test_crop_and_reset():
