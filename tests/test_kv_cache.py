@@ -28,7 +28,7 @@ def _one_thread():
 
 
 def _config(arch: str, **overrides: object) -> object:
-    common = dict(
+    common: dict = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=3,
@@ -37,8 +37,8 @@ def _config(arch: str, **overrides: object) -> object:
         vocab_size=VOCAB,
         max_position_embeddings=128,
         initializer_range=0.2,  # a random model that does not repeat one token forever
-        **overrides,
     )
+    common.update(overrides)
     return {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
@@ -393,3 +393,26 @@ def test_side_stream_paging_is_bitwise_dynamic_cache_on_cuda():
         cache.update(
             torch.randn(2, 2, 1, 16, dtype=torch.bfloat16), torch.randn(2, 2, 1, 16, dtype=torch.bfloat16), 0
         )
+
+
+@pytest.mark.gpu
+def test_a_decode_step_holds_the_ring_not_the_cache_on_cuda():
+    """16 layers of 200 cached tokens: a decode step's peak device memory above what it started
+    with (the ring, one layer's assembled keys and values, activations) stays under half the
+    cache, which lives in host RAM."""
+    torch.manual_seed(12)
+    cfg = _config("llama", num_hidden_layers=16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16).cuda()
+    ids = torch.randint(1, VOCAB, (2, 200), device="cuda")
+    cache = ramtorch.HostCache(page_tokens=16)
+    with torch.no_grad():
+        model(ids, use_cache=True, **_cache_kw(model, cache))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(ids[:, :1], use_cache=True, **_cache_kw(model, cache))
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    whole = 16 * 200 * 2 * 2 * 16 * 2 * 2  # layers x tokens x batch x KV heads x dim x bf16 x (K, V)
+    assert cache.stats()["host_bytes"] >= whole
+    assert peak < whole / 2, (peak, whole)
