@@ -289,12 +289,15 @@ class HostCache(Cache):
     @property
     def kv_bytes_per_step(self) -> int:
         """Cache bytes that crossed between host and device in the last complete pass (one decode
-        step): the old tokens copied to the device, the new ones copied back. 0 before a pass."""
+        step): the old tokens copied to the device, the new ones copied back. The copies are
+        counted in the pass that issues them, so a pass's last layers count the next pass's first
+        ``lookahead`` layers (in a steady decode, the same bytes). 0 before a pass completes."""
         return self._last_pass_bytes
 
     def stats(self) -> dict[str, int]:
         """Counters: ``kv_bytes_per_step``; ``h2d_bytes``/``d2h_bytes`` (totals); ``host_bytes``
-        (pages held); ``device_bytes`` (the ring's buffers); ``tokens``; ``pages``;
+        (pages held); ``device_bytes`` (the ring's buffers; the layer being assembled is a
+        fresh tensor besides); ``tokens``; ``pages`` (of keys, as many of values);
         ``prefetch_hits`` (a layer's tokens were already on the device or queued) and
         ``prefetch_misses``; ``passes``."""
         layers = self._filled()
