@@ -11,6 +11,8 @@ import inspect
 import pytest
 import ramtorch
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -218,6 +220,59 @@ def test_pages_grow_one_at_a_time_and_stay_in_place():
     for layer in range(layers):
         keys, values = cache.host_tensors(layer)
         assert torch.equal(keys, ref[layer][0]) and torch.equal(values, ref[layer][1])
+
+
+_OPS = st.one_of(
+    st.tuples(st.just("append"), st.integers(0, 7)),
+    st.tuples(st.just("crop"), st.integers(0, 6)),
+    st.tuples(st.just("reorder"), st.permutations([0, 1, 2])),
+    st.tuples(st.just("repeat"), st.integers(1, 2)),
+    st.tuples(st.just("select"), st.lists(st.integers(0, 2), min_size=1, max_size=3)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@example(page=2, lookahead=1, layers=2, ops=[("append", 3), ("crop", 6), ("repeat", 2), ("append", 1)])
+@given(
+    page=st.integers(1, 5),
+    lookahead=st.integers(0, 3),
+    layers=st.integers(1, 4),
+    ops=st.lists(_OPS, min_size=1, max_size=10),
+)
+def test_any_sequence_of_appends_and_edits_matches_plain_tensors(page, lookahead, layers, ops):
+    """Appends of any size (none included), crops, beam reorders, repeats and selections of the
+    batch, in any order: every layer returns, and holds, what plain tensors edited the same way
+    hold (DynamicCache's own operations on them)."""
+    g = torch.Generator().manual_seed(page * 100 + lookahead * 10 + layers)
+    cache = ramtorch.HostCache(page_tokens=page, lookahead=lookahead)
+    ref = [(torch.empty(3, 2, 0, 4), torch.empty(3, 2, 0, 2)) for _ in range(layers)]
+    for op, arg in ops:
+        b = ref[0][0].shape[0]
+        if op == "append":
+            for i in range(layers):
+                k, v = torch.randn(b, 2, arg, 4, generator=g), torch.randn(b, 2, arg, 2, generator=g)
+                ref[i] = (torch.cat([ref[i][0], k], dim=-2), torch.cat([ref[i][1], v], dim=-2))
+                keys, values = cache.update(k, v, i)
+                assert torch.equal(keys, ref[i][0]) and torch.equal(values, ref[i][1])
+            continue
+        if op == "crop":
+            cache.crop(-arg)
+            cut = max(0, ref[0][0].shape[2] - arg)
+            ref = [(k[:, :, :cut], v[:, :, :cut]) for k, v in ref]
+        elif op == "reorder" and b == 3:
+            cache.reorder_cache(torch.tensor(arg))
+            ref = [(k[list(arg)], v[list(arg)]) for k, v in ref]
+        elif op == "repeat" and b * arg <= 6:
+            cache.batch_repeat_interleave(arg)
+            ref = [(k.repeat_interleave(arg, 0), v.repeat_interleave(arg, 0)) for k, v in ref]
+        elif op == "select" and max(arg) < b:
+            cache.batch_select_indices(torch.tensor(arg))
+            ref = [(k[arg], v[arg]) for k, v in ref]
+    assert cache.get_seq_length() == ref[0][0].shape[2]
+    for i in range(layers):
+        if i < len(cache.layers) and cache.layers[i].is_initialized:
+            keys, values = cache.host_tensors(i)
+            assert torch.equal(keys, ref[i][0]) and torch.equal(values, ref[i][1])
 
 
 def test_kv_bytes_per_step_counts_what_one_decode_step_moves():

@@ -615,8 +615,9 @@ class HostCache(Cache):
                 new_keys.append(self._to_host(fn(page)))
             for page in layer.value_pages:
                 new_values.append(self._to_host(fn(page)))
-            b = new_keys[0].shape[1] if new_keys else layer.shape[0]
-            if new_keys and any(t.shape[1] != b for t in new_keys + new_values):  # pragma: no cover
+            # the new batch size, also for a layer with no pages left (cropped to nothing)
+            b = fn(torch.empty(0, layer.shape[0], 1, 1)).shape[1]
+            if any(t.shape[1] != b for t in new_keys + new_values):  # pragma: no cover
                 raise RuntimeError(f"HostCache.{what}: the pages disagree on the batch size")
             layer.key_pages, layer.value_pages = new_keys, new_values
             layer.shape = (b, *layer.shape[1:])
