@@ -311,6 +311,26 @@ def test_batch_selection_and_repetition_match_dynamic_cache():
     assert torch.equal(a, b)
 
 
+def test_a_prompt_cache_copied_for_several_continuations():
+    """transformers' prompt-reuse pattern: fill a cache with a prompt once, ``copy.deepcopy`` it
+    for each continuation. The copies have pages of their own and give DynamicCache's tokens."""
+    model = tiny("llama", seed=13)
+    prompt = torch.randint(1, VOCAB, (1, 9))
+    ours, ref = ramtorch.HostCache(page_tokens=4), transformers.DynamicCache()
+    with torch.no_grad():
+        model(prompt, use_cache=True, **_cache_kw(model, ours))
+        model(prompt, use_cache=True, **_cache_kw(model, ref))
+    for suffix in ([5, 7], [11, 13, 17]):
+        ids = torch.cat([prompt, torch.tensor([suffix])], dim=1)
+        mine = copy.deepcopy(ours)
+        assert mine.layers[0].key_pages[0].data_ptr() != ours.layers[0].key_pages[0].data_ptr()
+        got = generate(model, ids, mine, max_new_tokens=5, output_logits=True)
+        want = generate(model, ids, copy.deepcopy(ref), max_new_tokens=5, output_logits=True)
+        assert torch.equal(got.sequences, want.sequences)
+        assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+        assert mine.get_seq_length() == ids.shape[1] + 4 and ours.get_seq_length() == 9
+
+
 def test_crop_and_reset():
     model = tiny("llama", seed=7)
     prompt = torch.randint(1, VOCAB, (2, 7))
@@ -409,6 +429,19 @@ def test_wrong_arguments_raise_clear_errors():
         ramtorch.prefill(model, ids, ramtorch.HostCache(), chunk_tokens=0)
     with pytest.raises(ValueError, match="attention_mask covers 3 tokens.*must cover 4"):
         ramtorch.prefill(model, ids, ramtorch.HostCache(), chunk_tokens=2, attention_mask=torch.ones(1, 3))
+
+
+def test_offload_takes_it_whatever_the_transformers_release(monkeypatch):
+    """``offload`` refuses transformers' own host-RAM cache before 5.20 (a stream race); HostCache
+    has no such race and passes on any release."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.17.0")
+    model = ramtorch.offload(tiny("llama", seed=14), device="cpu")
+    ids = torch.randint(1, VOCAB, (1, 5))
+    with torch.no_grad():
+        out = model(ids, use_cache=True, **_cache_kw(model, ramtorch.HostCache()))
+    assert out.logits.shape == (1, 5, VOCAB)
 
 
 def test_the_package_serves_it_lazily():

@@ -267,6 +267,28 @@ class HostCache(Cache):
         idx = indices.to("cpu") if isinstance(indices, torch.Tensor) else indices
         self._rebatch(lambda page: page[:, idx], "batch_select_indices")
 
+    def __deepcopy__(self, memo: dict) -> HostCache:
+        """A copy with pages of its own in fresh host memory (to reuse a prompt's cache for
+        several continuations, as with ``DynamicCache``); nothing in flight or on the device is
+        shared, and the copy's device buffers start empty."""
+        self._quiesce()
+        new = HostCache(self.page_tokens, self.lookahead, self.pin)
+        memo[id(self)] = new
+        new.device = self.device
+        for layer in self.layers:
+            twin = _HostLayer()
+            if layer.is_initialized:
+                twin.shape, twin.dtype, twin.device = layer.shape, layer.dtype, layer.device
+                twin.length, twin.is_initialized = layer.length, True
+                twin.key_pages = [new._to_host(p) for p in layer.key_pages]
+                twin.value_pages = [new._to_host(p) for p in layer.value_pages]
+            new.layers.append(twin)
+        new._first, new._last, new._pass_base = self._first, self._last, self._pass_base
+        new._order, new._this_pass = list(self._order), list(self._this_pass)
+        new._pass_open, new._counts = self._pass_open, dict(self._counts)
+        new._pass_bytes, new._last_pass_bytes = self._pass_bytes, self._last_pass_bytes
+        return new
+
     # ----------------------------------------------------------------------------------------
     # Reading it
 
