@@ -572,9 +572,11 @@ class HostCache(Cache):
 
     @staticmethod
     def _assemble(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        """``[batch, heads, old + new tokens, dim]``, contiguous, as ``torch.cat`` makes it."""
+        """``[batch, heads, old + new tokens, dim]``, a fresh contiguous tensor as ``torch.cat``
+        makes it in ``DynamicCache`` (so attention kernels see the same layout: the new states are
+        often a transposed view)."""
         if old is None:
-            return new
+            return torch.empty_like(new, memory_format=torch.contiguous_format).copy_(new)
         n_old = old.shape[0]
         b, h, n, d = new.shape
         out = torch.empty((b, h, n_old + n, d), dtype=new.dtype, device=new.device)
