@@ -113,6 +113,24 @@ def test_sliding_window_layers_are_kept_whole_and_masked(arch):
     assert ref.layers[-1].keys.shape[-2] < cache.get_seq_length(2) == 14  # the window was in effect
 
 
+def test_it_is_taken_under_the_name_past_key_values_too():
+    """``past_key_values=`` (transformers before 5.24, deprecated but working from 5.24 on)."""
+    import warnings
+
+    model = tiny("llama", seed=15)
+    ids = torch.randint(1, VOCAB, (2, 6))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    kw.update(return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, **kw)
+    cache = ramtorch.HostCache(page_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        got = model.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+    assert cache.get_seq_length() == 6 + 4
+
+
 def test_beam_search_is_bitwise_dynamic_cache():
     """Beam search reorders the cache every step (``reorder_cache``) and expands it."""
     model = tiny("llama", seed=1)
