@@ -201,8 +201,8 @@ class HostCache(Cache):
         if layer_idx != self._first and layer.length != self._pass_base:
             raise RuntimeError(
                 f"HostCache: layer {layer_idx} holds {layer.length} tokens but layer {self._first} held "
-                f"{self._pass_base} when this pass began: an earlier forward stopped midway; "
-                "crop or reset the cache"
+                f"{self._pass_base} when this pass began: an earlier forward stopped midway, "
+                "leaving the layers unequal; reset the cache (HostCache.reset) or start a new one"
             )
         old = self._take(layer_idx, layer)
         self._prefetch_after(layer_idx)
