@@ -522,3 +522,152 @@ def test_a_decode_step_holds_the_ring_not_the_cache_on_cuda():
     whole = 16 * 200 * 2 * 2 * 16 * 2 * 2  # layers x tokens x batch x KV heads x dim x bf16 x (K, V)
     assert cache.stats()["host_bytes"] >= whole
     assert peak < whole / 2, (peak, whole)
+
+
+class _FakeCuda:
+    """Streams and events that only keep vector clocks, so that the CUDA path of HostCache runs
+    on the CPU (its copies are plain ones there) and every ordering it relies on can be checked:
+    an op on stream A happens before an op on stream B when B waited, directly or not, on an
+    event recorded after it, or the host waited for one before queueing B. ``done`` says what a
+    query of an event answers: the GPU finished everything (and the host knows), or nothing
+    yet."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+        self.clock: dict[str, dict[str, int]] = {s: {} for s in ("compute", "side", "host")}
+        self.current = ["compute"]
+        self.ops: list[tuple[str, str, object, dict[str, int]]] = []  # kind, stream, what, stamp
+
+    def tick(self, stream: str) -> dict[str, int]:
+        if stream != "host":  # work the host queues now starts after what the host saw finish
+            self.join(stream, self.clock["host"])
+        vc = self.clock[stream]
+        vc[stream] = vc.get(stream, 0) + 1
+        return dict(vc)
+
+    def join(self, stream: str, other: dict[str, int]) -> None:
+        vc = self.clock[stream]
+        for k, v in other.items():
+            vc[k] = max(vc.get(k, 0), v)
+
+    def op(self, kind: str, what: object, stream: str | None = None) -> None:
+        stream = stream or self.current[-1]
+        self.ops.append((kind, stream, what, self.tick(stream)))
+
+    @staticmethod
+    def before(a: tuple, b: tuple) -> bool:
+        """Whether op ``a`` happens before op ``b``."""
+        return a[3][a[1]] <= b[3].get(a[1], 0)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import contextlib
+
+        fake = self
+
+        class Stream:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def wait_event(self, event: Event) -> None:
+                fake.join(self.name, event.stamp)
+
+        class Event:
+            def __init__(self) -> None:
+                self.stamp: dict[str, int] = {}
+
+            def record(self, stream: Stream) -> None:
+                self.stamp = fake.tick(stream.name)
+
+            def query(self) -> bool:
+                if fake.done:
+                    fake.join("host", self.stamp)
+                return fake.done
+
+            def synchronize(self) -> None:
+                fake.join("host", self.stamp)
+
+        streams = {"compute": Stream("compute"), "side": Stream("side")}
+
+        @contextlib.contextmanager
+        def stream(s: Stream):
+            fake.current.append(s.name)
+            try:
+                yield
+            finally:
+                fake.current.pop()
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(ramtorch.HostCache, "_side_stream", lambda self: streams["side"])
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[fake.current[-1]])
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+
+
+@pytest.mark.parametrize("done", [False, True], ids=["gpu-behind", "gpu-done"])
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done):
+    """The CUDA path run on the CPU with fake streams and events (greedy and beam search, which
+    edits the pages on the host): each read of a ring buffer happens after the copy that filled
+    it; a copy into a buffer, after the reads of what it held; a copy of a layer's pages, after
+    the copies of its tokens into them; a change of the pages on the host, after every copy that
+    touched them. And the tokens are DynamicCache's."""
+    fake = _FakeCuda(done)
+    fake.install(monkeypatch)
+    monkeypatch.setattr(ramtorch.HostCache, "_cuda", lambda self: True)
+    cache = ramtorch.HostCache(page_tokens=3, lookahead=lookahead)
+
+    def slot_of(t: torch.Tensor) -> int:
+        """The ring buffer ``t`` (a view of keys or of values) lies in."""
+        p = t.data_ptr()
+        inside = [s.buf is not None and 0 <= p - s.buf.data_ptr() < s.buf.numel() for s in cache._slots]
+        return inside.index(True)
+
+    copy_pages, assemble = ramtorch.HostCache._copy_pages, ramtorch.HostCache._assemble
+    append, quiesce = ramtorch.HostCache._append, ramtorch.HostCache._quiesce
+
+    def logged_copy(self, layer, keys, values):
+        fake.op("fill", (slot_of(keys), self.layers.index(layer)))
+        return copy_pages(self, layer, keys, values)
+
+    def logged_assemble(old, new):
+        if old is not None:
+            fake.op("read", slot_of(old))
+        return assemble(old, new)
+
+    def logged_append(self, layer, keys, values):
+        fake.op("append", self.layers.index(layer))
+        return append(self, layer, keys, values)
+
+    def logged_quiesce(self):
+        quiesce(self)
+        fake.op("host edit", None, stream="host")
+
+    monkeypatch.setattr(ramtorch.HostCache, "_copy_pages", logged_copy)
+    monkeypatch.setattr(ramtorch.HostCache, "_assemble", staticmethod(logged_assemble))
+    monkeypatch.setattr(ramtorch.HostCache, "_append", logged_append)
+    monkeypatch.setattr(ramtorch.HostCache, "_quiesce", logged_quiesce)
+
+    model = tiny("llama", seed=16)
+    ids = torch.randint(1, VOCAB, (2, 5))
+    for kw in (dict(max_new_tokens=6), dict(max_new_tokens=4, num_beams=2)):
+        ref = generate(model, ids, **kw)
+        got = generate(model, ids, cache, **kw)
+        assert torch.equal(got.sequences, ref.sequences)
+        cache.reset()
+    ops = fake.ops
+    kinds = {k for k, *_ in ops}
+    assert {"fill", "read", "append", "host edit"} <= kinds
+    assert {s for k, s, *_ in ops if k == "fill"} == {"side"}
+    for i, b in enumerate(ops):
+        earlier = ops[:i]
+        if b[0] == "read":  # after the copy that filled the buffer
+            fill = [a for a in earlier if a[0] == "fill" and a[2][0] == b[2]][-1]
+            assert fake.before(fill, b), (fill, b)
+        if b[0] == "fill":  # after the reads of the buffer, and the appends to the layer
+            for a in earlier:
+                if (a[0] == "read" and a[2] == b[2][0]) or (a[0] == "append" and a[2] == b[2][1]):
+                    assert fake.before(a, b), (a, b)
+        if b[0] == "host edit":  # after every copy that read or wrote the pages
+            for a in earlier:
+                if a[0] in ("fill", "append"):
+                    assert fake.before(a, b), (a, b)
