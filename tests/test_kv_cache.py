@@ -469,6 +469,7 @@ def test_the_package_serves_it_lazily():
     code = "import sys, ramtorch; assert 'transformers' not in sys.modules; ramtorch.HostCache; print('ok')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert {"HostCache", "prefill"} <= set(dir(ramtorch))
     with pytest.raises(AttributeError, match="no attribute 'HostCach'"):
         ramtorch.HostCach  # noqa: B018
 

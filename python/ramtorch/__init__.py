@@ -66,6 +66,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ramtorch' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def stats(model: _torch_nn.Module | None = None) -> dict[str, Any]:
     """Counters of the engine, or of one offloaded model.
 
