@@ -400,6 +400,24 @@ def test_chunked_prefill_matches_one_shot_prefill():
     assert torch.equal(chunked.sequences, plain.sequences)
 
 
+def test_chunked_prefill_of_a_left_padded_batch_then_generate():
+    """Positions come from the attention mask, as generate() counts them: a padded batch
+    prefilled in chunks goes on to generate DynamicCache's tokens."""
+    model = tiny("qwen2", seed=17)
+    ids = torch.randint(1, VOCAB, (3, 14))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :9] = 0
+    ids[mask == 0] = 0
+    want = generate(model, ids, mask=mask, max_new_tokens=6, output_logits=True)
+    cache = ramtorch.HostCache(page_tokens=4)
+    with torch.no_grad():
+        ramtorch.prefill(model, ids[:, :-1], cache, chunk_tokens=5, attention_mask=mask[:, :-1])
+    got = generate(model, ids, cache, mask=mask, max_new_tokens=6, output_logits=True)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
+
+
 def test_wrong_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="page_tokens must be at least 1"):
         ramtorch.HostCache(page_tokens=0)
@@ -447,6 +465,10 @@ def test_wrong_arguments_raise_clear_errors():
         ramtorch.prefill(model, ids, ramtorch.HostCache(), chunk_tokens=0)
     with pytest.raises(ValueError, match="attention_mask covers 3 tokens.*must cover 4"):
         ramtorch.prefill(model, ids, ramtorch.HostCache(), chunk_tokens=2, attention_mask=torch.ones(1, 3))
+    with pytest.raises(
+        ValueError, match=r"position_ids must be a tensor covering the 0 cached tokens.*\(1, 3\)"
+    ):
+        ramtorch.prefill(model, ids, ramtorch.HostCache(), chunk_tokens=2, position_ids=torch.zeros(1, 3))
 
 
 def test_offload_takes_it_whatever_the_transformers_release(monkeypatch):

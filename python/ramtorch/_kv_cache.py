@@ -665,9 +665,12 @@ def prefill(
     """Runs ``input_ids`` (``[batch, tokens]``) through ``model`` into ``cache``, ``chunk_tokens``
     at a time, so that no forward's activations span the whole prompt (each chunk attends to the
     cached tokens before it). Returns the last chunk's output (its ``logits`` are the last
-    chunk's). ``attention_mask`` covers the whole prompt (plus any tokens already in the cache);
-    other keyword arguments go to every forward. To go on with ``model.generate(ids,
-    past_key_values=cache, ...)``, prefill all but the prompt's last token.
+    chunk's). ``attention_mask`` covers the tokens already in the cache and the prompt; with it,
+    and no ``position_ids``, positions are counted from the mask as ``generate()`` counts them
+    (a left-padded batch starts at 0 after its padding). ``position_ids`` and ``token_type_ids``
+    given as keyword arguments cover the same tokens and are cut per chunk; other keyword
+    arguments go to every forward. To go on with ``model.generate(ids, cache=cache, ...)``,
+    prefill all but the prompt's last token.
 
     The logits equal a one-shot prefill's up to rounding: the chunks' matrix products are
     different shapes, which floating point may round differently."""
@@ -685,6 +688,17 @@ def prefill(
             f"ramtorch.prefill: attention_mask covers {attention_mask.shape[-1]} tokens; the cache holds "
             f"{past} and input_ids has {total}, so it must cover {past + total}"
         )
+    per_token = {k: kwargs.pop(k) for k in ("position_ids", "token_type_ids") if kwargs.get(k) is not None}
+    if attention_mask is not None and "position_ids" not in per_token:
+        positions = attention_mask.long().cumsum(-1) - 1
+        per_token["position_ids"] = positions.masked_fill(attention_mask == 0, 0)
+    for key, t in per_token.items():
+        if not isinstance(t, torch.Tensor) or t.shape[-1] != past + total:
+            raise ValueError(
+                f"ramtorch.prefill: {key} must be a tensor covering the {past} cached tokens and the "
+                f"{total} of input_ids ({past + total}), got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
     out = None
     name = _cache_kwarg(model)
     for start in range(0, total, chunk_tokens):
@@ -692,6 +706,8 @@ def prefill(
         call = dict(kwargs)
         if attention_mask is not None:
             call["attention_mask"] = attention_mask[:, : past + end]
+        for key, t in per_token.items():
+            call[key] = t[..., past + start : past + end]
         out = model(input_ids[:, start:end], **{name: cache}, use_cache=True, **call)
     return out
 
