@@ -164,6 +164,7 @@ class HostCache(Cache):
         self._side: Any = None  # the side CUDA stream
         self._inflight: list[tuple[Any, list[torch.Tensor]]] = []
         self._finalizer = weakref.finalize(self, _drain, self._inflight)
+        self._finalizer.atexit = False  # at exit the memory goes with the process: no CUDA calls then
         self._first: int | None = None  # the first layer of a pass
         self._last: int | None = None  # the layer updated last in this pass
         self._order: list[int] = []  # the layers of the last complete pass, in order
