@@ -99,9 +99,12 @@ class _HostLayer(CacheLayerMixin):
     def host_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.key_pages + self.value_pages)
 
+    # The pages may be in flight: HostCache's own methods wait for the copies first.
     def reset(self) -> None:
-        # the pages may be in flight: HostCache.reset waits for the copies, then drops the layers
         raise RuntimeError("reset a HostCache through HostCache.reset")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise RuntimeError("reorder a HostCache through HostCache.reorder_cache")
 
 
 @dataclass
