@@ -2,7 +2,7 @@
 under ``ramtorch.offload``, next to its limits; prints one JSON record per line (BENCH.md format).
 
     python3 bench/generate.py [--budget 8GiB] [--gpu-cap 12GiB] [--batch 1 4 16 64] [--prompt 512]
-        [--new 32] [--kv dynamic offloaded] [--reps 2] [--check] [--no-resident] [--deadline SECONDS]
+        [--new 32] [--kv dynamic offloaded host] [--reps 2] [--check] [--no-resident] [--deadline SECONDS]
         [--modes default weights_unchanged]
     python3 bench/generate.py --tiny --device cpu --batch 1 4 --new 8 --prompt 16   # CPU smoke run
 
@@ -17,7 +17,11 @@ and the model is offloaded: ``ramtorch.offload(model, gpu_budget=--budget, devic
 For each batch size B (``--batch``) and KV cache (``--kv``): ``dynamic`` is transformers' default
 cache on the GPU, ``offloaded`` passes ``cache_implementation="offloaded"`` (the KV cache lives in
 host RAM; each layer's keys and values come to the GPU one layer ahead and go back after use, so the
-context is not bounded by GPU memory; it needs CUDA and is skipped on the CPU). The prompt is B
+context is not bounded by GPU memory; it needs CUDA and is skipped on the CPU), ``host`` passes a
+fresh ``ramtorch.HostCache()`` to each generate (pages in host RAM, copied to the GPU one layer
+ahead; only the new tokens go back; runs on the CPU too). Records say where the cache lived
+(``"kv_place"``: ``gpu``/``host``), the tokens it held at the end (``"context"``) and, with
+``host``, the cache bytes that crossed in the last decode step (``"kv_bytes_per_step"``). The prompt is B
 random sequences of ``--prompt`` tokens, no padding. Greedy generation::
 
     model.generate(ids, attention_mask=ones, max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -100,7 +104,9 @@ from benchlib import budget_arg, gpu_allocated, gpu_peak, jsonable, parse_bytes,
 from torch import nn
 from w2 import build, config, free_gpu, to_host
 
-KV_MODES = ("dynamic", "offloaded")
+KV_MODES = ("dynamic", "offloaded", "host")
+#: The HostCache of the latest generate with ``--kv host`` (its counters go into the records).
+LAST_HOST_CACHE: list = []
 MODES = ("default", "weights_unchanged")
 T0 = time.perf_counter()
 
@@ -203,8 +209,23 @@ def engine_counters() -> dict[str, float]:
 # -- generation -----------------------------------------------------------------------------------
 
 
+def host_cache_kw(model: nn.Module) -> dict:
+    """A fresh ``ramtorch.HostCache`` under the name this transformers' ``generate`` takes it by
+    (``cache`` from 5.24, ``past_key_values`` before)."""
+    import inspect
+
+    import ramtorch
+
+    cache = ramtorch.HostCache()
+    LAST_HOST_CACHE[:] = [cache]
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
 def generate(model: nn.Module, ids: torch.Tensor, new: int, kv: str) -> torch.Tensor:
     kw = {"cache_implementation": "offloaded"} if kv == "offloaded" else {}
+    if kv == "host":
+        kw = host_cache_kw(model)
     return model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -225,6 +246,7 @@ class Runs:
     peak_above_base: int = 0
     counters: list[dict[str, float]] = field(default_factory=list)
     tokens: torch.Tensor | None = None
+    kv_bytes_per_step: list[int] = field(default_factory=list)  # --kv host: the last decode step's
 
     def median(self) -> float:
         return statistics.median(self.seconds)
@@ -248,6 +270,8 @@ def timed(model: nn.Module, ids: torch.Tensor, new: int, kv: str, device: str, r
         after = engine_counters()
         runs.counters.append({k: after[k] - before[k] for k in COUNTERS})
     runs.tokens = out
+    if kv == "host":
+        runs.kv_bytes_per_step.append(LAST_HOST_CACHE[0].kv_bytes_per_step)
 
 
 def measure(
@@ -311,12 +335,14 @@ def limits(
 ) -> dict:
     a, per_tok = s.args, kv_bytes_per_token(s.cfg)
     up = down = 0
-    if kv == "offloaded":
+    if kv in ("offloaded", "host"):
         if phase == "prefill":
             down = batch * a.prompt * per_tok
         else:  # decode step k (1..N-1) brings up prompt+k-1 tokens, writes back prompt+k
             up = int(batch * (a.prompt + (a.new - 2) / 2) * per_tok)
             down = int(batch * (a.prompt + a.new / 2) * per_tok)
+            if kv == "host":  # HostCache writes back the new token only
+                down = batch * per_tok
     out: dict = {
         "limit_streamed_bytes": s.streamed,
         "limit_kv_h2d_bytes": up,
@@ -371,6 +397,8 @@ def records(
             "prompt": a.prompt,
             "new_tokens": a.new,
             "kv": kv,
+            "kv_place": "host" if kv in ("offloaded", "host") else "gpu",
+            "context": a.prompt if phase == "prefill" else a.prompt + a.new - 1,  # at the end
             "tokens": tokens,
             "seconds": sec,
             "tokens_per_second": tokens / sec if sec else None,
@@ -393,6 +421,8 @@ def records(
                     if phase == "decode":
                         v = (full.mean_counter(k) - v) / steps
                     r[f"engine_{k}"] = v
+            if phase == "decode" and full.kv_bytes_per_step:
+                r["kv_bytes_per_step"] = statistics.median(full.kv_bytes_per_step)
             if system == "ramtorch" and resident is not None and resident.get(phase):
                 r["vs_resident"] = resident[phase] / sec if sec else None
         r["host_rss_bytes"] = rss()
@@ -459,6 +489,10 @@ def forced_logits(model: nn.Module, ids: torch.Tensor, tokens: torch.Tensor, kv:
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    if kv == "host":
+        import ramtorch
+
+        cache = ramtorch.HostCache()
     if kv == "offloaded":  # what cache_implementation="offloaded" builds
         try:
             cache = DynamicCache(offloading=True)

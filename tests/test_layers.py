@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "ramtorch._nodes": ENGINE,
     "ramtorch._stream": STREAM,
     "ramtorch._offload": FEATURE,
+    "ramtorch._kv_cache": FEATURE,
     "ramtorch.nn": FEATURE,
     "ramtorch.optim": FEATURE,
     "ramtorch.io": FEATURE,

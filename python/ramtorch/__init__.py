@@ -51,6 +51,25 @@ __all__ = [
 ]
 
 
+#: Names served by :func:`__getattr__`: they need transformers, imported only when first used.
+_LAZY = {"HostCache": "_kv_cache", "prefill": "_kv_cache"}
+
+
+def __getattr__(name: str) -> Any:
+    """``ramtorch.HostCache`` and ``ramtorch.prefill`` (a transformers KV cache in host RAM, and
+    prefill in chunks into it: :mod:`ramtorch._kv_cache`), imported on first use so that
+    ``import ramtorch`` does not import transformers."""
+    if name in _LAZY:
+        from . import _kv_cache
+
+        return getattr(_kv_cache, name)
+    raise AttributeError(f"module 'ramtorch' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def stats(model: _torch_nn.Module | None = None) -> dict[str, Any]:
     """Counters of the engine, or of one offloaded model.
 
