@@ -129,18 +129,20 @@ def test_zero_equals_one_process_on_the_global_batch(tmp_path, world, stage, sha
 LRS = [1e-2, 3e-3, 1e-2, 5e-3]  # set after each step's backward, before its step()
 
 
-def reference_late_lr() -> list[torch.Tensor]:
+def reference_late_lr(clip: float | None = None) -> list[torch.Tensor]:
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for x, lr in zip(batches(), LRS):
         model(x).square().mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.param_groups[0]["lr"] = lr
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def semantics_worker(rank: int, world: int, port: int, out: str, share: bool) -> None:
+def semantics_worker(rank: int, world: int, port: int, out: str, share: bool, clip: float | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
@@ -149,7 +151,7 @@ def semantics_worker(rank: int, world: int, port: int, out: str, share: bool) ->
             from ramtorch.distributed import share_parameters
 
             share_parameters(model)
-        opt = ropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).shard(stage=2)
+        opt = ropt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=clip).shard(stage=2)
         unchanged = []
         for x, lr in zip(batches(), LRS):
             before = [p.detach().clone() for p in model.parameters()]
@@ -168,16 +170,18 @@ def semantics_worker(rank: int, world: int, port: int, out: str, share: bool) ->
     exit_rank()
 
 
-@pytest.mark.parametrize("share", [False, True])
-def test_zero2_changes_nothing_before_step(tmp_path, share):
+@pytest.mark.parametrize(("share", "clip"), [(False, None), (True, None), (False, 0.05)])
+def test_zero2_changes_nothing_before_step(tmp_path, share, clip):
     """ZeRO-2's default keeps torch's semantics: the owners compute their updates during backward
     but commit them in step(), so a rank's own weights do not change before its step() (with one
     shared copy, another rank's step() writes them), and a learning rate set between backward and
-    step() is the one used."""
+    step() is the one used; with ``max_grad_norm`` the global norm clips every rank's update."""
     out = str(tmp_path / "r")
     world = 2
-    mp.spawn(semantics_worker, args=(world, free_port(), out, share), nprocs=world, join=True)
-    ref = reference_late_lr()
+    mp.spawn(semantics_worker, args=(world, free_port(), out, share, clip), nprocs=world, join=True)
+    ref = reference_late_lr(clip)
+    if clip is not None:  # the threshold clips: the run differs from an unclipped one
+        assert any(not torch.allclose(a, b) for a, b in zip(ref, reference_late_lr()))
     results = [torch.load(f"{out}.{r}") for r in range(world)]
     for res in results:
         if not share:  # (one copy for all ranks: another rank's step() writes it)
