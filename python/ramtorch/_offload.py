@@ -77,7 +77,8 @@ def offload(
             stream. ``None``: stream every unit, with ``max_inflight + 1`` slots of the largest.
             ``"auto"``: the device's free memory less a reserve for activations (a fifth, at
             least 2 GiB); the chosen plan and its predicted times are logged
-            (INFO, logger ``ramtorch``).
+            (INFO, logger ``ramtorch``). It is sized for inference: in training, the resident
+            units' gradients and device optimizer states are outside any budget.
         unit: the block classes (types or class-name patterns) that form units; default: each
             child of the model's largest ``nn.ModuleList``, or ``nn.Sequential`` of blocks of one
             class (torchvision's ViT ``encoder.layers``), by parameter count. Modules outside the
