@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -53,6 +54,24 @@ def rss() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process in bytes (VmHWM of /proc/self/status)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def git_commit() -> str:
+    """The checkout's short commit, or ``"unknown"`` outside a git checkout."""
+    try:
+        cmd = ["git", "rev-parse", "--short", "HEAD"]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def sync(device: str) -> None:

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from typing import Any
@@ -27,16 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import budget_arg, rss  # noqa: E402
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process (VmHWM) in bytes."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from benchlib import budget_arg, git_commit, peak_rss, rss  # noqa: E402
 
 
 def config(a: argparse.Namespace, layers: int) -> Any:
@@ -91,15 +81,6 @@ def choose_layers(a: argparse.Namespace) -> tuple[int, Any]:
     if best is None:
         raise SystemExit("no depth fits in host memory")
     return best
-
-
-def git_commit() -> str:
-    try:
-        cmd = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

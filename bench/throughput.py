@@ -18,7 +18,6 @@ import gc
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import budget_arg, rss  # noqa: E402
+from benchlib import budget_arg, git_commit, rss  # noqa: E402
 
 OPTIMIZER_NAMES = {
     "fp32-master": "fp32 master",
@@ -114,15 +113,6 @@ def count_params(a: argparse.Namespace, layers: int) -> int:
 
         model = transformers.AutoModelForCausalLM.from_config(llama_config(a, layers))
     return sum(p.numel() for p in model.parameters())
-
-
-def git_commit() -> str:
-    try:
-        cmd = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
