@@ -47,22 +47,44 @@ def parse_bytes(value: int | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def rss() -> int:
-    """Resident set size of this process in bytes (VmRSS of /proc/self/status)."""
+def _status_bytes(field: str) -> int:
+    """A byte figure of /proc/self/status (``VmRSS``, ``VmHWM``); 0 where it is missing."""
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss() -> int:
+    """Resident set size of this process in bytes."""
+    return _status_bytes("VmRSS")
 
 
 def peak_rss() -> int:
-    """Peak resident set size of this process in bytes (VmHWM of /proc/self/status)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """Peak resident set size of this process in bytes."""
+    return _status_bytes("VmHWM")
+
+
+def llama_config(
+    hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int
+) -> object:
+    """A transformers ``LlamaConfig`` (untied head, sdpa attention) of this shape, for random weights."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
 
 
 def git_commit() -> str:

@@ -26,24 +26,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import budget_arg, git_commit, peak_rss, rss  # noqa: E402
+from benchlib import budget_arg, git_commit, llama_config, peak_rss, rss  # noqa: E402
 
 
 def config(a: argparse.Namespace, layers: int) -> Any:
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        hidden_size=a.hidden,
-        intermediate_size=a.inter,
-        num_hidden_layers=layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        vocab_size=a.vocab,
-        max_position_embeddings=max(4096, a.tokens),
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    return cfg
+    return llama_config(a.hidden, a.inter, layers, a.heads, a.kv_heads, a.vocab, max(4096, a.tokens))
 
 
 def build(a: argparse.Namespace, layers: int, device: str | torch.device) -> nn.Module:

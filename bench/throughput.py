@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import budget_arg, git_commit, rss  # noqa: E402
+from benchlib import budget_arg, git_commit, llama_config, rss  # noqa: E402
 
 OPTIMIZER_NAMES = {
     "fp32-master": "fp32 master",
@@ -38,22 +38,8 @@ OPTIMIZER_NAMES = {
 SCHEDULES = {"default": "default schedule", "backward": "committed in backward", "off": "in step"}
 
 
-def llama_config(a: argparse.Namespace, layers: int) -> Any:
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        hidden_size=a.hidden,
-        intermediate_size=a.inter,
-        num_hidden_layers=layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        vocab_size=a.vocab,
-        max_position_embeddings=max(8192, a.seq),
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    return cfg
+def config(a: argparse.Namespace, layers: int) -> Any:
+    return llama_config(a.hidden, a.inter, layers, a.heads, a.kv_heads, a.vocab, max(8192, a.seq))
 
 
 def build(a: argparse.Namespace, layers: int) -> nn.Module:
@@ -61,7 +47,7 @@ def build(a: argparse.Namespace, layers: int) -> nn.Module:
     import transformers
 
     with torch.device(a.device):
-        model = transformers.AutoModelForCausalLM.from_config(llama_config(a, layers), dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config(a, layers), dtype=torch.bfloat16)
     model.train()
     return model
 
@@ -111,7 +97,7 @@ def count_params(a: argparse.Namespace, layers: int) -> int:
     with torch.device("meta"):
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_config(llama_config(a, layers))
+        model = transformers.AutoModelForCausalLM.from_config(config(a, layers))
     return sum(p.numel() for p in model.parameters())
 
 
