@@ -104,6 +104,10 @@ class GradientHooks:
     lock: threading.RLock
     slot_owner: dict[int, _Unit]
 
+    def weights_buffer(self, slot: int) -> torch.Tensor:
+        """See :meth:`~ramtorch._stream.itinerary.Prefetcher.weights_buffer`."""
+        raise NotImplementedError
+
     # -- weight gradients as they are computed ------------------------------------------------------
 
     def _hook_weight_consumers(self, u: _Unit, fetch: Any, roots: list[Any]) -> None:
@@ -198,7 +202,7 @@ class GradientHooks:
             if u.bwd is None:
                 self._begin_backward_locked(u)
             assert u.bwd is not None
-            buf = self.eng.slot(u.bwd)
+            buf = self.weights_buffer(u.bwd)
         return buf.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
 
 

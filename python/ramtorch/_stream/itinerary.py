@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import threading
 
-from .. import _core, _engine
+import torch
+
+from .. import _codec, _core, _engine
 from .._units import format_bytes
 from .units import _packed_bytes, _Unit
 
@@ -37,6 +39,9 @@ class Prefetcher:
     held: int
     lock: threading.RLock
     counters: dict[str, int]
+    # Per taken slot that holds an encoded unit (offload(compress=...)): the buffer its bytes were
+    # decoded into, whose views are the unit's weights while the slot is held.
+    decoded: dict[int, torch.Tensor]
 
     # -- slots ------------------------------------------------------------------------------------
 
@@ -102,14 +107,14 @@ class Prefetcher:
                 "needs one (units nested deeper than the slots allow); raise gpu_budget or "
                 "max_inflight"
             )
-        nbytes = u.layout.nbytes
+        src, nbytes = u.source()
         try:
-            slot, _ = self.eng.prefetch(key, u.flat, nbytes, self.max_inflight, keep, u.tag, id(self))
+            slot, _ = self.eng.prefetch(key, src, nbytes, self.max_inflight, keep, u.tag, id(self))
         except _core.SlotsExhausted:
             # The device's slots are shared with other models and layers: ask every holder of a
             # speculative prefetch to give it back, then try once more.
             self.eng.reclaim()
-            slot, _ = self.eng.prefetch(key, u.flat, nbytes, self.max_inflight, keep, u.tag, id(self))
+            slot, _ = self.eng.prefetch(key, src, nbytes, self.max_inflight, keep, u.tag, id(self))
         return slot
 
     def _take(self, u: _Unit, keep: list[int]) -> int:
@@ -122,6 +127,7 @@ class Prefetcher:
             self._check_fits(u)
             self._drop_ahead()
             u.pack()
+        enc = u.encoding()  # (encoded again first if the weights changed: the key names it)
         key = u.key()
         hit = self.ahead.pop(u.uid, None)  # forgotten first: an interrupt leaks, never frees twice
         if hit is not None and hit[1] != key:
@@ -135,7 +141,21 @@ class Prefetcher:
             slot = self._prefetch(u, key, keep)
         self.held += 1
         self.eng.claim(slot, u.tag)
+        self.decoded.pop(slot, None)
+        if enc is not None:
+            # On the compute stream, which the claim made wait for the copy.
+            buf = self.eng.slot(slot)
+            out = torch.empty(enc.raw, dtype=torch.uint8, device=buf.device)
+            _codec.decode((enc.codec, enc.meta), buf, out)
+            self.decoded[slot] = out
+            self.counters["decoded_bytes"] += enc.raw
         return slot
+
+    def weights_buffer(self, slot: int) -> torch.Tensor:
+        """The device bytes of the unit a taken ``slot`` holds, in its layout: the slot itself, or
+        the buffer its encoded bytes were decoded into."""
+        out = self.decoded.get(slot)
+        return out if out is not None else self.eng.slot(slot)
 
     def _check_fits(self, u: _Unit) -> None:
         """Refuses, naming the unit and what changed, parameters of ``u`` that no longer fit the
@@ -160,6 +180,7 @@ class Prefetcher:
 
     def _give(self, slot: int) -> None:
         self.held -= 1
+        self.decoded.pop(slot, None)
         self.eng.release(slot)
 
     def _lookahead(self, itin: list[int], pos: int) -> list[_Unit]:
@@ -181,10 +202,10 @@ class Prefetcher:
                 continue
             if self._free_slots() <= 0 or not u.is_home() or _engine.updating(u.params):
                 break
-            key = u.key()
             try:
-                nbytes = u.layout.nbytes
-                slot, _ = self.eng.prefetch(key, u.flat, nbytes, self.max_inflight, keep, u.tag, id(self))
+                src, nbytes = u.source()
+                key = u.key()
+                slot, _ = self.eng.prefetch(key, src, nbytes, self.max_inflight, keep, u.tag, id(self))
             except (_core.SlotsExhausted, ValueError):
                 break  # speculative: never worth an error (nor a key an interrupt left held)
             self.ahead[u.uid] = (slot, key)

@@ -140,7 +140,10 @@ class Streamer(Prefetcher, GradientHooks):
             # Forwards of units streamed by rows (.gather), and the bytes of the rows they moved.
             "row_lookups": 0,
             "gathered_bytes": 0,
+            # Bytes decoded on the device from units streamed encoded (offload(compress=...)).
+            "decoded_bytes": 0,
         }
+        self.decoded: dict[int, torch.Tensor] = {}
         # What this streamer's passes hold of the device's forward lock (see ForwardLock).
         self._pass_token = ("pass", id(self))
         self.hook_handles: list[Any] = []
@@ -375,7 +378,7 @@ class Streamer(Prefetcher, GradientHooks):
                 if itin:
                     self._prefetch_along(itin, pos, u)
             assert u.layout is not None
-            buf = self.eng.slot(slot)
+            buf = self.weights_buffer(slot)
             views = _device_views(u, buf)
         self.eng.mark(u.tag, MARK_FWD_BEGIN)
         grad = torch.is_grad_enabled()
@@ -582,6 +585,8 @@ class Streamer(Prefetcher, GradientHooks):
         mode = bool(getattr(u.module, "training", False))
         if u.writes or mode in u.probed or getattr(self, "trusted", False):
             return False
+        if u.enc is not None and u.enc.codec != "lossless":
+            return False  # a lossy copy differs from the host bytes (compressed units are frozen)
         u.probed.add(mode)
         return True
 
@@ -724,7 +729,7 @@ class Streamer(Prefetcher, GradientHooks):
             # Code that runs the unit's submodules during its backward (a checkpointed region
             # inside the unit recomputing) must find the weights on the device.
             assert u.layout is not None
-            views = u.layout.views(self.eng.slot(u.bwd))
+            views = u.layout.views(self.weights_buffer(u.bwd))
             if u.tree is not None:
                 views = u.device_params(views)
             views = _leaves(views, u.params)
@@ -848,7 +853,25 @@ class Streamer(Prefetcher, GradientHooks):
             "gathered_units": [u.name for u in gathered],
             "host_bytes": sum(u.nbytes for u in streamed + gathered),
             "itinerary": [self.by_uid[k].name for k in self.fwd_itin],
+            **self._compression(streamed),
             **self.counters,
+        }
+
+
+    @staticmethod
+    def _compression(streamed: list[_Unit]) -> dict[str, Any]:
+        """What ``offload(compress=...)`` did: the codec, the units streamed encoded with their
+        ratio (encoded bytes over raw bytes), and the bytes a pass moves with and without it."""
+        codecs = {u.codec for u in streamed if u.codec is not None}
+        if not codecs:
+            return {}
+        enc = {u.name: u.enc for u in streamed if u.enc is not None}
+        return {
+            "compress": codecs.pop() if len(codecs) == 1 else sorted(codecs),
+            "compressed_units": {name: round(e.ratio, 4) for name, e in enc.items()},
+            "link_bytes_per_pass": sum(
+                u.enc.nbytes if u.enc is not None else u.nbytes for u in streamed
+            ),
         }
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .. import _arena, _engine
+from .. import _arena, _codec, _engine
 from . import guard
 
 
@@ -453,6 +453,14 @@ class _Unit:
         self.flat: torch.Tensor | None = None
         self.layout: _engine.Layout | None = None
         self.home: list[int] = []
+        # offload(compress=...): the codec asked for (``None``: stream raw), the encoded region that
+        # streams in place of ``flat`` (``None`` where the codec saves too little), what it was
+        # encoded from (the region and the parameters' version counters) and its serial (in
+        # ``key``: a slot holding an older encoding is never taken for this one).
+        self.codec: str | None = None
+        self.enc: _codec.Encoded | None = None
+        self.enc_for: tuple[int, tuple[int, ...]] | None = None
+        self.enc_serial = 0
         # Running forwards (a unit may be called inside itself): (slot, whether it took the slot,
         # saved-tensor hooks, slot address, the parameters it replaced, its _Fetch node, its
         # profiler range, the slot tensor and its version counter when the forward began, and
@@ -524,6 +532,33 @@ class _Unit:
         self.home = [v.data_ptr() for v in views]
         self.gen = _engine.next_generation()  # unique across models: slot keys of one engine never collide
         guard.register(self.params)
+
+    def encoding(self) -> _codec.Encoded | None:
+        """The encoded region that streams in place of ``flat``, or ``None`` (stream raw). Encoded
+        again when the weights changed in a way torch counts (a version counter, a parameter set
+        anew, the region moved); writes through ``.data`` between passes are not seen (see
+        ``offload(compress=...)``). While a parameter requires grad the unit streams raw: trained
+        weights change every step."""
+        if self.codec is None or self.flat is None or self.layout is None or self.tree is not None:
+            return None
+        if any(p.requires_grad for p in self.params):
+            self.enc = self.enc_for = None
+            return None
+        stamp = (id(self.flat), tuple(p._version for p in self.params))
+        if self.enc_for != stamp:
+            self.enc = _codec.encode(self.codec, self.flat, self.layout.entries, self.layout.nbytes)
+            self.enc_for = stamp
+            self.enc_serial = _engine.next_generation()
+        return self.enc
+
+    def source(self) -> tuple[torch.Tensor, int]:
+        """The host bytes that cross the link for this unit: its encoded region (see
+        :meth:`encoding`) or its raw region."""
+        enc = self.encoding()
+        if enc is not None:
+            return enc.data, enc.nbytes
+        assert self.flat is not None and self.layout is not None
+        return self.flat, self.layout.nbytes
 
     def _place(self, tree: list[int | _Sub], views: Sequence[torch.Tensor]) -> None:
         """Points the parameters at ``views`` (their packed tensors), plain or subclass."""
@@ -622,7 +657,8 @@ class _Unit:
             # A subclass's own version counter does not see in-place edits of its inner tensors.
             tensors = self.stream_leaves()[0]
             return hash((self.gen, tuple(t._version for t in tensors))) & ((1 << 63) - 1)
-        return hash((self.gen, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
+        serial = self.enc_serial if self.enc is not None else 0
+        return hash((self.gen, serial, tuple(p._version for p in self.params))) & ((1 << 63) - 1)
 
     def rebind(self) -> bool:
         """Takes the module's parameters again if one was replaced since the unit was made

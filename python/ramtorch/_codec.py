@@ -1,0 +1,332 @@
+"""Codecs for streamed units: fewer bytes cross the link, decoded on the device into the unit's
+layout (``offload(compress=...)``).
+
+A unit's host region (``_Unit.flat``, its tensors at the offsets of its ``Layout``) is encoded once
+into a second arena region; that region is what crosses the link, and the compute stream decodes
+it, right after the copy's event, into a device buffer of the region's size, whose views are the
+unit's weights in the forward (or backward) that took it. The host region stays as it was: the
+optimizer, ``state_dict`` and checkpoints read it as before.
+
+``"lossless"`` codes the region as 16-bit words (``bfloat16`` weights; any bytes decode back
+exactly, other dtypes just compress less). A word is its sign and 7 mantissa bits (one raw byte)
+and its 8-bit exponent field, coded in 3 bits against the largest exponent of its block of
+:data:`BLOCK` words: codes 0..6 are that exponent down to 6 below it, code 7 an escape whose
+exponent byte is stored apart, in word order. Trained weights' exponents sit in a few binades
+(their entropy is about 2.6 bits), so a ``bfloat16`` region takes about 0.70 of its bytes.
+Decoding writes every word back exactly: outputs equal the uncompressed model's, bit for bit.
+
+``"fp8"`` (lossy) stores each floating-point matrix (two or more dimensions) as ``float8_e4m3fn``
+with one scale per row (dimension 0: an output channel of ``nn.Linear``): the row's largest
+magnitude over 448, rounded to the weight's dtype; other tensors stay raw. About half of a
+``bfloat16`` region. Decoding is a conversion and a multiply per matrix.
+
+Region layout of ``"lossless"``, for ``n`` words in ``nb`` blocks with ``m`` escapes (offsets in
+bytes): ``lo[n]`` (sign << 7 | mantissa), ``codes[3 * ceil(n / 8)]`` (eight 3-bit codes in three
+bytes, little-endian: word ``i``'s code is bits ``3 * (i % 8)`` of group ``i // 8``), ``top[nb]``
+(each block's largest exponent), padding to 4, ``start[nb]`` (``int32``: escapes before the
+block), ``esc[m]``. :func:`validate` checks a region against its description; the decoders never
+read outside the region whatever its bytes (a corrupt region decodes to wrong words, not a crash).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _arena
+
+#: Codecs that ``offload(compress=...)`` takes.
+CODECS = ("lossless", "fp8")
+#: Words per block of the lossless code (one exponent base; one program of the device decoder).
+BLOCK = 2048
+#: Words encoded at a time on the host (bounds the encoder's temporary memory: about 40 bytes a
+#: word).
+_CHUNK = BLOCK * 4096
+#: A unit whose encoding keeps more than this share of its bytes streams raw: the decode would
+#: cost device time for little link time.
+MAX_RATIO = 0.9
+#: Largest magnitude of ``float8_e4m3fn``.
+_FP8_MAX = 448.0
+_SHIFTS = torch.arange(0, 24, 3, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A unit's encoded region: ``data`` (``uint8``, arena memory) holds ``nbytes`` bytes that
+    decode into a region of ``raw`` bytes."""
+
+    codec: str
+    data: torch.Tensor
+    nbytes: int
+    raw: int
+    meta: Any
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / self.raw if self.raw else 1.0
+
+
+@dataclass(frozen=True)
+class _Lossless:
+    n: int  # words
+    nb: int  # blocks
+    m: int  # escapes
+    o_codes: int
+    o_top: int
+    o_start: int
+    o_esc: int
+
+
+def _lossless_layout(n: int, m: int) -> _Lossless:
+    nb = -(-n // BLOCK)
+    o_codes = n
+    o_top = o_codes + 3 * (-(-n // 8))
+    o_start = -(-(o_top + nb) // 4) * 4
+    o_esc = o_start + 4 * nb
+    return _Lossless(n, nb, m, o_codes, o_top, o_start, o_esc)
+
+
+def _encode_words(w16: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One chunk of words (a multiple of :data:`BLOCK` long, but for the last chunk): its raw
+    bytes, packed codes, block tops, escapes per block and escape bytes."""
+    w = w16.to(torch.int32) & 0xFFFF
+    hi = (w >> 7) & 0xFF
+    lo = (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8)
+    n = w.numel()
+    nb = -(-n // BLOCK)
+    pad = nb * BLOCK - n
+    hp = torch.nn.functional.pad(hi, (0, pad)) if pad else hi  # zeros never raise a block's top
+    top = hp.view(nb, BLOCK).amax(1)
+    code = top.repeat_interleave(BLOCK)[:n] - hi
+    esc = code >= 7
+    code.clamp_(max=7)
+    escapes = hi[esc].to(torch.uint8)
+    ep = torch.nn.functional.pad(esc, (0, pad)) if pad else esc
+    counts = ep.view(nb, BLOCK).sum(1, dtype=torch.int64)
+    ng = -(-n // 8)
+    cp = torch.nn.functional.pad(code, (0, ng * 8 - n)) if ng * 8 != n else code
+    v = (cp.view(ng, 8) << _SHIFTS).sum(1, dtype=torch.int32)
+    packed = torch.stack([v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF], 1).to(torch.uint8).view(-1)
+    return lo, packed, top.to(torch.uint8), counts, escapes
+
+
+def encode_lossless(flat: torch.Tensor, nbytes: int) -> Encoded | None:
+    """The lossless encoding of ``flat[:nbytes]`` (a ``uint8`` CPU region), or ``None`` when
+    ``nbytes`` is odd or empty."""
+    if nbytes <= 0 or nbytes % 2:
+        return None
+    words = flat[:nbytes].view(torch.int16)
+    n = words.numel()
+    parts = [_encode_words(words[i : i + _CHUNK]) for i in range(0, n, _CHUNK)]
+    counts = torch.cat([p[3] for p in parts])
+    m = int(counts.sum())
+    lay = _lossless_layout(n, m)
+    total = lay.o_esc + m
+    data = _arena.host_bytes(total)
+    at_lo, at_codes, at_top, at_esc = 0, lay.o_codes, lay.o_top, lay.o_esc
+    for lo, packed, top, _, escapes in parts:
+        data[at_lo : at_lo + lo.numel()].copy_(lo)
+        data[at_codes : at_codes + packed.numel()].copy_(packed)
+        data[at_top : at_top + top.numel()].copy_(top)
+        data[at_esc : at_esc + escapes.numel()].copy_(escapes)
+        at_lo += lo.numel()
+        at_codes += packed.numel()
+        at_top += top.numel()
+        at_esc += escapes.numel()
+    data[at_top : lay.o_start].zero_()
+    start = torch.zeros(lay.nb, dtype=torch.int64)
+    start[1:] = counts.cumsum(0)[:-1]
+    data[lay.o_start : lay.o_esc].view(torch.int32).copy_(start)
+    return Encoded("lossless", data, total, nbytes, lay)
+
+
+def validate(enc: Encoded) -> None:
+    """Raises ``ValueError`` naming what is wrong when ``enc``'s region does not hold a region its
+    description allows (sizes, escape counts per block, the blocks' starts, codes that would give
+    a negative exponent)."""
+    if enc.codec == "fp8":
+        _validate_fp8(enc)
+        return
+    if enc.codec != "lossless":
+        raise ValueError(f"unknown codec {enc.codec!r}")
+    lay = enc.meta
+    if not isinstance(lay, _Lossless) or lay != _lossless_layout(lay.n, lay.m):
+        raise ValueError("lossless region: its offsets do not follow from its word and escape counts")
+    if enc.raw != 2 * lay.n or enc.nbytes != lay.o_esc + lay.m or enc.data.numel() < enc.nbytes:
+        raise ValueError(
+            f"lossless region: {enc.data.numel()} bytes for {lay.n} words and {lay.m} escapes "
+            f"(needs {lay.o_esc + lay.m}, decoding to {enc.raw})"
+        )
+    code = _codes(enc.data, lay)
+    esc = code == 7
+    counts = torch.nn.functional.pad(esc, (0, lay.nb * BLOCK - lay.n)).view(lay.nb, BLOCK).sum(1)
+    if int(counts.sum()) != lay.m:
+        raise ValueError(f"lossless region: {int(counts.sum())} escape codes for {lay.m} escape bytes")
+    start = enc.data[lay.o_start : lay.o_esc].view(torch.int32).to(torch.int64)
+    want = torch.zeros_like(start)
+    want[1:] = counts.cumsum(0)[:-1]
+    if not torch.equal(start, want):
+        raise ValueError("lossless region: the blocks' escape starts do not match their escape codes")
+    top = enc.data[lay.o_top : lay.o_top + lay.nb].to(torch.int32).repeat_interleave(BLOCK)[: lay.n]
+    if bool(((top - code < 0) & ~esc).any()):
+        raise ValueError("lossless region: a code below its block's top exponent by more than the top")
+
+
+def _codes(data: torch.Tensor, lay: _Lossless) -> torch.Tensor:
+    ng = -(-lay.n // 8)
+    g = data[lay.o_codes : lay.o_codes + 3 * ng].view(ng, 3).to(torch.int32)
+    v = g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16)
+    return ((v.unsqueeze(1) >> _SHIFTS.to(v.device)) & 7).view(-1)[: lay.n]
+
+
+def _decode_lossless_torch(src: torch.Tensor, lay: _Lossless, out: torch.Tensor) -> None:
+    lo = src[: lay.n].to(torch.int32)
+    code = _codes(src, lay)
+    hi = src[lay.o_top : lay.o_top + lay.nb].to(torch.int32).repeat_interleave(BLOCK)[: lay.n] - code
+    esc = code == 7
+    if lay.m:
+        found = int(esc.sum())
+        if found != lay.m:
+            raise ValueError(f"lossless region: {found} escape codes for {lay.m} escape bytes")
+        hi[esc] = src[lay.o_esc : lay.o_esc + lay.m].to(torch.int32)
+    w = ((lo & 0x80) << 8) | ((hi & 0xFF) << 7) | (lo & 0x7F)
+    out[: 2 * lay.n].view(torch.int16).copy_(((w ^ 0x8000) - 0x8000).to(torch.int16))
+
+
+# -- fp8 -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    src: int  # offset in the raw region
+    nbytes: int  # raw bytes
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    q: int  # offset of its bytes in the encoded region (raw bytes when not quantized)
+    scale: int  # offset of its scales (-1: stored raw)
+
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def encode_fp8(flat: torch.Tensor, entries: list[Any], nbytes: int) -> Encoded | None:
+    """Floating-point matrices of ``entries`` (a ``Layout``'s ``(offset, shape, dtype)``) as
+    ``float8_e4m3fn`` with a scale per row; ``None`` when no tensor qualifies."""
+    leaves: list[_Leaf] = []
+    at = 0
+    plans: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = []
+    for e in entries:
+        if e is None:
+            continue
+        off, shape, dtype = e
+        size = _arena._nbytes(shape, dtype)
+        view = flat[off : off + size].view(dtype).view(shape)
+        q = s = None
+        if dtype in _FLOATS and len(shape) >= 2 and view.numel() > 0:
+            rows = view.reshape(shape[0], -1).float()
+            if bool(torch.isfinite(rows).all()):
+                amax = rows.abs().amax(1)
+                s = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax)).to(dtype)
+                q = (rows / s.float().unsqueeze(1)).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+        at = -(-at // 64) * 64
+        if q is None:
+            leaves.append(_Leaf(off, size, tuple(shape), dtype, at, -1))
+            at += size
+        else:
+            assert s is not None
+            qat = at
+            at += q.numel()
+            at = -(-at // 64) * 64
+            leaves.append(_Leaf(off, size, tuple(shape), dtype, qat, at))
+            at += s.numel() * s.element_size()
+        plans.append((leaves[-1], q, s))
+    if not any(leaf.scale >= 0 for leaf in leaves):
+        return None
+    data = _arena.host_bytes(max(at, 1))
+    for leaf, q, s in plans:
+        if q is None:
+            data[leaf.q : leaf.q + leaf.nbytes].copy_(flat[leaf.src : leaf.src + leaf.nbytes])
+        else:
+            assert s is not None
+            data[leaf.q : leaf.q + q.numel()].view(torch.float8_e4m3fn).copy_(q.view(-1))
+            data[leaf.scale : leaf.scale + s.numel() * s.element_size()].view(leaf.dtype).copy_(s)
+    return Encoded("fp8", data, at, nbytes, tuple(leaves))
+
+
+def _validate_fp8(enc: Encoded) -> None:
+    end = 0
+    for leaf in enc.meta:
+        rows = leaf.shape[0] if leaf.shape else 1
+        need = leaf.q + (leaf.nbytes if leaf.scale < 0 else math.prod(leaf.shape))
+        if leaf.scale >= 0:
+            need = max(need, leaf.scale + rows * leaf.dtype.itemsize)
+        if leaf.src + leaf.nbytes > enc.raw:
+            raise ValueError(f"fp8 region: a tensor at {leaf.src} ends past the {enc.raw}-byte region")
+        end = max(end, need)
+    if end > enc.nbytes or enc.nbytes > enc.data.numel():
+        raise ValueError(f"fp8 region: {enc.data.numel()} bytes where its tensors need {end}")
+
+
+def _decode_fp8(src: torch.Tensor, leaves: tuple[_Leaf, ...], out: torch.Tensor) -> None:
+    for leaf in leaves:
+        dst = out[leaf.src : leaf.src + leaf.nbytes]
+        if leaf.scale < 0:
+            dst.copy_(src[leaf.q : leaf.q + leaf.nbytes])
+            continue
+        rows = leaf.shape[0]
+        view = dst.view(leaf.dtype).view(rows, -1)
+        view.copy_(src[leaf.q : leaf.q + view.numel()].view(torch.float8_e4m3fn).view(rows, -1))
+        scale = src[leaf.scale : leaf.scale + rows * leaf.dtype.itemsize].view(leaf.dtype)
+        view.mul_(scale.unsqueeze(1))
+
+
+# -- decoding on the device --------------------------------------------------------------------
+
+_TRITON: Callable[..., Any] | None | bool = False  # False: not looked for yet
+
+
+def _triton_decoder() -> Callable[..., Any] | None:
+    """The Triton kernel of the lossless decoder, or ``None`` where Triton is missing."""
+    global _TRITON
+    if _TRITON is False:
+        try:
+            from ._codec_triton import decode_lossless
+
+            _TRITON = decode_lossless
+        except Exception:  # noqa: BLE001 - no Triton (or no working one): the torch decoder serves
+            _TRITON = None
+    return _TRITON  # type: ignore[return-value]
+
+
+def decode(enc_meta: tuple[str, Any], src: torch.Tensor, out: torch.Tensor) -> None:
+    """Decodes the encoded region ``src`` (a ``uint8`` tensor on the device, as copied) into
+    ``out`` (``uint8``, the raw region's size), on the current stream."""
+    codec, meta = enc_meta
+    if codec == "fp8":
+        _decode_fp8(src, meta, out)
+        return
+    if out.is_cuda:
+        kernel = _triton_decoder()
+        if kernel is not None:
+            kernel(src, meta, out)
+            return
+    _decode_lossless_torch(src, meta, out)
+
+
+def encode(codec: str, flat: torch.Tensor, entries: list[Any], nbytes: int) -> Encoded | None:
+    """``flat[:nbytes]`` (a unit's host region with its layout's ``entries``) encoded with
+    ``codec``; ``None`` where the codec does not apply or saves less than ``1 - MAX_RATIO``."""
+    with torch.no_grad():
+        if codec == "lossless":
+            enc = encode_lossless(flat, nbytes)
+        elif codec == "fp8":
+            enc = encode_fp8(flat, entries, nbytes)
+        else:
+            raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS}")
+    if enc is None or enc.ratio > MAX_RATIO:
+        return None
+    return enc
