@@ -192,6 +192,13 @@ def ramtorch_fields(before: dict, after: dict, reps: int, phase: str, weight_byt
         out["ramtorch_gpu_bytes"] = m.get("gpu_bytes")
         out["streamed_bytes_per_pass"] = m.get("streamed_bytes_per_pass")
         out["streamed_bytes_source"] = "stats.models.streamed_bytes_per_pass"
+        if m.get("compress"):
+            # offload(compress=...): the bytes that crossed the link, and their share of the raw ones.
+            out["compress"] = m["compress"]
+            out["link_bytes_per_pass"] = m.get("link_bytes_per_pass")
+            if m.get("link_bytes_per_pass") and m.get("streamed_bytes_per_pass"):
+                out["compressed_ratio"] = m["link_bytes_per_pass"] / m["streamed_bytes_per_pass"]
+            out["options"] = {"compress": m["compress"]}
     devs0, devs1 = before.get("devices") or {}, after.get("devices") or {}
     for name, d1 in devs1.items():
         if not name.startswith("cuda"):

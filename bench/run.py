@@ -188,6 +188,12 @@ def finish(records: list[dict], bw: dict[str, float], meta: dict) -> None:
             limit, streamed = r["seconds"], 0
         else:
             streamed = r.get("streamed_bytes_per_pass", w) if r["system"] == "ramtorch" else w
+            if r.get("link_bytes_per_pass") and r["phase"] == "forward":
+                # A compressed record: its limit is its encoded bytes over the link; its gain is
+                # over the uncompressed one-link limit (the bf16 floor).
+                r["bf16_floor_seconds"] = max(comp or 0.0, streamed / h2d)
+                r["speedup_vs_bf16_floor"] = r["bf16_floor_seconds"] / r["seconds"]
+                streamed = r["link_bytes_per_pass"]
             if r["phase"] == "forward":
                 link = streamed / h2d
             else:
@@ -222,6 +228,12 @@ def main() -> None:
         default=["rust"],
         help="W1 phase 'step' of ramtorch: rust, rust-pipeline, rust-bf16, rust-bf16-pipeline, "
         "torch-fused (one run each)",
+    )
+    ap.add_argument(
+        "--compress",
+        nargs="+",
+        default=["none"],
+        help="ramtorch offload(compress=...): none lossless fp8 (one run each; forward phase only)",
     )
     ap.add_argument("--seq", type=int, default=2048, help="W2 sequence length (batch 1)")
     ap.add_argument("--w2-gpu-cap", default=None, help="GPU memory cap of W2's offloading systems")
@@ -273,9 +285,18 @@ def main() -> None:
             optimizers = (
                 a.optimizers if (system == "ramtorch" and wl == "w1" and "step" in a.phases) else [None]
             )
-            for budget in a.budgets if system == "ramtorch" else [None]:
+            combos = [
+                (budget, codec)
+                for budget in (a.budgets if system == "ramtorch" else [None])
+                for codec in (a.compress if system == "ramtorch" else ["none"])
+            ]
+            for budget, codec in combos:
                 for k, optimizer in enumerate(optimizers):
                     more = ["--budget", budget] if budget is not None else []
+                    if codec != "none":
+                        more += ["--compress", codec]
+                        if wl == "w1":
+                            more += ["--phases", "forward"]
                     if optimizer is not None:
                         more += ["--optimizer", optimizer]
                         if k > 0:  # the other phases were measured with the first optimizer

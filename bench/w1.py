@@ -160,14 +160,20 @@ def fsdp2(model: Stack, device: str) -> dict:
     }
 
 
-def wrap(system: str, model: Stack, device: str, budget: int | str | None) -> tuple[nn.Module, dict]:
+def wrap(
+    system: str, model: Stack, device: str, budget: int | str | None, compress: str | None = None
+) -> tuple[nn.Module, dict]:
     """Applies the system's offloading to the built model; returns the model to call and extra fields."""
     extra: dict = {}
     if system == "ramtorch":
         import ramtorch
 
         to_host(model)
-        model = ramtorch.offload(model, gpu_budget=budget, device=device)
+        if compress is not None:
+            model.requires_grad_(False)  # compressed units are frozen ones
+            model = ramtorch.offload(model, gpu_budget=budget, device=device, compress=compress)
+        else:
+            model = ramtorch.offload(model, gpu_budget=budget, device=device)
         extra["gpu_budget"] = budget
         extra["gpu_budget_bytes"] = parse_bytes(budget)
     elif system == "ramtorch-1.11":
@@ -306,6 +312,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--phases", nargs="+", default=["forward", "forward_backward"])
     ap.add_argument("--budget", default=None, help="ramtorch gpu_budget: bytes, e.g. 8GiB, or none")
+    ap.add_argument("--compress", default=None, help="ramtorch offload(compress=...): lossless, fp8 (frozen model)")
     ap.add_argument(
         "--optimizer",
         default="rust",
@@ -358,7 +365,7 @@ def main() -> None:
     model = build(a.system, a.d, a.f, a.layers, dev)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     nparams = sum(p.numel() for p in model.parameters())
-    model, extra = wrap(a.system, model, dev, budget)
+    model, extra = wrap(a.system, model, dev, budget, a.compress)
     extra["setup_seconds"] = time.perf_counter() - t0  # build, copy to host, wrap
     params = list(model.parameters())
     opt, opt_name, opt_bytes = (

@@ -93,25 +93,36 @@ def _lossless_layout(n: int, m: int) -> _Lossless:
 def _encode_words(w16: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """One chunk of words (a multiple of :data:`BLOCK` long, but for the last chunk): its raw
     bytes, packed codes, block tops, escapes per block and escape bytes."""
-    w = w16.to(torch.int32) & 0xFFFF
-    hi = (w >> 7) & 0xFF
-    lo = (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8)
-    n = w.numel()
+    n = w16.numel()
     nb = -(-n // BLOCK)
     pad = nb * BLOCK - n
-    hp = torch.nn.functional.pad(hi, (0, pad)) if pad else hi  # zeros never raise a block's top
-    top = hp.view(nb, BLOCK).amax(1)
-    code = top.repeat_interleave(BLOCK)[:n] - hi
+    w = torch.nn.functional.pad(w16, (0, pad)) if pad else w16
+    hi = ((w >> 7) & 0xFF).view(nb, BLOCK)  # int16; padding words (0) never raise a block's top
+    lo = (((w >> 8) & 0x80) | (w & 0x7F)).to(torch.uint8)[:n]
+    top = hi.amax(1, keepdim=True)
+    code = top - hi
     esc = code >= 7
-    code.clamp_(max=7)
     escapes = hi[esc].to(torch.uint8)
-    ep = torch.nn.functional.pad(esc, (0, pad)) if pad else esc
-    counts = ep.view(nb, BLOCK).sum(1, dtype=torch.int64)
+    counts = esc.sum(1, dtype=torch.int64)
+    if pad:
+        counts[-1] -= pad if int(top[-1]) >= 7 else 0  # the padding words' escapes do not exist
+        escapes = escapes[: int(counts.sum())]
+    c = code.clamp_(max=7).to(torch.uint8).view(-1)
     ng = -(-n // 8)
-    cp = torch.nn.functional.pad(code, (0, ng * 8 - n)) if ng * 8 != n else code
-    v = (cp.view(ng, 8) << _SHIFTS).sum(1, dtype=torch.int32)
-    packed = torch.stack([v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF], 1).to(torch.uint8).view(-1)
-    return lo, packed, top.to(torch.uint8), counts, escapes
+    c = c[: ng * 8].view(ng, 8).to(torch.int32)
+    v = c[:, 0] | (c[:, 1] << 3) | (c[:, 2] << 6) | (c[:, 3] << 9)
+    v |= (c[:, 4] << 12) | (c[:, 5] << 15) | (c[:, 6] << 18) | (c[:, 7] << 21)
+    packed = torch.empty(ng, 3, dtype=torch.uint8)
+    packed[:, 0] = v & 0xFF
+    packed[:, 1] = (v >> 8) & 0xFF
+    packed[:, 2] = (v >> 16) & 0xFF
+    if n % 8:
+        # Codes of the padding words in the last group are zero (the decoders never read them).
+        last = packed[-1].to(torch.int32)
+        word = int(last[0]) | int(last[1]) << 8 | int(last[2]) << 16
+        word &= (1 << (3 * (n % 8))) - 1
+        packed[-1] = torch.tensor([word & 0xFF, word >> 8 & 0xFF, word >> 16 & 0xFF], dtype=torch.uint8)
+    return lo, packed.view(-1), top.view(-1).to(torch.uint8), counts, escapes
 
 
 def encode_lossless(flat: torch.Tensor, nbytes: int) -> Encoded | None:
