@@ -312,7 +312,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--phases", nargs="+", default=["forward", "forward_backward"])
     ap.add_argument("--budget", default=None, help="ramtorch gpu_budget: bytes, e.g. 8GiB, or none")
-    ap.add_argument("--compress", default=None, help="ramtorch offload(compress=...): lossless, fp8 (frozen model)")
+    ap.add_argument("--compress", default=None, help="offload(compress=...): lossless, fp8 (frozen model)")
     ap.add_argument(
         "--optimizer",
         default="rust",

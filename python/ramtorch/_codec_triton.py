@@ -16,14 +16,14 @@ from ._codec import BLOCK
 
 @triton.jit
 def _decode_kernel(
-    src,
-    start_ptr,
-    out,
-    n,
-    o_codes,
-    o_top,
-    o_esc,
-    m,
+    src,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    start_ptr,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    out,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    n,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    o_codes,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    o_top,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    o_esc,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    m,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     WORDS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)

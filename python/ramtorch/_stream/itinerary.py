@@ -42,6 +42,7 @@ class Prefetcher:
     # Per taken slot that holds an encoded unit (offload(compress=...)): the buffer its bytes were
     # decoded into, whose views are the unit's weights while the slot is held.
     decoded: dict[int, torch.Tensor]
+    decode_stream: torch.cuda.Stream | None
 
     # -- slots ------------------------------------------------------------------------------------
 
@@ -140,15 +141,30 @@ class Prefetcher:
         else:
             slot = self._prefetch(u, key, keep)
         self.held += 1
-        self.eng.claim(slot, u.tag)
         self.decoded.pop(slot, None)
-        if enc is not None:
-            # On the compute stream, which the claim made wait for the copy.
-            buf = self.eng.slot(slot)
+        if enc is None:
+            self.eng.claim(slot, u.tag)
+            return slot
+        buf = self.eng.slot(slot)
+        if buf.is_cuda:
+            # Decoded on a stream of its own, which waits for the copy: the decode of the next
+            # unit runs beside the compute of this one. The buffer is allocated on that stream
+            # and, used on the compute stream, is not reused before the compute is done with it.
+            compute = torch.cuda.current_stream(buf.device)
+            if self.decode_stream is None:
+                self.decode_stream = torch.cuda.Stream(buf.device)
+            with torch.cuda.stream(self.decode_stream):
+                self.eng.claim(slot, u.tag)
+                out = torch.empty(enc.raw, dtype=torch.uint8, device=buf.device)
+                _codec.decode((enc.codec, enc.meta), buf, out)
+            compute.wait_stream(self.decode_stream)
+            out.record_stream(compute)
+        else:
+            self.eng.claim(slot, u.tag)
             out = torch.empty(enc.raw, dtype=torch.uint8, device=buf.device)
             _codec.decode((enc.codec, enc.meta), buf, out)
-            self.decoded[slot] = out
-            self.counters["decoded_bytes"] += enc.raw
+        self.decoded[slot] = out
+        self.counters["decoded_bytes"] += enc.raw
         return slot
 
     def weights_buffer(self, slot: int) -> torch.Tensor:

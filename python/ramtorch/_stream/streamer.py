@@ -144,6 +144,7 @@ class Streamer(Prefetcher, GradientHooks):
             "decoded_bytes": 0,
         }
         self.decoded: dict[int, torch.Tensor] = {}
+        self.decode_stream: torch.cuda.Stream | None = None
         # What this streamer's passes hold of the device's forward lock (see ForwardLock).
         self._pass_token = ("pass", id(self))
         self.hook_handles: list[Any] = []
@@ -857,7 +858,6 @@ class Streamer(Prefetcher, GradientHooks):
             **self.counters,
         }
 
-
     @staticmethod
     def _compression(streamed: list[_Unit]) -> dict[str, Any]:
         """What ``offload(compress=...)`` did: the codec, the units streamed encoded with their
@@ -869,9 +869,7 @@ class Streamer(Prefetcher, GradientHooks):
         return {
             "compress": codecs.pop() if len(codecs) == 1 else sorted(codecs),
             "compressed_units": {name: round(e.ratio, 4) for name, e in enc.items()},
-            "link_bytes_per_pass": sum(
-                u.enc.nbytes if u.enc is not None else u.nbytes for u in streamed
-            ),
+            "link_bytes_per_pass": sum(u.enc.nbytes if u.enc is not None else u.nbytes for u in streamed),
         }
 
 
