@@ -57,6 +57,8 @@ class LayerStreamer(Streamer):
         self.ahead: dict[int, tuple[int, int]] = {}
         self.held = 0
         self.slot_owner: dict[int, _Unit] = {}
+        self.decoded: dict[int, torch.Tensor] = {}  # (ramtorch.nn layers stream raw: stays empty)
+        self.decode_stream: torch.cuda.Stream | None = None
         # Free-standing units are always in a forward pass (no root module begins or ends one).
         self.state = PassState.FORWARD
         self.lock = threading.RLock()
