@@ -273,7 +273,7 @@ def test_triton_kernel_matches_the_torch_decoder_in_the_interpreter():
         "raw = w.view(torch.uint8).clone()\n"
         "enc = _codec.encode_lossless(raw, raw.numel())\n"
         "out = torch.zeros_like(raw)\n"
-        "decode_lossless(enc.data, enc.meta, out)\n"
+        "decode_lossless(enc.data, enc.meta, out, _codec.BLOCK)\n"
         "assert torch.equal(out, raw), 'interpreted kernel differs'\n"
         "print('ok')\n"
     )

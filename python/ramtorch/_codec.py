@@ -323,7 +323,7 @@ def decode(enc_meta: tuple[str, Any], src: torch.Tensor, out: torch.Tensor) -> N
     if out.is_cuda:
         kernel = _triton_decoder()
         if kernel is not None:
-            kernel(src, meta, out)
+            kernel(src, meta, out, BLOCK)
             return
     _decode_lossless_torch(src, meta, out)
 

@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._codec import BLOCK
-
 
 @triton.jit
 def _decode_kernel(
@@ -47,10 +45,11 @@ def _decode_kernel(
     tl.store(out + i, w.to(tl.int16), mask=inside)
 
 
-def decode_lossless(src: torch.Tensor, lay: Any, out: torch.Tensor) -> None:
-    """Decodes the lossless region ``src`` (``uint8``) described by ``lay`` into ``out``."""
+def decode_lossless(src: torch.Tensor, lay: Any, out: torch.Tensor, block: int) -> None:
+    """Decodes the lossless region ``src`` (``uint8``) described by ``lay`` (blocks of ``block``
+    words) into ``out``."""
     if lay.n == 0:
         return
     start = src[lay.o_start : lay.o_esc].view(torch.int32)
     words = out[: 2 * lay.n].view(torch.int16)
-    _decode_kernel[(lay.nb,)](src, start, words, lay.n, lay.o_codes, lay.o_top, lay.o_esc, lay.m, WORDS=BLOCK)
+    _decode_kernel[(lay.nb,)](src, start, words, lay.n, lay.o_codes, lay.o_top, lay.o_esc, lay.m, WORDS=block)
