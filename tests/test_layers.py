@@ -23,6 +23,8 @@ LAYERS: dict[str, int] = {
     "ramtorch._core": ENGINE,
     "ramtorch._engine": ENGINE,
     "ramtorch._arena": ENGINE,
+    "ramtorch._codec": ENGINE,
+    "ramtorch._codec_triton": ENGINE,
     "ramtorch._config": ENGINE,
     "ramtorch._units": ENGINE,
     "ramtorch._log": ENGINE,
