@@ -42,6 +42,16 @@ pub enum Error {
          when workers use ramtorch)"
     )]
     ForkedChild,
+    /// A read, write or allocation of the disk tier failed (see [`crate::disk`]).
+    #[error("{op} of {path}: {source}")]
+    Disk {
+        /// What was being done, e.g. `reading bytes 0..+4096`.
+        op: String,
+        /// The store file.
+        path: String,
+        /// What the OS said (its errno is kept: `ENOSPC` for a full disk).
+        source: std::io::Error,
+    },
     /// A worker thread of the host device stopped.
     #[error("host device worker stopped: {0}")]
     Worker(String),

@@ -2,6 +2,7 @@
 //!
 //! - [`arena`]: the host arena (exact sizes, pinned, pooled);
 //! - [`device`]: what a device must offer, for CUDA and for the host stand-in used without a GPU;
+//! - [`disk`]: the disk tier, a store file for units that do not fit in host RAM, read ahead;
 //! - [`engine`]: device slots, the copy throttle and the gradient write-back;
 //! - [`fork`]: refusing work in a process forked after ramtorch started in its parent;
 //! - [`cuda`]: thin safe wrappers over the CUDA driver API, loaded at run time;
@@ -29,6 +30,7 @@
 pub mod arena;
 pub mod cuda;
 pub mod device;
+pub mod disk;
 pub mod engine;
 pub mod error;
 pub mod fork;

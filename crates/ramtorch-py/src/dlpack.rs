@@ -6,6 +6,7 @@ use std::ffi::{c_char, c_void, CStr};
 use pyo3::prelude::*;
 
 use ramtorch_core::arena::{HostSlice, Region};
+use ramtorch_core::disk::DiskStore;
 use ramtorch_core::shared::SharedRegion;
 
 #[repr(C)]
@@ -36,12 +37,13 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-/// Host memory a capsule keeps alive: an arena region, a region shared between processes, or a
-/// byte range inside one of those (which keeps its region alive).
+/// Host memory a capsule keeps alive: an arena region, a region shared between processes, a byte
+/// range inside one of those (which keeps its region alive), or the mapping of a disk store.
 pub(crate) enum Memory {
     Arena(Region),
     Shared(SharedRegion),
     Slice(HostSlice),
+    Disk(DiskStore),
 }
 
 impl Memory {
@@ -50,6 +52,7 @@ impl Memory {
             Memory::Arena(r) => r.as_ptr(),
             Memory::Shared(r) => r.as_ptr(),
             Memory::Slice(r) => r.as_ptr(),
+            Memory::Disk(r) => r.as_ptr(),
         }
     }
     fn len(&self) -> usize {
@@ -57,6 +60,7 @@ impl Memory {
             Memory::Arena(r) => r.len(),
             Memory::Shared(r) => r.len(),
             Memory::Slice(r) => r.len(),
+            Memory::Disk(r) => r.len(),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! `ramtorch._core`: the PyO3 layer over `ramtorch-core`. Argument conversion, GIL release, error
 //! mapping and panic containment; no logic of its own.
 
+mod disk;
 mod dlpack;
 mod io;
 mod memory;
@@ -10,7 +11,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -41,6 +42,11 @@ fn to_py(op: &str, e: Error) -> PyErr {
         Error::HostAlloc { .. } => PyMemoryError::new_err(format!("{op}: {e}")),
         Error::Cuda { .. } | Error::CudaUnavailable(_) => CudaError::new_err(format!("{op}: {e}")),
         Error::SlotsExhausted { .. } => SlotsExhausted::new_err(format!("{op}: {e}")),
+        // OSError(errno, message) picks the matching subclass and keeps the errno (ENOSPC).
+        Error::Disk { ref source, .. } => match source.raw_os_error() {
+            Some(code) => PyOSError::new_err((code, format!("{op}: {e}"))),
+            None => PyOSError::new_err(format!("{op}: {e}")),
+        },
         _ => PyRuntimeError::new_err(format!("{op}: {e}")),
     }
 }
@@ -569,5 +575,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     optim::register(m)?;
     io::register(m)?;
+    disk::register(m)?;
     Ok(())
 }

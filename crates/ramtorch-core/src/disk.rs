@@ -1,0 +1,585 @@
+//! The disk tier: one store file holding the units that do not fit in host RAM.
+//!
+//! A [`DiskStore`] is a file of an exact size created in a directory the user names, removed from
+//! the directory right after it is opened (the open descriptors keep it; the kernel frees its
+//! blocks when the process exits, crashes included), and allocated whole up front (`fallocate`), so
+//! a full disk is an error when the store is made, never a `SIGBUS` on a later write.
+//!
+//! The store is reached two ways:
+//! - **Mapped** (`MAP_SHARED`): what host-side code reads and writes (the parameters' host tensors,
+//!   `state_dict`, the optimizer). The kernel pages it in on demand and writes it back;
+//!   [`DiskStore::settle`] writes a range back and drops it from memory, so mapped bytes do not stay
+//!   resident.
+//! - **Read ahead** ([`DiskStore::read`]): the bytes of a range land in a host buffer (page-locked
+//!   staging from the arena) through positioned reads on a pool of I/O threads, in chunks, many in
+//!   flight, with `O_DIRECT` where the file system takes it (not through the page cache), buffered
+//!   elsewhere (tmpfs) with the read pages dropped after. A direct read sees the mapped writes: the
+//!   kernel writes a range's dirty pages back before reading it directly.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use crate::arena::{HostSlice, Lease};
+use crate::error::{Error, Result};
+
+/// Bytes per positioned read: large enough for the device's bandwidth, small enough that several
+/// are in flight for one unit.
+pub const CHUNK: usize = 8 << 20;
+/// Offsets, lengths and buffer addresses of direct reads are multiples of this.
+pub const ALIGN: usize = 4096;
+
+/// Names store files: unique in this process.
+static SERIAL: AtomicUsize = AtomicUsize::new(0);
+
+/// What a store has done so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DiskStats {
+    /// Reads asked for ([`DiskStore::read`] calls).
+    pub reads: u64,
+    /// Bytes they read.
+    pub read_bytes: u64,
+    /// Seconds during which at least one read was in flight.
+    pub busy_seconds: f64,
+    /// Chunks read through the page cache (no `O_DIRECT` on this file system, or a range it
+    /// refused).
+    pub buffered_chunks: u64,
+    /// Bytes written back by [`DiskStore::settle`].
+    pub settled_bytes: u64,
+}
+
+/// A store file and its mapping (see the module docs). Clones share the store.
+#[derive(Clone)]
+pub struct DiskStore {
+    inner: Arc<Store>,
+}
+
+struct Store {
+    path: String,
+    file: File,
+    /// The same file opened with `O_DIRECT`, where the file system allows it.
+    direct: Option<File>,
+    len: usize,
+    map: NonNull<u8>,
+    map_len: usize,
+    pool: rayon::ThreadPool,
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
+    buffered_chunks: AtomicU64,
+    settled_bytes: AtomicU64,
+    /// Reads in flight and when the current busy period began; the busy time so far.
+    busy: Mutex<(usize, Option<Instant>, f64)>,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; concurrent access to its bytes is the
+// user's business, as for any tensor storage. Everything else is `Send + Sync` on its own.
+unsafe impl Send for Store {}
+// SAFETY: as above; `&Store` hands out the pointer and synchronised fields only.
+unsafe impl Sync for Store {}
+
+fn disk_err(op: impl Into<String>, path: &str, source: std::io::Error) -> Error {
+    Error::Disk {
+        op: op.into(),
+        path: path.to_owned(),
+        source,
+    }
+}
+
+impl DiskStore {
+    /// A new store of exactly `len` bytes (zero-filled) in the directory `dir`, read by `threads`
+    /// I/O threads. The file's name is gone from `dir` once this returns.
+    pub fn create(dir: &Path, len: usize, threads: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "a disk store must hold at least one byte".into(),
+            ));
+        }
+        let shown = dir.display().to_string();
+        let meta =
+            std::fs::metadata(dir).map_err(|e| disk_err("opening the directory", &shown, e))?;
+        if !meta.is_dir() {
+            return Err(Error::InvalidArgument(format!(
+                "disk={shown:?} is not a directory"
+            )));
+        }
+        let name = format!(
+            "ramtorch-{}-{}.store",
+            std::process::id(),
+            SERIAL.fetch_add(1, Ordering::Relaxed)
+        );
+        let path: PathBuf = dir.join(name);
+        let shown = path.display().to_string();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| disk_err("creating", &shown, e))?;
+        let direct = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(&path)
+            .ok();
+        // Removed now: the descriptors keep the file, and nothing is left behind by a crash.
+        let removed = std::fs::remove_file(&path);
+        let size = libc::off_t::try_from(len)
+            .map_err(|_| Error::InvalidArgument(format!("a store of {len} bytes is too large")))?;
+        // SAFETY: `file` is an open, writable regular file; the range is valid.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size) };
+        if rc != 0 {
+            let e = std::io::Error::from_raw_os_error(rc);
+            let free = free_bytes(dir)
+                .map(|f| format!(" ({f} bytes free)"))
+                .unwrap_or_default();
+            return Err(disk_err(format!("allocating {len} bytes{free}"), &shown, e));
+        }
+        removed.map_err(|e| disk_err("removing the directory entry", &shown, e))?;
+        // SAFETY: a shared mapping of the whole (allocated) file with no address hint.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(disk_err("mapping", &shown, std::io::Error::last_os_error()));
+        }
+        let map = NonNull::new(p as *mut u8).ok_or_else(|| {
+            disk_err(
+                "mapping",
+                &shown,
+                std::io::Error::other("mmap returned null"),
+            )
+        })?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("ramtorch-disk-{i}"))
+            .build()
+            .map_err(|e| Error::Worker(format!("disk reader threads: {e}")))?;
+        Ok(Self {
+            inner: Arc::new(Store {
+                path: shown,
+                file,
+                direct,
+                len,
+                map,
+                map_len: len,
+                pool,
+                reads: AtomicU64::new(0),
+                read_bytes: AtomicU64::new(0),
+                buffered_chunks: AtomicU64::new(0),
+                settled_bytes: AtomicU64::new(0),
+                busy: Mutex::new((0, None, 0.0)),
+            }),
+        })
+    }
+
+    /// Bytes in the store.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+    /// Whether the store holds no bytes (never: a store holds at least one).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+    /// The file's path when it was made (its name is removed from the directory at once).
+    pub fn path(&self) -> &str {
+        &self.inner.path
+    }
+    /// Whether reads bypass the page cache (`O_DIRECT`).
+    pub fn is_direct(&self) -> bool {
+        self.inner.direct.is_some()
+    }
+    /// Start of the mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.map.as_ptr()
+    }
+    /// Keeps the mapping alive, even after the store itself is dropped.
+    pub fn lease(&self) -> Lease {
+        Lease::new(self.inner.clone())
+    }
+
+    /// Reads the `dst.len()` bytes at `offset` of the store into `dst` on the I/O threads. The
+    /// returned ticket says when they are there; `dst` is kept alive until then.
+    pub fn read(&self, offset: usize, dst: &HostSlice) -> Result<ReadTicket> {
+        let len = dst.len();
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.inner.len)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "bytes {offset}..+{len} are outside the disk store of {} bytes",
+                self.inner.len
+            )));
+        }
+        let chunks = len.div_ceil(CHUNK).max(1);
+        let ticket = Arc::new(Ticket {
+            state: Mutex::new(TicketState {
+                remaining: chunks,
+                error: None,
+            }),
+            done: Condvar::new(),
+            bytes: len,
+            offset,
+        });
+        self.inner.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.begin_busy();
+        let base = dst.as_ptr() as usize;
+        for i in 0..chunks {
+            let start = i * CHUNK;
+            let n = CHUNK.min(len - start);
+            let store = self.inner.clone();
+            let t = ticket.clone();
+            let keep = dst.lease();
+            self.inner.pool.spawn(move || {
+                let r = store.read_chunk(offset + start, base + start, n);
+                drop(keep);
+                t.finish(r, &store);
+            });
+        }
+        Ok(ReadTicket { ticket })
+    }
+
+    /// Writes the mapped pages of the `len` bytes at `offset` back to the file and drops them
+    /// from memory: they are read from the file again when touched.
+    pub fn settle(&self, offset: usize, len: usize) -> Result<()> {
+        let s = &self.inner;
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= s.len)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "bytes {offset}..+{len} are outside the disk store of {} bytes",
+                    s.len
+                ))
+            })?;
+        if len == 0 {
+            return Ok(());
+        }
+        let page = ALIGN;
+        let lo = offset / page * page;
+        let hi = end.div_ceil(page) * page;
+        let hi = hi.min(s.map_len.div_ceil(page) * page);
+        // SAFETY: `lo..hi` lies inside the mapping (page-rounded), which is live while `s` is.
+        let rc = unsafe {
+            libc::msync(
+                s.map.as_ptr().add(lo) as *mut libc::c_void,
+                hi - lo,
+                libc::MS_SYNC,
+            )
+        };
+        if rc != 0 {
+            return Err(disk_err(
+                format!("writing back bytes {offset}..+{len}"),
+                &s.path,
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: as above; dropping a shared file mapping's pages loses nothing (they are written
+        // back, and read from the file again on the next touch).
+        unsafe {
+            libc::madvise(
+                s.map.as_ptr().add(lo) as *mut libc::c_void,
+                hi - lo,
+                libc::MADV_DONTNEED,
+            );
+            libc::posix_fadvise(
+                s.file.as_raw_fd(),
+                lo as libc::off_t,
+                (hi - lo) as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            );
+        }
+        s.settled_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// What the store has done so far.
+    pub fn stats(&self) -> DiskStats {
+        let s = &self.inner;
+        let busy = match s.busy.lock() {
+            Ok(b) => b.2 + b.1.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+            Err(_) => 0.0,
+        };
+        DiskStats {
+            reads: s.reads.load(Ordering::Relaxed),
+            read_bytes: s.read_bytes.load(Ordering::Relaxed),
+            busy_seconds: busy,
+            buffered_chunks: s.buffered_chunks.load(Ordering::Relaxed),
+            settled_bytes: s.settled_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl std::fmt::Debug for DiskStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DiskStore({}, {} bytes, direct: {})",
+            self.path(),
+            self.len(),
+            self.is_direct()
+        )
+    }
+}
+
+/// Bytes free for an unprivileged user in the file system of `dir`.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero statvfs is a valid value for statvfs to overwrite.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable statvfs.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+impl Store {
+    fn begin_busy(&self) {
+        if let Ok(mut b) = self.busy.lock() {
+            if b.0 == 0 {
+                b.1 = Some(Instant::now());
+            }
+            b.0 += 1;
+        }
+    }
+
+    fn end_busy(&self) {
+        if let Ok(mut b) = self.busy.lock() {
+            b.0 = b.0.saturating_sub(1);
+            if b.0 == 0 {
+                if let Some(t) = b.1.take() {
+                    b.2 += t.elapsed().as_secs_f64();
+                }
+            }
+        }
+    }
+
+    /// Reads `n` bytes at file offset `off` into the memory at `addr`, directly when everything
+    /// is aligned and the file system takes it, else through the page cache (dropped after).
+    fn read_chunk(&self, off: usize, addr: usize, n: usize) -> std::io::Result<()> {
+        // SAFETY: `addr..addr+n` lies inside the destination slice, whose lease the caller holds
+        // for the duration of this call; nothing else writes it while the read is queued (the
+        // ticket is not done).
+        let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) };
+        let aligned =
+            off.is_multiple_of(ALIGN) && n.is_multiple_of(ALIGN) && addr.is_multiple_of(ALIGN);
+        if let (Some(direct), true) = (&self.direct, aligned) {
+            match read_exact_at(direct, buf, off) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.buffered_chunks.fetch_add(1, Ordering::Relaxed);
+        read_exact_at(&self.file, buf, off)?;
+        // SAFETY: a hint on an open file; no memory is touched.
+        unsafe {
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                off as libc::off_t,
+                n as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            );
+        }
+        Ok(())
+    }
+}
+
+fn read_exact_at(f: &File, mut buf: &mut [u8], mut off: usize) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match f.read_at(buf, off as u64) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the store file ended early",
+                ))
+            }
+            Ok(k) => {
+                buf = &mut buf[k..];
+                off += k;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: the mapping of `map_len` bytes made in `create`, unmapped once here; every
+        // reference to it (exported tensors, queued reads) holds this value alive.
+        unsafe {
+            libc::munmap(self.map.as_ptr() as *mut libc::c_void, self.map_len);
+        }
+    }
+}
+
+struct TicketState {
+    remaining: usize,
+    error: Option<std::io::Error>,
+}
+
+struct Ticket {
+    state: Mutex<TicketState>,
+    done: Condvar,
+    bytes: usize,
+    offset: usize,
+}
+
+impl Ticket {
+    fn finish(&self, r: std::io::Result<()>, store: &Store) {
+        let last = match self.state.lock() {
+            Ok(mut s) => {
+                if let Err(e) = r {
+                    s.error.get_or_insert(e);
+                }
+                s.remaining = s.remaining.saturating_sub(1);
+                s.remaining == 0
+            }
+            Err(_) => true,
+        };
+        if last {
+            store
+                .read_bytes
+                .fetch_add(self.bytes as u64, Ordering::Relaxed);
+            store.end_busy();
+            self.done.notify_all();
+        }
+    }
+}
+
+/// A read queued by [`DiskStore::read`].
+pub struct ReadTicket {
+    ticket: Arc<Ticket>,
+}
+
+impl ReadTicket {
+    /// Whether every byte has been read (or the read failed: [`wait`](Self::wait) says which).
+    pub fn is_done(&self) -> bool {
+        self.ticket.state.lock().map_or(true, |s| s.remaining == 0)
+    }
+
+    /// Waits until every byte has been read; an error names the range and the file.
+    pub fn wait(&self, path: &str) -> Result<()> {
+        let t = &self.ticket;
+        let mut s = t
+            .state
+            .lock()
+            .map_err(|_| Error::Worker("disk read lock poisoned".into()))?;
+        while s.remaining > 0 {
+            s = t
+                .done
+                .wait(s)
+                .map_err(|_| Error::Worker("disk read lock poisoned".into()))?;
+        }
+        match s.error.take() {
+            None => Ok(()),
+            Some(e) => Err(disk_err(
+                format!("reading bytes {}..+{}", t.offset, t.bytes),
+                path,
+                e,
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arena::Arena;
+
+    fn tmp() -> PathBuf {
+        std::env::temp_dir()
+    }
+
+    #[test]
+    fn reads_what_the_mapping_wrote() {
+        let len = 3 * CHUNK + 5 * ALIGN;
+        let store = DiskStore::create(&tmp(), len, 4).unwrap();
+        // SAFETY: the mapping is `len` writable bytes; nothing else uses it.
+        let map = unsafe { std::slice::from_raw_parts_mut(store.as_ptr(), len) };
+        for (i, b) in map.iter_mut().enumerate() {
+            *b = (i * 31 % 251) as u8;
+        }
+        store.settle(0, len).unwrap();
+        let arena = Arena::new(None);
+        for (off, n) in [(0, len), (ALIGN, 2 * CHUNK), (100, 12345), (len - 7, 7)] {
+            let dst = arena.alloc(n, true).unwrap();
+            let t = store.read(off, &dst.slice(0, n).unwrap()).unwrap();
+            t.wait(store.path()).unwrap();
+            assert!(t.is_done());
+            // SAFETY: the read is done; nothing else writes `dst`.
+            let got = unsafe { dst.as_slice() };
+            assert_eq!(got, &map[off..off + n], "bytes {off}..+{n}");
+        }
+        let s = store.stats();
+        assert_eq!(s.reads, 4);
+        assert_eq!(s.read_bytes as usize, len + 2 * CHUNK + 12345 + 7);
+        assert!(s.busy_seconds >= 0.0);
+    }
+
+    #[test]
+    fn a_direct_read_sees_unsettled_writes() {
+        let store = DiskStore::create(&tmp(), 2 * ALIGN, 2).unwrap();
+        // SAFETY: the mapping is 2 pages, written by this thread only.
+        unsafe { std::ptr::write_bytes(store.as_ptr(), 7, 2 * ALIGN) };
+        let arena = Arena::new(None);
+        let dst = arena.alloc(2 * ALIGN, true).unwrap();
+        store
+            .read(0, &dst.slice(0, 2 * ALIGN).unwrap())
+            .unwrap()
+            .wait(store.path())
+            .unwrap();
+        // SAFETY: the read is done.
+        assert!(unsafe { dst.as_slice() }.iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn refuses_bad_ranges_and_places() {
+        let store = DiskStore::create(&tmp(), ALIGN, 1).unwrap();
+        let arena = Arena::new(None);
+        let dst = arena.alloc(2 * ALIGN, true).unwrap();
+        assert!(matches!(
+            store.read(0, &dst.slice(0, 2 * ALIGN).unwrap()),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(store.settle(ALIGN, 1).is_err());
+        assert!(DiskStore::create(&tmp(), 0, 1).is_err());
+        let file = tmp().join(format!("ramtorch-not-a-dir-{}", std::process::id()));
+        std::fs::write(&file, b"x").unwrap();
+        assert!(matches!(
+            DiskStore::create(&file, ALIGN, 1),
+            Err(Error::InvalidArgument(_))
+        ));
+        std::fs::remove_file(&file).unwrap();
+        assert!(matches!(
+            DiskStore::create(Path::new("/nonexistent/ramtorch"), ALIGN, 1),
+            Err(Error::Disk { .. })
+        ));
+    }
+
+    #[test]
+    fn leaves_nothing_in_the_directory() {
+        let dir = tmp().join(format!("ramtorch-disk-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = DiskStore::create(&dir, ALIGN, 1).unwrap();
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        drop(store);
+        std::fs::remove_dir(&dir).unwrap();
+    }
+}

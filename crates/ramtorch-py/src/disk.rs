@@ -1,0 +1,120 @@
+//! Bindings of the disk tier (`ramtorch_core::disk`): `DiskStore(dir, nbytes, threads)` makes a
+//! store file, `mapping()` exports its mapping as a 1-D uint8 CPU tensor (the parameters' host
+//! memory), `read(offset, dst, nbytes)` queues a read into ramtorch memory (checked against the
+//! arena) and returns a `ReadTicket`, `settle` writes mapped bytes back and drops them from memory.
+//! A disk error raises `OSError` with the OS's errno (`ENOSPC` for a full disk), naming the
+//! operation and the file.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use ramtorch_core::disk;
+
+use crate::dlpack::{export, Memory};
+use crate::{guard, memory};
+
+/// A store file of the disk tier (see `ramtorch_core::disk`).
+#[pyclass(module = "ramtorch._core", frozen)]
+struct DiskStore {
+    inner: disk::DiskStore,
+}
+
+#[pymethods]
+impl DiskStore {
+    /// Makes a store of exactly `nbytes` (zero-filled) in the directory `dir`, allocated whole at
+    /// once (a full disk is an `OSError` here), read by `threads` I/O threads. Its name is removed
+    /// from `dir` at once: nothing is left there, even after a crash.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        dir: std::path::PathBuf,
+        nbytes: usize,
+        threads: usize,
+    ) -> PyResult<Self> {
+        let inner = py.detach(|| {
+            guard("DiskStore", || {
+                disk::DiskStore::create(&dir, nbytes, threads)
+            })
+        })?;
+        Ok(Self { inner })
+    }
+
+    /// The whole mapping, as a DLPack capsule of a 1-D uint8 CPU tensor (which keeps the store
+    /// alive).
+    fn mapping(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        export(py, Memory::Disk(self.inner.clone()))
+    }
+
+    /// Queues a read of the `nbytes` bytes at `offset` into `dst` (a tensor or address inside
+    /// ramtorch memory, e.g. a staging buffer from `arena_alloc`); returns its ticket.
+    fn read(&self, dst: &Bound<'_, PyAny>, offset: usize, nbytes: usize) -> PyResult<ReadTicket> {
+        let path = self.inner.path().to_owned();
+        guard("DiskStore.read", || {
+            let dst = memory::host_slice("dst", dst, nbytes)?;
+            let ticket = self.inner.read(offset, &dst)?;
+            Ok(ReadTicket { ticket, path })
+        })
+    }
+
+    /// Writes the mapped pages of the `nbytes` bytes at `offset` back to the file and drops them
+    /// from memory (they are read again when touched).
+    fn settle(&self, py: Python<'_>, offset: usize, nbytes: usize) -> PyResult<()> {
+        py.detach(|| guard("DiskStore.settle", || self.inner.settle(offset, nbytes)))
+    }
+
+    /// Bytes in the store.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// The file's path when it was made.
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path().to_owned()
+    }
+
+    /// Whether reads bypass the page cache (`O_DIRECT`).
+    #[getter]
+    fn direct(&self) -> bool {
+        self.inner.is_direct()
+    }
+
+    /// What the store has done: reads, read_bytes, busy_seconds, buffered_chunks, settled_bytes.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("reads", s.reads)?;
+        d.set_item("read_bytes", s.read_bytes)?;
+        d.set_item("busy_seconds", s.busy_seconds)?;
+        d.set_item("buffered_chunks", s.buffered_chunks)?;
+        d.set_item("settled_bytes", s.settled_bytes)?;
+        Ok(d)
+    }
+}
+
+/// A read queued by `DiskStore.read`.
+#[pyclass(module = "ramtorch._core", frozen)]
+struct ReadTicket {
+    ticket: disk::ReadTicket,
+    path: String,
+}
+
+#[pymethods]
+impl ReadTicket {
+    /// Whether the read has ended (`wait` then returns at once, or raises its error).
+    fn done(&self) -> bool {
+        self.ticket.is_done()
+    }
+
+    /// Waits (without the GIL) until the bytes are there; a failed read raises `OSError`.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| guard("DiskStore.read", || self.ticket.wait(&self.path)))
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<DiskStore>()?;
+    m.add_class::<ReadTicket>()?;
+    Ok(())
+}
