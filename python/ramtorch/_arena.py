@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,14 +49,17 @@ def pack(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> tuple[torch.Ten
 
 def pack_mixed(
     specs: Sequence[tuple[Sequence[int], torch.dtype]],
+    region: Callable[[int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """As :func:`pack`, each tensor with its own dtype."""
+    """As :func:`pack`, each tensor with its own dtype. ``region(nbytes)`` gives the memory (a
+    ``uint8`` tensor of ``nbytes`` inside ramtorch memory, e.g. a disk store's extent); default a
+    new arena region."""
     offsets, total = [], 0
     for shape, dtype in specs:
         total = -(-total // _ALIGN) * _ALIGN
         offsets.append(total)
         total += _nbytes(shape, dtype)
-    flat = host_bytes(total)
+    flat = host_bytes(total) if region is None else region(total)
     views = [
         own_storage(flat[off : off + _nbytes(shape, dtype)].view(dtype).view(tuple(shape)))
         for off, (shape, dtype) in zip(offsets, specs)

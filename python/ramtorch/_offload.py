@@ -12,6 +12,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import sys
 import warnings
 import weakref
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import _arena, _codec, _config, _engine
+from . import _arena, _codec, _config, _disk, _engine
 from ._log import logger
 from ._stream import added as _added
 from ._stream import decoding as _decoding
@@ -56,6 +57,49 @@ from ._units import parse_bytes as parse_bytes
 # Entry point
 
 
+def _disk_units(
+    units: list[_Unit],
+    resident_ids: set[int],
+    host_budget: int | str | None,
+    disk: str | os.PathLike[str] | None,
+    compress: str | None,
+) -> _disk.Store | None:
+    """Puts the streamed units past ``host_budget`` on disk (see :func:`offload`): makes their
+    store under ``disk`` and gives each its extent, before they are packed. Returns the store, or
+    ``None`` when no unit goes to disk."""
+    if disk is None:
+        if host_budget is not None:
+            raise ValueError(
+                "ramtorch.offload: host_budget= needs disk=, the directory for the units that do "
+                "not fit in it"
+            )
+        return None
+    if not isinstance(disk, (str, os.PathLike)):
+        raise TypeError(f"ramtorch.offload: disk must be a directory path, got {type(disk).__name__}")
+    if compress is not None:
+        raise ValueError("ramtorch.offload: compress= and disk= do not combine (yet); choose one")
+    limit = parse_bytes(host_budget, "host_budget") if host_budget is not None else 0
+    assert limit is not None
+    streamed = [u for u in units if u.uid not in resident_ids and not u.container]
+    limit -= sum(u.nbytes for u in streamed if u.gather)  # tables streamed by rows stay in RAM
+    cands = [u for u in streamed if not u.gather]
+    chosen = [cands[k] for k in _disk.choose([u.nbytes for u in cands], max(limit, 0))]
+    if not chosen:
+        return None
+    store = _disk.Store(disk, [u.nbytes for u in chosen])
+    for u, ext in zip(chosen, store.extents):
+        u.disk = ext
+    logger.info(
+        "ramtorch.offload: %d of %d streamed units (%s) on disk in %s (reads %s)",
+        len(chosen),
+        len(cands),
+        _fmt(sum(u.nbytes for u in chosen)),
+        store.directory,
+        "direct" if store.core.direct else "through the page cache: no O_DIRECT on this file system",
+    )
+    return store
+
+
 def offload(
     model: nn.Module,
     gpu_budget: int | str | None = None,
@@ -67,6 +111,8 @@ def offload(
     recompute: bool | Callable[[str], bool] = False,
     gather_rows: bool | None = None,
     compress: str | None = None,
+    host_budget: int | str | None = None,
+    disk: str | os.PathLike[str] | None = None,
 ) -> nn.Module:
     """Keeps ``model``'s parameters in host RAM and streams them to ``device`` unit by unit.
 
@@ -123,6 +169,22 @@ def offload(
             beside the slots (counted in the budget). ``ramtorch.stats(model)`` shows each
             unit's ratio (``compressed_units``) and the bytes a pass moves
             (``link_bytes_per_pass``).
+        host_budget: bytes of host RAM the streamed units may take (an int or a string such as
+            ``"32GiB"``); the units past it live on disk, in a store file under ``disk``. The
+            model's first units fill the budget, the rest go to disk. ``None`` (default): every
+            streamed unit in host RAM, or, with ``disk`` given, every one on disk.
+        disk: a directory for the store file of the units that do not fit in ``host_budget``.
+            The file is made here, allocated whole (a full disk is an ``OSError`` here, naming
+            the bytes needed and free), and its name removed at once: nothing is left behind when
+            the process ends, crashes included. A disk unit's parameters stay CPU parameters over
+            the file's mapping (``state_dict``, ``load_state_dict`` and optimizers work as for any
+            unit, the operating system paging them); the copies to the device read the file
+            ahead of use along the itinerary, ``RAMTORCH_DISK_AHEAD`` units ahead (default 4),
+            with ``O_DIRECT`` where the file system takes it (not through the page cache), on
+            ``RAMTORCH_DISK_THREADS`` threads (default 8), into page-locked staging buffers.
+            ``ramtorch.stats(model)`` shows the disk units, the bytes read, the read bandwidth
+            and the time the forward waited on the disk (``disk_wait_seconds``). Not with
+            ``compress``.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
         units, and buffers stay on the device and count against the budget. Not counted: in training,
@@ -242,6 +304,8 @@ def offload(
             resident_ids.add(u.uid)
             pl.resident_bytes += u.nbytes
 
+    store = _disk_units(units, resident_ids, host_budget, disk, compress)
+
     _warn_strides(units, resident_ids)
     total = sum(u.nbytes for u in units)
     show = progress if progress is not None else total > _GIB
@@ -287,6 +351,7 @@ def offload(
             if not u.resident and not u.gather and wants(u.name):
                 _checkpoint_forward(u.module)
     streamer = Streamer(model, units, dev, inflight, pl.slots, pl.slot_bytes, budget, pl.resident_bytes)
+    streamer.disk_store = store
     handles = streamer.hook_handles
     handles.append(
         model.register_forward_pre_hook(

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use crate::arena::{HostSlice, Lease};
+use crate::arena::{Arena, HostSlice, Lease};
 use crate::error::{Error, Result};
 
 /// Bytes per positioned read: large enough for the device's bandwidth, small enough that several
@@ -68,6 +68,8 @@ struct Store {
     map: NonNull<u8>,
     map_len: usize,
     pool: rayon::ThreadPool,
+    /// The arena the mapping is registered with (so views of it are ramtorch memory).
+    arena: Arena,
     reads: AtomicU64,
     read_bytes: AtomicU64,
     buffered_chunks: AtomicU64,
@@ -92,8 +94,10 @@ fn disk_err(op: impl Into<String>, path: &str, source: std::io::Error) -> Error 
 
 impl DiskStore {
     /// A new store of exactly `len` bytes (zero-filled) in the directory `dir`, read by `threads`
-    /// I/O threads. The file's name is gone from `dir` once this returns.
-    pub fn create(dir: &Path, len: usize, threads: usize) -> Result<Self> {
+    /// I/O threads. The file's name is gone from `dir` once this returns. The mapping is
+    /// registered with `arena` while the store lives, so [`Arena::slice`] finds it (it is never
+    /// pinned: copies to a device go through staging buffers).
+    pub fn create(arena: &Arena, dir: &Path, len: usize, threads: usize) -> Result<Self> {
         if len == 0 {
             return Err(Error::InvalidArgument(
                 "a disk store must hold at least one byte".into(),
@@ -167,22 +171,24 @@ impl DiskStore {
             .thread_name(|i| format!("ramtorch-disk-{i}"))
             .build()
             .map_err(|e| Error::Worker(format!("disk reader threads: {e}")))?;
-        Ok(Self {
-            inner: Arc::new(Store {
-                path: shown,
-                file,
-                direct,
-                len,
-                map,
-                map_len: len,
-                pool,
-                reads: AtomicU64::new(0),
-                read_bytes: AtomicU64::new(0),
-                buffered_chunks: AtomicU64::new(0),
-                settled_bytes: AtomicU64::new(0),
-                busy: Mutex::new((0, None, 0.0)),
-            }),
-        })
+        let inner = Arc::new(Store {
+            path: shown,
+            file,
+            direct,
+            len,
+            map,
+            map_len: len,
+            pool,
+            arena: arena.clone(),
+            reads: AtomicU64::new(0),
+            read_bytes: AtomicU64::new(0),
+            buffered_chunks: AtomicU64::new(0),
+            settled_bytes: AtomicU64::new(0),
+            busy: Mutex::new((0, None, 0.0)),
+        });
+        let keep: Arc<dyn Send + Sync> = inner.clone();
+        arena.register_external(map.as_ptr() as usize, len, Arc::downgrade(&keep));
+        Ok(Self { inner })
     }
 
     /// Bytes in the store.
@@ -421,6 +427,8 @@ fn read_exact_at(f: &File, mut buf: &mut [u8], mut off: usize) -> std::io::Resul
 
 impl Drop for Store {
     fn drop(&mut self) {
+        // Unregistered before the address can be mapped again.
+        self.arena.unregister_external(self.map.as_ptr() as usize);
         // SAFETY: the mapping of `map_len` bytes made in `create`, unmapped once here; every
         // reference to it (exported tensors, queued reads) holds this value alive.
         unsafe {
@@ -510,7 +518,7 @@ mod tests {
     #[test]
     fn reads_what_the_mapping_wrote() {
         let len = 3 * CHUNK + 5 * ALIGN;
-        let store = DiskStore::create(&tmp(), len, 4).unwrap();
+        let store = DiskStore::create(&Arena::new(None), &tmp(), len, 4).unwrap();
         // SAFETY: the mapping is `len` writable bytes; nothing else uses it.
         let map = unsafe { std::slice::from_raw_parts_mut(store.as_ptr(), len) };
         for (i, b) in map.iter_mut().enumerate() {
@@ -535,7 +543,7 @@ mod tests {
 
     #[test]
     fn a_direct_read_sees_unsettled_writes() {
-        let store = DiskStore::create(&tmp(), 2 * ALIGN, 2).unwrap();
+        let store = DiskStore::create(&Arena::new(None), &tmp(), 2 * ALIGN, 2).unwrap();
         // SAFETY: the mapping is 2 pages, written by this thread only.
         unsafe { std::ptr::write_bytes(store.as_ptr(), 7, 2 * ALIGN) };
         let arena = Arena::new(None);
@@ -551,7 +559,7 @@ mod tests {
 
     #[test]
     fn refuses_bad_ranges_and_places() {
-        let store = DiskStore::create(&tmp(), ALIGN, 1).unwrap();
+        let store = DiskStore::create(&Arena::new(None), &tmp(), ALIGN, 1).unwrap();
         let arena = Arena::new(None);
         let dst = arena.alloc(2 * ALIGN, true).unwrap();
         assert!(matches!(
@@ -559,16 +567,21 @@ mod tests {
             Err(Error::InvalidArgument(_))
         ));
         assert!(store.settle(ALIGN, 1).is_err());
-        assert!(DiskStore::create(&tmp(), 0, 1).is_err());
+        assert!(DiskStore::create(&Arena::new(None), &tmp(), 0, 1).is_err());
         let file = tmp().join(format!("ramtorch-not-a-dir-{}", std::process::id()));
         std::fs::write(&file, b"x").unwrap();
         assert!(matches!(
-            DiskStore::create(&file, ALIGN, 1),
+            DiskStore::create(&Arena::new(None), &file, ALIGN, 1),
             Err(Error::InvalidArgument(_))
         ));
         std::fs::remove_file(&file).unwrap();
         assert!(matches!(
-            DiskStore::create(Path::new("/nonexistent/ramtorch"), ALIGN, 1),
+            DiskStore::create(
+                &Arena::new(None),
+                Path::new("/nonexistent/ramtorch"),
+                ALIGN,
+                1
+            ),
             Err(Error::Disk { .. })
         ));
     }
@@ -577,7 +590,7 @@ mod tests {
     fn leaves_nothing_in_the_directory() {
         let dir = tmp().join(format!("ramtorch-disk-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let store = DiskStore::create(&dir, ALIGN, 1).unwrap();
+        let store = DiskStore::create(&Arena::new(None), &dir, ALIGN, 1).unwrap();
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
         drop(store);
         std::fs::remove_dir(&dir).unwrap();

@@ -33,7 +33,7 @@ impl DiskStore {
     ) -> PyResult<Self> {
         let inner = py.detach(|| {
             guard("DiskStore", || {
-                disk::DiskStore::create(&dir, nbytes, threads)
+                disk::DiskStore::create(crate::arena()?, &dir, nbytes, threads)
             })
         })?;
         Ok(Self { inner })

@@ -78,7 +78,7 @@ pub(crate) fn guard<T>(op: &str, f: impl FnOnce() -> Result<T, Error>) -> PyResu
 // The host arena, exported to torch as DLPack capsules (see `dlpack`).
 
 /// The process-wide arena (see [`Arena::global`]).
-fn arena() -> Result<&'static Arena, Error> {
+pub(crate) fn arena() -> Result<&'static Arena, Error> {
     Arena::global()
 }
 

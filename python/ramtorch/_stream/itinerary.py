@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from .. import _codec, _core, _engine
+from .. import _codec, _core, _disk, _engine
 from .._units import format_bytes
 from .units import _packed_bytes, _Unit
 
@@ -43,6 +43,11 @@ class Prefetcher:
     # decoded into, whose views are the unit's weights while the slot is held.
     decoded: dict[int, torch.Tensor]
     decode_stream: torch.cuda.Stream | None
+    # offload(disk=...): reads of disk units' extents started ahead of their use, by uid, with the
+    # unit's key when the read began; how many disk units to keep read ahead.
+    staged: dict[int, tuple[int, _disk.Read]]
+    disk_ahead: int
+    disk_store: _disk.Store | None
 
     # -- slots ------------------------------------------------------------------------------------
 
@@ -108,7 +113,7 @@ class Prefetcher:
                 "needs one (units nested deeper than the slots allow); raise gpu_budget or "
                 "max_inflight"
             )
-        src, nbytes = u.source()
+        src, nbytes = self._source(u, True)  # type: ignore[misc]
         try:
             slot, _ = self.eng.prefetch(key, src, nbytes, self.max_inflight, keep, u.tag, id(self))
         except _core.SlotsExhausted:
@@ -210,7 +215,56 @@ class Prefetcher:
                 out.append(u)
         return out
 
+    def _source(self, u: _Unit, wait: bool) -> tuple[torch.Tensor, int] | None:
+        """The host bytes that cross the link for ``u`` (see :meth:`_Unit.source`); for a unit on
+        disk, the staging buffer its extent was read into (read now, or waited for, if ``wait``;
+        else ``None`` while the read is not done)."""
+        if u.disk is None:
+            return u.source()
+        assert u.layout is not None
+        key = u.key()
+        entry = self.staged.get(u.uid)
+        if entry is not None and entry[0] != key:
+            del self.staged[u.uid]  # read before the weights changed
+            entry = None
+        if entry is None:
+            if not wait:
+                return None
+            entry = (key, u.disk.read())
+            self.counters["disk_reads_on_demand"] += 1
+        elif not wait and not entry[1].done():
+            return None
+        self.staged.pop(u.uid, None)
+        return entry[1].wait(), u.layout.nbytes
+
+    def _read_ahead(self, itin: list[int], pos: int) -> None:
+        """Starts reading the next disk units along ``itin`` from ``pos`` (``disk_ahead`` of
+        them at most, counting those read or being read), so the store reads continuously while
+        the units before them run. A read begun for weights that have since changed is dropped
+        when its unit is reached."""
+        if self.disk_store is None:
+            return
+        want: list[_Unit] = []
+        for uid in itin[pos:]:
+            u = self.by_uid.get(uid)
+            if u is None or u.disk is None or u.resident or u in want:
+                continue
+            want.append(u)
+            if len(want) >= self.disk_ahead:
+                break
+        names = {u.uid for u in want}
+        for uid in [k for k in self.staged if k not in names]:
+            del self.staged[uid]  # off the itinerary now (the read, if in flight, ends on its own)
+        for u in want:
+            if u.uid in self.staged or u.uid in self.ahead or u.fwd or u.bwd is not None:
+                continue
+            if not u.is_home() or _engine.updating(u.params):
+                continue  # (an update still writing its weights: read when it is reached)
+            self.staged[u.uid] = (u.key(), u.disk.read())  # type: ignore[union-attr]
+            self.counters["disk_reads_ahead"] += 1
+
     def _prefetch_along(self, itin: list[int], pos: int, current: _Unit | None) -> None:
+        self._read_ahead(itin, pos)
         nxt = self._lookahead(itin, pos)
         keep = [u.key() for u in nxt]
         for u in nxt:
@@ -219,7 +273,10 @@ class Prefetcher:
             if self._free_slots() <= 0 or not u.is_home() or _engine.updating(u.params):
                 break
             try:
-                src, nbytes = u.source()
+                got = self._source(u, False)
+                if got is None:
+                    break  # its extent is still being read: copied when it is there
+                src, nbytes = got
                 key = u.key()
                 slot, _ = self.eng.prefetch(key, src, nbytes, self.max_inflight, keep, u.tag, id(self))
             except (_core.SlotsExhausted, ValueError):

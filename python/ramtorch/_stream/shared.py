@@ -59,6 +59,9 @@ class LayerStreamer(Streamer):
         self.slot_owner: dict[int, _Unit] = {}
         self.decoded: dict[int, torch.Tensor] = {}  # (ramtorch.nn layers stream raw: stays empty)
         self.decode_stream: torch.cuda.Stream | None = None
+        self.staged: dict[int, Any] = {}  # (nor from disk: stays empty)
+        self.disk_ahead = 1
+        self.disk_store = None
         # Free-standing units are always in a forward pass (no root module begins or ends one).
         self.state = PassState.FORWARD
         self.lock = threading.RLock()

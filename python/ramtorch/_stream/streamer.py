@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import _engine, _profile
+from .. import _disk, _engine, _profile
 from .._units import format_bytes
 from . import added, decoding, gather
 from .compiling import is_compiling, opaque, run_eagerly
@@ -142,9 +142,17 @@ class Streamer(Prefetcher, GradientHooks):
             "gathered_bytes": 0,
             # Bytes decoded on the device from units streamed encoded (offload(compress=...)).
             "decoded_bytes": 0,
+            # Disk units' extents read ahead along the itinerary, and read when needed (not read
+            # ahead: the first pass, a pass off the itinerary, weights changed since the read).
+            "disk_reads_ahead": 0,
+            "disk_reads_on_demand": 0,
         }
         self.decoded: dict[int, torch.Tensor] = {}
         self.decode_stream: torch.cuda.Stream | None = None
+        # offload(disk=...): the store of the units that live on disk, and their reads ahead.
+        self.disk_store: _disk.Store | None = None
+        self.staged: dict[int, tuple[int, _disk.Read]] = {}
+        self.disk_ahead = _disk.ahead()
         # What this streamer's passes hold of the device's forward lock (see ForwardLock).
         self._pass_token = ("pass", id(self))
         self.hook_handles: list[Any] = []
@@ -378,6 +386,11 @@ class Streamer(Prefetcher, GradientHooks):
                 own = True
                 if itin:
                     self._prefetch_along(itin, pos, u)
+                elif self.disk_store is not None and PassState.FORWARD in self.state:
+                    # No itinerary yet (the first pass): disk units are read ahead in the
+                    # model's order.
+                    order = [x.uid for x in self.streamed]
+                    self._read_ahead(order, order.index(u.uid) + 1 if u.uid in order else 0)
             assert u.layout is not None
             buf = self.weights_buffer(slot)
             views = _device_views(u, buf)
@@ -598,14 +611,18 @@ class Streamer(Prefetcher, GradientHooks):
         memory beyond the budget, and no copy of the unit held on either side."""
         assert u.layout is not None and u.flat is not None
         n = u.layout.nbytes
-        if buf.device.type == "cpu":
-            return not torch.equal(buf[:n], u.flat[:n])
-        step = 64 << 20
-        for i in range(0, n, step):
-            j = min(n, i + step)
-            if not torch.equal(buf[i:j].to("cpu"), u.flat[i:j]):
-                return True
-        return False
+        try:
+            if buf.device.type == "cpu":
+                return not torch.equal(buf[:n], u.flat[:n])
+            step = 64 << 20
+            for i in range(0, n, step):
+                j = min(n, i + step)
+                if not torch.equal(buf[i:j].to("cpu"), u.flat[i:j]):
+                    return True
+            return False
+        finally:
+            if u.disk is not None:
+                u.disk.settle()  # the pages this read brought in, out of memory again
 
     def _write_back(self, u: _Unit, buf: torch.Tensor) -> None:
         """``u``'s forward wrote into its device weights in place (an EMA codebook, ``clamp_`` under
@@ -624,6 +641,8 @@ class Streamer(Prefetcher, GradientHooks):
         n = u.layout.nbytes
         with torch.no_grad():
             u.flat[:n].copy_(buf[:n])
+        if u.disk is not None:
+            u.disk.settle()
         for t in stream_tensors(u.params)[0]:
             torch.autograd.graph.increment_version(t)
 
@@ -852,10 +871,21 @@ class Streamer(Prefetcher, GradientHooks):
             "gpu_bytes": self.resident_bytes + self.slots * self.slot_bytes,
             "streamed_bytes_per_pass": sum(u.nbytes for u in streamed),
             "gathered_units": [u.name for u in gathered],
-            "host_bytes": sum(u.nbytes for u in streamed + gathered),
+            "host_bytes": sum(u.nbytes for u in streamed + gathered if u.disk is None),
             "itinerary": [self.by_uid[k].name for k in self.fwd_itin],
             **self._compression(streamed),
+            **self._disk_stats(streamed),
             **self.counters,
+        }
+
+    def _disk_stats(self, streamed: list[_Unit]) -> dict[str, Any]:
+        """What ``offload(host_budget=..., disk=...)`` did: the units on disk, their bytes, and
+        the store's reads (bytes, bandwidth while reading, the time the compute thread waited)."""
+        if self.disk_store is None:
+            return {}
+        return {
+            "disk_units": [u.name for u in streamed if u.disk is not None],
+            **self.disk_store.stats(),
         }
 
     @staticmethod

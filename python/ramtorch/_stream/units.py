@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .. import _arena, _codec, _engine
+from .. import _arena, _codec, _disk, _engine
 from . import guard
 
 
@@ -461,6 +461,9 @@ class _Unit:
         self.enc: _codec.Encoded | None = None
         self.enc_for: tuple[int, tuple[int, ...]] | None = None
         self.enc_serial = 0
+        # offload(host_budget=..., disk=...): the unit's extent of the disk store, whose mapping
+        # holds its parameters (``None``: they live in the host arena). See ramtorch._disk.
+        self.disk: _disk.Extent | None = None
         # Running forwards (a unit may be called inside itself): (slot, whether it took the slot,
         # saved-tensor hooks, slot address, the parameters it replaced, its _Fetch node, its
         # profiler range, the slot tensor and its version counter when the forward began, and
@@ -506,8 +509,16 @@ class _Unit:
     def pack(self) -> None:
         """Moves the parameters (and their grads) into one arena region; a tensor subclass moves
         by its inner tensors."""
+        if self.disk is not None and self.flat is not None:
+            # Packed again into the same extent: what lives there now is copied out first (the
+            # new layout may overlap the old one).
+            with torch.no_grad():
+                for t in stream_tensors(self.params)[0]:
+                    if _arena.in_region(t, self.flat):
+                        t.data = t.data.clone()
         leaves, tree = stream_tensors(self.params)
-        flat, views = _arena.pack_mixed([(tuple(t.shape), t.dtype) for t in leaves])
+        specs = [(tuple(t.shape), t.dtype) for t in leaves]
+        flat, views = _arena.pack_mixed(specs, None if self.disk is None else self.disk.view)
         with torch.no_grad():
             if tree is None:
                 for p, v in zip(self.params, views):
@@ -526,6 +537,8 @@ class _Unit:
                 for t, v in zip(leaves, views):
                     v.copy_(t.detach())
                 self._place(tree, views)
+        if self.disk is not None:
+            self.disk.settle()  # written to the file, and out of memory
         self.tree = tree
         self.flat = flat
         self.layout = _engine.Layout(flat, views)

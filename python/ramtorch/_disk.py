@@ -1,0 +1,169 @@
+"""The disk tier: units that do not fit in the host budget live in a store file.
+
+``ramtorch.offload(model, host_budget=..., disk=dir)`` keeps the streamed units that fit in
+``host_budget`` in host RAM (the arena) and the others in one store file under ``dir``
+(``_core.DiskStore``): made for the run, allocated whole at once (a full disk is an error then,
+naming the bytes it needed and had), and removed from the directory as soon as it is opened, so
+that nothing is left after the process ends, crashes included.
+
+Each disk unit owns an *extent* of the store (4 KiB aligned). Its parameters stay ``nn.Parameter``
+s over the store's mapping: host-side readers and writers (``state_dict``, ``load_state_dict``,
+the optimizer) see ordinary CPU tensors, which the kernel pages in and writes back;
+:meth:`Extent.settle` writes an extent back and drops it from memory. Streaming does not go
+through the mapping: :meth:`Extent.read` reads the extent into a page-locked staging buffer on the
+store's I/O threads (``O_DIRECT`` where the file system takes it), and the copy to the device
+leaves from that buffer (``ramtorch._stream.itinerary.Prefetcher``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _arena, _core
+
+#: Extents start at multiples of this, and reads are whole multiples of it (``O_DIRECT``).
+ALIGN = 4096
+#: Environment variable: I/O threads per store (default 8).
+THREADS_VAR = "RAMTORCH_DISK_THREADS"
+#: Environment variable: disk units read ahead of the one running (default 4).
+AHEAD_VAR = "RAMTORCH_DISK_AHEAD"
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < low:
+        raise ValueError(f"environment variable {name} must be at least {low}, got {value}")
+    return value
+
+
+def threads() -> int:
+    """I/O threads per store: ``RAMTORCH_DISK_THREADS``, else 8."""
+    return _env_int(THREADS_VAR, 8, 1)
+
+
+def ahead() -> int:
+    """Disk units read ahead along the itinerary: ``RAMTORCH_DISK_AHEAD``, else 4."""
+    return _env_int(AHEAD_VAR, 4, 1)
+
+
+def _padded(n: int) -> int:
+    return max(ALIGN, -(-n // ALIGN) * ALIGN)
+
+
+class Store:
+    """One store file holding extents of the given sizes (bytes each), in order."""
+
+    def __init__(self, directory: str | os.PathLike[str], sizes: Sequence[int]) -> None:
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += _padded(int(n))
+        self.directory = os.fspath(directory)
+        if not os.path.isdir(self.directory):
+            raise ValueError(f"ramtorch.offload: disk={self.directory!r} is not a directory")
+        self.core = _core.DiskStore(self.directory, max(total, ALIGN), threads())
+        self.map = torch.from_dlpack(self.core.mapping())
+        self.extents = [Extent(self, off, _padded(int(n))) for off, n in zip(offsets, sizes)]
+        self.lock = threading.Lock()
+        self.wait_seconds = 0.0  # time the compute thread waited for reads
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.core.nbytes)
+
+    def stats(self) -> dict[str, Any]:
+        """The store's counters, with the read bandwidth while reads were in flight."""
+        s = dict(self.core.stats())
+        busy = s["busy_seconds"]
+        return {
+            "disk_path": self.core.path,
+            "disk_direct": bool(self.core.direct),
+            "disk_bytes": self.nbytes,
+            "disk_reads": s["reads"],
+            "disk_read_bytes": s["read_bytes"],
+            "disk_busy_seconds": round(busy, 6),
+            "disk_read_gbps": round(s["read_bytes"] / busy / 1e9, 3) if busy > 0 else None,
+            "disk_wait_seconds": round(self.wait_seconds, 6),
+            "disk_buffered_chunks": s["buffered_chunks"],
+            "disk_settled_bytes": s["settled_bytes"],
+        }
+
+
+class Extent:
+    """A unit's bytes in a :class:`Store`: ``capacity`` bytes (4 KiB multiple) at ``offset``."""
+
+    __slots__ = ("store", "offset", "capacity")
+
+    def __init__(self, store: Store, offset: int, capacity: int) -> None:
+        self.store = store
+        self.offset = offset
+        self.capacity = capacity
+
+    def view(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the extent in the store's mapping (a ``uint8`` CPU tensor)."""
+        if nbytes > self.capacity:
+            raise RuntimeError(
+                f"ramtorch.offload: a unit now takes {nbytes} bytes, more than the {self.capacity} "
+                "its disk extent holds (its parameters were replaced by larger ones after offload)"
+            )
+        return self.store.map[self.offset : self.offset + nbytes]
+
+    def settle(self) -> None:
+        """Writes the extent's mapped pages back to the file and drops them from memory."""
+        self.store.core.settle(self.offset, self.capacity)
+
+    def read(self) -> Read:
+        """Starts reading the extent into a new page-locked staging buffer."""
+        buf = _arena.host_bytes(self.capacity)
+        return Read(buf, self.store.core.read(buf, self.offset, self.capacity), self.store)
+
+
+class Read:
+    """A read of an extent in flight: its staging buffer and its ticket."""
+
+    __slots__ = ("buf", "ticket", "store")
+
+    def __init__(self, buf: torch.Tensor, ticket: Any, store: Store) -> None:
+        self.buf = buf
+        self.ticket = ticket
+        self.store = store
+
+    def done(self) -> bool:
+        return bool(self.ticket.done())
+
+    def wait(self) -> torch.Tensor:
+        """The staging buffer, once the bytes are there (the wait is counted in the store's
+        ``disk_wait_seconds``); a failed read raises ``OSError`` naming the range and the file."""
+        if not self.ticket.done():
+            t0 = time.perf_counter()
+            self.ticket.wait()
+            self.store.wait_seconds += time.perf_counter() - t0
+        else:
+            self.ticket.wait()  # (raises the read's error, if it failed)
+        return self.buf
+
+
+def choose(sizes: Sequence[int], host_budget: int) -> list[int]:
+    """Which of the streamed units (their sizes, in the model's order) live on disk: the model's
+    first units up to ``host_budget`` bytes stay in host RAM, the rest go to disk. The disk units
+    then come last in a forward pass, so the store starts reading them while the host units run."""
+    out: list[int] = []
+    used = 0
+    for k, n in enumerate(sizes):
+        if out or used + n > host_budget:
+            out.append(k)
+        else:
+            used += n
+    return out
