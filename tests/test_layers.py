@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "ramtorch._arena": ENGINE,
     "ramtorch._codec": ENGINE,
     "ramtorch._codec_triton": ENGINE,
+    "ramtorch._disk": ENGINE,
     "ramtorch._config": ENGINE,
     "ramtorch._units": ENGINE,
     "ramtorch._log": ENGINE,

@@ -58,15 +58,17 @@ from ._units import parse_bytes as parse_bytes
 
 
 def _disk_units(
+    model: nn.Module,
     units: list[_Unit],
     resident_ids: set[int],
     host_budget: int | str | None,
     disk: str | os.PathLike[str] | None,
     compress: str | None,
 ) -> _disk.Store | None:
-    """Puts the streamed units past ``host_budget`` on disk (see :func:`offload`): makes their
-    store under ``disk`` and gives each its extent, before they are packed. Returns the store, or
-    ``None`` when no unit goes to disk."""
+    """Puts the streamed units past ``host_budget`` on disk (see :func:`offload`): the units in
+    the order ``model`` registers their modules fill the budget, the rest get an extent each in a
+    store under ``disk``, before they are packed. Returns the store, or ``None`` when no unit goes
+    to disk."""
     if disk is None:
         if host_budget is not None:
             raise ValueError(
@@ -82,7 +84,9 @@ def _disk_units(
     assert limit is not None
     streamed = [u for u in units if u.uid not in resident_ids and not u.container]
     limit -= sum(u.nbytes for u in streamed if u.gather)  # tables streamed by rows stay in RAM
-    cands = [u for u in streamed if not u.gather]
+    # In the order the model registers its modules: the usual order of a forward pass.
+    order = {id(m): k for k, m in enumerate(model.modules())}
+    cands = sorted((u for u in streamed if not u.gather), key=lambda u: order.get(id(u.module), len(order)))
     chosen = [cands[k] for k in _disk.choose([u.nbytes for u in cands], max(limit, 0))]
     if not chosen:
         return None
@@ -171,7 +175,8 @@ def offload(
             (``link_bytes_per_pass``).
         host_budget: bytes of host RAM the streamed units may take (an int or a string such as
             ``"32GiB"``); the units past it live on disk, in a store file under ``disk``. The
-            model's first units fill the budget, the rest go to disk. ``None`` (default): every
+            model's first units (in the order it registers its modules) fill the budget, the rest go
+            to disk. ``None`` (default): every
             streamed unit in host RAM, or, with ``disk`` given, every one on disk.
         disk: a directory for the store file of the units that do not fit in ``host_budget``.
             The file is made here, allocated whole (a full disk is an ``OSError`` here, naming
@@ -304,7 +309,7 @@ def offload(
             resident_ids.add(u.uid)
             pl.resident_bytes += u.nbytes
 
-    store = _disk_units(units, resident_ids, host_budget, disk, compress)
+    store = _disk_units(model, units, resident_ids, host_budget, disk, compress)
 
     _warn_strides(units, resident_ids)
     total = sum(u.nbytes for u in units)
@@ -352,6 +357,9 @@ def offload(
                 _checkpoint_forward(u.module)
     streamer = Streamer(model, units, dev, inflight, pl.slots, pl.slot_bytes, budget, pl.resident_bytes)
     streamer.disk_store = store
+    if store is not None:
+        on_disk = [u for u in units if u.disk is not None]
+        streamer.disk_order = [u.uid for u in sorted(on_disk, key=lambda u: u.disk.offset)]  # type: ignore[union-attr]
     handles = streamer.hook_handles
     handles.append(
         model.register_forward_pre_hook(

@@ -237,17 +237,17 @@ class Prefetcher:
         self.staged.pop(u.uid, None)
         return entry[1].wait(), u.layout.nbytes
 
-    def _read_ahead(self, itin: list[int], pos: int) -> None:
+    def _read_ahead(self, itin: list[int], pos: int, skip: frozenset[int] = frozenset()) -> None:
         """Starts reading the next disk units along ``itin`` from ``pos`` (``disk_ahead`` of
-        them at most, counting those read or being read), so the store reads continuously while
-        the units before them run. A read begun for weights that have since changed is dropped
-        when its unit is reached."""
+        them at most, counting those read or being read; none of ``skip``), so the store reads
+        continuously while the units before them run. A read begun for weights that have since
+        changed is dropped when its unit is reached."""
         if self.disk_store is None:
             return
         want: list[_Unit] = []
         for uid in itin[pos:]:
             u = self.by_uid.get(uid)
-            if u is None or u.disk is None or u.resident or u in want:
+            if u is None or u.disk is None or u.resident or u in want or uid in skip:
                 continue
             want.append(u)
             if len(want) >= self.disk_ahead:

@@ -151,6 +151,7 @@ class Streamer(Prefetcher, GradientHooks):
         self.decode_stream: torch.cuda.Stream | None = None
         # offload(disk=...): the store of the units that live on disk, and their reads ahead.
         self.disk_store: _disk.Store | None = None
+        self.disk_order: list[int] = []  # their uids, in the order the model registers them
         self.staged: dict[int, tuple[int, _disk.Read]] = {}
         self.disk_ahead = _disk.ahead()
         # What this streamer's passes hold of the device's forward lock (see ForwardLock).
@@ -387,10 +388,9 @@ class Streamer(Prefetcher, GradientHooks):
                 if itin:
                     self._prefetch_along(itin, pos, u)
                 elif self.disk_store is not None and PassState.FORWARD in self.state:
-                    # No itinerary yet (the first pass): disk units are read ahead in the
-                    # model's order.
-                    order = [x.uid for x in self.streamed]
-                    self._read_ahead(order, order.index(u.uid) + 1 if u.uid in order else 0)
+                    # No itinerary yet (the first pass): the disk units that have not run are
+                    # read ahead in the order the model registers them.
+                    self._read_ahead(self.disk_order, 0, frozenset(self.cur_fwd))
             assert u.layout is not None
             buf = self.weights_buffer(slot)
             views = _device_views(u, buf)

@@ -1,0 +1,283 @@
+"""offload(host_budget=..., disk=...): units past the host budget live in a store file on disk.
+
+Checked against the same model offloaded with every unit in host RAM (forward, gradients, several
+optimizer steps, bitwise), which units go to disk, edits between passes, a full disk (a clear
+error, the model untouched), a crash (nothing left behind), and the store's reads themselves."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import ramtorch
+import ramtorch.optim as ropt
+import torch
+from ramtorch import _arena, _core
+from ramtorch._stream.units import _packed_bytes
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 48, depth: int = 6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width, dtype=dtype)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width, dtype=dtype), nn.Linear(width, width, dtype=dtype), nn.GELU())
+            for _ in range(depth)
+        )
+        self.out = nn.Linear(width, 5, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.out(h)
+
+
+def _bytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def _unit_bytes(m: nn.Module) -> int:
+    return _packed_bytes(list(m.parameters()))  # as a unit packs them (each tensor 64-byte aligned)
+
+
+def _pair(tmp_path, dtype=torch.float32, host_units: int = 3, seed: int = 0):
+    torch.manual_seed(seed)
+    base = Net(dtype=dtype)
+    ram, disk = copy.deepcopy(base), copy.deepcopy(base)
+    ramtorch.offload(ram, device="cpu")
+    budget = _unit_bytes(base.inp) + host_units * _unit_bytes(base.blocks[0])
+    ramtorch.offload(disk, device="cpu", host_budget=budget, disk=tmp_path)
+    return ram, disk
+
+
+def _optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "torch":
+        return torch.optim.AdamW(params, lr=1e-2)
+    if kind == "ramtorch":
+        return ropt.AdamW(params, lr=1e-2)
+    return ropt.AdamW(params, lr=1e-2, pipeline=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opt", ["torch", "ramtorch", "ramtorch-pipelined"])
+def test_training_on_disk_equals_the_model_in_ram(tmp_path, dtype: torch.dtype, opt: str):
+    ram, disk = _pair(tmp_path, dtype)
+    st = ramtorch.stats(disk)
+    assert st["disk_units"] == ["blocks.3", "blocks.4", "blocks.5", "out"]
+    assert os.listdir(tmp_path) == []  # the store's name is gone at once
+    opts = [_optimizer(opt, m.parameters()) for m in (ram, disk)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(7, 16, generator=g, dtype=dtype)
+        outs = []
+        for m, o in zip((ram, disk), opts):
+            o.zero_grad()
+            y = m(x)
+            y.float().square().mean().backward()
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1])
+        for (n, a), b in zip(ram.named_parameters(), disk.parameters()):
+            assert torch.equal(a.grad, b.grad), n
+        for o in opts:
+            o.step()
+    for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(a, b), n
+    st = ramtorch.stats(disk)
+    assert st["disk_read_bytes"] > 0 and st["disk_reads_ahead"] > 0
+    assert st["host_bytes"] < _bytes(disk)
+
+
+def test_the_first_units_fill_the_host_budget(tmp_path):
+    torch.manual_seed(0)
+    base = Net()
+    every = copy.deepcopy(base)
+    ramtorch.offload(every, device="cpu", disk=tmp_path)  # no host budget: every streamed unit on disk
+    st = ramtorch.stats(every)
+    assert sorted(st["disk_units"]) == sorted(["inp", *[f"blocks.{k}" for k in range(6)], "out"])
+    assert st["host_bytes"] == 0
+    roomy = copy.deepcopy(base)
+    ramtorch.offload(roomy, device="cpu", host_budget=_bytes(base), disk=tmp_path)
+    assert "disk_units" not in ramtorch.stats(roomy)  # everything fits: no store at all
+    x = torch.randn(3, 16)
+    assert torch.equal(every(x), base(x)) and torch.equal(roomy(x), base(x))
+    assert os.listdir(tmp_path) == []
+
+
+def test_edits_between_passes_and_loads_are_seen(tmp_path):
+    ram, disk = _pair(tmp_path, host_units=1)
+    x = torch.randn(4, 16)
+    for m in (ram, disk):
+        m(x)
+    for m in (ram, disk):
+        with torch.no_grad():
+            m.blocks[4][1].weight.data.mul_(-2.0)  # no version counter sees this
+    assert torch.equal(ram(x), disk(x))
+    torch.manual_seed(5)
+    sd = Net().state_dict()
+    for m in (ram, disk):
+        m.load_state_dict(sd)
+    assert torch.equal(ram(x), disk(x))
+    assert torch.equal(disk.blocks[5][1].weight, sd["blocks.5.1.weight"])
+
+
+def test_inference_reads_ahead_along_the_itinerary(tmp_path):
+    _, disk = _pair(tmp_path, host_units=0)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            disk(x)
+    st = ramtorch.stats(disk)
+    n = len(st["disk_units"])
+    assert st["disk_reads"] == 3 * n
+    # After the first pass, every disk unit is read ahead of its use.
+    assert st["disk_reads_on_demand"] <= n
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="host_budget= needs disk="):
+        ramtorch.offload(Net(), device="cpu", host_budget="1MiB")
+    with pytest.raises(ValueError, match="not a directory"):
+        ramtorch.offload(Net(), device="cpu", disk=tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        ramtorch.offload(Net(), device="cpu", disk=tmp_path / "file")
+    with pytest.raises(ValueError, match="do not combine"):
+        ramtorch.offload(Net(), device="cpu", disk=tmp_path, compress="lossless")
+    with pytest.raises(TypeError, match="disk must be a directory path"):
+        ramtorch.offload(Net(), device="cpu", disk=3)
+    with pytest.raises(ValueError, match="host_budget"):
+        ramtorch.offload(Net(), device="cpu", disk=tmp_path, host_budget="-1GiB")
+
+
+def _child(code: str, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), HERE])}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+    )
+
+
+def test_a_full_disk_is_a_clear_error_and_the_model_is_untouched(tmp_path):
+    # A file size limit stands in for a full disk: the store is allocated whole at offload, so
+    # the error comes there (not as a SIGBUS on a later write), and nothing of the model moved.
+    code = f"""
+        import errno, resource, signal, torch, ramtorch
+        from test_disk import Net
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        torch.manual_seed(0)
+        m = Net(width=256)
+        before = {{k: v.clone() for k, v in m.state_dict().items()}}
+        try:
+            ramtorch.offload(m, device="cpu", disk={str(tmp_path)!r})
+        except OSError as e:
+            assert e.errno in (errno.EFBIG, errno.ENOSPC), e
+            assert "allocating" in str(e) and "bytes" in str(e), e
+            print("refused:", e)
+        else:
+            raise SystemExit("offload did not refuse")
+        assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+        assert getattr(m, "_ramtorch_streamer", None) is None
+        ramtorch.offload(m, device="cpu")  # still a model: offloaded to RAM instead
+        x = torch.randn(2, 16)
+        print("ok", m(x).shape)
+    """
+    r = _child(code, tmp_path)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "refused:" in r.stdout
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_crash_leaves_nothing_on_disk(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    code = f"""
+        import os, sys, torch, ramtorch
+        from test_disk import Net
+        m = Net()
+        ramtorch.offload(m, device="cpu", disk={str(store)!r})
+        m(torch.randn(2, 16))
+        print("running", flush=True)
+        sys.stdin.read()  # until killed
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), HERE])}
+    p = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = p.stdout.readline()  # waits as long as the child takes to start (no timeout)
+        assert line.strip() == "running", line + p.stderr.read()
+        assert os.listdir(store) == []
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    assert os.listdir(store) == []
+
+
+def test_store_reads_land_in_staging_and_errors_name_the_file(tmp_path):
+    s = _core.DiskStore(str(tmp_path), 3 << 20, 2)
+    m = torch.from_dlpack(s.mapping())
+    m.copy_(torch.arange(m.numel()).remainder(251).to(torch.uint8))
+    s.settle(0, m.numel())
+    dst = _arena.host_bytes(1 << 20)
+    for off, n in [(0, 1 << 20), (4096, 8192), (123, 1000)]:
+        t = s.read(dst, off, n)
+        t.wait()
+        assert t.done() and torch.equal(dst[:n], m[off : off + n])
+    with pytest.raises(ValueError, match="outside the disk store"):
+        s.read(dst, (3 << 20) - 10, 4096)
+    with pytest.raises(ValueError, match="not inside memory ramtorch allocated"):
+        s.read(torch.empty(4096, dtype=torch.uint8), 0, 4096)
+    with pytest.raises(OSError) as e:
+        _core.DiskStore(str(tmp_path / "missing"), 4096, 1)
+    assert e.value.errno == errno.ENOENT and "missing" in str(e.value)
+    st = s.stats()
+    assert st["reads"] == 3 and st["read_bytes"] == (1 << 20) + 8192 + 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_disk_units_on_cuda(tmp_path, dtype: torch.dtype):
+    """On the GPU: forward and a few training steps equal the model with every unit in RAM."""
+    torch.manual_seed(3)
+    base = Net(width=256, dtype=dtype)
+    ram, disk = copy.deepcopy(base), copy.deepcopy(base)
+    ramtorch.offload(ram, gpu_budget=_bytes(base) // 2)
+    ramtorch.offload(disk, gpu_budget=_bytes(base) // 2, host_budget=_bytes(base) // 3, disk=tmp_path)
+    assert ramtorch.stats(disk)["disk_units"]
+    opts = [ropt.AdamW(m.parameters(), lr=1e-3) for m in (ram, disk)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(8, 16, generator=g, dtype=dtype).cuda()
+        ys = []
+        for m, o in zip((ram, disk), opts):
+            o.zero_grad()
+            y = m(x)
+            y.float().square().mean().backward()
+            o.step()
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1])
+    with torch.no_grad():
+        assert torch.equal(ram(x), disk(x))
+    for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(a, b), n
