@@ -1,0 +1,237 @@
+"""The disk tier: W2 forward with only part of the model in host RAM, the rest on disk.
+
+Measured in one process, in this order:
+
+1. **Disk ceiling** in the ``--disk`` directory: a file of ``--probe-gib`` GiB written then read
+   with ``O_DIRECT``, sequentially, in 8 MiB requests on 16 threads (many in flight); the best of
+   two reads. Falls back to buffered I/O (and says so) where the file system refuses ``O_DIRECT``.
+2. **Link ceiling**: pinned host→device copies of 2 GiB (as ``bench/generate.py`` measures it).
+3. **Resident forward** (the compute floor): W2 (``bench/w2.py``'s model) on the GPU.
+4. **ramtorch**: the model moved to host RAM, then ``ramtorch.offload(model, gpu_budget=...,
+   host_budget=<fraction of the model>, disk=--disk)``; forward passes timed (``--reps`` after
+   ``--warmup``). The record carries the bytes read from disk per pass, the limit
+   ``max(resident, disk bytes / disk read GB/s, streamed bytes / link GB/s)``, the ratio to it, and
+   the process's resident memory (``VmRSS``: anonymous, file-backed and shared parts) after the
+   passes, against ``host_budget`` plus the staging buffers.
+
+One JSON list of records is written to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from benchlib import git_commit, peak_rss, rss
+from generate import link_bandwidth
+from w2 import build, config, free_gpu, to_host
+
+CHUNK = 8 << 20
+THREADS = 16
+
+
+def _log(msg: str) -> None:
+    print(f"[disk_tier] {msg}", file=sys.stderr, flush=True)
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def disk_ceiling(directory: str, nbytes: int) -> dict[str, object]:
+    """``O_DIRECT`` sequential write then read of ``nbytes`` in ``directory`` (8 MiB requests, 16
+    threads); GB/s of each (the best of two reads)."""
+    path = os.path.join(directory, f"ceiling-{os.getpid()}.bin")
+    nbytes = nbytes // CHUNK * CHUNK
+    direct = True
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        direct = False
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    bufs = [mmap.mmap(-1, CHUNK) for _ in range(THREADS)]  # page-aligned, as O_DIRECT needs
+    for b in bufs:
+        b.write(os.urandom(CHUNK))
+    offsets = list(range(0, nbytes, CHUNK))
+
+    def run(op) -> float:  # noqa: ANN001
+        def work(k: int) -> None:
+            buf = bufs[k % THREADS]
+            for off in offsets[k::THREADS]:
+                n = op(fd, buf, off)
+                if n != CHUNK:
+                    raise OSError(f"short transfer at {off}: {n}")
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(THREADS) as ex:
+            list(ex.map(work, range(THREADS)))
+        if op is os.pwrite:
+            os.fsync(fd)
+        return nbytes / (time.perf_counter() - t) / 1e9
+
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        write = run(lambda fd, buf, off: os.pwrite(fd, buf, off))
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        reads = []
+        for _ in range(2):
+            reads.append(run(lambda fd, buf, off: os.preadv(fd, [buf], off)))
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return {
+        "disk_read_gbps": max(reads),
+        "disk_write_gbps": write,
+        "disk_probe_bytes": nbytes,
+        "disk_probe_direct": direct,
+        "disk_probe": f"{THREADS} threads, {CHUNK >> 20} MiB requests",
+    }
+
+
+def timed(fn, reps: int, warmup: int, device: str) -> list[float]:  # noqa: ANN001
+    for _ in range(warmup):
+        fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--disk", required=True, help="directory for the store (and the ceiling probe)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--host-fraction", type=float, default=0.25, help="host_budget as a share of the model")
+    ap.add_argument("--budget", default=None, help="gpu_budget (default: stream every unit)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--probe-gib", type=float, default=8.0)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    dev = a.device
+    os.makedirs(a.disk, exist_ok=True)
+    common = {
+        "workload": "W2",
+        "tokens": a.seq,
+        "phase": "forward",
+        "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
+        "commit": a.commit or git_commit(),
+        "command": "python3 " + " ".join(sys.argv),
+        "gpus": 1 if dev.startswith("cuda") else 0,
+    }
+    _log("disk ceiling")
+    ceiling = disk_ceiling(a.disk, int(a.probe_gib * (1 << 30)))
+    _log(f"disk: {ceiling}")
+    link = link_bandwidth(dev) or {"h2d_gbps": None}
+    _log(f"link: {link}")
+
+    cfg = config(a.tiny, a.seq)
+    model = build(cfg, dev)
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.randint(0, cfg.vocab_size, (1, a.seq), device=dev)
+
+    def fwd() -> None:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+
+    records = []
+    t_res = timed(fwd, a.reps, a.warmup, dev)
+    resident = statistics.median(t_res)
+    records.append({**common, "system": "resident", "seconds": resident, "times": t_res, "weight_bytes": wbytes})
+    _log(f"resident forward {resident * 1e3:.1f} ms")
+
+    import ramtorch
+
+    to_host(model)
+    host_budget = int(wbytes * a.host_fraction)
+    before = _status()
+    t0 = time.perf_counter()
+    model = ramtorch.offload(model, gpu_budget=a.budget, device=dev, host_budget=host_budget, disk=a.disk)
+    setup = time.perf_counter() - t0
+    free_gpu()
+    after_offload = _status()
+    _log(f"offload {setup:.1f} s; rss {after_offload}")
+    s0 = ramtorch.stats(model)
+    times = timed(fwd, a.reps, a.warmup, dev)
+    s1 = ramtorch.stats(model)
+    mem = _status()
+    passes = a.reps + a.warmup
+    disk_bytes = (s1["disk_read_bytes"] - s0["disk_read_bytes"]) / a.reps
+    streamed = s1["streamed_bytes_per_pass"]
+    secs = statistics.median(times)
+    limits = {"resident": resident}
+    if ceiling["disk_read_gbps"]:
+        limits["disk"] = disk_bytes / (ceiling["disk_read_gbps"] * 1e9)
+    if link.get("h2d_gbps"):
+        limits["link"] = streamed / (link["h2d_gbps"] * 1e9)
+    limit = max(limits.values())
+    staging_bound = (s1["disk_reads_ahead"] and ramtorch._disk.ahead() + 1) * max(
+        (e.capacity for e in model._ramtorch_streamer.disk_store.extents), default=0
+    )
+    rec = {
+        **common,
+        "system": "ramtorch",
+        "seconds": secs,
+        "times": times,
+        "limit_seconds": limit,
+        "limit_parts": limits,
+        "ratio_to_limit": limit / secs,
+        "weight_bytes": wbytes,
+        "host_budget": host_budget,
+        "disk_bytes": s1["disk_bytes"],
+        "disk_bytes_read_per_pass": disk_bytes,
+        "streamed_bytes_per_pass": streamed,
+        "disk_units": len(s1["disk_units"]),
+        "disk_direct": s1["disk_direct"],
+        "ramtorch_disk_read_gbps": s1["disk_read_gbps"],
+        "disk_wait_seconds_per_pass": (s1["disk_wait_seconds"] - s0["disk_wait_seconds"]) / a.reps,
+        "disk_reads_on_demand": s1["disk_reads_on_demand"] - s0["disk_reads_on_demand"],
+        "passes_timed": a.reps,
+        "passes_total": passes,
+        "setup_seconds": setup,
+        "host_rss_before_offload": before,
+        "host_rss_after_offload": after_offload,
+        "host_rss_after_passes": mem,
+        "host_rss_bytes": mem.get("VmRSS"),
+        "host_peak_rss_bytes": peak_rss(),
+        "staging_bytes_bound": staging_bound,
+        "h2d_gbps": link.get("h2d_gbps"),
+        **ceiling,
+        "stats": {k: v for k, v in s1.items() if k != "itinerary"},
+    }
+    records.append(rec)
+    _log(
+        f"ramtorch forward {secs:.3f} s, limit {limit:.3f} s ({limits}), ratio {limit / secs:.3f}; "
+        f"rss {mem}; current rss {rss()}"
+    )
+    with open(a.out, "w") as f:
+        json.dump(records, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
