@@ -162,7 +162,9 @@ def main() -> None:
     records = []
     t_res = timed(fwd, a.reps, a.warmup, dev)
     resident = statistics.median(t_res)
-    records.append({**common, "system": "resident", "seconds": resident, "times": t_res, "weight_bytes": wbytes})
+    records.append(
+        {**common, "system": "resident", "seconds": resident, "times": t_res, "weight_bytes": wbytes}
+    )
     _log(f"resident forward {resident * 1e3:.1f} ms")
 
     import ramtorch
