@@ -2,9 +2,10 @@
 
 Measured in one process, in this order:
 
-1. **Disk ceiling** in the ``--disk`` directory: a file of ``--probe-gib`` GiB written then read
-   with ``O_DIRECT``, sequentially, in 8 MiB requests on 16 threads (many in flight); the best of
-   two reads. Falls back to buffered I/O (and says so) where the file system refuses ``O_DIRECT``.
+1. **Disk ceiling** in the ``--disk`` directory: a file of ``--probe-gib`` GiB written (8 MiB
+   requests, 16 threads) then read with ``O_DIRECT``, sequentially, many requests in flight, over
+   a grid of thread counts and request sizes; the best read is the ceiling. Falls back to buffered
+   I/O (and says so) where the file system refuses ``O_DIRECT``.
 2. **Link ceiling**: pinned host→device copies of 2 GiB (as ``bench/generate.py`` measures it).
 3. **Resident forward** (the compute floor): W2 (``bench/w2.py``'s model) on the GPU.
 4. **ramtorch**: the model moved to host RAM, then ``ramtorch.offload(model, gpu_budget=...,
@@ -51,9 +52,38 @@ def _status() -> dict[str, int]:
     return out
 
 
+def _probe(fd: int, nbytes: int, threads: int, chunk: int, write: bool) -> float:
+    """GB/s of one sequential pass over ``nbytes`` of ``fd`` in ``chunk`` requests on ``threads``
+    threads (thread k takes chunks k, k + threads, ...: many requests in flight, in order)."""
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
+    if write:
+        for b in bufs:
+            b.write(os.urandom(chunk))
+    offsets = list(range(0, nbytes, chunk))
+
+    def work(k: int) -> None:
+        buf = bufs[k]
+        for off in offsets[k::threads]:
+            n = os.pwrite(fd, buf, off) if write else os.preadv(fd, [buf], off)
+            if n != chunk:
+                raise OSError(f"short transfer at {off}: {n}")
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(work, range(threads)))
+    if write:
+        os.fsync(fd)
+    return nbytes / (time.perf_counter() - t) / 1e9
+
+
+#: (threads, request bytes) tried for reads; the best is the ceiling.
+READ_GRID = ((4, 8 << 20), (8, 8 << 20), (16, 8 << 20), (32, 8 << 20), (16, 1 << 20), (64, 1 << 20))
+
+
 def disk_ceiling(directory: str, nbytes: int) -> dict[str, object]:
-    """``O_DIRECT`` sequential write then read of ``nbytes`` in ``directory`` (8 MiB requests, 16
-    threads); GB/s of each (the best of two reads)."""
+    """``O_DIRECT`` sequential write then reads of ``nbytes`` in ``directory``: the write in 8 MiB
+    requests on 16 threads, the reads over a grid of thread counts and request sizes
+    (``READ_GRID``); the best read is the ceiling, every figure is kept."""
     path = os.path.join(directory, f"ceiling-{os.getpid()}.bin")
     nbytes = nbytes // CHUNK * CHUNK
     direct = True
@@ -62,45 +92,24 @@ def disk_ceiling(directory: str, nbytes: int) -> dict[str, object]:
     except OSError:
         direct = False
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    bufs = [mmap.mmap(-1, CHUNK) for _ in range(THREADS)]  # page-aligned, as O_DIRECT needs
-    for b in bufs:
-        b.write(os.urandom(CHUNK))
-    offsets = list(range(0, nbytes, CHUNK))
-
-    def run(op) -> float:  # noqa: ANN001
-        def work(k: int) -> None:
-            buf = bufs[k % THREADS]
-            for off in offsets[k::THREADS]:
-                n = op(fd, buf, off)
-                if n != CHUNK:
-                    raise OSError(f"short transfer at {off}: {n}")
-
-        t = time.perf_counter()
-        with ThreadPoolExecutor(THREADS) as ex:
-            list(ex.map(work, range(THREADS)))
-        if op is os.pwrite:
-            os.fsync(fd)
-        return nbytes / (time.perf_counter() - t) / 1e9
-
+    grid = {}
     try:
         os.posix_fallocate(fd, 0, nbytes)
-        write = run(lambda fd, buf, off: os.pwrite(fd, buf, off))
-        if not direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        reads = []
-        for _ in range(2):
-            reads.append(run(lambda fd, buf, off: os.preadv(fd, [buf], off)))
+        write = _probe(fd, nbytes, THREADS, CHUNK, True)
+        for threads, chunk in READ_GRID:
             if not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            grid[f"{threads}x{chunk >> 20}MiB"] = _probe(fd, nbytes, threads, chunk, False)
     finally:
         os.close(fd)
         os.unlink(path)
     return {
-        "disk_read_gbps": max(reads),
+        "disk_read_gbps": max(grid.values()),
         "disk_write_gbps": write,
         "disk_probe_bytes": nbytes,
         "disk_probe_direct": direct,
-        "disk_probe": f"{THREADS} threads, {CHUNK >> 20} MiB requests",
+        "disk_probe_reads": grid,
+        "disk_probe": f"write {THREADS} threads x {CHUNK >> 20} MiB; reads threads x request size",
     }
 
 
@@ -178,8 +187,9 @@ def main() -> None:
     free_gpu()
     after_offload = _status()
     _log(f"offload {setup:.1f} s; rss {after_offload}")
+    timed(fwd, 0, a.warmup, dev)
     s0 = ramtorch.stats(model)
-    times = timed(fwd, a.reps, a.warmup, dev)
+    times = timed(fwd, a.reps, 0, dev)
     s1 = ramtorch.stats(model)
     mem = _status()
     passes = a.reps + a.warmup

@@ -23,7 +23,6 @@ from ramtorch._stream.units import _packed_bytes
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 class Net(nn.Module):
@@ -160,8 +159,14 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         ramtorch.offload(Net(), device="cpu", disk=tmp_path, host_budget="-1GiB")
 
 
+def _env() -> dict[str, str]:
+    # The ramtorch this process imported (a source tree, or an installed wheel), and these tests.
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([pkg, HERE])}
+
+
 def _child(code: str, tmp_path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), HERE])}
+    env = _env()
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
@@ -214,7 +219,7 @@ def test_a_crash_leaves_nothing_on_disk(tmp_path):
         print("running", flush=True)
         sys.stdin.read()  # until killed
     """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "python"), HERE])}
+    env = _env()
     p = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
