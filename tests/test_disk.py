@@ -19,6 +19,7 @@ import ramtorch
 import ramtorch.optim as ropt
 import torch
 from ramtorch import _arena, _core
+from safetensors.torch import save_file
 from ramtorch._stream.units import _packed_bytes
 from torch import nn
 
@@ -128,6 +129,25 @@ def test_edits_between_passes_and_loads_are_seen(tmp_path):
         m.load_state_dict(sd)
     assert torch.equal(ram(x), disk(x))
     assert torch.equal(disk.blocks[5][1].weight, sd["blocks.5.1.weight"])
+
+
+def test_a_model_built_without_weights_loads_into_the_disk_units(tmp_path):
+    torch.manual_seed(2)
+    ref = Net(dtype=torch.bfloat16)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    with torch.device("meta"):
+        m = Net(dtype=torch.bfloat16)
+    store = tmp_path / "store"
+    store.mkdir()
+    ramtorch.offload(m, device="cpu", host_budget=_unit_bytes(ref.inp), disk=store)
+    assert len(ramtorch.stats(m)["disk_units"]) == 7
+    ramtorch.load(m, path)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    assert torch.equal(m(x), ref(x))
+    for (n, a), b in zip(ref.state_dict().items(), m.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert ramtorch.stats(m)["disk_settled_bytes"] > 0
 
 
 def test_inference_reads_ahead_along_the_itinerary(tmp_path):

@@ -385,23 +385,45 @@ impl Store {
             off.is_multiple_of(ALIGN) && n.is_multiple_of(ALIGN) && addr.is_multiple_of(ALIGN);
         if let (Some(direct), true) = (&self.direct, aligned) {
             match read_exact_at(direct, buf, off) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    self.drop_cached(off, n);
+                    return Ok(());
+                }
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
                 Err(e) => return Err(e),
             }
         }
         self.buffered_chunks.fetch_add(1, Ordering::Relaxed);
         read_exact_at(&self.file, buf, off)?;
-        // SAFETY: a hint on an open file; no memory is touched.
+        self.drop_cached(off, n);
+        Ok(())
+    }
+
+    /// Drops the file's bytes `off..off+n` from memory once they have been read: the mapped
+    /// pages (what host-side writers such as an optimizer touched, written back by the read
+    /// before it began) and the page cache. They are read from the file again when touched.
+    fn drop_cached(&self, off: usize, n: usize) {
+        let lo = off / ALIGN * ALIGN;
+        let hi = (off + n).min(self.map_len);
+        if hi <= lo {
+            return;
+        }
+        // SAFETY: `lo..hi` lies inside the mapping, live while `self` is; dropping a shared file
+        // mapping's pages loses nothing (a dirty page is written back first, or kept dirty in the
+        // page cache), and the page cache hint touches no memory.
         unsafe {
+            libc::madvise(
+                self.map.as_ptr().add(lo) as *mut libc::c_void,
+                hi - lo,
+                libc::MADV_DONTNEED,
+            );
             libc::posix_fadvise(
                 self.file.as_raw_fd(),
-                off as libc::off_t,
-                n as libc::off_t,
+                lo as libc::off_t,
+                (hi - lo) as libc::off_t,
                 libc::POSIX_FADV_DONTNEED,
             );
         }
-        Ok(())
     }
 }
 
@@ -555,6 +577,24 @@ mod tests {
             .unwrap();
         // SAFETY: the read is done.
         assert!(unsafe { dst.as_slice() }.iter().all(|&b| b == 7));
+        // The written pages left memory with the read (they are on the file now).
+        let mut resident = [0u8; 2];
+        // SAFETY: the mapping is 2 pages at a page-aligned address; `resident` has one byte each.
+        let rc = unsafe {
+            libc::mincore(
+                store.as_ptr() as *mut libc::c_void,
+                2 * ALIGN,
+                resident.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0);
+        assert_eq!(resident, [0, 0]);
+        // SAFETY: as above (reading the mapping faults the pages in from the file).
+        assert!(
+            unsafe { std::slice::from_raw_parts(store.as_ptr(), 2 * ALIGN) }
+                .iter()
+                .all(|&b| b == 7)
+        );
     }
 
     #[test]

@@ -878,6 +878,13 @@ class Streamer(Prefetcher, GradientHooks):
             **self.counters,
         }
 
+    def settle_disk(self) -> None:
+        """Writes the units on disk that host code wrote through their parameters (a load) back to
+        the store and drops their pages from memory (see :meth:`ramtorch._disk.Extent.settle`)."""
+        for u in self.streamed:
+            if u.disk is not None:
+                u.disk.settle()
+
     def _disk_stats(self, streamed: list[_Unit]) -> dict[str, Any]:
         """What ``offload(host_budget=..., disk=...)`` did: the units on disk, their bytes, and
         the store's reads (bytes, bandwidth while reading, the time the compute thread waited)."""

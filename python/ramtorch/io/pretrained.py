@@ -298,6 +298,9 @@ def _load_into(
         if bar is not None:
             bar.close()
     settle_engines()  # forget what device slots held before
+    streamer = getattr(model, "_ramtorch_streamer", None)
+    if streamer is not None:
+        streamer.settle_disk()  # what went into units on disk: written there, out of memory
     if unwritten:
         model._ramtorch_unwritten = {  # type: ignore[assignment]
             n: (t, v) for n, (t, v) in unwritten.items() if t._version == v
