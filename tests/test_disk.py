@@ -19,8 +19,8 @@ import ramtorch
 import ramtorch.optim as ropt
 import torch
 from ramtorch import _arena, _core
-from safetensors.torch import save_file
 from ramtorch._stream.units import _packed_bytes
+from safetensors.torch import save_file
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
