@@ -306,3 +306,23 @@ def test_disk_units_on_cuda(tmp_path, dtype: torch.dtype):
         assert torch.equal(ram(x), disk(x))
     for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+def test_the_plan_puts_the_units_offload_puts_on_disk_and_prices_their_reads(tmp_path):
+    from ramtorch.plan import Ceilings, predict
+
+    torch.manual_seed(0)
+    real = Net()
+    with torch.device("meta"):
+        meta = Net()
+    budget = _unit_bytes(real.inp) + 2 * _unit_bytes(real.blocks[0])
+    ramtorch.offload(real, device="cpu", host_budget=budget, disk=tmp_path)
+    c = Ceilings(disk_gbps=0.001)
+    pred = predict(meta, None, 64, c, host_budget=budget)
+    assert pred.disk_units == ramtorch.stats(real)["disk_units"]
+    assert pred.disk_bytes == sum(_unit_bytes(m) for m in [*real.blocks[2:], real.out])
+    floor = pred.disk_bytes / (c.disk_gbps * 1e9)
+    assert pred.forward_seconds >= floor and pred.disk_read_seconds_per_pass == pytest.approx(floor)
+    assert pred.step_seconds >= floor + pred.disk_bytes / (c.disk_write_gbps * 1e9)
+    assert "on disk (host budget" in pred.summary()
+    assert predict(meta, None, 64, c).disk_units == []

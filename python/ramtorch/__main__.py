@@ -83,10 +83,22 @@ def main(argv: list[str] | None = None) -> int:
         help="host RAM to check that training fits in, e.g. 128GiB, or 'auto' for this machine's "
         "(default: not checked)",
     )
+    p.add_argument(
+        "--host-budget",
+        default=None,
+        help="host RAM for the streamed units, e.g. 32GiB: the rest on disk, as "
+        "offload(host_budget=..., disk=...) places them (default: all in host RAM)",
+    )
+    p.add_argument("--disk-gbps", type=float, default=c.disk_gbps, help=f"disk sequential read GB/s {gb}")
+    p.add_argument(
+        "--disk-write-gbps", type=float, default=c.disk_write_gbps, help=f"disk sequential write GB/s {gb}"
+    )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     a = ap.parse_args(argv)
     try:
-        ceilings = _plan.Ceilings(a.h2d_gbps, a.d2h_gbps, a.tflops, a.efficiency, a.host_gbps)
+        ceilings = _plan.Ceilings(
+            a.h2d_gbps, a.d2h_gbps, a.tflops, a.efficiency, a.host_gbps, a.disk_gbps, a.disk_write_gbps
+        )
         model = _plan.build_meta_model(a.model)
         pred = _plan.predict(
             model,
@@ -98,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             precision=a.precision,
             states=a.states,
             host_memory=a.host_memory,
+            host_budget=a.host_budget,
         )
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as e:
         print(f"ramtorch plan: {e}", file=sys.stderr)

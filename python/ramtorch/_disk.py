@@ -155,6 +155,13 @@ class Read:
         return self.buf
 
 
+def registration_order(model: torch.nn.Module, modules: Sequence[torch.nn.Module]) -> list[int]:
+    """Indices of ``modules`` in the order ``model`` registers them (``model.modules()``): the
+    usual order of a forward pass."""
+    order = {id(m): k for k, m in enumerate(model.modules())}
+    return sorted(range(len(modules)), key=lambda i: order.get(id(modules[i]), len(order)))
+
+
 def choose(sizes: Sequence[int], host_budget: int) -> list[int]:
     """Which of the streamed units (their sizes, in the model's order) live on disk: the model's
     first units up to ``host_budget`` bytes stay in host RAM, the rest go to disk. The disk units

@@ -84,9 +84,8 @@ def _disk_units(
     assert limit is not None
     streamed = [u for u in units if u.uid not in resident_ids and not u.container]
     limit -= sum(u.nbytes for u in streamed if u.gather)  # tables streamed by rows stay in RAM
-    # In the order the model registers its modules: the usual order of a forward pass.
-    order = {id(m): k for k, m in enumerate(model.modules())}
-    cands = sorted((u for u in streamed if not u.gather), key=lambda u: order.get(id(u.module), len(order)))
+    cands = [u for u in streamed if not u.gather]
+    cands = [cands[i] for i in _disk.registration_order(model, [u.module for u in cands])]
     chosen = [cands[k] for k in _disk.choose([u.nbytes for u in cands], max(limit, 0))]
     if not chosen:
         return None

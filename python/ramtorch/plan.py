@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _config
+from . import _config, _disk
 from ._stream import gather as _gather
 from ._stream import placement
 from ._stream import units as _stream_units
@@ -52,11 +52,17 @@ class Ceilings:
     tflops: float = 790.0
     efficiency: float = 0.85
     host_gbps: float = 154.0
+    #: The disk tier (``offload(host_budget=..., disk=...)``): sequential ``O_DIRECT`` reads and
+    #: writes of the store's disk (measured on the H200 machine's local disk: reads 1.46-1.91 GB/s,
+    #: writes 1.9-2.5 GB/s).
+    disk_gbps: float = 1.5
+    disk_write_gbps: float = 1.9
 
     def __post_init__(self) -> None:
         # Every time is a size divided by one of these: zero, negative or nan ceilings would
         # give a ZeroDivisionError or a meaningless prediction.
-        for name in ("h2d_gbps", "d2h_gbps", "tflops", "efficiency", "host_gbps"):
+        names = ("h2d_gbps", "d2h_gbps", "tflops", "efficiency", "host_gbps", "disk_gbps", "disk_write_gbps")
+        for name in names:
             v = getattr(self, name)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
             if not ok or (name == "efficiency" and v > 1):
@@ -107,6 +113,12 @@ class Prediction:
     #: in it with a reserve for the runtime (the larger of 2 GiB and a tenth of it).
     host_memory: int | None = None
     fits_host: bool | None = None
+    #: The disk tier: the host budget of the streamed units (``None``: no disk), the units past
+    #: it (on disk), their bytes (read from disk once a pass), and the seconds a pass's reads take.
+    host_budget: int | None = None
+    disk_units: list[str] = field(default_factory=list)
+    disk_bytes: int = 0
+    disk_read_seconds_per_pass: float = 0.0
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -133,6 +145,13 @@ class Prediction:
             f"{format_seconds(self.forward_backward_seconds)}, training step ({self._optimizer()}): "
             f"{format_seconds(self.step_seconds)}",
         ]
+        if self.host_budget is not None:
+            lines.insert(
+                4,
+                f"on disk (host budget {format_bytes(self.host_budget)}): {len(self.disk_units)} units, "
+                f"{format_bytes(self.disk_bytes)}, read once a pass: "
+                f"{format_seconds(self.disk_read_seconds_per_pass)}",
+            )
         if resident:
             shown = ", ".join(resident[:12]) + (" ..." if len(resident) > 12 else "")
             lines.append(f"resident: {shown}")
@@ -189,18 +208,28 @@ def format_seconds(t: float) -> str:
 
 
 def _simulate(
-    copies: Sequence[float], computes: Sequence[float], slots: int, start: float = 0.0
+    copies: Sequence[float],
+    computes: Sequence[float],
+    slots: int,
+    start: float = 0.0,
+    reads: Sequence[float] | None = None,
 ) -> tuple[float, list[float]]:
     """One pass: returns (end time, per-unit compute end times). ``copies[i]`` is 0 for a
-    resident unit."""
+    resident unit. ``reads[i]``: seconds to read unit ``i`` from disk first (0: in host RAM); the
+    disk reads its units back to back from the pass's start, and a unit's copy waits for its read."""
     link = start
+    disk = start
     ends: list[float] = []
     streamed_ends: list[float] = []
     prev = start
-    for copy, comp in zip(copies, computes):
+    for k, (copy, comp) in enumerate(zip(copies, computes)):
         ready = prev
         if copy > 0:
             free = streamed_ends[-slots] if slots and len(streamed_ends) >= slots else start
+            read = reads[k] if reads is not None else 0.0
+            if read > 0:
+                disk += read
+                free = max(free, disk)
             link = max(link, free) + copy
             ready = max(prev, link)
         prev = ready + comp
@@ -222,13 +251,16 @@ def predict(
     precision: str = "fp32-master",
     states: str = "device",
     host_memory: int | str | None = None,
+    host_budget: int | str | None = None,
 ) -> Prediction:
     """The plan :func:`ramtorch.offload` would make for ``model``, its predicted times and its
     host memory in training with ``ramtorch.optim.AdamW(precision=precision, states=states)``.
     ``optimizer_bytes_per_param``: host bytes a step moves per parameter (default: what that
     optimizer moves for the model's parameters, 28 for a bf16 parameter with fp32 masters).
     ``host_memory``: bytes (or ``"24GiB"``, or ``"auto"``: this machine's) to check that training
-    fits in, less :func:`host_reserve`; ``None``: not checked."""
+    fits in, less :func:`host_reserve`; ``None``: not checked. ``host_budget``: the streamed units
+    past it live on disk (as ``offload(host_budget=..., disk=...)`` places them), read once a pass
+    (twice a training step, and written back once) at the ceilings' disk speeds."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if states not in STATES:
@@ -306,15 +338,32 @@ def predict(
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = moved / max(1, sum(p.numel() for p in trained))
     copies = [0.0 if k in resident else sizes[k] / (c.h2d_gbps * 1e9) for k in range(len(units))]
+    # The disk tier: the streamed units past the host budget, in the order offload puts them.
+    on_disk: list[int] = []
+    hb = parse_bytes(host_budget, "host_budget")
+    if hb is not None:
+        cands = [k for k in range(len(units)) if k not in resident and not units[k].container]
+        hb -= sum(units[k].nbytes for k in cands if k in gathered)
+        cands = [k for k in cands if k not in gathered]
+        cands = [cands[i] for i in _disk.registration_order(model, [units[k].module for k in cands])]
+        on_disk = [cands[i] for i in _disk.choose([units[k].nbytes for k in cands], max(hb, 0))]
+        host_weights -= sum(units[k].nbytes for k in on_disk)
+    reads = [0.0] * len(units)
+    for k in on_disk:
+        reads[k] = units[k].nbytes / (c.disk_gbps * 1e9)
+    disk_bytes = sum(units[k].nbytes for k in on_disk)
     fwd_comp = [2 * n * tokens / rate for n in counts]
-    fwd, _ = _simulate(copies, fwd_comp, pl.slots)
+    fwd, _ = _simulate(copies, fwd_comp, pl.slots, reads=reads)
     # Backward: reverse order, twice the compute, streamed units copied again (the last ones of
     # the forward pass are still in their slots), gradients leave on the other direction.
     bwd_copies = list(reversed(copies))
     for i in range(min(pl.slots - 1, len(bwd_copies))):
         bwd_copies[i] = 0.0
     bwd_comp = [2 * x for x in reversed(fwd_comp)]
-    fb, bwd_ends = _simulate(bwd_copies, bwd_comp, pl.slots, start=fwd)
+    bwd_reads = list(reversed(reads))
+    for i in range(min(pl.slots - 1, len(bwd_reads))):
+        bwd_reads[i] = 0.0  # (still in its slot: no copy, no read)
+    fb, bwd_ends = _simulate(bwd_copies, bwd_comp, pl.slots, start=fwd, reads=bwd_reads)
     grad_bytes = [sizes[k] for k in reversed(range(len(units)))]
     link_back = fwd
     opt_end = fwd
@@ -331,7 +380,11 @@ def predict(
         streamed_bytes_per_pass=pl.streamed_bytes + sum(sizes[k] for k in gathered),
         forward_seconds=fwd,
         forward_backward_seconds=fb_end,
-        step_seconds=max(fb_end, opt_end),
+        # On one disk, a step's reads (forward, backward) and the write-back of the updated weights
+        # follow each other.
+        step_seconds=max(
+            fb_end, opt_end, sum(reads) + sum(bwd_reads) + disk_bytes / (c.disk_write_gbps * 1e9)
+        ),
         units=[UnitPlan(u.name, u.nbytes, n, k in resident) for k, (u, n) in enumerate(zip(units, counts))],
         notes=((_block_notes(model) + ([hint] if hint else [])) if unit is None else [])
         + [
@@ -349,6 +402,10 @@ def predict(
         params=nparams,
         host_memory=memory,
         fits_host=None if memory is None else host_weights + host_training <= memory - host_reserve(memory),
+        host_budget=parse_bytes(host_budget, "host_budget"),
+        disk_units=[units[k].name for k in on_disk],
+        disk_bytes=disk_bytes,
+        disk_read_seconds_per_pass=sum(reads),
     )
 
 
