@@ -128,6 +128,93 @@ def timed(fn, reps: int, warmup: int, device: str) -> list[float]:  # noqa: ANN0
     return out
 
 
+def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> list[dict]:
+    """W1 training steps (forward, backward, ``ramtorch.optim.AdamW`` with its defaults: fp32
+    masters, speculative updates) with the blocks past ``host_budget`` on disk; the optimizer
+    states and gradients stay in host RAM. The limit: the resident step's compute, or the disk's
+    bytes a step (weights read in forward and backward, measured; the updated weights written back
+    once) at the probe's read and write speeds, whichever is longer."""
+    import ramtorch
+    import ramtorch.optim as ropt
+    from w1 import build as w1_build
+    from w1 import loss_of
+    from w1 import to_host as w1_to_host
+
+    dev = a.device
+    d, f, layers = (64, 128, 4) if a.tiny else (8192, 28672, 8)
+    model = w1_build("resident", d, f, layers, dev)
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    x = torch.randn(a.tokens, d, device=dev, dtype=torch.bfloat16)
+
+    def fb() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_of(model(x)).backward()
+
+    t_res = timed(fb, a.reps, a.warmup, dev)
+    resident = statistics.median(t_res)
+    _log(f"W1 resident forward+backward {resident * 1e3:.1f} ms")
+    common = {**common, "workload": "W1", "tokens": a.tokens}
+    out = [{**common, "system": "resident", "phase": "forward_backward", "seconds": resident, "times": t_res}]
+    w1_to_host(model)
+    host_budget = int(wbytes * a.host_fraction)
+    t0 = time.perf_counter()
+    model = ramtorch.offload(model, gpu_budget=a.budget, device=dev, host_budget=host_budget, disk=a.disk)
+    setup = time.perf_counter() - t0
+    opt = ropt.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_of(model(x)).backward()
+        opt.step()
+
+    timed(step, 0, 1, dev)
+    opt.synchronize()
+    s0 = ramtorch.stats(model)
+    ends = timed(step, a.steps, 0, dev)
+    opt.synchronize()
+    s1 = ramtorch.stats(model)
+    secs = statistics.median(ends)
+    read = (s1["disk_read_bytes"] - s0["disk_read_bytes"]) / a.steps
+    written = s1["disk_bytes"]  # every disk unit's weights change each step
+    limits = {
+        "resident_forward_backward": resident,
+        "disk": read / (ceiling["disk_read_gbps"] * 1e9) + written / (ceiling["disk_write_gbps"] * 1e9),
+    }
+    limit = max(limits.values())
+    mem = _status()
+    out.append(
+        {
+            **common,
+            "system": "ramtorch",
+            "phase": "step",
+            "optimizer": "ramtorch.optim.AdamW(fp32 master)",
+            "seconds": secs,
+            "times": ends,
+            "limit_seconds": limit,
+            "limit_parts": limits,
+            "ratio_to_limit": limit / secs,
+            "weight_bytes": wbytes,
+            "host_budget": host_budget,
+            "disk_bytes": s1["disk_bytes"],
+            "disk_bytes_read_per_step": read,
+            "disk_bytes_written_per_step": written,
+            "disk_units": len(s1["disk_units"]),
+            "disk_wait_seconds_per_step": (s1["disk_wait_seconds"] - s0["disk_wait_seconds"]) / a.steps,
+            "disk_reads_on_demand": s1["disk_reads_on_demand"] - s0["disk_reads_on_demand"],
+            "setup_seconds": setup,
+            "host_rss_after_steps": mem,
+            "host_rss_bytes": mem.get("VmRSS"),
+            "host_peak_rss_bytes": peak_rss(),
+            "note": "optimizer states and gradients in host RAM (no optimizer_on_disk yet)",
+            "h2d_gbps": link.get("h2d_gbps"),
+            **ceiling,
+            "stats": {k: v for k, v in s1.items() if k != "itinerary"},
+        }
+    )
+    _log(f"W1 step {secs:.3f} s, limit {limit:.3f} s ({limits}), ratio {limit / secs:.3f}; rss {mem}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--disk", required=True, help="directory for the store (and the ceiling probe)")
@@ -139,6 +226,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--probe-gib", type=float, default=8.0)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--workload", choices=("w2", "w1-step"), default="w2")
+    ap.add_argument("--tokens", type=int, default=4096, help="W1 tokens per step")
+    ap.add_argument("--steps", type=int, default=3, help="W1 timed steps (after one warm-up step)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -159,6 +249,11 @@ def main() -> None:
     link = link_bandwidth(dev) or {"h2d_gbps": None}
     _log(f"link: {link}")
 
+    if a.workload == "w1-step":
+        records = w1_step(a, ceiling, link, common)
+        with open(a.out, "w") as f:
+            json.dump(records, f, indent=1, default=str)
+        return
     cfg = config(a.tiny, a.seq)
     model = build(cfg, dev)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
