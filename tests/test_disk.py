@@ -96,6 +96,7 @@ def test_training_on_disk_equals_the_model_in_ram(tmp_path, dtype: torch.dtype, 
     st = ramtorch.stats(disk)
     assert st["disk_read_bytes"] > 0 and st["disk_reads_ahead"] > 0
     assert st["host_bytes"] < _bytes(disk)
+    assert st["disk_cached_chunks"] > 0  # the backward's reads of units the optimizer writes next
 
 
 def test_the_first_units_fill_the_host_budget(tmp_path):

@@ -97,6 +97,7 @@ class Store:
             "disk_read_gbps": round(s["read_bytes"] / busy / 1e9, 3) if busy > 0 else None,
             "disk_wait_seconds": round(self.wait_seconds, 6),
             "disk_buffered_chunks": s["buffered_chunks"],
+            "disk_cached_chunks": s["cached_chunks"],
             "disk_settled_bytes": s["settled_bytes"],
         }
 
@@ -124,10 +125,14 @@ class Extent:
         """Writes the extent's mapped pages back to the file and drops them from memory."""
         self.store.core.settle(self.offset, self.capacity)
 
-    def read(self) -> Read:
-        """Starts reading the extent into a new page-locked staging buffer."""
+    def read(self, cache: bool = False) -> Read:
+        """Starts reading the extent into a new page-locked staging buffer: directly (past the
+        page cache) where the file system allows, the extent's pages dropped from memory after;
+        with ``cache``, through the page cache and left there, for an extent whose parameters an
+        optimizer is about to write (each write through the mapping would otherwise read its page
+        from the disk first)."""
         buf = _arena.host_bytes(self.capacity)
-        return Read(buf, self.store.core.read(buf, self.offset, self.capacity), self.store)
+        return Read(buf, self.store.core.read(buf, self.offset, self.capacity, cache), self.store)
 
 
 class Read:

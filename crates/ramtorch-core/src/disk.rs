@@ -49,6 +49,8 @@ pub struct DiskStats {
     /// Chunks read through the page cache (no `O_DIRECT` on this file system, or a range it
     /// refused).
     pub buffered_chunks: u64,
+    /// Chunks read through the page cache and left there (reads with `cache`).
+    pub cached_chunks: u64,
     /// Bytes written back by [`DiskStore::settle`].
     pub settled_bytes: u64,
 }
@@ -73,6 +75,7 @@ struct Store {
     reads: AtomicU64,
     read_bytes: AtomicU64,
     buffered_chunks: AtomicU64,
+    cached_chunks: AtomicU64,
     settled_bytes: AtomicU64,
     /// Reads in flight and when the current busy period began; the busy time so far.
     busy: Mutex<(usize, Option<Instant>, f64)>,
@@ -183,6 +186,7 @@ impl DiskStore {
             reads: AtomicU64::new(0),
             read_bytes: AtomicU64::new(0),
             buffered_chunks: AtomicU64::new(0),
+            cached_chunks: AtomicU64::new(0),
             settled_bytes: AtomicU64::new(0),
             busy: Mutex::new((0, None, 0.0)),
         });
@@ -217,8 +221,12 @@ impl DiskStore {
     }
 
     /// Reads the `dst.len()` bytes at `offset` of the store into `dst` on the I/O threads. The
-    /// returned ticket says when they are there; `dst` is kept alive until then.
-    pub fn read(&self, offset: usize, dst: &HostSlice) -> Result<ReadTicket> {
+    /// returned ticket says when they are there; `dst` is kept alive until then. With `cache`, the
+    /// read goes through the page cache and leaves the bytes there (and in the mapping, if mapped):
+    /// for a range host code is about to write through the mapping (an optimizer's update), whose
+    /// writes would otherwise fault every page in from the disk first. Otherwise the read is direct
+    /// where possible and the range leaves memory after it.
+    pub fn read(&self, offset: usize, dst: &HostSlice, cache: bool) -> Result<ReadTicket> {
         let len = dst.len();
         if offset
             .checked_add(len)
@@ -249,7 +257,7 @@ impl DiskStore {
             let t = ticket.clone();
             let keep = dst.lease();
             self.inner.pool.spawn(move || {
-                let r = store.read_chunk(offset + start, base + start, n);
+                let r = store.read_chunk(offset + start, base + start, n, cache);
                 drop(keep);
                 t.finish(r, &store);
             });
@@ -323,6 +331,7 @@ impl DiskStore {
             read_bytes: s.read_bytes.load(Ordering::Relaxed),
             busy_seconds: busy,
             buffered_chunks: s.buffered_chunks.load(Ordering::Relaxed),
+            cached_chunks: s.cached_chunks.load(Ordering::Relaxed),
             settled_bytes: s.settled_bytes.load(Ordering::Relaxed),
         }
     }
@@ -376,13 +385,17 @@ impl Store {
 
     /// Reads `n` bytes at file offset `off` into the memory at `addr`, directly when everything
     /// is aligned and the file system takes it, else through the page cache (dropped after).
-    fn read_chunk(&self, off: usize, addr: usize, n: usize) -> std::io::Result<()> {
+    fn read_chunk(&self, off: usize, addr: usize, n: usize, cache: bool) -> std::io::Result<()> {
         // SAFETY: `addr..addr+n` lies inside the destination slice, whose lease the caller holds
         // for the duration of this call; nothing else writes it while the read is queued (the
         // ticket is not done).
         let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) };
         let aligned =
             off.is_multiple_of(ALIGN) && n.is_multiple_of(ALIGN) && addr.is_multiple_of(ALIGN);
+        if cache {
+            self.cached_chunks.fetch_add(1, Ordering::Relaxed);
+            return read_exact_at(&self.file, buf, off);
+        }
         if let (Some(direct), true) = (&self.direct, aligned) {
             match read_exact_at(direct, buf, off) {
                 Ok(()) => {
@@ -550,7 +563,9 @@ mod tests {
         let arena = Arena::new(None);
         for (off, n) in [(0, len), (ALIGN, 2 * CHUNK), (100, 12345), (len - 7, 7)] {
             let dst = arena.alloc(n, true).unwrap();
-            let t = store.read(off, &dst.slice(0, n).unwrap()).unwrap();
+            let t = store
+                .read(off, &dst.slice(0, n).unwrap(), off == 0)
+                .unwrap();
             t.wait(store.path()).unwrap();
             assert!(t.is_done());
             // SAFETY: the read is done; nothing else writes `dst`.
@@ -571,7 +586,7 @@ mod tests {
         let arena = Arena::new(None);
         let dst = arena.alloc(2 * ALIGN, true).unwrap();
         store
-            .read(0, &dst.slice(0, 2 * ALIGN).unwrap())
+            .read(0, &dst.slice(0, 2 * ALIGN).unwrap(), false)
             .unwrap()
             .wait(store.path())
             .unwrap();
@@ -603,7 +618,7 @@ mod tests {
         let arena = Arena::new(None);
         let dst = arena.alloc(2 * ALIGN, true).unwrap();
         assert!(matches!(
-            store.read(0, &dst.slice(0, 2 * ALIGN).unwrap()),
+            store.read(0, &dst.slice(0, 2 * ALIGN).unwrap(), false),
             Err(Error::InvalidArgument(_))
         ));
         assert!(store.settle(ALIGN, 1).is_err());

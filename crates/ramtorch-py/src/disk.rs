@@ -46,12 +46,21 @@ impl DiskStore {
     }
 
     /// Queues a read of the `nbytes` bytes at `offset` into `dst` (a tensor or address inside
-    /// ramtorch memory, e.g. a staging buffer from `arena_alloc`); returns its ticket.
-    fn read(&self, dst: &Bound<'_, PyAny>, offset: usize, nbytes: usize) -> PyResult<ReadTicket> {
+    /// ramtorch memory, e.g. a staging buffer from `arena_alloc`); returns its ticket. `cache`:
+    /// through the page cache, left there (for a range host code is about to write through the
+    /// mapping); otherwise direct where possible, and the range leaves memory after.
+    #[pyo3(signature = (dst, offset, nbytes, cache = false))]
+    fn read(
+        &self,
+        dst: &Bound<'_, PyAny>,
+        offset: usize,
+        nbytes: usize,
+        cache: bool,
+    ) -> PyResult<ReadTicket> {
         let path = self.inner.path().to_owned();
         guard("DiskStore.read", || {
             let dst = memory::host_slice("dst", dst, nbytes)?;
-            let ticket = self.inner.read(offset, &dst)?;
+            let ticket = self.inner.read(offset, &dst, cache)?;
             Ok(ReadTicket { ticket, path })
         })
     }
@@ -80,7 +89,8 @@ impl DiskStore {
         self.inner.is_direct()
     }
 
-    /// What the store has done: reads, read_bytes, busy_seconds, buffered_chunks, settled_bytes.
+    /// What the store has done: reads, read_bytes, busy_seconds, buffered_chunks, cached_chunks,
+    /// settled_bytes.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -88,6 +98,7 @@ impl DiskStore {
         d.set_item("read_bytes", s.read_bytes)?;
         d.set_item("busy_seconds", s.busy_seconds)?;
         d.set_item("buffered_chunks", s.buffered_chunks)?;
+        d.set_item("cached_chunks", s.cached_chunks)?;
         d.set_item("settled_bytes", s.settled_bytes)?;
         Ok(d)
     }

@@ -230,12 +230,17 @@ class Prefetcher:
         if entry is None:
             if not wait:
                 return None
-            entry = (key, u.disk.read())
+            entry = (key, u.disk.read(self._read_cached(u)))
             self.counters["disk_reads_on_demand"] += 1
         elif not wait and not entry[1].done():
             return None
         self.staged.pop(u.uid, None)
         return entry[1].wait(), u.layout.nbytes
+
+    def _read_cached(self, u: _Unit) -> bool:
+        """Whether ``u``'s extent is read through the page cache (see :meth:`ramtorch._disk.
+        Extent.read`): when its weights are about to be updated on the host."""
+        return False
 
     def _read_ahead(self, itin: list[int], pos: int, skip: frozenset[int] = frozenset()) -> None:
         """Starts reading the next disk units along ``itin`` from ``pos`` (``disk_ahead`` of
@@ -260,7 +265,7 @@ class Prefetcher:
                 continue
             if not u.is_home() or _engine.updating(u.params):
                 continue  # (an update still writing its weights: read when it is reached)
-            self.staged[u.uid] = (u.key(), u.disk.read())  # type: ignore[union-attr]
+            self.staged[u.uid] = (u.key(), u.disk.read(self._read_cached(u)))  # type: ignore[union-attr]
             self.counters["disk_reads_ahead"] += 1
 
     def _prefetch_along(self, itin: list[int], pos: int, current: _Unit | None) -> None:

@@ -878,6 +878,11 @@ class Streamer(Prefetcher, GradientHooks):
             **self.counters,
         }
 
+    def _read_cached(self, u: _Unit) -> bool:
+        """A disk unit's read for its backward, when it trains: the optimizer writes its weights
+        next, and finds their pages in memory (see :meth:`ramtorch._disk.Extent.read`)."""
+        return PassState.BACKWARD in self.state and any(p.requires_grad for p in u.params)
+
     def settle_disk(self) -> None:
         """Writes the units on disk that host code wrote through their parameters (a load) back to
         the store and drops their pages from memory (see :meth:`ramtorch._disk.Extent.settle`)."""
