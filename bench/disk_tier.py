@@ -80,6 +80,12 @@ def _probe(fd: int, nbytes: int, threads: int, chunk: int, write: bool) -> float
 READ_GRID = ((4, 8 << 20), (8, 8 << 20), (16, 8 << 20), (32, 8 << 20), (16, 1 << 20), (64, 1 << 20))
 
 
+def major_faults() -> int:
+    """Page faults of this process that read from the disk so far (``/proc/self/stat``)."""
+    with open("/proc/self/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[9])
+
+
 def disk_ceiling(directory: str, nbytes: int) -> dict[str, object]:
     """``O_DIRECT`` sequential write then reads of ``nbytes`` in ``directory``: the write in 8 MiB
     requests on 16 threads, the reads over a grid of thread counts and request sizes
@@ -170,8 +176,10 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
     timed(step, 0, 1, dev)
     opt.synchronize()
     s0 = ramtorch.stats(model)
+    f0 = major_faults()
     ends = timed(step, a.steps, 0, dev)
     opt.synchronize()
+    f1 = major_faults()
     s1 = ramtorch.stats(model)
     secs = statistics.median(ends)
     read = (s1["disk_read_bytes"] - s0["disk_read_bytes"]) / a.steps
@@ -202,6 +210,8 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
             "disk_wait_seconds_per_step": (s1["disk_wait_seconds"] - s0["disk_wait_seconds"]) / a.steps,
             "disk_reads_on_demand": s1["disk_reads_on_demand"] - s0["disk_reads_on_demand"],
             "setup_seconds": setup,
+            "major_faults_per_step": (f1 - f0) / a.steps,
+            "disk_cached_chunks": s1.get("disk_cached_chunks"),
             "host_rss_after_steps": mem,
             "host_rss_bytes": mem.get("VmRSS"),
             "host_peak_rss_bytes": peak_rss(),
