@@ -327,3 +327,25 @@ def test_the_plan_puts_the_units_offload_puts_on_disk_and_prices_their_reads(tmp
     assert pred.step_seconds >= floor + pred.disk_bytes / (c.disk_write_gbps * 1e9)
     assert "on disk (host budget" in pred.summary()
     assert predict(meta, None, 64, c).disk_units == []
+
+
+def test_sharing_disk_units_between_ranks_is_refused(tmp_path):
+    code = f"""
+        import socket, torch, torch.distributed as dist, ramtorch
+        from ramtorch.distributed import share_parameters
+        from test_disk import Net
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+        m = Net()
+        ramtorch.offload(m, device="cpu", disk={str(tmp_path)!r})
+        try:
+            share_parameters(m)
+        except ValueError as e:
+            assert "live on disk" in str(e), e
+            print("refused")
+        dist.destroy_process_group()
+    """
+    r = _child(code, tmp_path)
+    assert r.returncode == 0 and "refused" in r.stdout, r.stdout + r.stderr[-3000:]

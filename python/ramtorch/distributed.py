@@ -168,7 +168,17 @@ def share_parameters(
     in_units = {id(p) for u in units for p in u.params}
     rest = [(n, p) for n, p in params if id(p) not in in_units]
     problem: tuple[str, str] | None = None
+    on_disk = [u.name for u in units if u.disk is not None]
+    if on_disk:
+        problem = (
+            "ValueError",
+            f"share_parameters: units {on_disk[:4]}{' ...' if len(on_disk) > 4 else ''} live on disk "
+            "(ramtorch.offload(disk=...)), which ranks cannot share yet; offload without disk=, or "
+            "give each rank its own store",
+        )
     for name, p in rest:
+        if problem is not None:
+            break
         try:
             check_streamable(name, p, who="ramtorch.distributed.share_parameters")
         except (TypeError, ValueError) as e:
