@@ -225,6 +225,102 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
     return out
 
 
+def offloaded(
+    a: argparse.Namespace,
+    held: dict,
+    fwd,  # noqa: ANN001
+    codec: str | None,
+    wbytes: int,
+    resident: float,
+    ceiling: dict,
+    link: dict,
+    common: dict,
+) -> dict:
+    """``held["model"]`` (W2, on the GPU) moved to host RAM, offloaded with a quarter (or
+    ``--host-fraction``) of it in RAM and the rest on disk, ``compress=codec``; its forward timed."""
+    import ramtorch
+
+    dev = a.device
+    to_host(held["model"])
+    if codec is not None:
+        held["model"].requires_grad_(False)  # compressed units are frozen ones
+    host_budget = int(wbytes * a.host_fraction)
+    before = _status()
+    t0 = time.perf_counter()
+    held["model"] = ramtorch.offload(
+        held["model"], gpu_budget=a.budget, device=dev, host_budget=host_budget, disk=a.disk, compress=codec
+    )
+    setup = time.perf_counter() - t0
+    free_gpu()
+    after_offload = _status()
+    _log(f"offload (compress={codec}) {setup:.1f} s; rss {after_offload}")
+    timed(fwd, 0, a.warmup, dev)
+    s0 = ramtorch.stats(held["model"])
+    times = timed(fwd, a.reps, 0, dev)
+    s1 = ramtorch.stats(held["model"])
+    mem = _status()
+    passes = a.reps + a.warmup
+    disk_bytes = (s1["disk_read_bytes"] - s0["disk_read_bytes"]) / a.reps
+    streamed = s1["streamed_bytes_per_pass"]
+    link_bytes = s1.get("link_bytes_per_pass", streamed)
+    secs = statistics.median(times)
+    limits = {"resident": resident}
+    if ceiling["disk_read_gbps"]:
+        limits["disk"] = disk_bytes / (ceiling["disk_read_gbps"] * 1e9)
+    if link.get("h2d_gbps"):
+        limits["link"] = link_bytes / (link["h2d_gbps"] * 1e9)
+    limit = max(limits.values())
+    raw_disk = sum(
+        e.capacity for e in held["model"]._ramtorch_streamer.disk_store.extents[: len(s1["disk_units"])]
+    )
+    staging_bound = (ramtorch._disk.ahead() + 1) * max(
+        (e.capacity for e in held["model"]._ramtorch_streamer.disk_store.extents), default=0
+    )
+    rec = {
+        **common,
+        "system": "ramtorch",
+        "seconds": secs,
+        "times": times,
+        "limit_seconds": limit,
+        "limit_parts": limits,
+        "ratio_to_limit": limit / secs,
+        "weight_bytes": wbytes,
+        "host_budget": host_budget,
+        "disk_bytes": s1["disk_bytes"],
+        "disk_bytes_read_per_pass": disk_bytes,
+        "disk_raw_bytes": raw_disk,
+        "streamed_bytes_per_pass": streamed,
+        "link_bytes_per_pass": link_bytes,
+        "disk_units": len(s1["disk_units"]),
+        "disk_direct": s1["disk_direct"],
+        "ramtorch_disk_read_gbps": s1["disk_read_gbps"],
+        "disk_wait_seconds_per_pass": (s1["disk_wait_seconds"] - s0["disk_wait_seconds"]) / a.reps,
+        "disk_reads_on_demand": s1["disk_reads_on_demand"] - s0["disk_reads_on_demand"],
+        "passes_timed": a.reps,
+        "passes_total": passes,
+        "setup_seconds": setup,
+        "host_rss_before_offload": before,
+        "host_rss_after_offload": after_offload,
+        "host_rss_after_passes": mem,
+        "host_rss_bytes": mem.get("VmRSS"),
+        "host_peak_rss_bytes": peak_rss(),
+        "staging_bytes_bound": staging_bound,
+        "h2d_gbps": link.get("h2d_gbps"),
+        **ceiling,
+        "stats": {k: v for k, v in s1.items() if k != "itinerary"},
+    }
+    if codec is not None:
+        rec["compress"] = codec
+        rec["options"] = {"compress": codec}
+        if ceiling["disk_read_gbps"]:
+            rec["speedup_vs_raw_disk_floor"] = raw_disk / (ceiling["disk_read_gbps"] * 1e9) / secs
+    _log(
+        f"ramtorch (compress={codec}) forward {secs:.3f} s, limit {limit:.3f} s ({limits}), "
+        f"ratio {limit / secs:.3f}; rss {mem}; current rss {rss()}"
+    )
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--disk", required=True, help="directory for the store (and the ceiling probe)")
@@ -237,6 +333,9 @@ def main() -> None:
     ap.add_argument("--probe-gib", type=float, default=8.0)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--workload", choices=("w2", "w1-step"), default="w2")
+    ap.add_argument(
+        "--compress", nargs="+", default=["none"], help="W2: offload(compress=...) values: none lossless fp8"
+    )
     ap.add_argument("--tokens", type=int, default=4096, help="W1 tokens per step")
     ap.add_argument("--steps", type=int, default=3, help="W1 timed steps (after one warm-up step)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -281,71 +380,19 @@ def main() -> None:
     )
     _log(f"resident forward {resident * 1e3:.1f} ms")
 
-    import ramtorch
+    held = {"model": model}
 
-    to_host(model)
-    host_budget = int(wbytes * a.host_fraction)
-    before = _status()
-    t0 = time.perf_counter()
-    model = ramtorch.offload(model, gpu_budget=a.budget, device=dev, host_budget=host_budget, disk=a.disk)
-    setup = time.perf_counter() - t0
-    free_gpu()
-    after_offload = _status()
-    _log(f"offload {setup:.1f} s; rss {after_offload}")
-    timed(fwd, 0, a.warmup, dev)
-    s0 = ramtorch.stats(model)
-    times = timed(fwd, a.reps, 0, dev)
-    s1 = ramtorch.stats(model)
-    mem = _status()
-    passes = a.reps + a.warmup
-    disk_bytes = (s1["disk_read_bytes"] - s0["disk_read_bytes"]) / a.reps
-    streamed = s1["streamed_bytes_per_pass"]
-    secs = statistics.median(times)
-    limits = {"resident": resident}
-    if ceiling["disk_read_gbps"]:
-        limits["disk"] = disk_bytes / (ceiling["disk_read_gbps"] * 1e9)
-    if link.get("h2d_gbps"):
-        limits["link"] = streamed / (link["h2d_gbps"] * 1e9)
-    limit = max(limits.values())
-    staging_bound = (s1["disk_reads_ahead"] and ramtorch._disk.ahead() + 1) * max(
-        (e.capacity for e in model._ramtorch_streamer.disk_store.extents), default=0
-    )
-    rec = {
-        **common,
-        "system": "ramtorch",
-        "seconds": secs,
-        "times": times,
-        "limit_seconds": limit,
-        "limit_parts": limits,
-        "ratio_to_limit": limit / secs,
-        "weight_bytes": wbytes,
-        "host_budget": host_budget,
-        "disk_bytes": s1["disk_bytes"],
-        "disk_bytes_read_per_pass": disk_bytes,
-        "streamed_bytes_per_pass": streamed,
-        "disk_units": len(s1["disk_units"]),
-        "disk_direct": s1["disk_direct"],
-        "ramtorch_disk_read_gbps": s1["disk_read_gbps"],
-        "disk_wait_seconds_per_pass": (s1["disk_wait_seconds"] - s0["disk_wait_seconds"]) / a.reps,
-        "disk_reads_on_demand": s1["disk_reads_on_demand"] - s0["disk_reads_on_demand"],
-        "passes_timed": a.reps,
-        "passes_total": passes,
-        "setup_seconds": setup,
-        "host_rss_before_offload": before,
-        "host_rss_after_offload": after_offload,
-        "host_rss_after_passes": mem,
-        "host_rss_bytes": mem.get("VmRSS"),
-        "host_peak_rss_bytes": peak_rss(),
-        "staging_bytes_bound": staging_bound,
-        "h2d_gbps": link.get("h2d_gbps"),
-        **ceiling,
-        "stats": {k: v for k, v in s1.items() if k != "itinerary"},
-    }
-    records.append(rec)
-    _log(
-        f"ramtorch forward {secs:.3f} s, limit {limit:.3f} s ({limits}), ratio {limit / secs:.3f}; "
-        f"rss {mem}; current rss {rss()}"
-    )
+    def fwd2() -> None:
+        with torch.no_grad():
+            held["model"](input_ids=ids, use_cache=False)
+
+    for k, compress in enumerate(a.compress):
+        codec = None if compress == "none" else compress
+        if k:
+            held["model"] = build(cfg, dev)
+        records.append(offloaded(a, held, fwd2, codec, wbytes, resident, ceiling, link, common))
+        held["model"] = None
+        free_gpu()
     with open(a.out, "w") as f:
         json.dump(records, f, indent=1, default=str)
 

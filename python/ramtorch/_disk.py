@@ -125,14 +125,15 @@ class Extent:
         """Writes the extent's mapped pages back to the file and drops them from memory."""
         self.store.core.settle(self.offset, self.capacity)
 
-    def read(self, cache: bool = False) -> Read:
+    def read(self, cache: bool = False, nbytes: int | None = None) -> Read:
         """Starts reading the extent into a new page-locked staging buffer: directly (past the
         page cache) where the file system allows, the extent's pages dropped from memory after;
         with ``cache``, through the page cache and left there, for an extent whose parameters an
         optimizer is about to write (each write through the mapping would otherwise read its page
-        from the disk first)."""
-        buf = _arena.host_bytes(self.capacity)
-        return Read(buf, self.store.core.read(buf, self.offset, self.capacity, cache), self.store)
+        from the disk first). ``nbytes``: read only the first ones (in whole 4 KiB blocks)."""
+        n = self.capacity if nbytes is None else min(self.capacity, _padded(nbytes))
+        buf = _arena.host_bytes(n)
+        return Read(buf, self.store.core.read(buf, self.offset, n, cache), self.store)
 
 
 class Read:

@@ -67,8 +67,8 @@ def _disk_units(
 ) -> _disk.Store | None:
     """Puts the streamed units past ``host_budget`` on disk (see :func:`offload`): the units in
     the order ``model`` registers their modules fill the budget, the rest get an extent each in a
-    store under ``disk``, before they are packed. Returns the store, or ``None`` when no unit goes
-    to disk."""
+    store under ``disk`` (two with ``compress``: raw and encoded), before they are packed. Returns
+    the store, or ``None`` when no unit goes to disk."""
     if disk is None:
         if host_budget is not None:
             raise ValueError(
@@ -78,8 +78,6 @@ def _disk_units(
         return None
     if not isinstance(disk, (str, os.PathLike)):
         raise TypeError(f"ramtorch.offload: disk must be a directory path, got {type(disk).__name__}")
-    if compress is not None:
-        raise ValueError("ramtorch.offload: compress= and disk= do not combine (yet); choose one")
     limit = parse_bytes(host_budget, "host_budget") if host_budget is not None else 0
     assert limit is not None
     streamed = [u for u in units if u.uid not in resident_ids and not u.container]
@@ -89,9 +87,14 @@ def _disk_units(
     chosen = [cands[k] for k in _disk.choose([u.nbytes for u in cands], max(limit, 0))]
     if not chosen:
         return None
-    store = _disk.Store(disk, [u.nbytes for u in chosen])
-    for u, ext in zip(chosen, store.extents):
-        u.disk = ext
+    # With a codec, each unit has a second extent for its encoded bytes (sized for the raw ones:
+    # the encoding is known only once the unit is packed there).
+    encoded = [u.nbytes for u in chosen] if compress is not None else []
+    store = _disk.Store(disk, [u.nbytes for u in chosen] + encoded)
+    for k, u in enumerate(chosen):
+        u.disk = store.extents[k]
+        if compress is not None:
+            u.enc_disk = store.extents[len(chosen) + k]
     logger.info(
         "ramtorch.offload: %d of %d streamed units (%s) on disk in %s (reads %s)",
         len(chosen),
@@ -187,8 +190,10 @@ def offload(
             with ``O_DIRECT`` where the file system takes it (not through the page cache), on
             ``RAMTORCH_DISK_THREADS`` threads (default 8), into page-locked staging buffers.
             ``ramtorch.stats(model)`` shows the disk units, the bytes read, the read bandwidth
-            and the time the forward waited on the disk (``disk_wait_seconds``). Not with
-            ``compress``.
+            and the time the forward waited on the disk (``disk_wait_seconds``). With
+            ``compress``, a disk unit's encoded bytes are kept on disk too, and are what is
+            read (the store then takes twice the units' bytes: the encoded extent is sized for
+            the raw one).
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
         units, and buffers stay on the device and count against the budget. Not counted: in training,

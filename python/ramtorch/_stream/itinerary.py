@@ -222,6 +222,8 @@ class Prefetcher:
         if u.disk is None:
             return u.source()
         assert u.layout is not None
+        enc = u.encoding()  # (encoded again first if the weights changed: the key names it)
+        nbytes = enc.nbytes if enc is not None else u.layout.nbytes
         key = u.key()
         entry = self.staged.get(u.uid)
         if entry is not None and entry[0] != key:
@@ -230,12 +232,12 @@ class Prefetcher:
         if entry is None:
             if not wait:
                 return None
-            entry = (key, u.disk.read(self._read_cached(u)))
+            entry = (key, u.disk_read(self._read_cached(u)))
             self.counters["disk_reads_on_demand"] += 1
         elif not wait and not entry[1].done():
             return None
         self.staged.pop(u.uid, None)
-        return entry[1].wait(), u.layout.nbytes
+        return entry[1].wait(), nbytes
 
     def _read_cached(self, u: _Unit) -> bool:
         """Whether ``u``'s extent is read through the page cache (see :meth:`ramtorch._disk.
@@ -265,7 +267,8 @@ class Prefetcher:
                 continue
             if not u.is_home() or _engine.updating(u.params):
                 continue  # (an update still writing its weights: read when it is reached)
-            self.staged[u.uid] = (u.key(), u.disk.read(self._read_cached(u)))  # type: ignore[union-attr]
+            read = u.disk_read(self._read_cached(u))
+            self.staged[u.uid] = (u.key(), read)
             self.counters["disk_reads_ahead"] += 1
 
     def _prefetch_along(self, itin: list[int], pos: int, current: _Unit | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import fnmatch
 from collections.abc import Sequence
@@ -464,6 +465,8 @@ class _Unit:
         # offload(host_budget=..., disk=...): the unit's extent of the disk store, whose mapping
         # holds its parameters (``None``: they live in the host arena). See ramtorch._disk.
         self.disk: _disk.Extent | None = None
+        # With a codec too: the extent its encoded bytes are kept in (read in place of ``disk``'s).
+        self.enc_disk: _disk.Extent | None = None
         # Running forwards (a unit may be called inside itself): (slot, whether it took the slot,
         # saved-tensor hooks, slot address, the parameters it replaced, its _Fetch node, its
         # profiler range, the slot tensor and its version counter when the forward began, and
@@ -559,10 +562,29 @@ class _Unit:
             return None
         stamp = (id(self.flat), tuple(p._version for p in self.params))
         if self.enc_for != stamp:
-            self.enc = _codec.encode(self.codec, self.flat, self.layout.entries, self.layout.nbytes)
+            enc = _codec.encode(self.codec, self.flat, self.layout.entries, self.layout.nbytes)
+            if self.enc_disk is not None and self.disk is not None:
+                # A unit on disk keeps its encoded bytes on disk too, in an extent of their own
+                # (read there in place of its raw extent); nothing of it stays in memory.
+                if enc is not None:
+                    with torch.no_grad():
+                        self.enc_disk.view(enc.nbytes).copy_(enc.data[: enc.nbytes])
+                    self.enc_disk.settle()
+                    enc = dataclasses.replace(enc, data=self.enc_disk.view(enc.nbytes))
+                self.disk.settle()  # (the raw bytes the encoder read)
+            self.enc = enc
             self.enc_for = stamp
             self.enc_serial = _engine.next_generation()
         return self.enc
+
+    def disk_read(self, cache: bool) -> _disk.Read:
+        """Starts reading what crosses the link for this unit on disk: its encoded extent (the
+        encoded bytes, see :meth:`encoding`) or its raw one."""
+        assert self.disk is not None
+        enc = self.encoding() if self.enc_disk is not None else None
+        if enc is not None and self.enc_disk is not None:
+            return self.enc_disk.read(cache, enc.nbytes)
+        return self.disk.read(cache)
 
     def source(self) -> tuple[torch.Tensor, int]:
         """The host bytes that cross the link for this unit: its encoded region (see
