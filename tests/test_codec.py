@@ -18,9 +18,6 @@ from hypothesis import strategies as st
 from ramtorch import _codec
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
 
 def _roundtrip(raw: torch.Tensor) -> tuple[_codec.Encoded, torch.Tensor]:
     enc = _codec.encode_lossless(raw, raw.numel())
@@ -277,7 +274,8 @@ def test_triton_kernel_matches_the_torch_decoder_in_the_interpreter():
         "assert torch.equal(out, raw), 'interpreted kernel differs'\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.join(ROOT, "python")}
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))  # this process's ramtorch
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pkg}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
