@@ -179,6 +179,33 @@ def test_compressed_units_on_disk_read_their_encoded_bytes(tmp_path, compress: s
             assert torch.equal(disk(x), base(x))
 
 
+def test_a_failed_read_names_the_unit_and_the_model_recovers(tmp_path, monkeypatch):
+    from ramtorch import _disk
+
+    ram, disk = _pair(tmp_path, host_units=1)
+    x = torch.randn(2, 16)
+    real_wait = _disk.Read.wait
+
+    def failing(self):  # noqa: ANN001, ANN202
+        raise OSError(errno.EIO, "DiskStore.read: reading bytes 0..+4096 of the store: Input/output error")
+
+    monkeypatch.setattr(_disk.Read, "wait", failing)
+    with pytest.raises(
+        OSError, match=r"reading unit 'blocks\.\d' from its disk store failed.*Input/output"
+    ) as e:
+        disk(x)
+    assert e.value.errno == errno.EIO
+    monkeypatch.setattr(_disk.Read, "wait", real_wait)
+    for _ in range(2):
+        assert torch.equal(disk(x), ram(x))
+    loss = disk(x).square().mean()
+    loss.backward()
+    ref = ram(x).square().mean()
+    ref.backward()
+    for (n, a), b in zip(ram.named_parameters(), disk.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
 def test_inference_reads_ahead_along_the_itinerary(tmp_path):
     _, disk = _pair(tmp_path, host_units=0)
     x = torch.randn(2, 16)

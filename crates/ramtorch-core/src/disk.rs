@@ -642,6 +642,27 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_read_is_an_error_naming_the_range_and_the_file() {
+        let store = DiskStore::create(&Arena::new(None), &tmp(), 4 * ALIGN, 2).unwrap();
+        // The file shrinks under the store (what a failing disk looks like to a read: the bytes
+        // are not there). The mapping past the end is not touched.
+        store.inner.file.set_len(ALIGN as u64).unwrap();
+        let arena = Arena::new(None);
+        let dst = arena.alloc(4 * ALIGN, true).unwrap();
+        let t = store
+            .read(0, &dst.slice(0, 4 * ALIGN).unwrap(), false)
+            .unwrap();
+        match t.wait(store.path()) {
+            Err(Error::Disk { op, path, .. }) => {
+                assert!(op.contains("reading bytes 0..+16384"), "{op}");
+                assert_eq!(path, store.path());
+            }
+            other => panic!("expected a disk error, got {other:?}"),
+        }
+        assert!(t.is_done());
+    }
+
+    #[test]
     fn leaves_nothing_in_the_directory() {
         let dir = tmp().join(format!("ramtorch-disk-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

@@ -237,7 +237,13 @@ class Prefetcher:
         elif not wait and not entry[1].done():
             return None
         self.staged.pop(u.uid, None)
-        return entry[1].wait(), nbytes
+        try:
+            return entry[1].wait(), nbytes
+        except OSError as e:
+            # Nothing was taken for the unit: its next use reads its extent again.
+            raise OSError(
+                e.errno, f"ramtorch: reading unit {u.name!r} from its disk store failed: {e.strerror or e}"
+            ) from e
 
     def _read_cached(self, u: _Unit) -> bool:
         """Whether ``u``'s extent is read through the page cache (see :meth:`ramtorch._disk.
