@@ -206,6 +206,27 @@ def test_a_failed_read_names_the_unit_and_the_model_recovers(tmp_path, monkeypat
         assert torch.equal(a.grad, b.grad), n
 
 
+def test_the_trace_shows_disk_reads_and_waits(tmp_path):
+    import json
+
+    _, disk = _pair(tmp_path, host_units=0)
+    x = torch.randn(2, 16)
+    disk(x)  # (the itinerary)
+    path = tmp_path / "trace.json"
+    with ramtorch.trace(path):
+        with torch.no_grad():
+            disk(x)
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    tracks = {
+        e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
+    reads = [e for e in events if e.get("ph") == "X" and tracks.get(e["tid"]) == "disk reads"]
+    names = {e["args"]["units"][0] if e["args"].get("units") else e["name"] for e in reads}
+    assert len(reads) == len(ramtorch.stats(disk)["disk_units"]), names
+    assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in reads)
+
+
 def test_inference_reads_ahead_along_the_itinerary(tmp_path):
     _, disk = _pair(tmp_path, host_units=0)
     x = torch.randn(2, 16)

@@ -1,11 +1,12 @@
-"""``ramtorch.trace``: a Chrome trace (``chrome://tracing``, Perfetto) of copies, compute, waits and
-the CPU optimizer's updates.
+"""``ramtorch.trace``: a Chrome trace (``chrome://tracing``, Perfetto) of copies, compute, waits,
+the CPU optimizer's updates and the disk tier's reads.
 
 **Clocks.** The engine times copies, compute-stream waits and unit marks with device events: each
 record's ``start``/``end`` is milliseconds after a *base* event that ``trace_start`` records on the
 compute stream (``cudaEventElapsedTime`` on CUDA; on the CPU device an event completes when its
 lane reaches it, stamped with ``std::time::Instant``). Host spans (optimizer updates, waits for
-them) are ``time.perf_counter()`` seconds. Both are put on one timeline whose zero is ``origin``, a
+them, disk reads: the store stamps them with ``CLOCK_MONOTONIC``, ``perf_counter()``'s clock on
+Linux) are ``time.perf_counter()`` seconds. Both are put on one timeline whose zero is ``origin``, a
 ``perf_counter()`` reading taken when the trace starts: for each engine the compute stream is
 drained, then ``trace_start`` is called between two ``perf_counter()`` readings ``before`` and
 ``after``, and the stream is drained again before ``after``. The base event ran on an idle stream
@@ -47,7 +48,11 @@ class HostSpans:
     WORKER = "optimizer (worker thread)"
     CALLER = "optimizer (caller thread)"
     WAITS = "waits for updates"
-    TRACKS = (WORKER, CALLER, WAITS)
+    #: The disk tier (``offload(disk=...)``): each unit's read from its store (queued to done, on
+    #: the store's I/O threads) and the times a forward or backward blocked waiting for one.
+    DISK = "disk reads"
+    DISK_WAITS = "waits for the disk"
+    TRACKS = (WORKER, CALLER, WAITS, DISK, DISK_WAITS)
 
     __slots__ = ("spans",)
 
@@ -151,7 +156,7 @@ def _host_events(
                 {"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[track], "args": {"name": track}}
             )
         info: dict[str, Any] = {"thread": thread}
-        if track == HostSpans.WAITS:
+        if track in (HostSpans.WAITS, HostSpans.DISK_WAITS):
             name = label
             info["reader"] = _what(ids, nbytes, units_of)[0] if ids else "all parameters"
         else:

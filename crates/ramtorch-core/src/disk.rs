@@ -242,10 +242,12 @@ impl DiskStore {
             state: Mutex::new(TicketState {
                 remaining: chunks,
                 error: None,
+                ended: None,
             }),
             done: Condvar::new(),
             bytes: len,
             offset,
+            started: monotonic_seconds(),
         });
         self.inner.reads.fetch_add(1, Ordering::Relaxed);
         self.inner.begin_busy();
@@ -475,6 +477,8 @@ impl Drop for Store {
 struct TicketState {
     remaining: usize,
     error: Option<std::io::Error>,
+    /// When the last chunk ended (see [`monotonic_seconds`]).
+    ended: Option<f64>,
 }
 
 struct Ticket {
@@ -482,6 +486,20 @@ struct Ticket {
     done: Condvar,
     bytes: usize,
     offset: usize,
+    /// When the read was queued (see [`monotonic_seconds`]).
+    started: f64,
+}
+
+/// Seconds on the system's monotonic clock (`CLOCK_MONOTONIC`): the clock of Python's
+/// `time.perf_counter()` and `time.monotonic()` on Linux, so read times line up with host spans.
+pub fn monotonic_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 impl Ticket {
@@ -492,6 +510,9 @@ impl Ticket {
                     s.error.get_or_insert(e);
                 }
                 s.remaining = s.remaining.saturating_sub(1);
+                if s.remaining == 0 {
+                    s.ended = Some(monotonic_seconds());
+                }
                 s.remaining == 0
             }
             Err(_) => true,
@@ -515,6 +536,12 @@ impl ReadTicket {
     /// Whether every byte has been read (or the read failed: [`wait`](Self::wait) says which).
     pub fn is_done(&self) -> bool {
         self.ticket.state.lock().map_or(true, |s| s.remaining == 0)
+    }
+
+    /// When the read was queued and when it ended, in [`monotonic_seconds`] (`None` while it runs).
+    pub fn times(&self) -> Option<(f64, f64)> {
+        let end = self.ticket.state.lock().ok()?.ended?;
+        Some((self.ticket.started, end))
     }
 
     /// Waits until every byte has been read; an error names the range and the file.
@@ -568,6 +595,8 @@ mod tests {
                 .unwrap();
             t.wait(store.path()).unwrap();
             assert!(t.is_done());
+            let (t0, t1) = t.times().unwrap();
+            assert!(t0 <= t1 && t1 <= monotonic_seconds());
             // SAFETY: the read is done; nothing else writes `dst`.
             let got = unsafe { dst.as_slice() };
             assert_eq!(got, &map[off..off + n], "bytes {off}..+{n}");

@@ -118,6 +118,12 @@ impl ReadTicket {
         self.ticket.is_done()
     }
 
+    /// `(queued, ended)` in seconds of the monotonic clock (`time.perf_counter()`'s on Linux), or
+    /// `None` while the read runs.
+    fn times(&self) -> Option<(f64, f64)> {
+        self.ticket.times()
+    }
+
     /// Waits (without the GIL) until the bytes are there; a failed read raises `OSError`.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| guard("DiskStore.read", || self.ticket.wait(&self.path)))

@@ -15,6 +15,7 @@ inside ``ramtorch.weights_unchanged`` keep the keys, and take the copies of the 
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -32,6 +33,7 @@ class Prefetcher:
     streamed: list[_Unit]
     by_uid: dict[int, _Unit]
     eng: _engine.DeviceEngine
+    device: torch.device
     max_inflight: int
     slots: int
     slot_bytes: int
@@ -237,13 +239,24 @@ class Prefetcher:
         elif not wait and not entry[1].done():
             return None
         self.staged.pop(u.uid, None)
+        read = entry[1]
+        spans = _engine.host_spans
+        t0 = time.perf_counter()
         try:
-            return entry[1].wait(), nbytes
+            buf = read.wait()
         except OSError as e:
             # Nothing was taken for the unit: its next use reads its extent again.
             raise OSError(
                 e.errno, f"ramtorch: reading unit {u.name!r} from its disk store failed: {e.strerror or e}"
             ) from e
+        if spans is not None:  # (ramtorch.trace)
+            t1 = time.perf_counter()
+            times = read.ticket.times()
+            if times is not None:
+                spans.add(spans.DISK, "disk read", times[0], times[1], u.params, self.device)
+            if t1 - t0 > 1e-5:
+                spans.add(spans.DISK_WAITS, "wait for the disk", t0, t1, u.params, self.device)
+        return buf, nbytes
 
     def _read_cached(self, u: _Unit) -> bool:
         """Whether ``u``'s extent is read through the page cache (see :meth:`ramtorch._disk.
