@@ -103,16 +103,29 @@ def test_the_first_units_fill_the_host_budget(tmp_path):
     torch.manual_seed(0)
     base = Net()
     every = copy.deepcopy(base)
-    ramtorch.offload(every, device="cpu", disk=tmp_path)  # no host budget: every streamed unit on disk
+    ramtorch.offload(every, device="cpu", host_budget=0, disk=tmp_path)  # every streamed unit on disk
     st = ramtorch.stats(every)
     assert sorted(st["disk_units"]) == sorted(["inp", *[f"blocks.{k}" for k in range(6)], "out"])
     assert st["host_bytes"] == 0
     roomy = copy.deepcopy(base)
     ramtorch.offload(roomy, device="cpu", host_budget=_bytes(base), disk=tmp_path)
     assert "disk_units" not in ramtorch.stats(roomy)  # everything fits: no store at all
+    auto = copy.deepcopy(base)
+    ramtorch.offload(auto, device="cpu", disk=tmp_path)  # no host budget: what the machine has free
+    assert "disk_units" not in ramtorch.stats(auto)
     x = torch.randn(3, 16)
-    assert torch.equal(every(x), base(x)) and torch.equal(roomy(x), base(x))
+    assert torch.equal(every(x), base(x)) and torch.equal(roomy(x), base(x)) and torch.equal(auto(x), base(x))
     assert os.listdir(tmp_path) == []
+
+
+def test_the_automatic_host_budget_is_the_free_memory_less_a_reserve(monkeypatch):
+    from ramtorch import _disk
+
+    gib = 1 << 30
+    monkeypatch.setattr(_disk, "_meminfo", lambda: {"MemTotal": 128 * gib, "MemAvailable": 100 * gib})
+    assert _disk.auto_host_budget(2 * gib) == 100 * gib - int(12.8 * gib) - 5 * 2 * gib
+    monkeypatch.setattr(_disk, "_meminfo", lambda: {"MemTotal": 8 * gib, "MemAvailable": 1 * gib})
+    assert _disk.auto_host_budget(gib) == 0
 
 
 def test_edits_between_passes_and_loads_are_seen(tmp_path):
@@ -157,7 +170,7 @@ def test_compressed_units_on_disk_read_their_encoded_bytes(tmp_path, compress: s
     base = Net(width=256, dtype=torch.bfloat16).requires_grad_(False)
     ram, disk = copy.deepcopy(base), copy.deepcopy(base)
     ramtorch.offload(ram, device="cpu", compress=compress)
-    ramtorch.offload(disk, device="cpu", compress=compress, disk=tmp_path)
+    ramtorch.offload(disk, device="cpu", compress=compress, host_budget=0, disk=tmp_path)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.no_grad():
         want = base(x)
@@ -283,7 +296,7 @@ def test_a_full_disk_is_a_clear_error_and_the_model_is_untouched(tmp_path):
         m = Net(width=256)
         before = {{k: v.clone() for k, v in m.state_dict().items()}}
         try:
-            ramtorch.offload(m, device="cpu", disk={str(tmp_path)!r})
+            ramtorch.offload(m, device="cpu", host_budget=0, disk={str(tmp_path)!r})
         except OSError as e:
             assert e.errno in (errno.EFBIG, errno.ENOSPC), e
             assert "allocating" in str(e) and "bytes" in str(e), e
@@ -309,7 +322,7 @@ def test_a_crash_leaves_nothing_on_disk(tmp_path):
         import os, sys, torch, ramtorch
         from test_disk import Net
         m = Net()
-        ramtorch.offload(m, device="cpu", disk={str(store)!r})
+        ramtorch.offload(m, device="cpu", host_budget=0, disk={str(store)!r})
         m(torch.randn(2, 16))
         print("running", flush=True)
         sys.stdin.read()  # until killed
@@ -413,7 +426,7 @@ def test_sharing_disk_units_between_ranks_is_refused(tmp_path):
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
         m = Net()
-        ramtorch.offload(m, device="cpu", disk={str(tmp_path)!r})
+        ramtorch.offload(m, device="cpu", host_budget=0, disk={str(tmp_path)!r})
         try:
             share_parameters(m)
         except ValueError as e:

@@ -58,6 +58,28 @@ def ahead() -> int:
     return _env_int(AHEAD_VAR, 4, 1)
 
 
+def _meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes."""
+    out: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            parts = v.split()
+            if parts:
+                out[k] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
+    return out
+
+
+def auto_host_budget(largest_unit: int) -> int:
+    """The host budget when ``disk=`` comes without one: the memory the machine has available now
+    (``MemAvailable``) less a reserve for the runtime (the larger of 2 GiB and a tenth of its
+    memory) and the staging buffers of the reads ahead (``ahead() + 1`` of the largest unit)."""
+    info = _meminfo()
+    total, free = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    reserve = max(2 << 30, total // 10) + (ahead() + 1) * _padded(largest_unit)
+    return max(0, free - reserve)
+
+
 def _padded(n: int) -> int:
     return max(ALIGN, -(-n // ALIGN) * ALIGN)
 

@@ -78,9 +78,17 @@ def _disk_units(
         return None
     if not isinstance(disk, (str, os.PathLike)):
         raise TypeError(f"ramtorch.offload: disk must be a directory path, got {type(disk).__name__}")
-    limit = parse_bytes(host_budget, "host_budget") if host_budget is not None else 0
-    assert limit is not None
+    if not os.path.isdir(disk):
+        raise ValueError(f"ramtorch.offload: disk={os.fspath(disk)!r} is not a directory")
     streamed = [u for u in units if u.uid not in resident_ids and not u.container]
+    if host_budget is None:
+        limit = _disk.auto_host_budget(max((u.nbytes for u in streamed), default=0))
+        logger.info(
+            "ramtorch.offload: host_budget for disk=%s: %s (free memory less a reserve)", disk, _fmt(limit)
+        )
+    else:
+        limit = parse_bytes(host_budget, "host_budget")
+        assert limit is not None
     limit -= sum(u.nbytes for u in streamed if u.gather)  # tables streamed by rows stay in RAM
     cands = [u for u in streamed if not u.gather]
     cands = [cands[i] for i in _disk.registration_order(model, [u.module for u in cands])]
@@ -178,8 +186,9 @@ def offload(
         host_budget: bytes of host RAM the streamed units may take (an int or a string such as
             ``"32GiB"``); the units past it live on disk, in a store file under ``disk``. The
             model's first units (in the order it registers its modules) fill the budget, the rest go
-            to disk. ``None`` (default): every
-            streamed unit in host RAM, or, with ``disk`` given, every one on disk.
+            to disk. ``None`` (default): every streamed unit in host RAM, or, with ``disk`` given,
+            the memory the machine has available less a reserve (the larger of 2 GiB and a tenth
+            of its memory, and the staging buffers); ``0``: every streamed unit on disk.
         disk: a directory for the store file of the units that do not fit in ``host_budget``.
             The file is made here, allocated whole (a full disk is an ``OSError`` here, naming
             the bytes needed and free), and its name removed at once: nothing is left behind when
