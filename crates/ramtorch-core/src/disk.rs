@@ -546,23 +546,35 @@ impl ReadTicket {
 
     /// Waits until every byte has been read; an error names the range and the file.
     pub fn wait(&self, path: &str) -> Result<()> {
+        while !self.wait_timeout(path, std::time::Duration::from_secs(3600))? {}
+        Ok(())
+    }
+
+    /// Waits at most `timeout` for the read: `Ok(true)` once every byte is there, `Ok(false)` if
+    /// it still runs (a caller that must answer signals waits in steps); an error names the range
+    /// and the file.
+    pub fn wait_timeout(&self, path: &str, timeout: std::time::Duration) -> Result<bool> {
         let t = &self.ticket;
-        let mut s = t
-            .state
-            .lock()
-            .map_err(|_| Error::Worker("disk read lock poisoned".into()))?;
+        let poisoned = || Error::Worker("disk read lock poisoned".into());
+        let deadline = Instant::now() + timeout;
+        let mut s = t.state.lock().map_err(|_| poisoned())?;
         while s.remaining > 0 {
-            s = t
-                .done
-                .wait(s)
-                .map_err(|_| Error::Worker("disk read lock poisoned".into()))?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            s = t.done.wait_timeout(s, left).map_err(|_| poisoned())?.0;
         }
-        match s.error.take() {
-            None => Ok(()),
+        match s.error.as_ref() {
+            None => Ok(true),
+            // (The error stays with the ticket: every wait reports it.)
             Some(e) => Err(disk_err(
                 format!("reading bytes {}..+{}", t.offset, t.bytes),
                 path,
-                e,
+                match e.raw_os_error() {
+                    Some(code) => std::io::Error::from_raw_os_error(code),
+                    None => std::io::Error::new(e.kind(), e.to_string()),
+                },
             )),
         }
     }
@@ -689,6 +701,13 @@ mod tests {
             other => panic!("expected a disk error, got {other:?}"),
         }
         assert!(t.is_done());
+        assert!(
+            t.wait(store.path()).is_err(),
+            "a second wait reports the error too"
+        );
+        assert!(t
+            .wait_timeout(store.path(), std::time::Duration::ZERO)
+            .is_err());
     }
 
     #[test]

@@ -124,9 +124,22 @@ impl ReadTicket {
         self.ticket.times()
     }
 
-    /// Waits (without the GIL) until the bytes are there; a failed read raises `OSError`.
+    /// Waits (without the GIL) until the bytes are there; a failed read raises `OSError`. Signals
+    /// are answered every 100 ms (Ctrl-C raises `KeyboardInterrupt`; the read goes on and keeps
+    /// its buffer alive until it ends).
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| guard("DiskStore.read", || self.ticket.wait(&self.path)))
+        let step = std::time::Duration::from_millis(100);
+        loop {
+            let done = py.detach(|| {
+                guard("DiskStore.read", || {
+                    self.ticket.wait_timeout(&self.path, step)
+                })
+            })?;
+            if done {
+                return Ok(());
+            }
+            py.check_signals()?;
+        }
     }
 }
 
