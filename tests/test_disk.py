@@ -436,3 +436,18 @@ def test_sharing_disk_units_between_ranks_is_refused(tmp_path):
     """
     r = _child(code, tmp_path)
     assert r.returncode == 0 and "refused" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_the_auto_budget_plan_logged_counts_the_disk(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from ramtorch import _offload
+
+    m = Net()
+    budget = 4 * _unit_bytes(m.blocks[0])  # (for the device's free memory): most units stream
+    monkeypatch.setattr(_offload, "_auto_budget", lambda dev: budget)
+    with caplog.at_level(logging.INFO, logger="ramtorch"):
+        ramtorch.offload(m, gpu_budget="auto", device="cpu", host_budget=0, disk=tmp_path)
+    msg = next(r.getMessage() for r in caplog.records if "gpu_budget='auto'" in r.getMessage())
+    n = len(ramtorch.stats(m)["disk_units"])
+    assert f"; {n} units (" in msg and "on disk, read in" in msg, msg

@@ -18,7 +18,6 @@ leaves from that buffer (``ramtorch._stream.itinerary.Prefetcher``).
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -98,8 +97,8 @@ class Store:
         self.core = _core.DiskStore(self.directory, max(total, ALIGN), threads())
         self.map = torch.from_dlpack(self.core.mapping())
         self.extents = [Extent(self, off, _padded(int(n))) for off, n in zip(offsets, sizes)]
-        self.lock = threading.Lock()
         self.wait_seconds = 0.0  # time the compute thread waited for reads
+        self.host_budget: int | None = None  # the host budget that put these units here
 
     @property
     def nbytes(self) -> int:

@@ -99,6 +99,7 @@ def _disk_units(
     # the encoding is known only once the unit is packed there).
     encoded = [u.nbytes for u in chosen] if compress is not None else []
     store = _disk.Store(disk, [u.nbytes for u in chosen] + encoded)
+    store.host_budget = limit
     for k, u in enumerate(chosen):
         u.disk = store.extents[k]
         if compress is not None:
@@ -359,7 +360,7 @@ def offload(
             n: (sd[n], sd[n]._version) for n in meta_names if n in sd and n not in computed
         }
     if auto:
-        _report_auto_plan(model, units, pl, budget, dev)
+        _report_auto_plan(model, units, pl, budget, dev, store)
     else:
         _report_plan(model, units, pl, budget, dev, hint)
     if recompute:
@@ -750,18 +751,21 @@ def _report_plan(
     )
 
 
-def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: int, dev: torch.device) -> None:
+def _report_auto_plan(
+    model: nn.Module, units: list[_Unit], pl: Plan, budget: int, dev: torch.device, store: _disk.Store | None
+) -> None:
     """Logs (INFO, logger ``ramtorch``) the plan ``gpu_budget="auto"`` chose, with the predicted
-    pass time (``ramtorch.plan``)."""
+    pass time (``ramtorch.plan``; with units on disk, their reads at the plan's default disk
+    speed)."""
     from . import plan as _plan
 
-    pred = _plan.predict(model, budget, 4096)
+    pred = _plan.predict(model, budget, 4096, host_budget=None if store is None else store.host_budget)
     resident = sum(1 for u in units if u.resident)
     logger.info(
         "ramtorch.offload(gpu_budget='auto') on %s: budget %s, %d of %d units resident (%s), %d slots "
         "of %s, %s streamed per pass; predicted at 4096 tokens: forward %.0f ms, forward+backward "
         "%.0f ms (python -m ramtorch plan for other shapes); training adds %s on the device outside "
-        "the budget (gradients and optimizer states of the resident units)",
+        "the budget (gradients and optimizer states of the resident units)%s",
         dev,
         _fmt(budget),
         resident,
@@ -773,6 +777,10 @@ def _report_auto_plan(model: nn.Module, units: list[_Unit], pl: Plan, budget: in
         pred.forward_seconds * 1e3,
         pred.forward_backward_seconds * 1e3,
         _fmt(pred.resident_training_bytes),
+        ""
+        if store is None
+        else f"; {len(pred.disk_units)} units ({_fmt(pred.disk_bytes)}) on disk, read in "
+        f"{pred.disk_read_seconds_per_pass * 1e3:.0f} ms a pass at {_plan.Ceilings().disk_gbps} GB/s",
     )
 
 
