@@ -752,7 +752,12 @@ def _report_plan(
 
 
 def _report_auto_plan(
-    model: nn.Module, units: list[_Unit], pl: Plan, budget: int, dev: torch.device, store: _disk.Store | None
+    model: nn.Module,
+    units: list[_Unit],
+    pl: Plan,
+    budget: int,
+    dev: torch.device,
+    store: _disk.Store | None = None,
 ) -> None:
     """Logs (INFO, logger ``ramtorch``) the plan ``gpu_budget="auto"`` chose, with the predicted
     pass time (``ramtorch.plan``; with units on disk, their reads at the plan's default disk
