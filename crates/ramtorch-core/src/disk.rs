@@ -302,21 +302,7 @@ impl DiskStore {
                 std::io::Error::last_os_error(),
             ));
         }
-        // SAFETY: as above; dropping a shared file mapping's pages loses nothing (they are written
-        // back, and read from the file again on the next touch).
-        unsafe {
-            libc::madvise(
-                s.map.as_ptr().add(lo) as *mut libc::c_void,
-                hi - lo,
-                libc::MADV_DONTNEED,
-            );
-            libc::posix_fadvise(
-                s.file.as_raw_fd(),
-                lo as libc::off_t,
-                (hi - lo) as libc::off_t,
-                libc::POSIX_FADV_DONTNEED,
-            );
-        }
+        s.drop_cached(lo, hi - lo);
         s.settled_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(())
     }
