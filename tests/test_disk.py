@@ -451,3 +451,82 @@ def test_the_auto_budget_plan_logged_counts_the_disk(tmp_path, monkeypatch, capl
     msg = next(r.getMessage() for r in caplog.records if "gpu_budget='auto'" in r.getMessage())
     n = len(ramtorch.stats(m)["disk_units"])
     assert f"; {n} units (" in msg and "on disk, read in" in msg, msg
+
+
+def _states_pair(tmp_path, dtype: torch.dtype, precision: str, **kw):
+    torch.manual_seed(3)
+    base = Net(dtype=dtype)
+    ram, disk = copy.deepcopy(base), copy.deepcopy(base)
+    ramtorch.offload(ram, device="cpu")
+    budget = _unit_bytes(base.inp) + 3 * _unit_bytes(base.blocks[0])
+    ramtorch.offload(disk, device="cpu", host_budget=budget, disk=tmp_path, optimizer_on_disk=True)
+    opts = [ropt.AdamW(m.parameters(), lr=1e-2, precision=precision, **kw) for m in (ram, disk)]
+    return ram, disk, opts
+
+
+def _train(models, opts, steps: int, dtype: torch.dtype, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(7, 16, generator=g, dtype=dtype)
+        outs = []
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            y = m(x)
+            y.float().square().mean().backward()
+            outs.append(y)
+            o.step()
+        assert all(torch.equal(outs[0], y) for y in outs[1:])
+
+
+@pytest.mark.parametrize(
+    "dtype,precision",
+    [(torch.float32, "fp32-master"), (torch.bfloat16, "fp32-master"), (torch.bfloat16, "compact")],
+)
+@pytest.mark.parametrize("kw", [{}, {"pipeline": True}, {"overlap": False}])
+def test_optimizer_states_on_disk_train_as_in_ram(tmp_path, dtype: torch.dtype, precision: str, kw):
+    ram, disk, opts = _states_pair(tmp_path, dtype, precision, **kw)
+    _train((ram, disk), opts, 5, dtype)
+    for o in opts:
+        o.synchronize()
+    for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(a, b), n
+    on_disk = {id(p) for p in disk.parameters() if ramtorch._disk.states_home(p) is not None}
+    assert len(on_disk) == 14  # blocks.3-5 (a norm and a linear, 2 parameters each), out (2)
+    ds = opts[1]._disk_states
+    assert ds is not None and ds.written_bytes > 0
+    ram_states = opts[0].state_dict()["state"]
+    disk_states = opts[1].state_dict()["state"]
+    assert ram_states.keys() == disk_states.keys()
+    for i, p in enumerate(disk.parameters()):
+        for k, v in ram_states[i].items():
+            assert torch.equal(v, disk_states[i][k]), (i, k)
+        st = opts[1].state[p]
+        held = [t for k, t in st.items() if k != "step"]
+        assert held
+        assert all(ds.store.holds(t) == (id(p) in on_disk) for t in held), i
+    assert os.listdir(tmp_path) == []  # the states' store leaves nothing behind either
+
+
+def test_optimizer_states_on_disk_load_and_resume(tmp_path):
+    ram, disk, opts = _states_pair(tmp_path, torch.bfloat16, "fp32-master")
+    _train((ram, disk), opts, 2, torch.bfloat16)
+    saved_model = copy.deepcopy(ram.state_dict())
+    saved_opt = copy.deepcopy(opts[0].state_dict())
+    # A fresh optimizer on the disk model loads the RAM model's states: into its disk extents.
+    disk.load_state_dict(saved_model)
+    fresh = ropt.AdamW(disk.parameters(), lr=1e-2)
+    fresh.load_state_dict(saved_opt)
+    ds = fresh._disk_states
+    assert ds is not None
+    p = disk.out.weight
+    assert ds.store.holds(fresh.state[p]["exp_avg"]) and ds.store.holds(fresh.state[p]["master"])
+    _train((ram, disk), [opts[0], fresh], 3, torch.bfloat16, seed=2)
+    for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_optimizer_on_disk_needs_a_disk(tmp_path):
+    with pytest.raises(ValueError, match="optimizer_on_disk=True needs disk="):
+        ramtorch.offload(Net(), device="cpu", optimizer_on_disk=True)
+    with pytest.raises(TypeError, match="optimizer_on_disk must be a bool"):
+        ramtorch.offload(Net(), device="cpu", disk=tmp_path, optimizer_on_disk="yes")

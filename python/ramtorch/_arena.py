@@ -54,17 +54,27 @@ def pack_mixed(
     """As :func:`pack`, each tensor with its own dtype. ``region(nbytes)`` gives the memory (a
     ``uint8`` tensor of ``nbytes`` inside ramtorch memory, e.g. a disk store's extent); default a
     new arena region."""
-    offsets, total = [], 0
-    for shape, dtype in specs:
-        total = -(-total // _ALIGN) * _ALIGN
-        offsets.append(total)
-        total += _nbytes(shape, dtype)
+    offsets, total = _packed_offsets(specs)
     flat = host_bytes(total) if region is None else region(total)
     views = [
         own_storage(flat[off : off + _nbytes(shape, dtype)].view(dtype).view(tuple(shape)))
         for off, (shape, dtype) in zip(offsets, specs)
     ]
     return flat, views
+
+
+def _packed_offsets(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += _nbytes(shape, dtype)
+    return offsets, total
+
+
+def packed_nbytes(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
+    """Bytes :func:`pack_mixed` takes for ``specs``."""
+    return _packed_offsets(specs)[1]
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,10 @@ leaves from that buffer (``ramtorch._stream.itinerary.Prefetcher``).
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -99,6 +101,21 @@ class Store:
         self.extents = [Extent(self, off, _padded(int(n))) for off, n in zip(offsets, sizes)]
         self.wait_seconds = 0.0  # time the compute thread waited for reads
         self.host_budget: int | None = None  # the host budget that put these units here
+        #: ``offload(..., optimizer_on_disk=True)``: the optimizer states of the parameters in
+        #: this store live on disk too (:class:`DiskStates`).
+        self.optimizer_on_disk = False
+        _LIVE.add(self)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether CPU tensor ``t`` lies in this store's mapping."""
+        base = self.map.data_ptr()
+        return t.device.type == "cpu" and base <= t.data_ptr() < base + self.nbytes
+
+    def settle_tensor(self, t: torch.Tensor) -> None:
+        """Writes the bytes of ``t`` (in the mapping) back and drops them from memory."""
+        n = t.numel() * t.element_size()
+        if n:
+            self.core.settle(t.data_ptr() - self.map.data_ptr(), n)
 
     @property
     def nbytes(self) -> int:
@@ -201,3 +218,125 @@ def choose(sizes: Sequence[int], host_budget: int) -> list[int]:
         else:
             used += n
     return out
+
+
+#: Every store alive (to find the store a parameter lives in).
+_LIVE: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def store_of(t: torch.Tensor) -> Store | None:
+    """The store whose mapping holds CPU tensor ``t``, if any."""
+    if t.device.type != "cpu":
+        return None
+    for s in list(_LIVE):
+        if s.holds(t):
+            return s
+    return None
+
+
+def states_home(p: torch.Tensor) -> Store | None:
+    """The store of parameter ``p`` when its optimizer states are to live on disk too
+    (``offload(..., optimizer_on_disk=True)``), else None."""
+    s = store_of(p)
+    return s if s is not None and s.optimizer_on_disk else None
+
+
+#: Parameters whose states are ahead of them read into the page cache, with each update.
+STATES_AHEAD = 2
+
+
+class DiskStates:
+    """The optimizer states (moments, fp32 masters, compensation) of parameters that live on disk
+    with ``optimizer_on_disk=True``: one store file per optimizer next to the units' store,
+    made whole at its first step (or its first ``load_state_dict``), one extent per parameter
+    holding all its states. The states are CPU tensors over the mapping, updated in place by the
+    optimizer's kernels. Before an update the parameter's extent (and those of the next
+    parameters to update) is read ahead into the page cache (:meth:`before`); after it, the
+    states and the parameter's new weight are written back and leave memory (:meth:`after`)."""
+
+    def __init__(
+        self,
+        params: Sequence[tuple[torch.Tensor, dict[str, tuple[tuple[int, ...], torch.dtype]]]],
+    ) -> None:
+        homes = [states_home(p) for p, _ in params]
+        if any(h is None for h in homes):
+            raise ValueError("DiskStates: every parameter must live in a store with optimizer_on_disk")
+        directory = homes[0].directory  # type: ignore[union-attr]
+        self.specs = {id(p): specs for p, specs in params}
+        self.store = Store(directory, [_arena.packed_nbytes(list(specs.values())) for _, specs in params])
+        self.extents = {id(p): ext for (p, _), ext in zip(params, self.store.extents)}
+        self.homes = {id(p): h for (p, _), h in zip(params, homes)}
+        self._fresh = set(self.extents)  # extents still as the store made them: zeros
+        self._order: list[int] = []  # the parameters to update next, in order
+        self._hinted: set[int] = set()
+        self._lock = threading.Lock()
+        self.written_bytes = 0
+
+    def __contains__(self, p: object) -> bool:
+        return id(p) in self.extents
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+    def make(self, p: torch.Tensor, zero: bool = True) -> dict[str, torch.Tensor]:
+        """``p``'s states over its extent, zero (a master is the caller's to fill); ``zero=False``:
+        as they are (the caller writes every byte)."""
+        pid = id(p)
+        specs = self.specs[pid]
+        _, views = _arena.pack_mixed(list(specs.values()), self.extents[pid].view)
+        out = dict(zip(specs, views))
+        with self._lock:
+            fresh = pid in self._fresh
+            self._fresh.discard(pid)
+        if zero and not fresh:  # states made before (and dropped, for a load): zero again
+            for t in out.values():
+                t.zero_()
+        return out
+
+    def plan(self, params: Iterable[torch.Tensor]) -> None:
+        """The parameters (of this store, in order) the next updates go through: each update
+        reads the next ones' states ahead."""
+        with self._lock:
+            self._order = [id(p) for p in params if id(p) in self.extents]
+            self._hinted.clear()
+        for pid in self._order[:STATES_AHEAD]:
+            self._hint(pid)
+
+    def _hint(self, pid: int) -> None:
+        with self._lock:
+            if pid in self._hinted:
+                return
+            self._hinted.add(pid)
+        ext = self.extents[pid]
+        self.store.core.will_need(ext.offset, ext.capacity)
+
+    def before(self, p: torch.Tensor) -> None:
+        """Before ``p``'s update: its states, and those of the next parameters of the plan, are
+        read ahead."""
+        pid = id(p)
+        self._hint(pid)
+        with self._lock:
+            try:
+                k = self._order.index(pid)
+            except ValueError:
+                nxt: list[int] = []
+            else:
+                nxt = self._order[k + 1 : k + 1 + STATES_AHEAD]
+        for q in nxt:
+            self._hint(q)
+
+    def after(self, p: torch.Tensor) -> None:
+        """After ``p``'s update: its states and its weight are written back to their stores and
+        leave memory."""
+        pid = id(p)
+        ext = self.extents[pid]
+        ext.settle()
+        self.homes[pid].settle_tensor(p.detach())
+        with self._lock:
+            self._hinted.discard(pid)
+            self.written_bytes += ext.capacity + p.numel() * p.element_size()
+
+    def settle(self, p: torch.Tensor) -> None:
+        """Writes ``p``'s states back and drops them from memory (after a load wrote them)."""
+        self.extents[id(p)].settle()

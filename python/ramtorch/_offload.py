@@ -128,6 +128,7 @@ def offload(
     compress: str | None = None,
     host_budget: int | str | None = None,
     disk: str | os.PathLike[str] | None = None,
+    optimizer_on_disk: bool = False,
 ) -> nn.Module:
     """Keeps ``model``'s parameters in host RAM and streams them to ``device`` unit by unit.
 
@@ -204,6 +205,13 @@ def offload(
             ``compress``, a disk unit's encoded bytes are kept on disk too, and are what is
             read (the store then takes twice the units' bytes: the encoded extent is sized for
             the raw one).
+        optimizer_on_disk: the optimizer states of the disk units' parameters live on disk
+            too (with ``ramtorch.optim``'s optimizers: moments, fp32 masters, compensation), in a
+            second store file in ``disk``, made whole at the optimizer's first step (or first
+            ``load_state_dict``) and gone when the optimizer is. Such a parameter is updated in
+            place in ``step()``: its states are read ahead of it through the page cache, and
+            they and its new weight are written back and leave memory after it, so host memory
+            holds neither. ``False`` (default): their states are in host RAM.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
         units, and buffers stay on the device and count against the budget. Not counted: in training,
@@ -323,7 +331,13 @@ def offload(
             resident_ids.add(u.uid)
             pl.resident_bytes += u.nbytes
 
+    if not isinstance(optimizer_on_disk, bool):
+        raise TypeError(f"ramtorch.offload: optimizer_on_disk must be a bool, got {optimizer_on_disk!r}")
+    if optimizer_on_disk and disk is None:
+        raise ValueError("ramtorch.offload: optimizer_on_disk=True needs disk=, the directory for the states")
     store = _disk_units(model, units, resident_ids, host_budget, disk, compress)
+    if store is not None:
+        store.optimizer_on_disk = optimizer_on_disk
 
     _warn_strides(units, resident_ids)
     total = sum(u.nbytes for u in units)

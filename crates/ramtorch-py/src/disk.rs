@@ -71,6 +71,14 @@ impl DiskStore {
         py.detach(|| guard("DiskStore.settle", || self.inner.settle(offset, nbytes)))
     }
 
+    /// Starts reading the `nbytes` bytes at `offset` into the page cache and returns at once
+    /// (for a range host code is about to touch through the mapping).
+    fn will_need(&self, offset: usize, nbytes: usize) -> PyResult<()> {
+        guard("DiskStore.will_need", || {
+            self.inner.will_need(offset, nbytes)
+        })
+    }
+
     /// Bytes in the store.
     #[getter]
     fn nbytes(&self) -> usize {

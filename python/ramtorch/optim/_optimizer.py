@@ -366,6 +366,13 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         t = time.perf_counter()
         committed = self._commit(spec, scale)
         committed |= self._commit_resident(rspec, scale)
+        if self._disk_states is not None:  # states on disk: read ahead in the order of the loop
+            self._disk_states.plan(
+                p
+                for g in self.param_groups
+                for p in g["params"]
+                if p.grad is not None and id(p) not in done and id(p) not in committed
+            )
         host_updates = self.timings["in_step_updates"]
         resident: list[tuple[torch.nn.Parameter, dict[str, Any]]] = []
         for index, group in enumerate(self.param_groups):
@@ -423,6 +430,8 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
                     continue
                 if not (_is_host(p) or self._is_resident(p)):
                     continue
+                if _is_host(p) and self._disk_states_for(p) is not None:
+                    continue  # states on disk (the store is allocated whole now, or fails here)
                 for shape, dtype in self._host_specs(p).values():
                     need += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
                 count += p.numel()

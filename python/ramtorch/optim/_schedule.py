@@ -78,6 +78,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     _last_backward: int
     _done: dict[int, tuple[torch.Tensor, int]]
     _done_hyper: dict[int, dict[str, Any]]  # id(param group) -> its hyperparameters then
+    _disk_states: Any  # states on disk (``_state.HostStates``), or None
     _late: set[int]
     _reduced: set[int]
     _reduced_dev: set[int]
@@ -218,6 +219,8 @@ class OverlapSchedule(torch.optim.Optimizer):
             state = self.state.get(p)
             if not state or "step" not in state:
                 continue  # a first update makes the states: in step()
+            if self._disk_states is not None and p in self._disk_states:
+                continue  # states on disk: updated in place in step() (no spare copy in RAM)
             shadow = self._shadows.get(p, state, self._host_keys())
             if shadow is None:
                 continue  # the host cannot spare the memory: updated in step()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import _arena, _core
+from .. import _arena, _core, _disk
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _PRECISIONS = ("fp32-master", "bf16", "compact")
@@ -119,14 +119,41 @@ class HostStates(torch.optim.Optimizer):
         """Shape and dtype of each state of host parameter ``p`` (the master included)."""
         return state_specs(tuple(p.shape), p.dtype, self.precision, self._state_names)
 
+    #: The states of parameters that live on disk with ``optimizer_on_disk=True`` (made by
+    #: :meth:`_disk_states_for` when first needed).
+    _disk_states: _disk.DiskStates | None = None
+
+    def _disk_states_for(self, p: torch.Tensor) -> _disk.DiskStates | None:
+        """The :class:`ramtorch._disk.DiskStates` that holds ``p``'s states, if they live on disk:
+        made, for every such parameter of the optimizer at once, when the first of them needs
+        its states (a first update or a load)."""
+        ds = self._disk_states
+        if ds is None:
+            if _disk.states_home(p) is None:
+                return None
+            params = [
+                (q, self._host_specs(q))
+                for g in self.param_groups
+                for q in g["params"]
+                if _is_host(q) and _disk.states_home(q) is not None
+            ]
+            if not params:
+                return None
+            ds = self._disk_states = _disk.DiskStates(params)
+        return ds if p in ds else None
+
     def _host_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
+            ds = self._disk_states_for(p)
+            if ds is not None:
+                state.update(ds.make(p))
             for name, (shape, dtype) in self._host_specs(p).items():
                 # Zero codes with a zero scale decode to zero; a zero compensation: the weight is
                 # the master.
-                state[name] = _arena.host_empty(shape, dtype, zeroed=name != "master", pin=False)
+                if ds is None:
+                    state[name] = _arena.host_empty(shape, dtype, zeroed=name != "master", pin=False)
                 if name == "master":
                     state[name].copy_(p.detach())
         return state
@@ -147,7 +174,13 @@ class HostStates(torch.optim.Optimizer):
             self._zero.consolidated = None  # the state changes
         state = self._host_state(p)
         state["step"] += 1
-        self._run_kernel(p, grad, group, int(state["step"].item()), scale, weight=weight)
+        ds = self._disk_states if weight is None else None
+        if ds is not None and p in ds:
+            ds.before(p)
+            self._run_kernel(p, grad, group, int(state["step"].item()), scale)
+            ds.after(p)
+        else:
+            self._run_kernel(p, grad, group, int(state["step"].item()), scale, weight=weight)
 
     def _update_host_into(
         self,
@@ -355,6 +388,13 @@ class HostStates(torch.optim.Optimizer):
                 if saved is None:
                     continue
                 st = self.state[p]
+                ds = self._disk_states_for(p)
+                if ds is not None:  # states on disk: copied into the parameter's extent
+                    views = ds.make(p, zero=False)
+                    for k, v in saved.items():
+                        st[k] = views[k].copy_(v) if k in views else v.clone()
+                    ds.settle(p)
+                    continue
                 for k, v in saved.items():
                     if isinstance(v, torch.Tensor) and (
                         not adopt or v.device.type != "cpu" or not v.is_contiguous()
