@@ -135,11 +135,12 @@ def timed(fn, reps: int, warmup: int, device: str) -> list[float]:  # noqa: ANN0
 
 
 def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> list[dict]:
-    """W1 training steps (forward, backward, ``ramtorch.optim.AdamW`` with its defaults: fp32
-    masters, speculative updates) with the blocks past ``host_budget`` on disk; the optimizer
-    states and gradients stay in host RAM. The limit: the resident step's compute, or the disk's
-    bytes a step (weights read in forward and backward, measured; the updated weights written back
-    once) at the probe's read and write speeds, whichever is longer."""
+    """W1 training steps (forward, backward, ``ramtorch.optim.AdamW``: fp32 masters by default,
+    ``--precision`` otherwise) with the blocks past ``host_budget`` on disk, and with
+    ``--optimizer-on-disk`` their optimizer states too (else in host RAM). The limit: the resident
+    step's compute, or the disk's bytes a step at the probe's read and write speeds (read: the
+    weights in forward and backward, measured, and the states; written: the updated weights and
+    states), whichever is longer."""
     import ramtorch
     import ramtorch.optim as ropt
     from w1 import build as w1_build
@@ -147,7 +148,7 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
     from w1 import to_host as w1_to_host
 
     dev = a.device
-    d, f, layers = (64, 128, 4) if a.tiny else (8192, 28672, 8)
+    d, f, layers = (64, 128, 4) if a.tiny else (8192, 28672, a.layers)
     model = w1_build("resident", d, f, layers, dev)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     x = torch.randn(a.tokens, d, device=dev, dtype=torch.bfloat16)
@@ -164,26 +165,38 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
     w1_to_host(model)
     host_budget = int(wbytes * a.host_fraction)
     t0 = time.perf_counter()
-    model = ramtorch.offload(model, gpu_budget=a.budget, device=dev, host_budget=host_budget, disk=a.disk)
+    model = ramtorch.offload(
+        model,
+        gpu_budget=a.budget,
+        device=dev,
+        host_budget=host_budget,
+        disk=a.disk,
+        optimizer_on_disk=a.optimizer_on_disk,
+    )
     setup = time.perf_counter() - t0
-    opt = ropt.AdamW(model.parameters(), lr=1e-5)
+    opt = ropt.AdamW(model.parameters(), lr=1e-5, precision=a.precision)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         loss_of(model(x)).backward()
         opt.step()
 
-    timed(step, 0, 1, dev)
+    first = timed(step, 1, 0, dev)
     opt.synchronize()
+    _log(f"W1 first step {first}")
+    ds = opt._disk_states
+    state_bytes = 0 if ds is None else ds.nbytes
     s0 = ramtorch.stats(model)
+    w0 = 0 if ds is None else ds.written_bytes
     f0 = major_faults()
     ends = timed(step, a.steps, 0, dev)
     opt.synchronize()
     f1 = major_faults()
     s1 = ramtorch.stats(model)
     secs = statistics.median(ends)
-    read = (s1["disk_read_bytes"] - s0["disk_read_bytes"]) / a.steps
-    written = s1["disk_bytes"]  # every disk unit's weights change each step
+    read = (s1["disk_read_bytes"] - s0["disk_read_bytes"]) / a.steps + state_bytes
+    # Every disk unit's weights change each step, and with them their states.
+    written = s1["disk_bytes"] + state_bytes
     limits = {
         "resident_forward_backward": resident,
         "disk": read / (ceiling["disk_read_gbps"] * 1e9) + written / (ceiling["disk_write_gbps"] * 1e9),
@@ -195,7 +208,11 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
             **common,
             "system": "ramtorch",
             "phase": "step",
-            "optimizer": "ramtorch.optim.AdamW(fp32 master)",
+            "optimizer": f"ramtorch.optim.AdamW(precision={a.precision!r})",
+            "optimizer_on_disk": a.optimizer_on_disk,
+            "first_step_seconds": first[0],
+            "disk_state_bytes": state_bytes,
+            "disk_state_written_bytes_per_step": (None if ds is None else (ds.written_bytes - w0) / a.steps),
             "seconds": secs,
             "times": ends,
             "limit_seconds": limit,
@@ -215,7 +232,11 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
             "host_rss_after_steps": mem,
             "host_rss_bytes": mem.get("VmRSS"),
             "host_peak_rss_bytes": peak_rss(),
-            "note": "optimizer states and gradients in host RAM (no optimizer_on_disk yet)",
+            "note": (
+                "optimizer states of the disk units on disk, gradients in host RAM"
+                if a.optimizer_on_disk
+                else "optimizer states and gradients in host RAM"
+            ),
             "h2d_gbps": link.get("h2d_gbps"),
             **ceiling,
             "stats": {k: v for k, v in s1.items() if k != "itinerary"},
@@ -338,6 +359,9 @@ def main() -> None:
     )
     ap.add_argument("--tokens", type=int, default=4096, help="W1 tokens per step")
     ap.add_argument("--steps", type=int, default=3, help="W1 timed steps (after one warm-up step)")
+    ap.add_argument("--layers", type=int, default=8, help="W1 layers")
+    ap.add_argument("--precision", default="fp32-master", help="W1: ramtorch.optim.AdamW(precision=...)")
+    ap.add_argument("--optimizer-on-disk", action="store_true", help="W1: offload(optimizer_on_disk=True)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -9,7 +9,7 @@ from pathlib import Path
 import ramtorch.optim
 
 PACKAGE = Path(ramtorch.optim.__file__).parent
-BELOW = {"_engine", "_arena", "_core", "_config", "_profile", "_log", "_nodes", "_units"}
+BELOW = {"_engine", "_arena", "_core", "_config", "_disk", "_profile", "_log", "_nodes", "_units"}
 
 
 def _ramtorch_imports(path: Path) -> set[str]:

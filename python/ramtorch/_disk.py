@@ -17,6 +17,7 @@ leaves from that buffer (``ramtorch._stream.itinerary.Prefetcher``).
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -241,8 +242,10 @@ def states_home(p: torch.Tensor) -> Store | None:
     return s if s is not None and s.optimizer_on_disk else None
 
 
-#: Parameters whose states are ahead of them read into the page cache, with each update.
+#: Parameters whose states are read into the page cache ahead of their update.
 STATES_AHEAD = 2
+#: Parameters whose states and weight may be being written back at once after their updates.
+SETTLES_IN_FLIGHT = 4
 
 
 class DiskStates:
@@ -270,6 +273,7 @@ class DiskStates:
         self._order: list[int] = []  # the parameters to update next, in order
         self._hinted: set[int] = set()
         self._lock = threading.Lock()
+        self._pending: collections.deque[list[Any]] = collections.deque()
         self.written_bytes = 0
 
     def __contains__(self, p: object) -> bool:
@@ -327,15 +331,43 @@ class DiskStates:
             self._hint(q)
 
     def after(self, p: torch.Tensor) -> None:
-        """After ``p``'s update: its states and its weight are written back to their stores and
-        leave memory."""
+        """After ``p``'s update: its states and its weight start being written back to their
+        stores (and leave memory then), on the stores' I/O threads, while the next updates run;
+        at most :data:`SETTLES_IN_FLIGHT` parameters' write-backs are in flight (this waits for
+        the oldest past that). :meth:`flush` waits for all."""
         pid = id(p)
         ext = self.extents[pid]
-        ext.settle()
-        self.homes[pid].settle_tensor(p.detach())
+        home = self.homes[pid]
+        w = p.detach()
+        n = w.numel() * w.element_size()
+        tickets = [self.store.core.settle_async(ext.offset, ext.capacity)]
+        if n:
+            tickets.append(home.core.settle_async(w.data_ptr() - home.map.data_ptr(), n))
         with self._lock:
             self._hinted.discard(pid)
-            self.written_bytes += ext.capacity + p.numel() * p.element_size()
+            self.written_bytes += ext.capacity + n
+            self._pending.append(tickets)
+            old = self._pending.popleft() if len(self._pending) > SETTLES_IN_FLIGHT else None
+        if old is not None:
+            for t in old:
+                t.wait()
+
+    def flush(self) -> None:
+        """Waits until every write-back begun by :meth:`after` is on disk; raises ``OSError``
+        (naming the range and the file) if one failed."""
+        error: BaseException | None = None
+        while True:
+            with self._lock:
+                if not self._pending:
+                    break
+                tickets = self._pending.popleft()
+            for t in tickets:
+                try:
+                    t.wait()
+                except OSError as e:
+                    error = error or e
+        if error is not None:
+            raise error
 
     def settle(self, p: torch.Tensor) -> None:
         """Writes ``p``'s states back and drops them from memory (after a load wrote them)."""

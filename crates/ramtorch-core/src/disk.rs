@@ -237,24 +237,12 @@ impl DiskStore {
                 self.inner.len
             )));
         }
-        let chunks = len.div_ceil(CHUNK).max(1);
-        let ticket = Arc::new(Ticket {
-            state: Mutex::new(TicketState {
-                remaining: chunks,
-                error: None,
-                ended: None,
-            }),
-            done: Condvar::new(),
-            bytes: len,
-            offset,
-            started: monotonic_seconds(),
-        });
+        let parts = chunks(offset, len);
+        let ticket = Ticket::new(parts.len(), offset, len, false);
         self.inner.reads.fetch_add(1, Ordering::Relaxed);
         self.inner.begin_busy();
         let base = dst.as_ptr() as usize;
-        for i in 0..chunks {
-            let start = i * CHUNK;
-            let n = CHUNK.min(len - start);
+        for (start, n) in parts {
             let store = self.inner.clone();
             let t = ticket.clone();
             let keep = dst.lease();
@@ -271,73 +259,49 @@ impl DiskStore {
     /// from memory: they are read from the file again when touched.
     pub fn settle(&self, offset: usize, len: usize) -> Result<()> {
         let s = &self.inner;
-        let end = offset
-            .checked_add(len)
-            .filter(|&e| e <= s.len)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "bytes {offset}..+{len} are outside the disk store of {} bytes",
-                    s.len
-                ))
-            })?;
-        if len == 0 {
-            return Ok(());
-        }
-        let page = ALIGN;
-        let lo = offset / page * page;
-        let hi = end.div_ceil(page) * page;
-        let hi = hi.min(s.map_len.div_ceil(page) * page);
-        // SAFETY: `lo..hi` lies inside the mapping (page-rounded), which is live while `s` is.
-        let rc = unsafe {
-            libc::msync(
-                s.map.as_ptr().add(lo) as *mut libc::c_void,
-                hi - lo,
-                libc::MS_SYNC,
-            )
-        };
-        if rc != 0 {
-            return Err(disk_err(
-                format!("writing back bytes {offset}..+{len}"),
-                &s.path,
-                std::io::Error::last_os_error(),
-            ));
-        }
-        s.drop_cached(lo, hi - lo);
+        s.check_range(offset, len)?;
+        s.settle_range(offset, len)
+            .map_err(|e| disk_err(format!("writing back bytes {offset}..+{len}"), &s.path, e))?;
         s.settled_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Asks the kernel to start reading the `len` bytes at `offset` into the page cache, and
-    /// returns at once: host code that is about to touch the range through the mapping (an
-    /// optimizer updating states kept on disk) then finds its pages, instead of faulting them in
-    /// one by one.
-    pub fn will_need(&self, offset: usize, len: usize) -> Result<()> {
-        let s = &self.inner;
-        offset
-            .checked_add(len)
-            .filter(|&e| e <= s.len)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "bytes {offset}..+{len} are outside the disk store of {} bytes",
-                    s.len
-                ))
-            })?;
-        if len == 0 {
-            return Ok(());
+    /// As [`settle`](Self::settle), on the store's I/O threads in chunks: returns at once, with a
+    /// ticket to wait on (the host code that wrote the range goes on meanwhile).
+    pub fn settle_async(&self, offset: usize, len: usize) -> Result<ReadTicket> {
+        self.inner.check_range(offset, len)?;
+        let parts = chunks(offset, len);
+        let ticket = Ticket::new(parts.len(), offset, len, true);
+        for (start, n) in parts {
+            let store = self.inner.clone();
+            let t = ticket.clone();
+            self.inner.pool.spawn(move || {
+                let r = store.settle_range(offset + start, n);
+                t.finish(r, &store);
+            });
         }
-        let (off, n) = (
-            libc::off_t::try_from(offset).unwrap_or(libc::off_t::MAX),
-            libc::off_t::try_from(len).unwrap_or(libc::off_t::MAX),
-        );
-        // SAFETY: a hint about an open file's range; it touches no memory of ours.
-        let rc =
-            unsafe { libc::posix_fadvise(s.file.as_raw_fd(), off, n, libc::POSIX_FADV_WILLNEED) };
-        if rc != 0 {
-            return Err(disk_err(
-                format!("reading ahead bytes {offset}..+{len}"),
-                &s.path,
-                std::io::Error::from_raw_os_error(rc),
-            ));
+        Ok(ReadTicket { ticket })
+    }
+
+    /// Asks the kernel to read the `len` bytes at `offset` into the page cache, in chunks on the
+    /// store's I/O threads, and returns at once: host code that is about to touch the range
+    /// through the mapping (an optimizer updating states kept on disk) then finds its pages
+    /// instead of faulting them in one by one. A hint: a chunk the kernel refuses is left to the
+    /// faults.
+    pub fn will_need(&self, offset: usize, len: usize) -> Result<()> {
+        self.inner.check_range(offset, len)?;
+        for (start, n) in chunks(offset, len) {
+            let store = self.inner.clone();
+            self.inner.pool.spawn(move || {
+                let (off, n) = (
+                    libc::off_t::try_from(offset + start).unwrap_or(libc::off_t::MAX),
+                    libc::off_t::try_from(n).unwrap_or(libc::off_t::MAX),
+                );
+                // SAFETY: a hint about an open file's range; it touches no memory of ours.
+                unsafe {
+                    libc::posix_fadvise(store.file.as_raw_fd(), off, n, libc::POSIX_FADV_WILLNEED)
+                };
+            });
         }
         Ok(())
     }
@@ -386,6 +350,43 @@ fn free_bytes(dir: &Path) -> Option<u64> {
 }
 
 impl Store {
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        offset
+            .checked_add(len)
+            .filter(|&e| e <= self.len)
+            .map(|_| ())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "bytes {offset}..+{len} are outside the disk store of {} bytes",
+                    self.len
+                ))
+            })
+    }
+
+    /// msync of the pages of `offset..offset+len` (inside the store), then drops them.
+    fn settle_range(&self, offset: usize, len: usize) -> std::io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let page = ALIGN;
+        let lo = offset / page * page;
+        let hi = (offset + len).div_ceil(page) * page;
+        let hi = hi.min(self.map_len.div_ceil(page) * page);
+        // SAFETY: `lo..hi` lies inside the mapping (page-rounded), which is live while `self` is.
+        let rc = unsafe {
+            libc::msync(
+                self.map.as_ptr().add(lo) as *mut libc::c_void,
+                hi - lo,
+                libc::MS_SYNC,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        self.drop_cached(lo, hi - lo);
+        Ok(())
+    }
+
     fn begin_busy(&self) {
         if let Ok(mut b) = self.busy.lock() {
             if b.0 == 0 {
@@ -463,6 +464,25 @@ impl Store {
     }
 }
 
+/// The pieces `(start, len)` (relative to `offset`) of the `len` bytes at `offset`, cut at the
+/// file's multiples of [`CHUNK`]: a large folio of the page cache (naturally aligned, at most a
+/// chunk) then lies in one piece, and is dropped whole after it. At least one piece.
+fn chunks(offset: usize, len: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::with_capacity(len / CHUNK + 2);
+    let end = offset + len;
+    let mut at = offset;
+    while at < end {
+        let next = ((at / CHUNK) + 1) * CHUNK;
+        let stop = next.min(end);
+        out.push((at - offset, stop - at));
+        at = stop;
+    }
+    if out.is_empty() {
+        out.push((0, 0));
+    }
+    out
+}
+
 fn read_exact_at(f: &File, mut buf: &mut [u8], mut off: usize) -> std::io::Result<()> {
     while !buf.is_empty() {
         match f.read_at(buf, off as u64) {
@@ -507,6 +527,8 @@ struct Ticket {
     done: Condvar,
     bytes: usize,
     offset: usize,
+    /// A write-back ([`DiskStore::settle_async`]), not a read.
+    write: bool,
     /// When the read was queued (see [`monotonic_seconds`]).
     started: f64,
 }
@@ -524,6 +546,21 @@ pub fn monotonic_seconds() -> f64 {
 }
 
 impl Ticket {
+    fn new(chunks: usize, offset: usize, bytes: usize, write: bool) -> Arc<Self> {
+        Arc::new(Ticket {
+            state: Mutex::new(TicketState {
+                remaining: chunks,
+                error: None,
+                ended: None,
+            }),
+            done: Condvar::new(),
+            bytes,
+            offset,
+            write,
+            started: monotonic_seconds(),
+        })
+    }
+
     fn finish(&self, r: std::io::Result<()>, store: &Store) {
         let last = match self.state.lock() {
             Ok(mut s) => {
@@ -539,10 +576,16 @@ impl Ticket {
             Err(_) => true,
         };
         if last {
-            store
-                .read_bytes
-                .fetch_add(self.bytes as u64, Ordering::Relaxed);
-            store.end_busy();
+            if self.write {
+                store
+                    .settled_bytes
+                    .fetch_add(self.bytes as u64, Ordering::Relaxed);
+            } else {
+                store
+                    .read_bytes
+                    .fetch_add(self.bytes as u64, Ordering::Relaxed);
+                store.end_busy();
+            }
             self.done.notify_all();
         }
     }
@@ -590,7 +633,12 @@ impl ReadTicket {
             None => Ok(true),
             // (The error stays with the ticket: every wait reports it.)
             Some(e) => Err(disk_err(
-                format!("reading bytes {}..+{}", t.offset, t.bytes),
+                format!(
+                    "{} bytes {}..+{}",
+                    if t.write { "writing back" } else { "reading" },
+                    t.offset,
+                    t.bytes
+                ),
                 path,
                 match e.raw_os_error() {
                     Some(code) => std::io::Error::from_raw_os_error(code),
@@ -675,6 +723,41 @@ mod tests {
     }
 
     #[test]
+    fn an_asynchronous_settle_writes_back_and_drops_the_pages() {
+        let len = 2 * CHUNK + 3 * ALIGN;
+        let store = DiskStore::create(&Arena::new(None), &tmp(), len, 3).unwrap();
+        // SAFETY: the mapping is `len` bytes, written by this thread only.
+        unsafe { std::ptr::write_bytes(store.as_ptr(), 9, len) };
+        let t = store.settle_async(ALIGN, len - ALIGN).unwrap();
+        t.wait(store.path()).unwrap();
+        assert!(t.is_done());
+        assert_eq!(store.stats().settled_bytes as usize, len - ALIGN);
+        let mut resident = vec![0u8; len / ALIGN];
+        // SAFETY: the mapping is `len` bytes at a page-aligned address; one byte a page.
+        let rc = unsafe {
+            libc::mincore(
+                store.as_ptr() as *mut libc::c_void,
+                len,
+                resident.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0);
+        let kept: Vec<usize> = (1..resident.len())
+            .filter(|&i| resident[i] & 1 != 0)
+            .collect();
+        assert!(kept.is_empty(), "{kept:?} of {}", resident.len());
+        let arena = Arena::new(None);
+        let dst = arena.alloc(len, true).unwrap();
+        store
+            .read(0, &dst.slice(0, len).unwrap(), false)
+            .unwrap()
+            .wait(store.path())
+            .unwrap();
+        // SAFETY: the read is done.
+        assert!(unsafe { dst.as_slice() }.iter().all(|&b| b == 9));
+    }
+
+    #[test]
     fn refuses_bad_ranges_and_places() {
         let store = DiskStore::create(&Arena::new(None), &tmp(), ALIGN, 1).unwrap();
         let arena = Arena::new(None);
@@ -685,6 +768,7 @@ mod tests {
         ));
         assert!(store.settle(ALIGN, 1).is_err());
         assert!(store.will_need(ALIGN, 1).is_err());
+        assert!(store.settle_async(1, ALIGN).is_err());
         assert!(store.will_need(0, ALIGN).is_ok());
         assert!(DiskStore::create(&Arena::new(None), &tmp(), 0, 1).is_err());
         let file = tmp().join(format!("ramtorch-not-a-dir-{}", std::process::id()));

@@ -71,8 +71,18 @@ impl DiskStore {
         py.detach(|| guard("DiskStore.settle", || self.inner.settle(offset, nbytes)))
     }
 
-    /// Starts reading the `nbytes` bytes at `offset` into the page cache and returns at once
-    /// (for a range host code is about to touch through the mapping).
+    /// As `settle`, on the store's I/O threads: returns a ticket at once (its `wait()` raises
+    /// the write-back's error, if it failed).
+    fn settle_async(&self, offset: usize, nbytes: usize) -> PyResult<ReadTicket> {
+        let path = self.inner.path().to_owned();
+        guard("DiskStore.settle_async", || {
+            let ticket = self.inner.settle_async(offset, nbytes)?;
+            Ok(ReadTicket { ticket, path })
+        })
+    }
+
+    /// Starts reading the `nbytes` bytes at `offset` into the page cache on the store's I/O
+    /// threads and returns at once (for a range host code is about to touch through the mapping).
     fn will_need(&self, offset: usize, nbytes: usize) -> PyResult<()> {
         guard("DiskStore.will_need", || {
             self.inner.will_need(offset, nbytes)

@@ -406,6 +406,8 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             if spans is not None:
                 spans.add(spans.CALLER, "update", start, time.perf_counter(), [p for p, _ in resident], None)
         self._end_resident_step()
+        if self._disk_states is not None and self._mode is not UpdateMode.PIPELINE:
+            self._disk_states.flush()  # the write-backs of this step's updates (pipelined: later)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and _is_host(p):
@@ -622,6 +624,8 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         ``upload_wait="forward"``); raises if an update failed."""
         self.drain()
         self._settle_uploads()
+        if self._disk_states is not None:
+            self._disk_states.flush()
 
     def __del__(self) -> None:
         jobs = getattr(self, "_jobs", None)
