@@ -245,7 +245,7 @@ def states_home(p: torch.Tensor) -> Store | None:
 #: Parameters whose states are read into the page cache ahead of their update.
 STATES_AHEAD = 2
 #: Parameters whose states and weight may be being written back at once after their updates.
-SETTLES_IN_FLIGHT = 4
+SETTLES_IN_FLIGHT = 2
 
 
 class DiskStates:
