@@ -176,10 +176,19 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
     setup = time.perf_counter() - t0
     opt = ropt.AdamW(model.parameters(), lr=1e-5, precision=a.precision)
 
+    parts: dict[str, list[float]] = {"forward_backward": [], "optimizer_step": []}
+
     def step() -> None:
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_of(model(x)).backward()
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
         opt.step()
+        opt.synchronize()
+        parts["forward_backward"].append(t1 - t0)
+        parts["optimizer_step"].append(time.perf_counter() - t1)
 
     first = timed(step, 1, 0, dev)
     opt.synchronize()
@@ -211,6 +220,7 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
             "optimizer": f"ramtorch.optim.AdamW(precision={a.precision!r})",
             "optimizer_on_disk": a.optimizer_on_disk,
             "first_step_seconds": first[0],
+            "step_parts_seconds": {k: v[1:] for k, v in parts.items()},  # the timed steps
             "disk_state_bytes": state_bytes,
             "disk_state_written_bytes_per_step": (None if ds is None else (ds.written_bytes - w0) / a.steps),
             "seconds": secs,
