@@ -87,6 +87,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--disk", default=None, help="directory of the disk tier (with --host-budget)")
+    ap.add_argument("--host-budget", default=None, help="offload(host_budget=...): the rest on --disk")
+    ap.add_argument(
+        "--optimizer-on-disk",
+        action="store_true",
+        help="offload(optimizer_on_disk=True): the disk units' states too",
+    )
     a = ap.parse_args()
 
     import ramtorch
@@ -94,6 +101,8 @@ def main() -> None:
     from ramtorch import plan
 
     if a.layers is None:
+        if a.disk is not None:
+            raise SystemExit("--disk needs --layers (the plan does not choose a depth for the disk tier)")
         layers, pred = choose_layers(a)
     else:
         layers = a.layers
@@ -113,7 +122,11 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build(a, layers, a.device)
     model.train()
-    ramtorch.offload(model, device=a.device, gpu_budget=budget_arg(a.gpu_budget))
+    tier = {}
+    if a.disk is not None:
+        os.makedirs(a.disk, exist_ok=True)
+        tier = {"disk": a.disk, "host_budget": a.host_budget, "optimizer_on_disk": a.optimizer_on_disk}
+    ramtorch.offload(model, device=a.device, gpu_budget=budget_arg(a.gpu_budget), **tier)
     if a.device.startswith("cuda"):
         torch.cuda.empty_cache()
     opt = ropt.AdamW(model.parameters(), lr=1e-5, precision=a.precision, states="host")
@@ -142,6 +155,22 @@ def main() -> None:
     if probe.detach().float().sum().item() == before:
         raise SystemExit("the weights did not change: nothing was trained")
     peak = peak_rss()
+    st = ramtorch.stats(model)
+    ds = opt._disk_states
+    disk_rec = {}
+    if a.disk is not None:
+        disk_rec = {
+            "host_budget": a.host_budget,
+            "optimizer_on_disk": a.optimizer_on_disk,
+            "disk_units": len(st.get("disk_units", [])),
+            "disk_unit_params": sum(
+                p.numel() for p in model.parameters() if ramtorch._disk.store_of(p) is not None
+            ),
+            "disk_weight_bytes": st.get("disk_bytes"),
+            "disk_state_bytes": 0 if ds is None else ds.nbytes,
+            "disk_read_gbps": st.get("disk_read_gbps"),
+            "disk_wait_seconds": st.get("disk_wait_seconds"),
+        }
     rec = {
         "workload": "capacity",
         "model": f"llama, hidden {a.hidden}, {layers} layers",
@@ -158,7 +187,9 @@ def main() -> None:
         "predicted_fits": pred.fits_host,
         "gpu_budget": a.gpu_budget,
         "gpu_peak_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else 0,
-        "optimizer": f"ramtorch.optim.AdamW({a.precision}, states in host RAM)",
+        "optimizer": f"ramtorch.optim.AdamW({a.precision}, states in host RAM"
+        + (", the disk units' on disk)" if a.optimizer_on_disk else ")"),
+        **disk_rec,
         "seconds": sum(times[1:]) / max(1, len(times) - 1),
         "seconds_all": times,
         "losses": losses,
