@@ -505,6 +505,11 @@ def test_optimizer_states_on_disk_train_as_in_ram(tmp_path, dtype: torch.dtype, 
         assert held
         assert all(ds.store.holds(t) == (id(p) in on_disk) for t in held), i
     assert os.listdir(tmp_path) == []  # the states' store leaves nothing behind either
+    st = ramtorch.stats(disk)
+    assert st["disk_state_bytes"] == ds.nbytes
+    assert st["disk_state_updates"] == 5 * len(on_disk)  # every step updates each one
+    assert st["disk_state_written_bytes"] >= 5 * sum(e.capacity for e in ds.extents.values())
+    assert st["disk_write_gbps"] is not None and st["disk_state_write_gbps"] is not None
 
 
 def test_optimizer_states_on_disk_load_and_resume(tmp_path):
@@ -530,3 +535,25 @@ def test_optimizer_on_disk_needs_a_disk(tmp_path):
         ramtorch.offload(Net(), device="cpu", optimizer_on_disk=True)
     with pytest.raises(TypeError, match="optimizer_on_disk must be a bool"):
         ramtorch.offload(Net(), device="cpu", disk=tmp_path, optimizer_on_disk="yes")
+
+
+def test_the_trace_shows_the_write_backs_of_states_on_disk(tmp_path):
+    import json
+
+    ram, disk, opts = _states_pair(tmp_path, torch.float32, "fp32-master")
+    _train((ram, disk), opts, 1, torch.float32)
+    path = tmp_path / "trace.json"
+    with ramtorch.trace(path):
+        _train((disk,), opts[1:], 1, torch.float32, seed=4)
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    tracks = {
+        e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
+    writes = [e for e in events if e.get("ph") == "X" and tracks.get(e["tid"]) == "disk write-backs"]
+    # Each of the 14 parameters on disk: its states and its weight.
+    names = {e["name"] for e in writes}
+    assert {n.rsplit(" ", 1)[0] for n in names} == {"write back states", "write back weight"}
+    assert {n.rsplit(" ", 1)[1] for n in names} == {"blocks.3", "blocks.4", "blocks.5", "out"}
+    assert len(writes) == 2 * 14
+    assert all(e["dur"] >= 0 for e in writes)

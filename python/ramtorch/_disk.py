@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _arena, _core
+from . import _arena, _core, _engine
 
 #: Extents start at multiples of this, and reads are whole multiples of it (``O_DIRECT``).
 ALIGN = 4096
@@ -105,6 +105,8 @@ class Store:
         #: ``offload(..., optimizer_on_disk=True)``: the optimizer states of the parameters in
         #: this store live on disk too (:class:`DiskStates`).
         self.optimizer_on_disk = False
+        #: The optimizers' states of this store's parameters (:class:`DiskStates`), while alive.
+        self.states: weakref.WeakSet[DiskStates] = weakref.WeakSet()
         _LIVE.add(self)
 
     def holds(self, t: torch.Tensor) -> bool:
@@ -125,8 +127,9 @@ class Store:
     def stats(self) -> dict[str, Any]:
         """The store's counters, with the read bandwidth while reads were in flight."""
         s = dict(self.core.stats())
-        busy = s["busy_seconds"]
-        return {
+        busy, wbusy = s["busy_seconds"], s["write_busy_seconds"]
+        states = list(self.states)
+        out = {
             "disk_path": self.core.path,
             "disk_direct": bool(self.core.direct),
             "disk_bytes": self.nbytes,
@@ -138,7 +141,22 @@ class Store:
             "disk_buffered_chunks": s["buffered_chunks"],
             "disk_cached_chunks": s["cached_chunks"],
             "disk_settled_bytes": s["settled_bytes"],
+            "disk_write_busy_seconds": round(wbusy, 6),
+            "disk_write_gbps": round(s["settled_bytes"] / wbusy / 1e9, 3) if wbusy > 0 else None,
         }
+        if states:
+            ss = [dict(d.store.core.stats()) for d in states]
+            written = sum(x["settled_bytes"] for x in ss)
+            sbusy = sum(x["write_busy_seconds"] for x in ss)
+            out.update(
+                {
+                    "disk_state_bytes": sum(d.nbytes for d in states),
+                    "disk_state_written_bytes": written,
+                    "disk_state_write_gbps": round(written / sbusy / 1e9, 3) if sbusy > 0 else None,
+                    "disk_state_updates": sum(d.updates for d in states),
+                }
+            )
+        return out
 
 
 class Extent:
@@ -269,11 +287,14 @@ class DiskStates:
         self.store = Store(directory, [_arena.packed_nbytes(list(specs.values())) for _, specs in params])
         self.extents = {id(p): ext for (p, _), ext in zip(params, self.store.extents)}
         self.homes = {id(p): h for (p, _), h in zip(params, homes)}
+        for h in set(self.homes.values()):
+            h.states.add(self)
+        self.updates = 0
         self._fresh = set(self.extents)  # extents still as the store made them: zeros
         self._order: list[int] = []  # the parameters to update next, in order
         self._hinted: set[int] = set()
         self._lock = threading.Lock()
-        self._pending: collections.deque[list[Any]] = collections.deque()
+        self._pending: collections.deque[tuple[torch.Tensor, list[tuple[str, Any]]]] = collections.deque()
         self.written_bytes = 0
 
     def __contains__(self, p: object) -> bool:
@@ -340,17 +361,37 @@ class DiskStates:
         home = self.homes[pid]
         w = p.detach()
         n = w.numel() * w.element_size()
-        tickets = [self.store.core.settle_async(ext.offset, ext.capacity)]
+        tickets = [("write back states", self.store.core.settle_async(ext.offset, ext.capacity))]
         if n:
-            tickets.append(home.core.settle_async(w.data_ptr() - home.map.data_ptr(), n))
+            off = w.data_ptr() - home.map.data_ptr()
+            tickets.append(("write back weight", home.core.settle_async(off, n)))
         with self._lock:
             self._hinted.discard(pid)
             self.written_bytes += ext.capacity + n
-            self._pending.append(tickets)
+            self.updates += 1
+            self._pending.append((p, tickets))
             old = self._pending.popleft() if len(self._pending) > SETTLES_IN_FLIGHT else None
         if old is not None:
-            for t in old:
+            self._wait(*old)
+
+    @staticmethod
+    def _wait(p: torch.Tensor, tickets: list[tuple[str, Any]]) -> None:
+        """Waits for ``p``'s write-backs (shown in the trace, if one is recording); raises the
+        first one's error after waiting for all."""
+        error: BaseException | None = None
+        for _, t in tickets:
+            try:
                 t.wait()
+            except OSError as e:
+                error = error or e
+        spans = _engine.host_spans
+        if spans is not None:
+            for label, t in tickets:
+                times = t.times()
+                if times is not None:
+                    spans.add(spans.DISK_WRITES, label, times[0], times[1], (p,), None)
+        if error is not None:
+            raise error
 
     def flush(self) -> None:
         """Waits until every write-back begun by :meth:`after` is on disk; raises ``OSError``
@@ -360,12 +401,11 @@ class DiskStates:
             with self._lock:
                 if not self._pending:
                     break
-                tickets = self._pending.popleft()
-            for t in tickets:
-                try:
-                    t.wait()
-                except OSError as e:
-                    error = error or e
+                p, tickets = self._pending.popleft()
+            try:
+                self._wait(p, tickets)
+            except OSError as e:
+                error = error or e
         if error is not None:
             raise error
 

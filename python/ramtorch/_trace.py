@@ -52,7 +52,10 @@ class HostSpans:
     #: the store's I/O threads) and the times a forward or backward blocked waiting for one.
     DISK = "disk reads"
     DISK_WAITS = "waits for the disk"
-    TRACKS = (WORKER, CALLER, WAITS, DISK, DISK_WAITS)
+    #: ``optimizer_on_disk=True``: each updated parameter's write-back (its states and weight,
+    #: on the stores' I/O threads).
+    DISK_WRITES = "disk write-backs"
+    TRACKS = (WORKER, CALLER, WAITS, DISK, DISK_WAITS, DISK_WRITES)
 
     __slots__ = ("spans",)
 

@@ -51,8 +51,10 @@ pub struct DiskStats {
     pub buffered_chunks: u64,
     /// Chunks read through the page cache and left there (reads with `cache`).
     pub cached_chunks: u64,
-    /// Bytes written back by [`DiskStore::settle`].
+    /// Bytes written back by [`DiskStore::settle`] and [`DiskStore::settle_async`].
     pub settled_bytes: u64,
+    /// Seconds during which at least one write-back was running.
+    pub write_busy_seconds: f64,
 }
 
 /// A store file and its mapping (see the module docs). Clones share the store.
@@ -79,6 +81,8 @@ struct Store {
     settled_bytes: AtomicU64,
     /// Reads in flight and when the current busy period began; the busy time so far.
     busy: Mutex<(usize, Option<Instant>, f64)>,
+    /// The same for write-backs.
+    write_busy: Mutex<(usize, Option<Instant>, f64)>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; concurrent access to its bytes is the
@@ -189,6 +193,7 @@ impl DiskStore {
             cached_chunks: AtomicU64::new(0),
             settled_bytes: AtomicU64::new(0),
             busy: Mutex::new((0, None, 0.0)),
+            write_busy: Mutex::new((0, None, 0.0)),
         });
         let keep: Arc<dyn Send + Sync> = inner.clone();
         arena.register_external(map.as_ptr() as usize, len, Arc::downgrade(&keep));
@@ -260,8 +265,10 @@ impl DiskStore {
     pub fn settle(&self, offset: usize, len: usize) -> Result<()> {
         let s = &self.inner;
         s.check_range(offset, len)?;
-        s.settle_range(offset, len)
-            .map_err(|e| disk_err(format!("writing back bytes {offset}..+{len}"), &s.path, e))?;
+        begin(&s.write_busy);
+        let r = s.settle_range(offset, len);
+        end(&s.write_busy);
+        r.map_err(|e| disk_err(format!("writing back bytes {offset}..+{len}"), &s.path, e))?;
         s.settled_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(())
     }
@@ -272,6 +279,7 @@ impl DiskStore {
         self.inner.check_range(offset, len)?;
         let parts = chunks(offset, len);
         let ticket = Ticket::new(parts.len(), offset, len, true);
+        begin(&self.inner.write_busy);
         for (start, n) in parts {
             let store = self.inner.clone();
             let t = ticket.clone();
@@ -309,14 +317,12 @@ impl DiskStore {
     /// What the store has done so far.
     pub fn stats(&self) -> DiskStats {
         let s = &self.inner;
-        let busy = match s.busy.lock() {
-            Ok(b) => b.2 + b.1.map_or(0.0, |t| t.elapsed().as_secs_f64()),
-            Err(_) => 0.0,
-        };
+        let busy = busy_so_far(&s.busy);
         DiskStats {
             reads: s.reads.load(Ordering::Relaxed),
             read_bytes: s.read_bytes.load(Ordering::Relaxed),
             busy_seconds: busy,
+            write_busy_seconds: busy_so_far(&s.write_busy),
             buffered_chunks: s.buffered_chunks.load(Ordering::Relaxed),
             cached_chunks: s.cached_chunks.load(Ordering::Relaxed),
             settled_bytes: s.settled_bytes.load(Ordering::Relaxed),
@@ -388,23 +394,11 @@ impl Store {
     }
 
     fn begin_busy(&self) {
-        if let Ok(mut b) = self.busy.lock() {
-            if b.0 == 0 {
-                b.1 = Some(Instant::now());
-            }
-            b.0 += 1;
-        }
+        begin(&self.busy);
     }
 
     fn end_busy(&self) {
-        if let Ok(mut b) = self.busy.lock() {
-            b.0 = b.0.saturating_sub(1);
-            if b.0 == 0 {
-                if let Some(t) = b.1.take() {
-                    b.2 += t.elapsed().as_secs_f64();
-                }
-            }
-        }
+        end(&self.busy);
     }
 
     /// Reads `n` bytes at file offset `off` into the memory at `addr`, directly when everything
@@ -461,6 +455,37 @@ impl Store {
                 libc::POSIX_FADV_DONTNEED,
             );
         }
+    }
+}
+
+/// A busy clock: operations in flight, when the current busy period began, the busy seconds
+/// before it.
+type Busy = Mutex<(usize, Option<Instant>, f64)>;
+
+fn begin(b: &Busy) {
+    if let Ok(mut b) = b.lock() {
+        if b.0 == 0 {
+            b.1 = Some(Instant::now());
+        }
+        b.0 += 1;
+    }
+}
+
+fn end(b: &Busy) {
+    if let Ok(mut b) = b.lock() {
+        b.0 = b.0.saturating_sub(1);
+        if b.0 == 0 {
+            if let Some(t) = b.1.take() {
+                b.2 += t.elapsed().as_secs_f64();
+            }
+        }
+    }
+}
+
+fn busy_so_far(b: &Busy) -> f64 {
+    match b.lock() {
+        Ok(b) => b.2 + b.1.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+        Err(_) => 0.0,
     }
 }
 
@@ -580,6 +605,7 @@ impl Ticket {
                 store
                     .settled_bytes
                     .fetch_add(self.bytes as u64, Ordering::Relaxed);
+                end(&store.write_busy);
             } else {
                 store
                     .read_bytes
@@ -732,6 +758,7 @@ mod tests {
         t.wait(store.path()).unwrap();
         assert!(t.is_done());
         assert_eq!(store.stats().settled_bytes as usize, len - ALIGN);
+        assert!(store.stats().write_busy_seconds > 0.0);
         let mut resident = vec![0u8; len / ALIGN];
         // SAFETY: the mapping is `len` bytes at a page-aligned address; one byte a page.
         let rc = unsafe {

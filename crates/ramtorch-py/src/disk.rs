@@ -108,7 +108,7 @@ impl DiskStore {
     }
 
     /// What the store has done: reads, read_bytes, busy_seconds, buffered_chunks, cached_chunks,
-    /// settled_bytes.
+    /// settled_bytes, write_busy_seconds.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -118,6 +118,7 @@ impl DiskStore {
         d.set_item("buffered_chunks", s.buffered_chunks)?;
         d.set_item("cached_chunks", s.cached_chunks)?;
         d.set_item("settled_bytes", s.settled_bytes)?;
+        d.set_item("write_busy_seconds", s.write_busy_seconds)?;
         Ok(d)
     }
 }
