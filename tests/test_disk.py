@@ -414,6 +414,17 @@ def test_the_plan_puts_the_units_offload_puts_on_disk_and_prices_their_reads(tmp
     assert pred.step_seconds >= floor + pred.disk_bytes / (c.disk_write_gbps * 1e9)
     assert "on disk (host budget" in pred.summary()
     assert predict(meta, None, 64, c).disk_units == []
+    # With the states on disk: out of host memory, read and written once a step, after backward.
+    states = predict(meta, None, 64, c, host_budget=budget, optimizer_on_disk=True, precision="fp32-master")
+    on_disk = [p for m in [*real.blocks[2:], real.out] for p in m.parameters()]
+    held = sum(8 * p.numel() for p in on_disk)  # fp32: two fp32 moments, no master
+    assert states.disk_state_bytes == held
+    assert pred.host_training_bytes - states.host_training_bytes == held
+    io = held / (c.disk_gbps * 1e9) + held / (c.disk_write_gbps * 1e9)
+    assert states.step_seconds >= states.forward_backward_seconds + io
+    assert "optimizer states on disk too" in states.summary()
+    with pytest.raises(ValueError, match="needs host_budget"):
+        predict(meta, None, 64, c, optimizer_on_disk=True)
 
 
 def test_sharing_disk_units_between_ranks_is_refused(tmp_path):

@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--disk-write-gbps", type=float, default=c.disk_write_gbps, help=f"disk sequential write GB/s {gb}"
     )
+    p.add_argument(
+        "--optimizer-on-disk",
+        action="store_true",
+        help="the disk units' optimizer states on disk too, as offload(optimizer_on_disk=True) (needs --host-budget)",
+    )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     a = ap.parse_args(argv)
     try:
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             states=a.states,
             host_memory=a.host_memory,
             host_budget=a.host_budget,
+            optimizer_on_disk=a.optimizer_on_disk,
         )
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as e:
         print(f"ramtorch plan: {e}", file=sys.stderr)

@@ -119,6 +119,10 @@ class Prediction:
     disk_units: list[str] = field(default_factory=list)
     disk_bytes: int = 0
     disk_read_seconds_per_pass: float = 0.0
+    #: ``offload(optimizer_on_disk=True)``: the optimizer states of the disk units' parameters
+    #: are on disk (their bytes), read and written once a step, not in host RAM.
+    optimizer_on_disk: bool = False
+    disk_state_bytes: int = 0
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -150,7 +154,13 @@ class Prediction:
                 4,
                 f"on disk (host budget {format_bytes(self.host_budget)}): {len(self.disk_units)} units, "
                 f"{format_bytes(self.disk_bytes)}, read once a pass: "
-                f"{format_seconds(self.disk_read_seconds_per_pass)}",
+                f"{format_seconds(self.disk_read_seconds_per_pass)}"
+                + (
+                    f"; their optimizer states on disk too: {format_bytes(self.disk_state_bytes)}, "
+                    "read and written once a step"
+                    if self.optimizer_on_disk
+                    else ""
+                ),
             )
         if resident:
             shown = ", ".join(resident[:12]) + (" ..." if len(resident) > 12 else "")
@@ -252,6 +262,7 @@ def predict(
     states: str = "device",
     host_memory: int | str | None = None,
     host_budget: int | str | None = None,
+    optimizer_on_disk: bool = False,
 ) -> Prediction:
     """The plan :func:`ramtorch.offload` would make for ``model``, its predicted times and its
     host memory in training with ``ramtorch.optim.AdamW(precision=precision, states=states)``.
@@ -260,7 +271,9 @@ def predict(
     ``host_memory``: bytes (or ``"24GiB"``, or ``"auto"``: this machine's) to check that training
     fits in, less :func:`host_reserve`; ``None``: not checked. ``host_budget``: the streamed units
     past it live on disk (as ``offload(host_budget=..., disk=...)`` places them), read once a pass
-    (twice a training step, and written back once) at the ceilings' disk speeds."""
+    (twice a training step, and written back once) at the ceilings' disk speeds.
+    ``optimizer_on_disk``: their optimizer states live on disk too (not in host RAM), read and
+    written once a step, in ``step()`` after the backward."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if states not in STATES:
@@ -320,7 +333,20 @@ def predict(
     trained = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
     on_host = {id(p) for k, u in enumerate(units) if k not in resident for p in u.params}
     host_weights = sum(units[k].nbytes for k in range(len(units)) if k not in resident)
-    host_training, moved = 0, 0.0
+    # The disk tier: the streamed units past the host budget, in the order offload puts them.
+    on_disk: list[int] = []
+    hb = parse_bytes(host_budget, "host_budget")
+    if optimizer_on_disk and hb is None:
+        raise ValueError("optimizer_on_disk=True needs host_budget (the units on disk)")
+    if hb is not None:
+        cands = [k for k in range(len(units)) if k not in resident and not units[k].container]
+        hb -= sum(units[k].nbytes for k in cands if k in gathered)
+        cands = [k for k in cands if k not in gathered]
+        cands = [cands[i] for i in _disk.registration_order(model, [units[k].module for k in cands])]
+        on_disk = [cands[i] for i in _disk.choose([units[k].nbytes for k in cands], max(hb, 0))]
+        host_weights -= sum(units[k].nbytes for k in on_disk)
+    states_on_disk = {id(p) for k in on_disk for p in units[k].params} if optimizer_on_disk else set()
+    host_training, moved, disk_states = 0, 0.0, 0
     for p in trained:
         here = id(p) in on_host or states == "host"
         held, step_bytes = optimizer_bytes(p, precision, device=not here)
@@ -329,6 +355,10 @@ def predict(
             # a compact update takes about what an fp32-master one does per parameter (0.22 ns),
             # though it moves half the bytes. Priced as the fp32-master update.
             step_bytes = max(step_bytes, optimizer_bytes(p, "fp32-master", device=not here)[1])
+        if id(p) in states_on_disk:  # its gradient in host RAM, its states on disk
+            disk_states += held
+            host_training += p.numel() * p.element_size()
+            continue
         moved += step_bytes
         if here:  # states (and a host gradient: .grad, or the page-locked copy of a device one)
             host_training += held + p.numel() * p.element_size()
@@ -338,16 +368,6 @@ def predict(
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = moved / max(1, sum(p.numel() for p in trained))
     copies = [0.0 if k in resident else sizes[k] / (c.h2d_gbps * 1e9) for k in range(len(units))]
-    # The disk tier: the streamed units past the host budget, in the order offload puts them.
-    on_disk: list[int] = []
-    hb = parse_bytes(host_budget, "host_budget")
-    if hb is not None:
-        cands = [k for k in range(len(units)) if k not in resident and not units[k].container]
-        hb -= sum(units[k].nbytes for k in cands if k in gathered)
-        cands = [k for k in cands if k not in gathered]
-        cands = [cands[i] for i in _disk.registration_order(model, [units[k].module for k in cands])]
-        on_disk = [cands[i] for i in _disk.choose([units[k].nbytes for k in cands], max(hb, 0))]
-        host_weights -= sum(units[k].nbytes for k in on_disk)
     reads = [0.0] * len(units)
     for k in on_disk:
         reads[k] = units[k].nbytes / (c.disk_gbps * 1e9)
@@ -367,10 +387,21 @@ def predict(
     grad_bytes = [sizes[k] for k in reversed(range(len(units)))]
     link_back = fwd
     opt_end = fwd
-    for end, nbytes, n in zip(bwd_ends, grad_bytes, reversed(counts)):
+    disk_ids = {k for k in on_disk} if optimizer_on_disk else set()
+    for end, nbytes, n, k in zip(bwd_ends, grad_bytes, reversed(counts), reversed(range(len(units)))):
         link_back = max(link_back, end) + nbytes / (c.d2h_gbps * 1e9)
-        opt_end = max(opt_end, link_back) + optimizer_bytes_per_param * n / (c.host_gbps * 1e9)
+        if k not in disk_ids:  # (states on disk: updated in step(), priced by the disk below)
+            opt_end = max(opt_end, link_back) + optimizer_bytes_per_param * n / (c.host_gbps * 1e9)
     fb_end = max(fb, link_back)
+    # On one disk, a step's reads (forward, backward; with the states on disk, the states) and
+    # its writes (the updated weights; the states) follow each other; the updates of the
+    # parameters with states on disk run in step(), after the backward.
+    disk_reads = sum(reads) + sum(bwd_reads)
+    disk_writes = disk_bytes / (c.disk_write_gbps * 1e9)
+    state_io = disk_states / (c.disk_gbps * 1e9) + disk_states / (c.disk_write_gbps * 1e9)
+    step_seconds = max(fb_end, opt_end, disk_reads + disk_writes + state_io)
+    if optimizer_on_disk and on_disk:
+        step_seconds = max(step_seconds, fb_end + state_io + disk_writes)
     on_device = [p for k in resident for p in units[k].params] + [p for p in shared if p.requires_grad]
     return Prediction(
         budget=parse_bytes(budget, "gpu_budget"),
@@ -380,11 +411,7 @@ def predict(
         streamed_bytes_per_pass=pl.streamed_bytes + sum(sizes[k] for k in gathered),
         forward_seconds=fwd,
         forward_backward_seconds=fb_end,
-        # On one disk, a step's reads (forward, backward) and the write-back of the updated weights
-        # follow each other.
-        step_seconds=max(
-            fb_end, opt_end, sum(reads) + sum(bwd_reads) + disk_bytes / (c.disk_write_gbps * 1e9)
-        ),
+        step_seconds=step_seconds,
         units=[UnitPlan(u.name, u.nbytes, n, k in resident) for k, (u, n) in enumerate(zip(units, counts))],
         notes=((_block_notes(model) + ([hint] if hint else [])) if unit is None else [])
         + [
@@ -406,6 +433,8 @@ def predict(
         disk_units=[units[k].name for k in on_disk],
         disk_bytes=disk_bytes,
         disk_read_seconds_per_pass=sum(reads),
+        optimizer_on_disk=optimizer_on_disk,
+        disk_state_bytes=disk_states,
     )
 
 
