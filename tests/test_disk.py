@@ -568,3 +568,72 @@ def test_the_trace_shows_the_write_backs_of_states_on_disk(tmp_path):
     assert {n.rsplit(" ", 1)[1] for n in names} == {"blocks.3", "blocks.4", "blocks.5", "out"}
     assert len(writes) == 2 * 14
     assert all(e["dur"] >= 0 for e in writes)
+
+
+def test_a_full_disk_for_the_states_is_a_clear_error_and_nothing_is_updated(tmp_path):
+    # The states' store is allocated whole at the first step: a disk too small for it is an
+    # OSError there, before any parameter is updated (a file size limit stands in for it).
+    code = f"""
+        import errno, resource, signal, torch, ramtorch, ramtorch.optim as ropt
+        from test_disk import Net
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        torch.manual_seed(0)
+        m = Net(width=256)
+        ramtorch.offload(m, device="cpu", host_budget=0, disk={str(tmp_path)!r}, optimizer_on_disk=True)
+        units = ramtorch.stats(m)["disk_bytes"]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (units + 4096, units + 4096))
+        opt = ropt.AdamW(m.parameters(), lr=1e-2)
+        m(torch.randn(2, 16)).square().mean().backward()
+        before = {{k: v.clone() for k, v in m.state_dict().items()}}
+        try:
+            opt.step()
+        except OSError as e:
+            assert e.errno in (errno.EFBIG, errno.ENOSPC), e
+            assert "allocating" in str(e) and "bytes" in str(e), e
+            print("refused:", e)
+        else:
+            raise SystemExit("step did not refuse")
+        assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+        assert not opt.state or all(not s for s in opt.state.values())
+        print("ok")
+    """
+    r = _child(code, tmp_path)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "refused:" in r.stdout
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_crash_while_training_with_states_on_disk_leaves_nothing(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    code = f"""
+        import torch, ramtorch, ramtorch.optim as ropt
+        from test_disk import Net
+        m = Net(width=256)
+        ramtorch.offload(m, device="cpu", host_budget=0, disk={str(store)!r}, optimizer_on_disk=True)
+        opt = ropt.AdamW(m.parameters(), lr=1e-2)
+        first = True
+        while True:  # until killed, most likely inside a step
+            m(torch.randn(2, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if first:
+                assert opt._disk_states is not None
+                print("running", flush=True)
+                first = False
+    """
+    p = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = p.stdout.readline()  # waits as long as the child takes to start (no timeout)
+        assert line.strip() == "running", line + p.stderr.read()
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    assert os.listdir(store) == []
