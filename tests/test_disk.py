@@ -516,6 +516,9 @@ def test_optimizer_states_on_disk_train_as_in_ram(tmp_path, dtype: torch.dtype, 
         assert held
         assert all(ds.store.holds(t) == (id(p) in on_disk) for t in held), i
     assert os.listdir(tmp_path) == []  # the states' store leaves nothing behind either
+    # Updated during the backward (pipelined): their states are read ahead with the backward's
+    # reads of their weights; updated in step(): in step(), in its order.
+    assert (ds.hints_in_backward > 0) == bool(kw.get("pipeline")), ds.hints_in_backward
     st = ramtorch.stats(disk)
     assert st["disk_state_bytes"] == ds.nbytes
     assert st["disk_state_updates"] == 5 * len(on_disk)  # every step updates each one

@@ -260,6 +260,19 @@ def states_home(p: torch.Tensor) -> Store | None:
     return s if s is not None and s.optimizer_on_disk else None
 
 
+def hint_states(params: Iterable[torch.Tensor]) -> None:
+    """The backward is about to read the weights of ``params`` for their update: where their
+    optimizer states are on disk and updated during the backward (``DiskStates.in_backward``),
+    they start being read ahead too."""
+    for p in params:
+        s = store_of(p)
+        if s is None:
+            continue
+        for ds in list(s.states):
+            if ds.in_backward and p in ds:
+                ds.hint(p)
+
+
 #: Parameters whose states are read into the page cache ahead of their update.
 STATES_AHEAD = 2
 #: Parameters whose states and weight may be being written back at once after their updates.
@@ -291,6 +304,10 @@ class DiskStates:
             h.states.add(self)
         self.updates = 0
         self._fresh = set(self.extents)  # extents still as the store made them: zeros
+        #: The optimizer updates these parameters during the backward (``overlap="backward"``,
+        #: ``pipeline=True``): their states are read ahead with their weights' backward reads.
+        self.in_backward = False
+        self.hints_in_backward = 0
         self._order: list[int] = []  # the parameters to update next, in order
         self._hinted: set[int] = set()
         self._lock = threading.Lock()
@@ -335,6 +352,11 @@ class DiskStates:
             self._hinted.add(pid)
         ext = self.extents[pid]
         self.store.core.will_need(ext.offset, ext.capacity)
+
+    def hint(self, p: torch.Tensor) -> None:
+        """Starts reading ``p``'s states ahead (its weights' backward read has begun)."""
+        self._hint(id(p))
+        self.hints_in_backward += 1
 
     def before(self, p: torch.Tensor) -> None:
         """Before ``p``'s update: its states, and those of the next parameters of the plan, are

@@ -579,8 +579,12 @@ class _Unit:
 
     def disk_read(self, cache: bool) -> _disk.Read:
         """Starts reading what crosses the link for this unit on disk: its encoded extent (the
-        encoded bytes, see :meth:`encoding`) or its raw one."""
+        encoded bytes, see :meth:`encoding`) or its raw one. A read for an update to come
+        (``cache``) also starts reading the parameters' optimizer states ahead, where they are on
+        disk and updated during the backward (:func:`ramtorch._disk.hint_states`)."""
         assert self.disk is not None
+        if cache:
+            _disk.hint_states(self.params)
         enc = self.encoding() if self.enc_disk is not None else None
         if enc is not None and self.enc_disk is not None:
             return self.enc_disk.read(cache, enc.nbytes)

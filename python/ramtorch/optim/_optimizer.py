@@ -367,6 +367,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         committed = self._commit(spec, scale)
         committed |= self._commit_resident(rspec, scale)
         if self._disk_states is not None:  # states on disk: read ahead in the order of the loop
+            self._disk_states.in_backward = self._updates_in_backward()
             self._disk_states.plan(
                 p
                 for g in self.param_groups

@@ -138,6 +138,10 @@ class OverlapSchedule(torch.optim.Optimizer):
         finally:
             self._accumulating -= 1
 
+    def _updates_in_backward(self) -> bool:
+        """Whether host parameters are updated in place during the backward."""
+        return self._mode in (UpdateMode.OVERLAP, UpdateMode.PIPELINE)
+
     def on_grads(self, eng: _engine.DeviceEngine, params: list[torch.nn.Parameter]) -> None:
         """Called by the engine during backward once every gradient of ``params`` is queued."""
         if not self._saw_grads:

@@ -140,7 +140,12 @@ class HostStates(torch.optim.Optimizer):
             if not params:
                 return None
             ds = self._disk_states = _disk.DiskStates(params)
+            ds.in_backward = self._updates_in_backward()
         return ds if p in ds else None
+
+    def _updates_in_backward(self) -> bool:
+        """Whether host parameters are updated in place during the backward (the scheduler's)."""
+        return False
 
     def _host_state(self, p: torch.nn.Parameter) -> dict[str, Any]:
         state = self.state[p]
