@@ -209,7 +209,8 @@ def offload(
             too (with ``ramtorch.optim``'s optimizers: moments, fp32 masters, compensation), in a
             second store file in ``disk``, made whole at the optimizer's first step (or first
             ``load_state_dict``) and gone when the optimizer is. Such a parameter is updated in
-            place in ``step()``: its states are read ahead of it through the page cache, and
+            place in ``step()`` (during the backward with ``pipeline=True`` or
+            ``overlap="backward"``): its states are read ahead of it through the page cache, and
             they and its new weight are written back and leave memory after it, so host memory
             holds neither. ``False`` (default): their states are in host RAM.
 
