@@ -114,12 +114,6 @@ class Store:
         base = self.map.data_ptr()
         return t.device.type == "cpu" and base <= t.data_ptr() < base + self.nbytes
 
-    def settle_tensor(self, t: torch.Tensor) -> None:
-        """Writes the bytes of ``t`` (in the mapping) back and drops them from memory."""
-        n = t.numel() * t.element_size()
-        if n:
-            self.core.settle(t.data_ptr() - self.map.data_ptr(), n)
-
     @property
     def nbytes(self) -> int:
         return int(self.core.nbytes)
