@@ -640,3 +640,30 @@ def test_a_crash_while_training_with_states_on_disk_leaves_nothing(tmp_path):
         p.kill()
         p.wait()
     assert os.listdir(store) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_states_on_disk_on_random_shapes_dtypes_and_budgets(tmp_path, seed: int):
+    import random
+
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    precision = rng.choice(["fp32-master", "bf16", "compact"] if dtype == torch.bfloat16 else ["fp32-master"])
+    width, depth = rng.randrange(8, 200), rng.randrange(1, 5)
+    torch.manual_seed(seed)
+    base = Net(width=width, depth=depth, dtype=dtype)
+    ram, disk = copy.deepcopy(base), copy.deepcopy(base)
+    ramtorch.offload(ram, device="cpu")
+    host_units = rng.randrange(0, depth + 1)
+    budget = _unit_bytes(base.inp) + host_units * _unit_bytes(base.blocks[0])
+    ramtorch.offload(disk, device="cpu", host_budget=budget, disk=tmp_path, optimizer_on_disk=True)
+    kw = rng.choice([{}, {"pipeline": True}, {"overlap": False}])
+    opts = [
+        ropt.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, precision=precision, **kw) for m in (ram, disk)
+    ]
+    _train((ram, disk), opts, 3, dtype, seed=seed)
+    for o in opts:
+        o.synchronize()
+    for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(a, b), (n, dtype, precision, width, depth, host_units, kw)
+    assert opts[1]._disk_states is not None
