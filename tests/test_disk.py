@@ -462,6 +462,15 @@ def test_the_auto_budget_plan_logged_counts_the_disk(tmp_path, monkeypatch, capl
     msg = next(r.getMessage() for r in caplog.records if "gpu_budget='auto'" in r.getMessage())
     n = len(ramtorch.stats(m)["disk_units"])
     assert f"; {n} units (" in msg and "on disk, read in" in msg, msg
+    assert "and their optimizer states" not in msg
+    caplog.clear()
+    m = Net()
+    with caplog.at_level(logging.INFO, logger="ramtorch"):
+        ramtorch.offload(
+            m, gpu_budget="auto", device="cpu", host_budget=0, disk=tmp_path, optimizer_on_disk=True
+        )
+    msg = next(r.getMessage() for r in caplog.records if "gpu_budget='auto'" in r.getMessage())
+    assert "and their optimizer states (" in msg and "read and written once a step" in msg, msg
 
 
 def _states_pair(tmp_path, dtype: torch.dtype, precision: str, **kw):

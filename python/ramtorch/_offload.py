@@ -779,7 +779,14 @@ def _report_auto_plan(
     speed)."""
     from . import plan as _plan
 
-    pred = _plan.predict(model, budget, 4096, host_budget=None if store is None else store.host_budget)
+    on_disk = store is not None and store.optimizer_on_disk
+    pred = _plan.predict(
+        model,
+        budget,
+        4096,
+        host_budget=None if store is None else store.host_budget,
+        optimizer_on_disk=on_disk,
+    )
     resident = sum(1 for u in units if u.resident)
     logger.info(
         "ramtorch.offload(gpu_budget='auto') on %s: budget %s, %d of %d units resident (%s), %d slots "
@@ -800,7 +807,13 @@ def _report_auto_plan(
         ""
         if store is None
         else f"; {len(pred.disk_units)} units ({_fmt(pred.disk_bytes)}) on disk, read in "
-        f"{pred.disk_read_seconds_per_pass * 1e3:.0f} ms a pass at {_plan.Ceilings().disk_gbps} GB/s",
+        f"{pred.disk_read_seconds_per_pass * 1e3:.0f} ms a pass at {_plan.Ceilings().disk_gbps} GB/s"
+        + (
+            f", and their optimizer states ({_fmt(pred.disk_state_bytes)} with AdamW's fp32 masters), "
+            f"read and written once a step: a step {pred.step_seconds:.1f} s"
+            if on_disk
+            else ""
+        ),
     )
 
 
