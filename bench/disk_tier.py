@@ -148,7 +148,7 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
     from w1 import to_host as w1_to_host
 
     dev = a.device
-    d, f, layers = (64, 128, 4) if a.tiny else (8192, 28672, a.layers)
+    d, f, layers = (64, 128, 4) if a.tiny else (*a.w1_dims, a.layers)
     model = w1_build("resident", d, f, layers, dev)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     x = torch.randn(a.tokens, d, device=dev, dtype=torch.bfloat16)
@@ -370,6 +370,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="W1 tokens per step")
     ap.add_argument("--steps", type=int, default=3, help="W1 timed steps (after one warm-up step)")
     ap.add_argument("--layers", type=int, default=8, help="W1 layers")
+    ap.add_argument(
+        "--w1-dims", type=int, nargs=2, default=[8192, 28672], metavar=("D", "F"), help="W1 layer shape"
+    )
     ap.add_argument("--precision", default="fp32-master", help="W1: ramtorch.optim.AdamW(precision=...)")
     ap.add_argument("--optimizer-on-disk", action="store_true", help="W1: offload(optimizer_on_disk=True)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
