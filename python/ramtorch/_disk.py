@@ -267,7 +267,7 @@ def hint_states(params: Iterable[torch.Tensor]) -> None:
                 ds.hint(p)
 
 
-#: Parameters whose states are read into the page cache ahead of their update.
+#: Parameters whose states are read into staging buffers ahead of their update.
 STATES_AHEAD = 2
 #: Parameters whose states and weight may be being written back at once after their updates.
 SETTLES_IN_FLIGHT = 2
@@ -277,10 +277,12 @@ class DiskStates:
     """The optimizer states (moments, fp32 masters, compensation) of parameters that live on disk
     with ``optimizer_on_disk=True``: one store file per optimizer next to the units' store,
     made whole at its first step (or its first ``load_state_dict``), one extent per parameter
-    holding all its states. The states are CPU tensors over the mapping, updated in place by the
-    optimizer's kernels. Before an update the parameter's extent (and those of the next
-    parameters to update) is read ahead into the page cache (:meth:`before`); after it, the
-    states and the parameter's new weight are written back and leave memory (:meth:`after`)."""
+    holding all its states. The optimizer's state tensors are views over the store's mapping
+    (``state_dict`` and loads see them as CPU tensors), but an update does not go through the
+    mapping: :meth:`before` reads the parameter's extent into a staging buffer (directly, past
+    the page cache, started :data:`STATES_AHEAD` parameters ahead), the kernel updates the
+    buffer, and :meth:`after` writes it back (directly) and the new weight (through the units'
+    mapping), on the stores' I/O threads, while the next updates run."""
 
     def __init__(
         self,
@@ -303,7 +305,10 @@ class DiskStates:
         self.in_backward = False
         self.hints_in_backward = 0
         self._order: list[int] = []  # the parameters to update next, in order
-        self._hinted: set[int] = set()
+        self._staged: dict[int, Read] = {}  # reads of extents begun ahead of their update
+        self._current: dict[int, torch.Tensor] = {}  # staging buffers of updates running
+        self._writing: dict[int, list[tuple[str, Any]]] = {}  # write-backs in flight, by parameter
+        self._dirty: set[int] = set()  # extents written through the mapping (made, loaded)
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[torch.Tensor, list[tuple[str, Any]]]] = collections.deque()
         self.written_bytes = 0
@@ -316,8 +321,8 @@ class DiskStates:
         return self.store.nbytes
 
     def make(self, p: torch.Tensor, zero: bool = True) -> dict[str, torch.Tensor]:
-        """``p``'s states over its extent, zero (a master is the caller's to fill); ``zero=False``:
-        as they are (the caller writes every byte)."""
+        """``p``'s states over its extent in the mapping, zero (a master is the caller's to fill);
+        ``zero=False``: as they are (the caller writes every byte)."""
         pid = id(p)
         specs = self.specs[pid]
         _, views = _arena.pack_mixed(list(specs.values()), self.extents[pid].view)
@@ -325,6 +330,8 @@ class DiskStates:
         with self._lock:
             fresh = pid in self._fresh
             self._fresh.discard(pid)
+            self._dirty.add(pid)  # (the caller writes through the mapping)
+            self._staged.pop(pid, None)  # a read begun before is of the old bytes
         if zero and not fresh:  # states made before (and dropped, for a load): zero again
             for t in out.values():
                 t.zero_()
@@ -332,31 +339,41 @@ class DiskStates:
 
     def plan(self, params: Iterable[torch.Tensor]) -> None:
         """The parameters (of this store, in order) the next updates go through: each update
-        reads the next ones' states ahead."""
+        starts reading the next ones' states."""
         with self._lock:
             self._order = [id(p) for p in params if id(p) in self.extents]
-            self._hinted.clear()
         for pid in self._order[:STATES_AHEAD]:
-            self._hint(pid)
+            self._stage(pid)
 
-    def _hint(self, pid: int) -> None:
+    def _stage(self, pid: int) -> None:
+        """Starts reading ``pid``'s extent into a staging buffer (after its write-back, if one is
+        in flight, and with what was written through the mapping written back first)."""
         with self._lock:
-            if pid in self._hinted:
+            if pid in self._staged or pid in self._current:
                 return
-            self._hinted.add(pid)
+            writing = self._writing.get(pid)
+            dirty = pid in self._dirty
+            self._dirty.discard(pid)
+        if writing is not None:
+            for _, t in writing:
+                t.wait()
         ext = self.extents[pid]
-        self.store.core.will_need(ext.offset, ext.capacity)
+        if dirty:
+            ext.settle()
+        read = ext.read()
+        with self._lock:
+            self._staged[pid] = read
 
     def hint(self, p: torch.Tensor) -> None:
-        """Starts reading ``p``'s states ahead (its weights' backward read has begun)."""
-        self._hint(id(p))
+        """Starts reading ``p``'s states (its weights' backward read has begun)."""
+        self._stage(id(p))
         self.hints_in_backward += 1
 
-    def before(self, p: torch.Tensor) -> None:
-        """Before ``p``'s update: its states, and those of the next parameters of the plan, are
-        read ahead."""
+    def before(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Before ``p``'s update: its states in a staging buffer, once read (the reads of the next
+        parameters of the plan begun), as the optimizer's state names map them."""
         pid = id(p)
-        self._hint(pid)
+        self._stage(pid)
         with self._lock:
             try:
                 k = self._order.index(pid)
@@ -364,34 +381,48 @@ class DiskStates:
                 nxt: list[int] = []
             else:
                 nxt = self._order[k + 1 : k + 1 + STATES_AHEAD]
+            read = self._staged.pop(pid)
         for q in nxt:
-            self._hint(q)
+            self._stage(q)
+        buf = read.wait()
+        with self._lock:
+            self._current[pid] = buf
+        specs = self.specs[pid]
+        _, views = _arena.pack_mixed(list(specs.values()), lambda n: buf[:n])
+        return dict(zip(specs, views))
 
     def after(self, p: torch.Tensor) -> None:
-        """After ``p``'s update: its states and its weight start being written back to their
-        stores (and leave memory then), on the stores' I/O threads, while the next updates run;
-        at most :data:`SETTLES_IN_FLIGHT` parameters' write-backs are in flight (this waits for
-        the oldest past that). :meth:`flush` waits for all."""
+        """After ``p``'s update: its states (the staging buffer) and its new weight start being
+        written back to their stores, on the stores' I/O threads, while the next updates run; at
+        most :data:`SETTLES_IN_FLIGHT` parameters' write-backs are in flight (this waits for the
+        oldest past that). :meth:`flush` waits for all."""
         pid = id(p)
         ext = self.extents[pid]
         home = self.homes[pid]
+        with self._lock:
+            buf = self._current.pop(pid)
         w = p.detach()
         n = w.numel() * w.element_size()
-        tickets = [("write back states", self.store.core.settle_async(ext.offset, ext.capacity))]
+        tickets = [("write back states", self.store.core.write(buf, ext.offset, ext.capacity))]
         if n:
             off = w.data_ptr() - home.map.data_ptr()
             tickets.append(("write back weight", home.core.settle_async(off, n)))
         with self._lock:
-            self._hinted.discard(pid)
             self.written_bytes += ext.capacity + n
             self.updates += 1
+            self._writing[pid] = tickets
             self._pending.append((p, tickets))
             old = self._pending.popleft() if len(self._pending) > SETTLES_IN_FLIGHT else None
         if old is not None:
             self._wait(*old)
 
-    @staticmethod
-    def _wait(p: torch.Tensor, tickets: list[tuple[str, Any]]) -> None:
+    def abandon(self, p: torch.Tensor) -> None:
+        """``p``'s update failed: its staging buffer is dropped (the extent holds the states of
+        before it)."""
+        with self._lock:
+            self._current.pop(id(p), None)
+
+    def _wait(self, p: torch.Tensor, tickets: list[tuple[str, Any]]) -> None:
         """Waits for ``p``'s write-backs (shown in the trace, if one is recording); raises the
         first one's error after waiting for all."""
         error: BaseException | None = None
@@ -400,6 +431,9 @@ class DiskStates:
                 t.wait()
             except OSError as e:
                 error = error or e
+        with self._lock:
+            if self._writing.get(id(p)) is tickets:
+                del self._writing[id(p)]
         spans = _engine.host_spans
         if spans is not None:
             for label, t in tickets:
@@ -428,3 +462,5 @@ class DiskStates:
     def settle(self, p: torch.Tensor) -> None:
         """Writes ``p``'s states back and drops them from memory (after a load wrote them)."""
         self.extents[id(p)].settle()
+        with self._lock:
+            self._dirty.discard(id(p))

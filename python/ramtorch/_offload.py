@@ -210,9 +210,10 @@ def offload(
             second store file in ``disk``, made whole at the optimizer's first step (or first
             ``load_state_dict``) and gone when the optimizer is. Such a parameter is updated in
             place in ``step()`` (during the backward with ``pipeline=True`` or
-            ``overlap="backward"``): its states are read ahead of it through the page cache, and
-            they and its new weight are written back and leave memory after it, so host memory
-            holds neither. ``False`` (default): their states are in host RAM.
+            ``overlap="backward"``): its states are read ahead of it into a staging buffer
+            (``O_DIRECT``), updated there and written back (``O_DIRECT``) with its new weight,
+            so host memory holds only the states of the few parameters in flight. ``False``
+            (default): their states are in host RAM.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
         units, and buffers stay on the device and count against the budget. Not counted: in training,

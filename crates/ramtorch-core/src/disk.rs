@@ -135,6 +135,7 @@ impl DiskStore {
             .map_err(|e| disk_err("creating", &shown, e))?;
         let direct = OpenOptions::new()
             .read(true)
+            .write(true)
             .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
             .open(&path)
             .ok();
@@ -271,6 +272,30 @@ impl DiskStore {
         r.map_err(|e| disk_err(format!("writing back bytes {offset}..+{len}"), &s.path, e))?;
         s.settled_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Queues a write of `src` (ramtorch memory) to the file at `offset`, in chunks on the store's
+    /// I/O threads, directly (past the page cache) where the file system takes it; returns its
+    /// ticket. The range's mapped pages are written back and dropped first (a later access
+    /// through the mapping reads what this wrote). `src` must not change until the ticket is done.
+    pub fn write(&self, offset: usize, src: &HostSlice) -> Result<ReadTicket> {
+        let len = src.len();
+        self.inner.check_range(offset, len)?;
+        let parts = chunks(offset, len);
+        let ticket = Ticket::new(parts.len(), offset, len, true);
+        begin(&self.inner.write_busy);
+        let base = src.as_ptr() as usize;
+        for (start, n) in parts {
+            let store = self.inner.clone();
+            let t = ticket.clone();
+            let keep = src.lease();
+            self.inner.pool.spawn(move || {
+                let r = store.write_chunk(offset + start, base + start, n);
+                drop(keep);
+                t.finish(r, &store);
+            });
+        }
+        Ok(ReadTicket { ticket })
     }
 
     /// As [`settle`](Self::settle), on the store's I/O threads in chunks: returns at once, with a
@@ -428,6 +453,27 @@ impl Store {
         read_exact_at(&self.file, buf, off)?;
         self.drop_cached(off, n);
         Ok(())
+    }
+
+    /// Writes the `n` bytes at `addr` to file offset `off`: the range's mapped pages written back
+    /// and dropped first, then directly when everything is aligned and the file system takes it,
+    /// else through the page cache (dropped after).
+    fn write_chunk(&self, off: usize, addr: usize, n: usize) -> std::io::Result<()> {
+        self.settle_range(off, n)?;
+        // SAFETY: `addr..addr+n` lies inside the source slice, whose lease the caller holds for
+        // the duration of this call; its owner does not write it while the write is queued.
+        let buf = unsafe { std::slice::from_raw_parts(addr as *const u8, n) };
+        let aligned =
+            off.is_multiple_of(ALIGN) && n.is_multiple_of(ALIGN) && addr.is_multiple_of(ALIGN);
+        if let (Some(direct), true) = (&self.direct, aligned) {
+            match direct.write_all_at(buf, off as u64) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.file.write_all_at(buf, off as u64)?;
+        self.settle_range(off, n)
     }
 
     /// Drops the file's bytes `off..off+n` from memory once they have been read: the mapped
@@ -782,6 +828,34 @@ mod tests {
             .unwrap();
         // SAFETY: the read is done.
         assert!(unsafe { dst.as_slice() }.iter().all(|&b| b == 9));
+    }
+
+    #[test]
+    fn a_write_lands_in_the_file_and_the_mapping_sees_it() {
+        let len = CHUNK + 5 * ALIGN;
+        let store = DiskStore::create(&Arena::new(None), &tmp(), len + ALIGN, 3).unwrap();
+        // SAFETY: the mapping is `len + ALIGN` bytes, written by this thread only (dirty pages the
+        // write must not be overwritten by later).
+        unsafe { std::ptr::write_bytes(store.as_ptr(), 1, len + ALIGN) };
+        let arena = Arena::new(None);
+        let src = arena.alloc(len, true).unwrap();
+        // SAFETY: `src` is ours; nothing else touches it yet.
+        unsafe { std::ptr::write_bytes(src.as_ptr(), 5, len) };
+        let t = store.write(ALIGN, &src.slice(0, len).unwrap()).unwrap();
+        t.wait(store.path()).unwrap();
+        // SAFETY: the write is done; the mapping reads the file (its pages were dropped).
+        let seen = unsafe { std::slice::from_raw_parts(store.as_ptr(), len + ALIGN) };
+        assert!(seen[..ALIGN].iter().all(|&b| b == 1));
+        assert!(seen[ALIGN..].iter().all(|&b| b == 5));
+        let dst = arena.alloc(len, true).unwrap();
+        store
+            .read(ALIGN, &dst.slice(0, len).unwrap(), false)
+            .unwrap()
+            .wait(store.path())
+            .unwrap();
+        // SAFETY: the read is done.
+        assert!(unsafe { dst.as_slice() }.iter().all(|&b| b == 5));
+        assert!(store.write(2 * ALIGN, &dst.slice(0, len).unwrap()).is_err());
     }
 
     #[test]

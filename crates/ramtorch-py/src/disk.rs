@@ -71,6 +71,18 @@ impl DiskStore {
         py.detach(|| guard("DiskStore.settle", || self.inner.settle(offset, nbytes)))
     }
 
+    /// Queues a write of the `nbytes` bytes of `src` (a tensor or address inside ramtorch
+    /// memory) to the file at `offset`, directly where possible; returns its ticket. `src` must
+    /// not change until the ticket is done.
+    fn write(&self, src: &Bound<'_, PyAny>, offset: usize, nbytes: usize) -> PyResult<ReadTicket> {
+        let path = self.inner.path().to_owned();
+        guard("DiskStore.write", || {
+            let src = memory::host_slice("src", src, nbytes)?;
+            let ticket = self.inner.write(offset, &src)?;
+            Ok(ReadTicket { ticket, path })
+        })
+    }
+
     /// As `settle`, on the store's I/O threads: returns a ticket at once (its `wait()` raises
     /// the write-back's error, if it failed).
     fn settle_async(&self, offset: usize, nbytes: usize) -> PyResult<ReadTicket> {

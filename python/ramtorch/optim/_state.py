@@ -181,8 +181,13 @@ class HostStates(torch.optim.Optimizer):
         state["step"] += 1
         ds = self._disk_states if weight is None else None
         if ds is not None and p in ds:
-            ds.before(p)
-            self._run_kernel(p, grad, group, int(state["step"].item()), scale)
+            # States on disk: updated in a staging buffer, read ahead and written back (_disk).
+            staged = ds.before(p)
+            try:
+                self._run_kernel(p, grad, group, int(state["step"].item()), scale, states=staged)
+            except BaseException:
+                ds.abandon(p)
+                raise
             ds.after(p)
         else:
             self._run_kernel(p, grad, group, int(state["step"].item()), scale, weight=weight)
@@ -211,16 +216,18 @@ class HostStates(torch.optim.Optimizer):
         scale: float,
         into: dict[str, torch.Tensor] | None = None,
         weight: torch.Tensor | None = None,
+        states: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Step ``step`` of the rule on ``p`` (whose states exist), in place, or out of place into
         ``into`` (the weight as ``"param"``, the states, ``"master"``). ``weight``: the host
-        tensor that stands for ``p``'s weight (default ``p``)."""
+        tensor that stands for ``p``'s weight (default ``p``); ``states``: tensors that stand for
+        its states (in place), by name (default its own)."""
         w = p if weight is None else weight
         if not w.is_contiguous():
             raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
         if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
             grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
-        state = self.state[p]
+        state = self.state[p] if states is None else {**self.state[p], **states}
         names = self._state_names[: self._active_states(group)]
         states = [state[n] for n in names]
         master = state.get("master")
