@@ -176,14 +176,15 @@ class Extent:
         """Writes the extent's mapped pages back to the file and drops them from memory."""
         self.store.core.settle(self.offset, self.capacity)
 
-    def read(self, cache: bool = False, nbytes: int | None = None) -> Read:
+    def read(self, cache: bool = False, nbytes: int | None = None, pin: bool = True) -> Read:
         """Starts reading the extent into a new page-locked staging buffer: directly (past the
         page cache) where the file system allows, the extent's pages dropped from memory after;
         with ``cache``, through the page cache and left there, for an extent whose parameters an
         optimizer is about to write (each write through the mapping would otherwise read its page
-        from the disk first). ``nbytes``: read only the first ones (in whole 4 KiB blocks)."""
+        from the disk first). ``nbytes``: read only the first ones (in whole 4 KiB blocks).
+        ``pin=False``: the staging buffer is not page-locked (for bytes only the CPU uses)."""
         n = self.capacity if nbytes is None else min(self.capacity, _padded(nbytes))
-        buf = _arena.host_bytes(n)
+        buf = _arena.host_bytes(n, pin=pin)
         return Read(buf, self.store.core.read(buf, self.offset, n, cache), self.store)
 
 
@@ -360,7 +361,7 @@ class DiskStates:
         ext = self.extents[pid]
         if dirty:
             ext.settle()
-        read = ext.read()
+        read = ext.read(pin=False)  # (only the CPU's kernels touch it)
         with self._lock:
             self._staged[pid] = read
 
