@@ -17,6 +17,7 @@ from torch import nn as _torch_nn
 
 from . import _core, _engine, _offload, distributed, nn, optim, plan
 from ._core import CudaError
+from ._keep import commit, resume
 from ._offload import offload, weights_unchanged
 from ._stream import gather as _gather
 from ._trace import trace
@@ -33,6 +34,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "CudaError",
+    "commit",
     "distributed",
     "empty_cache",
     "load",
@@ -43,6 +45,7 @@ __all__ = [
     "optim",
     "plan",
     "replace_linear",
+    "resume",
     "save_checkpoint",
     "save_pretrained",
     "stats",

@@ -89,7 +89,13 @@ def _padded(n: int) -> int:
 class Store:
     """One store file holding extents of the given sizes (bytes each), in order."""
 
-    def __init__(self, directory: str | os.PathLike[str], sizes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        sizes: Sequence[int],
+        path: str | None = None,
+        create: bool = True,
+    ) -> None:
         offsets, total = [], 0
         for n in sizes:
             offsets.append(total)
@@ -97,9 +103,14 @@ class Store:
         self.directory = os.fspath(directory)
         if not os.path.isdir(self.directory):
             raise ValueError(f"ramtorch.offload: disk={self.directory!r} is not a directory")
-        self.core = _core.DiskStore(self.directory, max(total, ALIGN), threads())
+        if path is None:  # made for the run, its name removed at once
+            self.core = _core.DiskStore(self.directory, max(total, ALIGN), threads())
+        else:  # a kept store's file (ramtorch._keep), made or opened
+            self.core = _core.DiskStore.open(path, max(total, ALIGN), threads(), create)
         self.map = torch.from_dlpack(self.core.mapping())
         self.extents = [Extent(self, off, _padded(int(n))) for off, n in zip(offsets, sizes)]
+        #: ``offload(..., keep=True)``: the kept store this file belongs to (``ramtorch._keep``).
+        self.kept: Any = None
         self.wait_seconds = 0.0  # time the compute thread waited for reads
         self.host_budget: int | None = None  # the host budget that put these units here
         #: ``offload(..., optimizer_on_disk=True)``: the optimizer states of the parameters in
@@ -156,12 +167,15 @@ class Store:
 class Extent:
     """A unit's bytes in a :class:`Store`: ``capacity`` bytes (4 KiB multiple) at ``offset``."""
 
-    __slots__ = ("store", "offset", "capacity")
+    __slots__ = ("store", "offset", "capacity", "opened")
 
     def __init__(self, store: Store, offset: int, capacity: int) -> None:
         self.store = store
         self.offset = offset
         self.capacity = capacity
+        #: The extent holds a kept store's values, which the unit's first packing takes as its
+        #: parameters' (``ramtorch._keep``) instead of writing theirs.
+        self.opened = False
 
     def view(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the extent in the store's mapping (a ``uint8`` CPU tensor)."""
@@ -294,13 +308,21 @@ class DiskStates:
             raise ValueError("DiskStates: every parameter must live in a store with optimizer_on_disk")
         directory = homes[0].directory  # type: ignore[union-attr]
         self.specs = {id(p): specs for p, specs in params}
-        self.store = Store(directory, [_arena.packed_nbytes(list(specs.values())) for _, specs in params])
+        sizes = [_arena.packed_nbytes(list(specs.values())) for _, specs in params]
+        #: The kept store (``ramtorch._keep``) the states belong to, if any: updates are journaled.
+        self.kept = homes[0].kept  # type: ignore[union-attr]
+        opened = False
+        if self.kept is not None:
+            self.store, opened = self.kept.open_states(sizes)
+        else:
+            self.store = Store(directory, sizes)
         self.extents = {id(p): ext for (p, _), ext in zip(params, self.store.extents)}
         self.homes = {id(p): h for (p, _), h in zip(params, homes)}
         for h in set(self.homes.values()):
             h.states.add(self)
         self.updates = 0
-        self._fresh = set(self.extents)  # extents still as the store made them: zeros
+        # Extents still as the store made them: zeros (none, in a kept store's opened file).
+        self._fresh = set() if opened else set(self.extents)
         #: The optimizer updates these parameters during the backward (``overlap="backward"``,
         #: ``pipeline=True``): their states are read ahead with their weights' backward reads.
         self.in_backward = False
@@ -334,9 +356,23 @@ class DiskStates:
             self._dirty.add(pid)  # (the caller writes through the mapping)
             self._staged.pop(pid, None)  # a read begun before is of the old bytes
         if zero and not fresh:  # states made before (and dropped, for a load): zero again
+            self.protect(p)
             for t in out.values():
                 t.zero_()
         return out
+
+    def protect(self, p: torch.Tensor, buf: torch.Tensor | None = None, weight: bool = False) -> None:
+        """In a kept store, before ``p``'s states (``buf``: them, already read) and, with
+        ``weight``, its weight are written: their bytes as they are now go to the journal."""
+        kept = self.kept
+        if kept is None:
+            return
+        ext = self.extents[id(p)]
+        kept.protect("states", ext.offset, ext.capacity, buf)
+        if weight:
+            w = p.detach()
+            home = self.homes[id(p)]
+            kept.protect("units", w.data_ptr() - home.map.data_ptr(), w.numel() * w.element_size())
 
     def plan(self, params: Iterable[torch.Tensor]) -> None:
         """The parameters (of this store, in order) the next updates go through: each update
@@ -386,6 +422,7 @@ class DiskStates:
         for q in nxt:
             self._stage(q)
         buf = read.wait()
+        self.protect(p, buf, weight=True)  # (a kept store: before the update writes them)
         with self._lock:
             self._current[pid] = buf
         specs = self.specs[pid]

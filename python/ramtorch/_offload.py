@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import _arena, _codec, _config, _disk, _engine
+from . import _arena, _codec, _config, _disk, _engine, _keep
 from ._log import logger
 from ._stream import added as _added
 from ._stream import decoding as _decoding
@@ -64,6 +64,7 @@ def _disk_units(
     host_budget: int | str | None,
     disk: str | os.PathLike[str] | None,
     compress: str | None,
+    keep: bool = False,
 ) -> _disk.Store | None:
     """Puts the streamed units past ``host_budget`` on disk (see :func:`offload`): the units in
     the order ``model`` registers their modules fill the budget, the rest get an extent each in a
@@ -81,7 +82,12 @@ def _disk_units(
     if not os.path.isdir(disk):
         raise ValueError(f"ramtorch.offload: disk={os.fspath(disk)!r} is not a directory")
     streamed = [u for u in units if u.uid not in resident_ids and not u.container]
-    if host_budget is None:
+    found = _keep.manifest_units(os.fspath(disk)) if keep and host_budget is None else None
+    if found is not None:  # a kept store's own units, whatever memory is free now
+        by_name = {u.name: u for u in streamed if not u.gather}
+        chosen = [by_name[n] for n in found if n in by_name]
+        limit = sum(u.nbytes for u in streamed if u not in chosen)
+    elif host_budget is None:
         limit = _disk.auto_host_budget(max((u.nbytes for u in streamed), default=0))
         logger.info(
             "ramtorch.offload: host_budget for disk=%s: %s (free memory less a reserve)", disk, _fmt(limit)
@@ -91,14 +97,25 @@ def _disk_units(
         assert limit is not None
     limit -= sum(u.nbytes for u in streamed if u.gather)  # tables streamed by rows stay in RAM
     cands = [u for u in streamed if not u.gather]
-    cands = [cands[i] for i in _disk.registration_order(model, [u.module for u in cands])]
-    chosen = [cands[k] for k in _disk.choose([u.nbytes for u in cands], max(limit, 0))]
+    if found is None:
+        cands = [cands[i] for i in _disk.registration_order(model, [u.module for u in cands])]
+        chosen = [cands[k] for k in _disk.choose([u.nbytes for u in cands], max(limit, 0))]
     if not chosen:
+        if keep:
+            raise ValueError(
+                "ramtorch.offload: keep=True, but no unit goes to disk (host_budget holds them all): "
+                "lower host_budget (0: every streamed unit on disk)"
+            )
         return None
     # With a codec, each unit has a second extent for its encoded bytes (sized for the raw ones:
     # the encoding is known only once the unit is packed there).
     encoded = [u.nbytes for u in chosen] if compress is not None else []
-    store = _disk.Store(disk, [u.nbytes for u in chosen] + encoded)
+    sizes = [u.nbytes for u in chosen] + encoded
+    if keep:
+        kept = _keep.Kept(os.fspath(disk), _keep.fingerprint(model, chosen, compress))
+        store = kept.open_units(sizes)
+    else:
+        store = _disk.Store(disk, sizes)
     store.host_budget = limit
     for k, u in enumerate(chosen):
         u.disk = store.extents[k]
@@ -129,6 +146,7 @@ def offload(
     host_budget: int | str | None = None,
     disk: str | os.PathLike[str] | None = None,
     optimizer_on_disk: bool = False,
+    keep: bool = False,
 ) -> nn.Module:
     """Keeps ``model``'s parameters in host RAM and streams them to ``device`` unit by unit.
 
@@ -214,6 +232,20 @@ def offload(
             (``O_DIRECT``), updated there and written back (``O_DIRECT``) with its new weight,
             so host memory holds only the states of the few parameters in flight. ``False``
             (default): their states are in host RAM.
+        keep: the store in ``disk`` is kept: a checkpoint of the model that a later ``offload``
+            of the same model with the same ``disk`` opens again, without copying: the model then
+            takes the store's values (its units' and, from the last commit, every other tensor's),
+            and :func:`ramtorch.load` of the files it was loaded from reads nothing. The store's
+            files (``units.bin``, ``states.bin`` with ``optimizer_on_disk``, a journal, a
+            manifest and the last commit's ``rest-<n>.safetensors``) stay in ``disk``.
+            :func:`ramtorch.commit` makes the model, the optimizer and the RNG states the state
+            to resume from, :func:`ramtorch.resume` restores the optimizer from it. Between
+            commits, ``ramtorch.optim``'s updates of the disk units save what they overwrite to
+            the journal first, so reopening after a crash (a SIGKILL, a power loss) gives the
+            last commit exactly. Training a kept store needs ``optimizer_on_disk=True``. Writes
+            the journal does not see (``.data`` writes, torch's optimizers) are not protected:
+            commit after them. A directory holding the store of another model is a
+            ``ValueError``. ``host_budget=None``: the store's own units go to disk again.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
         units, and buffers stay on the device and count against the budget. Not counted: in training,
@@ -288,11 +320,11 @@ def offload(
     for u, raw in zip(units, raw_units):
         u.container = raw[3]
         # Tied parameters stay resident: drop them from the streamed unit.
-        keep = [i for i, p in enumerate(u.params) if id(p) not in shared_ids]
-        if len(keep) != len(u.params):
-            remap = {old: new for new, old in enumerate(keep)}
+        own = [i for i, p in enumerate(u.params) if id(p) not in shared_ids]
+        if len(own) != len(u.params):
+            remap = {old: new for new, old in enumerate(own)}
             u.entries = [_Entry(e.owner, e.name, remap[e.index]) for e in u.entries if e.index in remap]
-            u.params = [u.params[i] for i in keep]
+            u.params = [u.params[i] for i in own]
             u.nbytes = _packed_bytes(u.params)
     units = [u for u in units if u.params]
     for k, u in enumerate(units):
@@ -337,7 +369,11 @@ def offload(
         raise TypeError(f"ramtorch.offload: optimizer_on_disk must be a bool, got {optimizer_on_disk!r}")
     if optimizer_on_disk and disk is None:
         raise ValueError("ramtorch.offload: optimizer_on_disk=True needs disk=, the directory for the states")
-    store = _disk_units(model, units, resident_ids, host_budget, disk, compress)
+    if not isinstance(keep, bool):
+        raise TypeError(f"ramtorch.offload: keep must be a bool, got {keep!r}")
+    if keep and disk is None:
+        raise ValueError("ramtorch.offload: keep=True needs disk=, the directory of the kept store")
+    store = _disk_units(model, units, resident_ids, host_budget, disk, compress, keep)
     if store is not None:
         store.optimizer_on_disk = optimizer_on_disk
 
@@ -438,6 +474,14 @@ def offload(
         model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
     _report_compute_device(model)
     _span_generate()
+    kept = None if store is None else store.kept
+    if kept is not None:
+        if kept.opened:  # the store is the model: what lies outside it, from the last commit
+            kept.restore_model(model)
+            if getattr(model, "_ramtorch_unwritten", None):
+                model._ramtorch_unwritten = {}  # type: ignore[assignment]
+        else:
+            kept.commit(model, None, None, by_user=False)
     _added.watch(model, streamer)  # parameters added after this are refused (by name) at the next forward
     _STREAMERS.add(streamer)
     streamer.eng.add_holder(streamer)

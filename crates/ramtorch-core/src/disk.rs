@@ -19,7 +19,7 @@
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -55,6 +55,17 @@ pub struct DiskStats {
     pub settled_bytes: u64,
     /// Seconds during which at least one write-back was running.
     pub write_busy_seconds: f64,
+}
+
+/// How [`DiskStore::open_file`] opens its file.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Open {
+    /// Made new, its name removed at once.
+    Temporary,
+    /// Made new, its name kept.
+    Create,
+    /// An existing file, as it is.
+    Existing,
 }
 
 /// A store file and its mapping (see the module docs). Clones share the store.
@@ -105,11 +116,6 @@ impl DiskStore {
     /// registered with `arena` while the store lives, so [`Arena::slice`] finds it (it is never
     /// pinned: copies to a device go through staging buffers).
     pub fn create(arena: &Arena, dir: &Path, len: usize, threads: usize) -> Result<Self> {
-        if len == 0 {
-            return Err(Error::InvalidArgument(
-                "a disk store must hold at least one byte".into(),
-            ));
-        }
         let shown = dir.display().to_string();
         let meta =
             std::fs::metadata(dir).map_err(|e| disk_err("opening the directory", &shown, e))?;
@@ -123,34 +129,81 @@ impl DiskStore {
             std::process::id(),
             SERIAL.fetch_add(1, Ordering::Relaxed)
         );
-        let path: PathBuf = dir.join(name);
+        Self::open_file(arena, &dir.join(name), len, threads, Open::Temporary)
+    }
+
+    /// A store kept at `path`: made there (exactly `len` zero bytes, allocated whole; an existing
+    /// file is an error) with `create`, else opened as it is (its length must be `len`). Its name
+    /// stays: the file outlives the process.
+    pub fn open(
+        arena: &Arena,
+        path: &Path,
+        len: usize,
+        threads: usize,
+        create: bool,
+    ) -> Result<Self> {
+        let how = if create { Open::Create } else { Open::Existing };
+        Self::open_file(arena, path, len, threads, how)
+    }
+
+    fn open_file(arena: &Arena, path: &Path, len: usize, threads: usize, how: Open) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "a disk store must hold at least one byte".into(),
+            ));
+        }
         let shown = path.display().to_string();
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create_new(true)
+            .create_new(how != Open::Existing)
             .mode(0o600)
             .custom_flags(libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| disk_err("creating", &shown, e))?;
+            .open(path)
+            .map_err(|e| {
+                let op = if how == Open::Existing { "opening" } else { "creating" };
+                disk_err(op, &shown, e)
+            })?;
         let direct = OpenOptions::new()
             .read(true)
             .write(true)
             .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
-            .open(&path)
+            .open(path)
             .ok();
-        // Removed now: the descriptors keep the file, and nothing is left behind by a crash.
-        let removed = std::fs::remove_file(&path);
-        let size = libc::off_t::try_from(len)
-            .map_err(|_| Error::InvalidArgument(format!("a store of {len} bytes is too large")))?;
-        // SAFETY: `file` is an open, writable regular file; the range is valid.
-        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size) };
-        if rc != 0 {
-            let e = std::io::Error::from_raw_os_error(rc);
-            let free = free_bytes(dir)
-                .map(|f| format!(" ({f} bytes free)"))
-                .unwrap_or_default();
-            return Err(disk_err(format!("allocating {len} bytes{free}"), &shown, e));
+        // A temporary store's name is removed now: the descriptors keep the file, and nothing is
+        // left behind by a crash.
+        let removed = if how == Open::Temporary {
+            std::fs::remove_file(path)
+        } else {
+            Ok(())
+        };
+        if how == Open::Existing {
+            let have = file
+                .metadata()
+                .map_err(|e| disk_err("reading the size of", &shown, e))?
+                .len();
+            if have != len as u64 {
+                return Err(Error::InvalidArgument(format!(
+                    "the store {shown} holds {have} bytes, expected {len}"
+                )));
+            }
+        } else {
+            let size = libc::off_t::try_from(len).map_err(|_| {
+                Error::InvalidArgument(format!("a store of {len} bytes is too large"))
+            })?;
+            // SAFETY: `file` is an open, writable regular file; the range is valid.
+            let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size) };
+            if rc != 0 {
+                let e = std::io::Error::from_raw_os_error(rc);
+                let dir = path.parent().unwrap_or(Path::new("."));
+                let free = free_bytes(dir)
+                    .map(|f| format!(" ({f} bytes free)"))
+                    .unwrap_or_default();
+                if how == Open::Create {
+                    let _ = std::fs::remove_file(path); // (nothing of it is of use)
+                }
+                return Err(disk_err(format!("allocating {len} bytes{free}"), &shown, e));
+            }
         }
         removed.map_err(|e| disk_err("removing the directory entry", &shown, e))?;
         // SAFETY: a shared mapping of the whole (allocated) file with no address hint.
@@ -272,6 +325,21 @@ impl DiskStore {
         r.map_err(|e| disk_err(format!("writing back bytes {offset}..+{len}"), &s.path, e))?;
         s.settled_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Makes everything written to the store so far durable: the mapping's dirty pages are
+    /// written back (`msync`) and the file's data flushed to the device (`fdatasync`), direct
+    /// writes included.
+    pub fn sync(&self) -> Result<()> {
+        let s = &self.inner;
+        // SAFETY: the mapping is ours, `map_len` bytes long, and stays mapped while `s` lives.
+        let rc = unsafe { libc::msync(s.map.as_ptr().cast(), s.map_len, libc::MS_SYNC) };
+        if rc != 0 {
+            return Err(disk_err("msync", &s.path, std::io::Error::last_os_error()));
+        }
+        s.file
+            .sync_data()
+            .map_err(|e| disk_err("fdatasync", &s.path, e))
     }
 
     /// Queues a write of `src` (ramtorch memory) to the file at `offset`, in chunks on the store's

@@ -39,6 +39,31 @@ impl DiskStore {
         Ok(Self { inner })
     }
 
+    /// A store kept at `path` (its name stays): made there, exactly `nbytes` zero bytes
+    /// allocated whole, with `create` (an existing file is an `OSError`), else opened as it is
+    /// (its size must be `nbytes`).
+    #[staticmethod]
+    fn open(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        nbytes: usize,
+        threads: usize,
+        create: bool,
+    ) -> PyResult<Self> {
+        let inner = py.detach(|| {
+            guard("DiskStore.open", || {
+                disk::DiskStore::open(crate::arena()?, &path, nbytes, threads, create)
+            })
+        })?;
+        Ok(Self { inner })
+    }
+
+    /// Makes everything written to the store so far durable (`msync` of the mapping, then
+    /// `fdatasync`).
+    fn sync(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| guard("DiskStore.sync", || self.inner.sync()))
+    }
+
     /// The whole mapping, as a DLPack capsule of a 1-D uint8 CPU tensor (which keeps the store
     /// alive).
     fn mapping(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {

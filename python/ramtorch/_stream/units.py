@@ -522,14 +522,21 @@ class _Unit:
         leaves, tree = stream_tensors(self.params)
         specs = [(tuple(t.shape), t.dtype) for t in leaves]
         flat, views = _arena.pack_mixed(specs, None if self.disk is None else self.disk.view)
+        # A kept store's extent, opened: its bytes are the parameters' values (ramtorch._keep).
+        adopt = self.disk is not None and self.disk.opened
+        if adopt:
+            assert self.disk is not None
+            self.disk.opened = False
         with torch.no_grad():
             if tree is None:
                 for p, v in zip(self.params, views):
                     if p.is_meta:  # built on the meta device: allocated here, zeroed, filled by a load
-                        v.zero_()
+                        if not adopt:
+                            v.zero_()
                         materialize(p, v)
                         continue
-                    v.copy_(p.detach())
+                    if not adopt:
+                        v.copy_(p.detach())
                     grad = p.grad
                     p.data = v
                     if grad is not None:
@@ -537,8 +544,9 @@ class _Unit:
                         g.copy_(grad)
                         p.grad = g
             else:
-                for t, v in zip(leaves, views):
-                    v.copy_(t.detach())
+                if not adopt:
+                    for t, v in zip(leaves, views):
+                        v.copy_(t.detach())
                 self._place(tree, views)
         if self.disk is not None:
             self.disk.settle()  # written to the file, and out of memory

@@ -53,6 +53,19 @@ def state_specs(
     return specs
 
 
+def _same(a: torch.Tensor, b: Any) -> bool:
+    """Whether ``b`` is a tensor over exactly ``a``'s memory (a state loaded onto itself: a kept
+    store resumed)."""
+    return (
+        isinstance(b, torch.Tensor)
+        and b.device == a.device
+        and b.data_ptr() == a.data_ptr()
+        and b.dtype == a.dtype
+        and b.shape == a.shape
+        and b.stride() == a.stride()
+    )
+
+
 def _is_host(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype in _DTYPES
 
@@ -152,6 +165,15 @@ class HostStates(torch.optim.Optimizer):
         if not state:
             state["step"] = torch.tensor(0.0)
             ds = self._disk_states_for(p)
+            if ds is None:
+                home = _disk.store_of(p)
+                if home is not None and home.kept is not None:
+                    del self.state[p]
+                    raise ValueError(
+                        f"{type(self).__name__}: a parameter of the kept store in {home.directory!r} "
+                        "is trained with its optimizer states in host RAM, where a crash would lose "
+                        "them; offload with keep=True trains with optimizer_on_disk=True"
+                    )
             if ds is not None:
                 state.update(ds.make(p))
             for name, (shape, dtype) in self._host_specs(p).items():
@@ -403,8 +425,11 @@ class HostStates(torch.optim.Optimizer):
                 ds = self._disk_states_for(p)
                 if ds is not None:  # states on disk: copied into the parameter's extent
                     views = ds.make(p, zero=False)
+                    same = [k for k in views if _same(views[k], saved.get(k))]
+                    if len(same) < len(views):
+                        ds.protect(p)  # (a kept store: journaled first)
                     for k, v in saved.items():
-                        st[k] = views[k].copy_(v) if k in views else v.clone()
+                        st[k] = views[k] if k in same else views[k].copy_(v) if k in views else v.clone()
                     ds.settle(p)
                     continue
                 for k, v in saved.items():
