@@ -185,7 +185,9 @@ class Kept:
 
     def _remove_files(self) -> None:
         for name in os.listdir(self.directory):
-            if name in (UNITS, STATES, JOURNAL) or (name.startswith("rest-") and name.endswith(".safetensors")):
+            if name in (UNITS, STATES, JOURNAL) or (
+                name.startswith("rest-") and name.endswith(".safetensors")
+            ):
                 os.unlink(os.path.join(self.directory, name))
 
     def path(self, name: str) -> str:
@@ -380,7 +382,9 @@ class Kept:
         sd = optimizer.state_dict()
         state = {}
         for i, st in sd["state"].items():
-            if isinstance(st, dict) and any(isinstance(v, torch.Tensor) and self.holds(v) for v in st.values()):
+            if isinstance(st, dict) and any(
+                isinstance(v, torch.Tensor) and self.holds(v) for v in st.values()
+            ):
                 kept = [k for k, v in st.items() if isinstance(v, torch.Tensor) and self.holds(v)]
                 st = {k: v for k, v in st.items() if k not in kept}
                 st["__in_store__"] = kept
@@ -538,7 +542,9 @@ def resume(
                 names = list(st.pop("__in_store__"))
                 missing = [k for k in names if k not in views]
                 if missing:
-                    raise ValueError(f"ramtorch.resume: the committed states {missing} are not this optimizer's")
+                    raise ValueError(
+                        f"ramtorch.resume: the committed states {missing} are not this optimizer's"
+                    )
                 state[i] = {**{k: v for k, v in st.items()}, **{k: views[k] for k in names}}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     out = rest.get("extra")

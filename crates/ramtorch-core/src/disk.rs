@@ -146,7 +146,13 @@ impl DiskStore {
         Self::open_file(arena, path, len, threads, how)
     }
 
-    fn open_file(arena: &Arena, path: &Path, len: usize, threads: usize, how: Open) -> Result<Self> {
+    fn open_file(
+        arena: &Arena,
+        path: &Path,
+        len: usize,
+        threads: usize,
+        how: Open,
+    ) -> Result<Self> {
         if len == 0 {
             return Err(Error::InvalidArgument(
                 "a disk store must hold at least one byte".into(),
@@ -161,7 +167,11 @@ impl DiskStore {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| {
-                let op = if how == Open::Existing { "opening" } else { "creating" };
+                let op = if how == Open::Existing {
+                    "opening"
+                } else {
+                    "creating"
+                };
                 disk_err(op, &shown, e)
             })?;
         let direct = OpenOptions::new()

@@ -193,7 +193,10 @@ def load(
         raise
     if kept is not None and source is not None:
         kept.commit(
-            model, None, None, source={**source, "missing": out["missing"], "unexpected": out["unexpected"]},
+            model,
+            None,
+            None,
+            source={**source, "missing": out["missing"], "unexpected": out["unexpected"]},
             by_user=False,
         )
     return out
