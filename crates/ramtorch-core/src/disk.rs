@@ -804,7 +804,7 @@ mod tests {
     use super::*;
     use crate::arena::Arena;
 
-    fn tmp() -> PathBuf {
+    fn tmp() -> std::path::PathBuf {
         std::env::temp_dir()
     }
 
