@@ -174,7 +174,7 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
         optimizer_on_disk=a.optimizer_on_disk,
     )
     setup = time.perf_counter() - t0
-    opt = ropt.AdamW(model.parameters(), lr=1e-5, precision=a.precision)
+    opt = ropt.AdamW(model.parameters(), lr=1e-5, precision=a.precision, pipeline=a.pipeline)
 
     parts: dict[str, list[float]] = {"forward_backward": [], "optimizer_step": []}
 
@@ -217,7 +217,7 @@ def w1_step(a: argparse.Namespace, ceiling: dict, link: dict, common: dict) -> l
             **common,
             "system": "ramtorch",
             "phase": "step",
-            "optimizer": f"ramtorch.optim.AdamW(precision={a.precision!r})",
+            "optimizer": f"ramtorch.optim.AdamW(precision={a.precision!r}, pipeline={a.pipeline})",
             "optimizer_on_disk": a.optimizer_on_disk,
             "first_step_seconds": first[0],
             "step_parts_seconds": {k: v[1:] for k, v in parts.items()},  # the timed steps
@@ -375,6 +375,7 @@ def main() -> None:
     )
     ap.add_argument("--precision", default="fp32-master", help="W1: ramtorch.optim.AdamW(precision=...)")
     ap.add_argument("--optimizer-on-disk", action="store_true", help="W1: offload(optimizer_on_disk=True)")
+    ap.add_argument("--pipeline", action="store_true", help="W1: ramtorch.optim.AdamW(pipeline=True)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
