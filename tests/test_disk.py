@@ -668,3 +668,26 @@ def test_states_on_disk_on_random_shapes_dtypes_and_budgets(tmp_path, seed: int)
     for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
         assert torch.equal(a, b), (n, dtype, precision, width, depth, host_units, kw)
     assert opts[1]._disk_states is not None
+
+
+def test_states_read_ahead_in_the_backward_stay_within_the_bound(tmp_path, monkeypatch):
+    # Pipelined: every unit's weights read for the backward hint their states; only
+    # STATES_AHEAD of them wait in staging buffers at once (each may be GBs), besides the one
+    # whose update is starting.
+    ram, disk, opts = _states_pair(tmp_path, torch.bfloat16, "fp32-master", pipeline=True)
+    seen: list[int] = []
+    stage = ramtorch._disk.DiskStates._stage
+
+    def counting(self, pid):
+        stage(self, pid)
+        seen.append(len(self._staged))
+
+    monkeypatch.setattr(ramtorch._disk.DiskStates, "_stage", counting)
+    monkeypatch.setattr(ramtorch._disk, "STATES_AHEAD", 1)
+    _train((ram, disk), opts, 3, torch.bfloat16)
+    for o in opts:
+        o.synchronize()
+    assert opts[1]._disk_states.hints_in_backward > 0
+    assert seen and max(seen) == 2  # the one about to be updated, and one ahead
+    for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(a, b), n

@@ -328,6 +328,7 @@ class DiskStates:
         self.in_backward = False
         self.hints_in_backward = 0
         self._order: list[int] = []  # the parameters to update next, in order
+        self._hinted: collections.deque[int] = collections.deque()  # hinted, not yet staged
         self._staged: dict[int, Read] = {}  # reads of extents begun ahead of their update
         self._current: dict[int, torch.Tensor] = {}  # staging buffers of updates running
         self._writing: dict[int, list[tuple[str, Any]]] = {}  # write-backs in flight, by parameter
@@ -402,9 +403,22 @@ class DiskStates:
             self._staged[pid] = read
 
     def hint(self, p: torch.Tensor) -> None:
-        """Starts reading ``p``'s states (its weights' backward read has begun)."""
-        self._stage(id(p))
+        """``p``'s weights' backward read has begun: its states are read next, once fewer than
+        :data:`STATES_AHEAD` parameters' states wait in staging buffers (the backward reads
+        units further ahead than that, and each states extent may be GBs)."""
+        with self._lock:
+            if id(p) not in self._hinted:
+                self._hinted.append(id(p))
         self.hints_in_backward += 1
+        self._stage_hinted()
+
+    def _stage_hinted(self) -> None:
+        while True:
+            with self._lock:
+                if not self._hinted or len(self._staged) >= STATES_AHEAD:
+                    return
+                pid = self._hinted.popleft()
+            self._stage(pid)
 
     def before(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Before ``p``'s update: its states in a staging buffer, once read (the reads of the next
@@ -419,8 +433,15 @@ class DiskStates:
             else:
                 nxt = self._order[k + 1 : k + 1 + STATES_AHEAD]
             read = self._staged.pop(pid)
+            if pid in self._hinted:
+                self._hinted.remove(pid)
         for q in nxt:
+            with self._lock:
+                full = len(self._staged) >= STATES_AHEAD
+            if full:
+                break
             self._stage(q)
+        self._stage_hinted()
         buf = read.wait()
         self.protect(p, buf, weight=True)  # (a kept store: before the update writes them)
         with self._lock:
