@@ -166,6 +166,10 @@ def test_commit_and_resume_train_as_if_never_stopped(tmp_path, dtype, precision,
         ramtorch.commit(m, o, extra={"step": k + 1})
     _step(m, o, xs[3])  # not committed: lost
     o.synchronize()
+    st = ramtorch.stats(m)
+    assert st["disk_kept"] == str(tmp_path) and not st["disk_kept_opened"]
+    assert st["disk_commit_serial"] == 4  # offload's commit, then three
+    assert st["disk_journal_bytes"] > 0  # the uncommitted step's old bytes
     del m, o
 
     m2 = _offload(Net(dtype=dtype), tmp_path, optimizer_on_disk=True)

@@ -149,6 +149,16 @@ class Store:
             "disk_write_busy_seconds": round(wbusy, 6),
             "disk_write_gbps": round(s["settled_bytes"] / wbusy / 1e9, 3) if wbusy > 0 else None,
         }
+        kept = self.kept
+        if kept is not None:  # offload(keep=True): ramtorch._keep
+            out.update(
+                {
+                    "disk_kept": kept.directory,
+                    "disk_kept_opened": kept.opened,
+                    "disk_commit_serial": int(kept.manifest.get("serial", 0)),
+                    "disk_journal_bytes": kept.journal_bytes,
+                }
+            )
         if states:
             ss = [dict(d.store.core.stats()) for d in states]
             written = sum(x["settled_bytes"] for x in ss)
