@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "ramtorch._stream": STREAM,
     "ramtorch._offload": FEATURE,
     "ramtorch._kv_cache": FEATURE,
+    "ramtorch._keep": FEATURE,
     "ramtorch.nn": FEATURE,
     "ramtorch.optim": FEATURE,
     "ramtorch.io": FEATURE,
@@ -54,6 +55,8 @@ FEATURE_EDGES = {
     ("ramtorch.checkpoint", "ramtorch.io"),  # the old import path of ramtorch.io.checkpoint
     ("ramtorch.integrations", "ramtorch.optim"),  # the Trainer's optimizer is ramtorch.optim.AdamW
     ("ramtorch.plan", "ramtorch.optim"),  # the plan prices the optimizer's own state layout
+    ("ramtorch._offload", "ramtorch._keep"),  # offload(keep=True) opens or makes a kept store
+    ("ramtorch._keep", "ramtorch.io"),  # a kept store's commits are checkpoints of what is outside it
 }
 
 #: Imports known to break the layering, to be removed: each must still exist (the test says when

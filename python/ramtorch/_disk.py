@@ -318,6 +318,7 @@ class DiskStates:
             raise ValueError("DiskStates: every parameter must live in a store with optimizer_on_disk")
         directory = homes[0].directory  # type: ignore[union-attr]
         self.specs = {id(p): specs for p, specs in params}
+        self._params = {id(p): p for p, _ in params}
         sizes = [_arena.packed_nbytes(list(specs.values())) for _, specs in params]
         #: The kept store (``ramtorch._keep``) the states belong to, if any: updates are journaled.
         self.kept = homes[0].kept  # type: ignore[union-attr]
@@ -339,6 +340,7 @@ class DiskStates:
         self.hints_in_backward = 0
         self._order: list[int] = []  # the parameters to update next, in order
         self._hinted: collections.deque[int] = collections.deque()  # hinted, not yet staged
+        self._journaled: dict[int, Any] = {}  # kept store: journal writes of staged reads
         self._staged: dict[int, Read] = {}  # reads of extents begun ahead of their update
         self._current: dict[int, torch.Tensor] = {}  # staging buffers of updates running
         self._writing: dict[int, list[tuple[str, Any]]] = {}  # write-backs in flight, by parameter
@@ -366,6 +368,9 @@ class DiskStates:
             self._fresh.discard(pid)
             self._dirty.add(pid)  # (the caller writes through the mapping)
             self._staged.pop(pid, None)  # a read begun before is of the old bytes
+            fut = self._journaled.pop(pid, None)
+        if fut is not None:
+            fut.result()  # (its read and journal write of the old bytes end before they change)
         if zero and not fresh:  # states made before (and dropped, for a load): zero again
             self.protect(p)
             for t in out.values():
@@ -379,11 +384,12 @@ class DiskStates:
         if kept is None:
             return
         ext = self.extents[id(p)]
-        kept.protect("states", ext.offset, ext.capacity, buf)
+        ranges: list[tuple[str, int, int, torch.Tensor | None]] = [("states", ext.offset, ext.capacity, buf)]
         if weight:
             w = p.detach()
             home = self.homes[id(p)]
-            kept.protect("units", w.data_ptr() - home.map.data_ptr(), w.numel() * w.element_size())
+            ranges.append(("units", w.data_ptr() - home.map.data_ptr(), w.numel() * w.element_size(), None))
+        kept.protect_many(ranges)  # (nothing, for ranges saved since the last commit)
 
     def plan(self, params: Iterable[torch.Tensor]) -> None:
         """The parameters (of this store, in order) the next updates go through: each update
@@ -409,8 +415,17 @@ class DiskStates:
         if dirty:
             ext.settle()
         read = ext.read(pin=False)  # (only the CPU's kernels touch it)
+        # A kept store: what the update will overwrite goes to the journal as soon as it is read,
+        # while the updates before it run.
+        fut = None if self.kept is None else self.kept.pool.submit(self._journal_staged, pid, read)
         with self._lock:
             self._staged[pid] = read
+            if fut is not None:
+                self._journaled[pid] = fut
+
+    def _journal_staged(self, pid: int, read: Read) -> None:
+        read.ticket.wait()
+        self.protect(self._params[pid], read.buf, weight=True)
 
     def hint(self, p: torch.Tensor) -> None:
         """``p``'s weights' backward read has begun: its states are read next, once fewer than
@@ -453,6 +468,10 @@ class DiskStates:
             self._stage(q)
         self._stage_hinted()
         buf = read.wait()
+        with self._lock:
+            fut = self._journaled.pop(pid, None)
+        if fut is not None:
+            fut.result()  # (raises what the journal's write raised: nothing is updated then)
         self.protect(p, buf, weight=True)  # (a kept store: before the update writes them)
         with self._lock:
             self._current[pid] = buf

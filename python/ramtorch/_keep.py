@@ -27,12 +27,14 @@ model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import hashlib
 import json
 import logging
 import os
+import threading
 import warnings
 import zlib
 from collections.abc import Iterable, Sequence
@@ -129,6 +131,9 @@ class Kept:
         self.units: _disk.Store | None = None
         self.states: _disk.Store | None = None
         self._protected: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+        #: Journals the states a read ahead brought in while the updates before them run.
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ramtorch-journal")
         self.commits = 0
         self.journal_bytes = 0  # journaled since the last commit
         self.manifest: dict[str, Any] = {}
@@ -234,34 +239,48 @@ class Kept:
     # -- the journal ---------------------------------------------------------------------------
 
     def _reset_journal(self) -> None:
-        head = json.dumps({"magic": _MAGIC, "serial": self.manifest["serial"]}).encode()
-        os.ftruncate(self._journal, 0)
-        _pwrite_all(self._journal, memoryview(head.ljust(_BLOCK, b"\0")), 0)
-        os.fdatasync(self._journal)
-        self._end = _BLOCK
-        self._protected.clear()
-        self.journal_bytes = 0
+        with self._lock:
+            head = json.dumps({"magic": _MAGIC, "serial": self.manifest["serial"]}).encode()
+            os.ftruncate(self._journal, 0)
+            _pwrite_all(self._journal, memoryview(head.ljust(_BLOCK, b"\0")), 0)
+            os.fdatasync(self._journal)
+            self._end = _BLOCK
+            self._protected.clear()
+            self.journal_bytes = 0
 
     def protect(self, which: str, offset: int, nbytes: int, data: torch.Tensor | None = None) -> None:
         """Saves the ``nbytes`` at ``offset`` of the ``which`` file (``"units"``, ``"states"``)
         to the journal, durably, unless saved since the last commit: call before writing them.
         ``data``: those bytes, already in memory (else they are copied from the file)."""
-        key = (which, offset)
-        if key in self._protected or nbytes <= 0:
-            return
-        pos = self._end
-        if data is not None:
-            _pwrite_all(self._journal, _bytes_of(data)[:nbytes], pos + _BLOCK)
-        else:
-            _copy_range(self._fds[which], self._journal, nbytes, offset, pos + _BLOCK)
-        os.fdatasync(self._journal)  # the data, then the header that makes it a record
-        rec = {"file": which, "offset": offset, "nbytes": nbytes, "serial": self.manifest["serial"]}
-        rec["check"] = zlib.crc32(json.dumps(rec, sort_keys=True).encode())
-        _pwrite_all(self._journal, memoryview(json.dumps(rec).encode().ljust(_BLOCK, b"\0")), pos)
-        os.fdatasync(self._journal)
-        self._end = pos + _BLOCK + -(-nbytes // _BLOCK) * _BLOCK
-        self._protected.add(key)
-        self.journal_bytes += nbytes
+        self.protect_many([(which, offset, nbytes, data)])
+
+    def protect_many(self, ranges: Sequence[tuple[str, int, int, torch.Tensor | None]]) -> None:
+        """:meth:`protect` of several ranges, with one ``fdatasync`` for their data and one for
+        their records' headers. Safe to call from several threads."""
+        with self._lock:
+            todo = [r for r in ranges if (r[0], r[1]) not in self._protected and r[2] > 0]
+            if not todo:
+                return
+            start, pos, heads = self._end, self._end, []
+            for which, offset, nbytes, data in todo:
+                if data is not None:
+                    _pwrite_all(self._journal, _bytes_of(data)[:nbytes], pos + _BLOCK)
+                else:
+                    _copy_range(self._fds[which], self._journal, nbytes, offset, pos + _BLOCK)
+                rec = {"file": which, "offset": offset, "nbytes": nbytes, "serial": self.manifest["serial"]}
+                rec["check"] = zlib.crc32(json.dumps(rec, sort_keys=True).encode())
+                heads.append((pos, json.dumps(rec).encode().ljust(_BLOCK, b"\0")))
+                pos += _BLOCK + -(-nbytes // _BLOCK) * _BLOCK
+            os.fdatasync(self._journal)  # the data, then the headers that make it records
+            for at, head in heads:
+                _pwrite_all(self._journal, memoryview(head), at)
+            os.fdatasync(self._journal)
+            # (Written once and read only after a crash: out of the page cache.)
+            os.posix_fadvise(self._journal, start, pos - start, os.POSIX_FADV_DONTNEED)
+            self._end = pos
+            for which, offset, nbytes, _ in todo:
+                self._protected.add((which, offset))
+                self.journal_bytes += nbytes
 
     def _records(self, fd: int, serial: int) -> list[dict[str, Any]]:
         """The journal's whole records of ``serial``, in order (a torn last one is left out)."""
@@ -420,6 +439,7 @@ class Kept:
             )
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)
         for fd in [self._journal, *self._fds.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .. import _arena, _engine, _keep
+from .. import _arena, _engine
 from .._units import parse_bytes
 from ._dtypes import NATIVE, ST_TO_TORCH, TORCH_TO_ST
 from ._files import fsync_dir, read_regular, write_atomic
@@ -167,7 +167,8 @@ def load(
     in place directly.
     """
     t0 = time.perf_counter()
-    kept = _keep.kept_of(model)
+    # (offload(keep=True): the store's ramtorch._keep.Kept)
+    kept = getattr(getattr(getattr(model, "_ramtorch_streamer", None), "disk_store", None), "kept", None)
     source = None
     if kept is not None:
         # A kept store holds the model: loading the files it was filled from reads nothing.
