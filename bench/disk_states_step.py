@@ -77,12 +77,12 @@ def main() -> None:
         if e.get("ph") == "X" and tracks.get(e["tid"]) == "disk write-backs":
             busy[e["name"].rsplit(" ", 1)[0]] += e["dur"] / 1e6
     st = ramtorch.stats(m)
+    params = sum(p.numel() for p in m.parameters())
     if a.keep:
         import shutil
 
         del opt, m
         shutil.rmtree(disk, ignore_errors=True)
-    params = sum(p.numel() for p in m.parameters())
     print(
         json.dumps(
             {
