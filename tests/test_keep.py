@@ -272,3 +272,45 @@ def test_the_journal_ignores_a_torn_record(tmp_path):
     m2 = _offload(Net(), tmp_path)
     _equal(_state(m2), want)
     assert isinstance(_disk.store_of(next(iter(m2.blocks[5].parameters()))), _disk.Store)
+
+
+def test_a_full_disk_for_the_journal_is_a_clear_error_and_the_commit_survives(tmp_path):
+    # A file size limit stands in for a full disk: the store files fit under it, the journal of
+    # a step does not. The step fails with an OSError before the update whose old bytes could
+    # not be saved; reopening gives the last commit.
+    code = f"""
+        import errno, resource, signal, torch, ramtorch, ramtorch.optim as ropt
+        from test_disk import Net
+        from test_keep import _offload, _batches, _step
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        torch.manual_seed(2)
+        m = _offload(Net(width=256), {str(tmp_path)!r}, optimizer_on_disk=True)
+        o = ropt.AdamW(m.parameters(), lr=1e-2)
+        xs = _batches(2)
+        _step(m, o, xs[0])
+        ramtorch.commit(m, o, extra={{"step": 1}})
+        biggest = max(s.nbytes for s in (o._disk_states.store, m._ramtorch_streamer.disk_store))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (biggest + 4096, resource.RLIM_INFINITY))
+        try:
+            _step(m, o, xs[1])
+        except OSError as e:
+            assert e.errno in (errno.EFBIG, errno.ENOSPC), e
+            assert "journal of the kept store" in str(e), e
+            print("refused:", e)
+        else:
+            raise SystemExit("the step did not fail")
+        assert o._disk_states.updates > 18  # (18 disk parameters): some of this step's ran
+    """
+    r = _child(code)
+    assert r.returncode == 0 and "refused:" in r.stdout, r.stdout + r.stderr[-3000:]
+
+    torch.manual_seed(2)
+    ram = ramtorch.offload(Net(width=256), device="cpu")
+    ro = ropt.AdamW(ram.parameters(), lr=1e-2)
+    xs = _batches(2)
+    _step(ram, ro, xs[0])
+    m = _offload(Net(width=256), tmp_path, optimizer_on_disk=True)
+    o = ropt.AdamW(m.parameters(), lr=1e-2)
+    assert ramtorch.resume(m, o) == {"step": 1}
+    _equal(_state(m), _state(ram))
+    _equal_opt(_opt_state(o), _opt_state(ro))

@@ -256,7 +256,21 @@ class Kept:
 
     def protect_many(self, ranges: Sequence[tuple[str, int, int, torch.Tensor | None]]) -> None:
         """:meth:`protect` of several ranges, with one ``fdatasync`` for their data and one for
-        their records' headers. Safe to call from several threads."""
+        their records' headers. Safe to call from several threads. A failed write raises
+        ``OSError`` naming the journal (the ranges are not written then: nothing is lost)."""
+        try:
+            self._protect_many(ranges)
+        except OSError as e:
+            n = sum(r[2] for r in ranges)
+            raise OSError(
+                e.errno,
+                f"ramtorch: saving {n} bytes to the journal of the kept store in {self.directory!r} "
+                f"failed ({e.strerror or e}); the update that would overwrite them did not run, and "
+                "reopening the store gives its last commit",
+                self.path(JOURNAL),
+            ) from e
+
+    def _protect_many(self, ranges: Sequence[tuple[str, int, int, torch.Tensor | None]]) -> None:
         with self._lock:
             todo = [r for r in ranges if (r[0], r[1]) not in self._protected and r[2] > 0]
             if not todo:
