@@ -394,29 +394,6 @@ impl DiskStore {
         Ok(ReadTicket { ticket })
     }
 
-    /// Asks the kernel to read the `len` bytes at `offset` into the page cache, in chunks on the
-    /// store's I/O threads, and returns at once: host code that is about to touch the range
-    /// through the mapping (an optimizer updating states kept on disk) then finds its pages
-    /// instead of faulting them in one by one. A hint: a chunk the kernel refuses is left to the
-    /// faults.
-    pub fn will_need(&self, offset: usize, len: usize) -> Result<()> {
-        self.inner.check_range(offset, len)?;
-        for (start, n) in chunks(offset, len) {
-            let store = self.inner.clone();
-            self.inner.pool.spawn(move || {
-                let (off, n) = (
-                    libc::off_t::try_from(offset + start).unwrap_or(libc::off_t::MAX),
-                    libc::off_t::try_from(n).unwrap_or(libc::off_t::MAX),
-                );
-                // SAFETY: a hint about an open file's range; it touches no memory of ours.
-                unsafe {
-                    libc::posix_fadvise(store.file.as_raw_fd(), off, n, libc::POSIX_FADV_WILLNEED)
-                };
-            });
-        }
-        Ok(())
-    }
-
     /// What the store has done so far.
     pub fn stats(&self) -> DiskStats {
         let s = &self.inner;
@@ -937,6 +914,30 @@ mod tests {
     }
 
     #[test]
+    fn a_kept_store_keeps_its_name_and_bytes() {
+        let arena = Arena::new(None);
+        let path = tmp().join(format!("ramtorch-kept-{}.bin", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        {
+            let store = DiskStore::open(&arena, &path, 2 * ALIGN, 1, true).unwrap();
+            // SAFETY: the mapping is 2 * ALIGN bytes long and nothing else uses it.
+            unsafe { std::ptr::write_bytes(store.as_ptr().add(ALIGN), 7, ALIGN) };
+            store.sync().unwrap();
+            assert!(DiskStore::open(&arena, &path, 2 * ALIGN, 1, true).is_err());
+            // exists
+        }
+        assert!(path.exists());
+        assert!(DiskStore::open(&arena, &path, ALIGN, 1, false).is_err()); // another size
+        let store = DiskStore::open(&arena, &path, 2 * ALIGN, 1, false).unwrap();
+        // SAFETY: as above; the bytes are the file's.
+        let bytes = unsafe { std::slice::from_raw_parts(store.as_ptr(), 2 * ALIGN) };
+        assert!(bytes[..ALIGN].iter().all(|&b| b == 0));
+        assert!(bytes[ALIGN..].iter().all(|&b| b == 7));
+        drop(store);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
     fn refuses_bad_ranges_and_places() {
         let store = DiskStore::create(&Arena::new(None), &tmp(), ALIGN, 1).unwrap();
         let arena = Arena::new(None);
@@ -946,9 +947,7 @@ mod tests {
             Err(Error::InvalidArgument(_))
         ));
         assert!(store.settle(ALIGN, 1).is_err());
-        assert!(store.will_need(ALIGN, 1).is_err());
         assert!(store.settle_async(1, ALIGN).is_err());
-        assert!(store.will_need(0, ALIGN).is_ok());
         assert!(DiskStore::create(&Arena::new(None), &tmp(), 0, 1).is_err());
         let file = tmp().join(format!("ramtorch-not-a-dir-{}", std::process::id()));
         std::fs::write(&file, b"x").unwrap();

@@ -118,14 +118,6 @@ impl DiskStore {
         })
     }
 
-    /// Starts reading the `nbytes` bytes at `offset` into the page cache on the store's I/O
-    /// threads and returns at once (for a range host code is about to touch through the mapping).
-    fn will_need(&self, offset: usize, nbytes: usize) -> PyResult<()> {
-        guard("DiskStore.will_need", || {
-            self.inner.will_need(offset, nbytes)
-        })
-    }
-
     /// Bytes in the store.
     #[getter]
     fn nbytes(&self) -> usize {
