@@ -314,3 +314,39 @@ def test_a_full_disk_for_the_journal_is_a_clear_error_and_the_commit_survives(tm
     assert ramtorch.resume(m, o) == {"step": 1}
     _equal(_state(m), _state(ram))
     _equal_opt(_opt_state(o), _opt_state(ro))
+
+
+def test_the_trace_shows_the_journal(tmp_path):
+    import json
+
+    m = _offload(Net(), tmp_path, optimizer_on_disk=True)
+    o = ropt.AdamW(m.parameters(), lr=1e-2)
+    xs = _batches(2)
+    _step(m, o, xs[0])
+    ramtorch.commit(m, o)
+    path = tmp_path / "trace.json"
+    with ramtorch.trace(path):
+        _step(m, o, xs[1])
+        o.synchronize()
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    tracks = {
+        e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"
+    }
+    journal = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and tracks.get(e["tid"]) == "disk write-backs"
+        and e["name"].startswith("journal")
+    ]
+    # Each of the 18 parameters on disk: its states and weight, journaled once.
+    assert len(journal) == 18
+    assert {e["name"].rsplit(" ", 1)[1] for e in journal} == {
+        "blocks.2",
+        "blocks.3",
+        "blocks.4",
+        "blocks.5",
+        "out",
+    }
+    assert all(e["dur"] >= 0 for e in journal)

@@ -389,7 +389,11 @@ class DiskStates:
             w = p.detach()
             home = self.homes[id(p)]
             ranges.append(("units", w.data_ptr() - home.map.data_ptr(), w.numel() * w.element_size(), None))
-        kept.protect_many(ranges)  # (nothing, for ranges saved since the last commit)
+        t0 = time.perf_counter()
+        n = kept.protect_many(ranges)  # (nothing, for ranges saved since the last commit)
+        spans = _engine.host_spans
+        if n and spans is not None:
+            spans.add(spans.DISK_WRITES, "journal", t0, time.perf_counter(), (p,), None, {"bytes": n})
 
     def plan(self, params: Iterable[torch.Tensor]) -> None:
         """The parameters (of this store, in order) the next updates go through: each update

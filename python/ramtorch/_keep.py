@@ -248,18 +248,19 @@ class Kept:
             self._protected.clear()
             self.journal_bytes = 0
 
-    def protect(self, which: str, offset: int, nbytes: int, data: torch.Tensor | None = None) -> None:
+    def protect(self, which: str, offset: int, nbytes: int, data: torch.Tensor | None = None) -> int:
         """Saves the ``nbytes`` at ``offset`` of the ``which`` file (``"units"``, ``"states"``)
         to the journal, durably, unless saved since the last commit: call before writing them.
         ``data``: those bytes, already in memory (else they are copied from the file)."""
-        self.protect_many([(which, offset, nbytes, data)])
+        return self.protect_many([(which, offset, nbytes, data)])
 
-    def protect_many(self, ranges: Sequence[tuple[str, int, int, torch.Tensor | None]]) -> None:
+    def protect_many(self, ranges: Sequence[tuple[str, int, int, torch.Tensor | None]]) -> int:
         """:meth:`protect` of several ranges, with one ``fdatasync`` for their data and one for
-        their records' headers. Safe to call from several threads. A failed write raises
-        ``OSError`` naming the journal (the ranges are not written then: nothing is lost)."""
+        their records' headers; returns the bytes journaled (0: all saved before). Safe to call
+        from several threads. A failed write raises ``OSError`` naming the journal (the ranges
+        are not written then: nothing is lost)."""
         try:
-            self._protect_many(ranges)
+            return self._protect_many(ranges)
         except OSError as e:
             n = sum(r[2] for r in ranges)
             raise OSError(
@@ -270,11 +271,11 @@ class Kept:
                 self.path(JOURNAL),
             ) from e
 
-    def _protect_many(self, ranges: Sequence[tuple[str, int, int, torch.Tensor | None]]) -> None:
+    def _protect_many(self, ranges: Sequence[tuple[str, int, int, torch.Tensor | None]]) -> int:
         with self._lock:
             todo = [r for r in ranges if (r[0], r[1]) not in self._protected and r[2] > 0]
             if not todo:
-                return
+                return 0
             start, pos, heads = self._end, self._end, []
             for which, offset, nbytes, data in todo:
                 if data is not None:
@@ -295,6 +296,7 @@ class Kept:
             for which, offset, nbytes, _ in todo:
                 self._protected.add((which, offset))
                 self.journal_bytes += nbytes
+            return sum(r[2] for r in todo)
 
     def _records(self, fd: int, serial: int) -> list[dict[str, Any]]:
         """The journal's whole records of ``serial``, in order (a torn last one is left out)."""
