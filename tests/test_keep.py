@@ -350,3 +350,21 @@ def test_the_trace_shows_the_journal(tmp_path):
         "out",
     }
     assert all(e["dur"] >= 0 for e in journal)
+
+
+def test_a_kept_store_closes_its_files_when_its_model_is_gone(tmp_path):
+    import gc
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    m = _offload(Net(), tmp_path)
+    del m
+    gc.collect()
+    before = fds()
+    for _ in range(3):
+        m = _offload(Net(), tmp_path)
+        m(torch.randn(2, 16))
+        del m
+        gc.collect()
+    assert fds() <= before

@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -172,6 +173,9 @@ class Kept:
             self.manifest = {"format": FORMAT, "fingerprint": fp, "serial": 0, "rest": None, "dirty": "made"}
             _write_json(self.manifest_path, self.manifest)
         self._journal = os.open(jpath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fds["journal"] = self._journal
+        # The descriptors close and the journal thread ends with the store (or close()).
+        self._finalizer = weakref.finalize(self, _release, self._fds, self.pool)
         self._reset_journal()
 
     # -- files ---------------------------------------------------------------------------------
@@ -225,6 +229,9 @@ class Kept:
         store.kept = self
         self.states = store
         self.states_opened = reuse
+        old = self._fds.pop("states", None)
+        if old is not None:
+            os.close(old)
         self._fds["states"] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self._states_sizes = sizes  # (in the manifest from the next commit on)
         return store, reuse
@@ -455,11 +462,17 @@ class Kept:
             )
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        for fd in [self._journal, *self._fds.values()]:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._fds.clear()
+        """Closes the store's descriptors and ends its journal thread (also done when it is
+        collected)."""
+        self._finalizer()
+
+
+def _release(fds: dict[str, int], pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
 
 
 def manifest_units(directory: str) -> list[str] | None:
