@@ -160,6 +160,11 @@ def load(
         ValueError: a file that is not valid safetensors (truncated, inconsistent header, ...).
         OSError: a file that cannot be opened.
 
+    On a model offloaded with a kept store (``ramtorch.offload(..., keep=True)``), a load of the
+    files the store was last loaded from (same paths, sizes and modification times, nothing
+    committed since) reads nothing and returns ``"bytes": 0`` and ``"from_store": True``; any
+    other load is followed by a commit of the store (:func:`ramtorch.commit`, without optimizer).
+
     Tensors that several names share (tied weights) are filled once. Floating tensors are
     converted to each target's dtype (F32/BF16/F16 while copying; other pairs through torch).
     Modules with their own ``_load_from_state_dict`` or load hooks (and those below them) are
