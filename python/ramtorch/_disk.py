@@ -474,9 +474,8 @@ class DiskStates:
         buf = read.wait()
         with self._lock:
             fut = self._journaled.pop(pid, None)
-        if fut is not None:
+        if fut is not None:  # a kept store: what the update overwrites, in the journal first
             fut.result()  # (raises what the journal's write raised: nothing is updated then)
-        self.protect(p, buf, weight=True)  # (a kept store: before the update writes them)
         with self._lock:
             self._current[pid] = buf
         specs = self.specs[pid]

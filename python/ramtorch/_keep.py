@@ -38,7 +38,7 @@ import threading
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -174,7 +174,7 @@ class Kept:
             _write_json(self.manifest_path, self.manifest)
         self._journal = os.open(jpath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._fds["journal"] = self._journal
-        # The descriptors close and the journal thread ends with the store (or close()).
+        # The descriptors close and the journal thread ends when the store is collected.
         self._finalizer = weakref.finalize(self, _release, self._fds, self.pool)
         self._reset_journal()
 
@@ -461,11 +461,6 @@ class Kept:
                 f"ramtorch.offload: the kept store in {self.directory!r} has no values for {unfilled[:8]}"
             )
 
-    def close(self) -> None:
-        """Closes the store's descriptors and ends its journal thread (also done when it is
-        collected)."""
-        self._finalizer()
-
 
 def _release(fds: dict[str, int], pool: concurrent.futures.ThreadPoolExecutor) -> None:
     pool.shutdown(wait=True)
@@ -492,14 +487,6 @@ def kept_of(model: nn.Module) -> Kept | None:
     streamer = getattr(model, "_ramtorch_streamer", None)
     store = None if streamer is None else getattr(streamer, "disk_store", None)
     return None if store is None else store.kept
-
-
-def kept_of_params(params: Iterable[torch.Tensor]) -> Kept | None:
-    for p in params:
-        home = _disk.store_of(p)
-        if home is not None and home.kept is not None:
-            return home.kept
-    return None
 
 
 def _kept_or_raise(model: nn.Module, what: str) -> Kept:
