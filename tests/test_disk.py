@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import logging
 import os
 import signal
 import subprocess
@@ -419,15 +420,21 @@ def test_the_plan_puts_the_units_offload_puts_on_disk_and_prices_their_reads(tmp
     assert pred.step_seconds >= floor + pred.disk_bytes / (c.disk_write_gbps * 1e9)
     assert "on disk (host budget" in pred.summary()
     assert predict(meta, None, 64, c).disk_units == []
-    # With the states on disk: out of host memory, read and written once a step, after backward.
-    states = predict(meta, None, 64, c, host_budget=budget, optimizer_on_disk=True, precision="fp32-master")
-    on_disk = [p for m in [*real.blocks[2:], real.out] for p in m.parameters()]
-    held = sum(8 * p.numel() for p in on_disk)  # fp32: two fp32 moments, no master
+    # With the states on disk: every streamed unit's, out of host memory, read and written once
+    # a step, after backward; the budget holds the gradients first, then weights.
+    grads = ramtorch._disk.grad_bytes(real.parameters())
+    states = predict(
+        meta, None, 64, c, host_budget=grads + budget, optimizer_on_disk=True, precision="fp32-master"
+    )
+    assert states.disk_units == pred.disk_units
+    held = sum(8 * p.numel() for p in real.parameters())  # fp32: two fp32 moments, no master
     assert states.disk_state_bytes == held
     assert pred.host_training_bytes - states.host_training_bytes == held
     io = held / (c.disk_gbps * 1e9) + held / (c.disk_write_gbps * 1e9)
     assert states.step_seconds >= states.forward_backward_seconds + io
-    assert "optimizer states on disk too" in states.summary()
+    assert "the streamed units' optimizer states on disk" in states.summary()
+    # A budget the gradients alone exceed: every unit on disk.
+    assert len(predict(meta, None, 64, c, host_budget=budget, optimizer_on_disk=True).disk_units) == 8
     with pytest.raises(ValueError, match="needs host_budget"):
         predict(meta, None, 64, c, optimizer_on_disk=True)
 
@@ -483,7 +490,10 @@ def _states_pair(tmp_path, dtype: torch.dtype, precision: str, **kw):
     base = Net(dtype=dtype)
     ram, disk = copy.deepcopy(base), copy.deepcopy(base)
     ramtorch.offload(ram, device="cpu")
-    budget = _unit_bytes(base.inp) + 3 * _unit_bytes(base.blocks[0])
+    # (The budget holds every streamed unit's gradients first, then the first units' weights.)
+    budget = (
+        ramtorch._disk.grad_bytes(base.parameters()) + _unit_bytes(base.inp) + 3 * _unit_bytes(base.blocks[0])
+    )
     ramtorch.offload(disk, device="cpu", host_budget=budget, disk=tmp_path, optimizer_on_disk=True)
     opts = [ropt.AdamW(m.parameters(), lr=1e-2, precision=precision, **kw) for m in (ram, disk)]
     return ram, disk, opts
@@ -515,8 +525,10 @@ def test_optimizer_states_on_disk_train_as_in_ram(tmp_path, dtype: torch.dtype, 
         o.synchronize()
     for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
         assert torch.equal(a, b), n
+    assert ramtorch.stats(disk)["disk_units"] == ["blocks.3", "blocks.4", "blocks.5", "out"]
+    # Every streamed parameter's states on disk, those of the units in host RAM included.
     on_disk = {id(p) for p in disk.parameters() if ramtorch._disk.states_home(p) is not None}
-    assert len(on_disk) == 14  # blocks.3-5 (a norm and a linear, 2 parameters each), out (2)
+    assert len(on_disk) == 28
     ds = opts[1]._disk_states
     assert ds is not None and ds.written_bytes > 0
     ram_states = opts[0].state_dict()["state"]
@@ -538,6 +550,44 @@ def test_optimizer_states_on_disk_train_as_in_ram(tmp_path, dtype: torch.dtype, 
     assert st["disk_state_updates"] == 5 * len(on_disk)  # every step updates each one
     assert st["disk_state_written_bytes"] >= 5 * sum(e.capacity for e in ds.extents.values())
     assert st["disk_write_gbps"] is not None and st["disk_state_write_gbps"] is not None
+
+
+def test_the_host_budget_holds_the_gradients_and_every_streamed_units_states_go_to_disk(tmp_path, caplog):
+    torch.manual_seed(5)
+    base = Net()
+    grads = ramtorch._disk.grad_bytes(base.parameters())
+    # A budget that holds the gradients and every weight: no unit on disk, the states still are.
+    whole = copy.deepcopy(base)
+    ramtorch.offload(
+        whole, device="cpu", host_budget=grads + 2 * _bytes(base), disk=tmp_path, optimizer_on_disk=True
+    )
+    assert ramtorch.stats(whole)["disk_units"] == []
+    ram = copy.deepcopy(base)
+    ramtorch.offload(ram, device="cpu")
+    opts = [ropt.AdamW(m.parameters(), lr=1e-2) for m in (ram, whole)]
+    _train((ram, whole), opts, 3, torch.float32)
+    for o in opts:
+        o.synchronize()
+    ds = opts[1]._disk_states
+    assert ds is not None and len(ds.extents) == len(list(base.parameters()))
+    for p in whole.parameters():
+        assert all(ds.store.holds(t) for k, t in opts[1].state[p].items() if k != "step")
+    for (n, a), b in zip(ram.state_dict().items(), whole.state_dict().values()):
+        assert torch.equal(a, b), n
+    # A budget of the gradients' bytes: training puts every unit on disk; without
+    # optimizer_on_disk it holds weights only (inference needs no gradients), nearly all of them.
+    trained = copy.deepcopy(base)
+    ramtorch.offload(trained, device="cpu", host_budget=grads, disk=tmp_path, optimizer_on_disk=True)
+    assert len(ramtorch.stats(trained)["disk_units"]) == 8
+    plain = copy.deepcopy(base)
+    ramtorch.offload(plain, device="cpu", host_budget=grads, disk=tmp_path)
+    assert len(ramtorch.stats(plain).get("disk_units", [])) <= 1  # (units pack 64-byte aligned)
+    # Gradients past the budget: every unit on disk, and a warning that training holds them.
+    small = copy.deepcopy(base)
+    with caplog.at_level(logging.WARNING, logger="ramtorch"):
+        ramtorch.offload(small, device="cpu", host_budget=grads // 2, disk=tmp_path, optimizer_on_disk=True)
+    assert len(ramtorch.stats(small)["disk_units"]) == 8
+    assert "less than the streamed units' gradients" in caplog.text
 
 
 def test_optimizer_states_on_disk_load_and_resume(tmp_path):
@@ -579,11 +629,12 @@ def test_the_trace_shows_the_write_backs_of_states_on_disk(tmp_path):
         e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"
     }
     writes = [e for e in events if e.get("ph") == "X" and tracks.get(e["tid"]) == "disk write-backs"]
-    # Each of the 14 parameters on disk: its states and its weight.
-    names = {e["name"] for e in writes}
-    assert {n.rsplit(" ", 1)[0] for n in names} == {"write back states", "write back weight"}
-    assert {n.rsplit(" ", 1)[1] for n in names} == {"blocks.3", "blocks.4", "blocks.5", "out"}
-    assert len(writes) == 2 * 14
+    # Each of the 28 parameters: its states; each of the 14 of the disk units: its weight too.
+    states = {e["name"].rsplit(" ", 1)[1] for e in writes if e["name"].startswith("write back states ")}
+    weights = {e["name"].rsplit(" ", 1)[1] for e in writes if e["name"].startswith("write back weight ")}
+    assert states == {"inp", "out", *(f"blocks.{k}" for k in range(6))}
+    assert weights == {"blocks.3", "blocks.4", "blocks.5", "out"}
+    assert len(writes) == 28 + 14
     assert all(e["dur"] >= 0 for e in writes)
 
 
@@ -657,6 +708,8 @@ def test_states_on_disk_on_random_shapes_dtypes_and_budgets(tmp_path, seed: int)
     ramtorch.offload(ram, device="cpu")
     host_units = rng.randrange(0, depth + 1)
     budget = _unit_bytes(base.inp) + host_units * _unit_bytes(base.blocks[0])
+    if rng.random() < 0.5:  # (else the gradients take the budget: every unit on disk)
+        budget += ramtorch._disk.grad_bytes(base.parameters())
     ramtorch.offload(disk, device="cpu", host_budget=budget, disk=tmp_path, optimizer_on_disk=True)
     kw = rng.choice([{}, {"pipeline": True}, {"overlap": False}])
     opts = [

@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--optimizer-on-disk",
         action="store_true",
-        help="the disk units' optimizer states on disk too, as offload(optimizer_on_disk=True) "
-        "(needs --host-budget)",
+        help="the streamed units' optimizer states on disk, their gradients in the host budget, "
+        "as offload(optimizer_on_disk=True) (needs --host-budget)",
     )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     a = ap.parse_args(argv)

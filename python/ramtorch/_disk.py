@@ -118,6 +118,9 @@ class Store:
         self.optimizer_on_disk = False
         #: The optimizers' states of this store's parameters (:class:`DiskStates`), while alive.
         self.states: weakref.WeakSet[DiskStates] = weakref.WeakSet()
+        #: With :attr:`optimizer_on_disk`: the parameters of the model's streamed units kept in
+        #: host RAM, whose optimizer states live on disk too.
+        self.host_params: dict[int, weakref.ref[torch.Tensor]] = {}
         _LIVE.add(self)
 
     def holds(self, t: torch.Tensor) -> bool:
@@ -244,6 +247,11 @@ def registration_order(model: torch.nn.Module, modules: Sequence[torch.nn.Module
     return sorted(range(len(modules)), key=lambda i: order.get(id(modules[i]), len(order)))
 
 
+def grad_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the gradients training gives ``params`` (those that require one), in host RAM."""
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
 def choose(sizes: Sequence[int], host_budget: int) -> list[int]:
     """Which of the streamed units (their sizes, in the model's order) live on disk: the model's
     first units up to ``host_budget`` bytes stay in host RAM, the rest go to disk. The disk units
@@ -273,10 +281,19 @@ def store_of(t: torch.Tensor) -> Store | None:
 
 
 def states_home(p: torch.Tensor) -> Store | None:
-    """The store of parameter ``p`` when its optimizer states are to live on disk too
-    (``offload(..., optimizer_on_disk=True)``), else None."""
+    """The store whose directory holds the optimizer states of parameter ``p`` when they live on
+    disk (``offload(..., optimizer_on_disk=True)``: a disk unit's parameter, or a parameter of a
+    streamed unit kept in host RAM), else None."""
     s = store_of(p)
-    return s if s is not None and s.optimizer_on_disk else None
+    if s is not None:
+        return s if s.optimizer_on_disk else None
+    if p.device.type != "cpu":
+        return None
+    for s in list(_LIVE):
+        r = s.host_params.get(id(p)) if s.optimizer_on_disk else None
+        if r is not None and r() is p:
+            return s
+    return None
 
 
 def hint_states(params: Iterable[torch.Tensor]) -> None:
@@ -284,7 +301,7 @@ def hint_states(params: Iterable[torch.Tensor]) -> None:
     optimizer states are on disk and updated during the backward (``DiskStates.in_backward``),
     they start being read ahead too."""
     for p in params:
-        s = store_of(p)
+        s = states_home(p)
         if s is None:
             continue
         for ds in list(s.states):
@@ -299,8 +316,9 @@ SETTLES_IN_FLIGHT = 2
 
 
 class DiskStates:
-    """The optimizer states (moments, fp32 masters, compensation) of parameters that live on disk
-    with ``optimizer_on_disk=True``: one store file per optimizer next to the units' store,
+    """The optimizer states (moments, fp32 masters, compensation) of the streamed parameters of
+    a model offloaded with ``optimizer_on_disk=True`` (on disk or in host RAM): one store file
+    per optimizer next to the units' store,
     made whole at its first step (or its first ``load_state_dict``), one extent per parameter
     holding all its states. The optimizer's state tensors are views over the store's mapping
     (``state_dict`` and loads see them as CPU tensors), but an update does not go through the
@@ -385,9 +403,9 @@ class DiskStates:
             return
         ext = self.extents[id(p)]
         ranges: list[tuple[str, int, int, torch.Tensor | None]] = [("states", ext.offset, ext.capacity, buf)]
-        if weight:
-            w = p.detach()
-            home = self.homes[id(p)]
+        w = p.detach()
+        home = self.homes[id(p)]
+        if weight and home.holds(w):  # (a weight in host RAM: nothing of it is in the store)
             ranges.append(("units", w.data_ptr() - home.map.data_ptr(), w.numel() * w.element_size(), None))
         t0 = time.perf_counter()
         n = kept.protect_many(ranges)  # (nothing, for ranges saved since the last commit)
@@ -493,7 +511,8 @@ class DiskStates:
         with self._lock:
             buf = self._current.pop(pid)
         w = p.detach()
-        n = w.numel() * w.element_size()
+        # (A weight in host RAM, of a unit kept there: updated in place, nothing to write.)
+        n = w.numel() * w.element_size() if home.holds(w) else 0
         tickets = [("write back states", self.store.core.write(buf, ext.offset, ext.capacity))]
         if n:
             off = w.data_ptr() - home.map.data_ptr()

@@ -65,11 +65,14 @@ def _disk_units(
     disk: str | os.PathLike[str] | None,
     compress: str | None,
     keep: bool = False,
+    optimizer_on_disk: bool = False,
 ) -> _disk.Store | None:
     """Puts the streamed units past ``host_budget`` on disk (see :func:`offload`): the units in
     the order ``model`` registers their modules fill the budget, the rest get an extent each in a
-    store under ``disk`` (two with ``compress``: raw and encoded), before they are packed. Returns
-    the store, or ``None`` when no unit goes to disk."""
+    store under ``disk`` (two with ``compress``: raw and encoded), before they are packed. With
+    ``optimizer_on_disk`` (training), the budget holds the streamed units' gradients first, and
+    the store is made even with no unit on disk (its directory holds the optimizer states).
+    Returns the store, or ``None`` when nothing goes to disk."""
     if disk is None:
         if host_budget is not None:
             raise ValueError(
@@ -95,7 +98,20 @@ def _disk_units(
     else:
         limit = parse_bytes(host_budget, "host_budget")
         assert limit is not None
+    given = limit  # (the budget as given, which the plan splits again)
     limit -= sum(u.nbytes for u in streamed if u.gather)  # tables streamed by rows stay in RAM
+    if optimizer_on_disk and found is None:
+        # Training: every streamed unit's gradients live in host RAM until step(), on disk or not.
+        grads = sum(_disk.grad_bytes(u.params) for u in streamed)
+        if grads > limit:
+            logger.warning(
+                "ramtorch.offload: host_budget %s is less than the streamed units' gradients (%s), "
+                "which stay in host RAM while training: every streamed unit goes to disk, and "
+                "training holds the gradients beyond the budget",
+                _fmt(max(limit, 0)),
+                _fmt(grads),
+            )
+        limit -= grads
     cands = [u for u in streamed if not u.gather]
     if found is None:
         cands = [cands[i] for i in _disk.registration_order(model, [u.module for u in cands])]
@@ -106,7 +122,8 @@ def _disk_units(
                 "ramtorch.offload: keep=True, but no unit goes to disk (host_budget holds them all): "
                 "lower host_budget (0: every streamed unit on disk)"
             )
-        return None
+        if not optimizer_on_disk:
+            return None
     # With a codec, each unit has a second extent for its encoded bytes (sized for the raw ones:
     # the encoding is known only once the unit is packed there).
     encoded = [u.nbytes for u in chosen] if compress is not None else []
@@ -116,7 +133,7 @@ def _disk_units(
         store = kept.open_units(sizes)
     else:
         store = _disk.Store(disk, sizes)
-    store.host_budget = limit
+    store.host_budget = given
     for k, u in enumerate(chosen):
         u.disk = store.extents[k]
         if compress is not None:
@@ -208,7 +225,12 @@ def offload(
             model's first units (in the order it registers its modules) fill the budget, the rest go
             to disk. ``None`` (default): every streamed unit in host RAM, or, with ``disk`` given,
             the memory the machine has available less a reserve (the larger of 2 GiB and a tenth
-            of its memory, and the staging buffers); ``0``: every streamed unit on disk.
+            of its memory, and the staging buffers); ``0``: every streamed unit on disk. With
+            ``optimizer_on_disk=True`` (training) the budget also holds the streamed units'
+            gradients, which stay in host RAM until ``step()`` wherever their weights live: the
+            weights fill what the gradients leave (a warning says so when the gradients alone
+            exceed it), and with the optimizer states on disk, the process's memory is the budget
+            plus the staging buffers and the runtime.
         disk: a directory for the store file of the units that do not fit in ``host_budget``.
             The file is made here, allocated whole (a full disk is an ``OSError`` here, naming
             the bytes needed and free), and its name removed at once: nothing is left behind when
@@ -223,15 +245,16 @@ def offload(
             ``compress``, a disk unit's encoded bytes are kept on disk too, and are what is
             read (the store then takes twice the units' bytes: the encoded extent is sized for
             the raw one).
-        optimizer_on_disk: the optimizer states of the disk units' parameters live on disk
-            too (with ``ramtorch.optim``'s optimizers: moments, fp32 masters, compensation), in a
-            second store file in ``disk``, made whole at the optimizer's first step (or first
-            ``load_state_dict``) and gone when the optimizer is. Such a parameter is updated in
-            place in ``step()`` (during the backward with ``pipeline=True`` or
-            ``overlap="backward"``): its states are read ahead of it into a staging buffer
-            (``O_DIRECT``), updated there and written back (``O_DIRECT``) with its new weight,
-            so host memory holds only the states of the few parameters in flight. ``False``
-            (default): their states are in host RAM.
+        optimizer_on_disk: the optimizer states of the streamed units' parameters live on
+            disk, those of the units kept in host RAM included (with ``ramtorch.optim``'s
+            optimizers: moments, fp32 masters, compensation), in a second store file in
+            ``disk``, made whole at the optimizer's first step (or first ``load_state_dict``)
+            and gone when the optimizer is. Such a parameter is updated in place in ``step()``
+            (during the backward with ``pipeline=True`` or ``overlap="backward"``): its states
+            are read ahead of it into a staging buffer (``O_DIRECT``), updated there and written
+            back (``O_DIRECT``) with its new weight (a disk unit's), so host memory holds only
+            the states of the few parameters in flight. ``False`` (default): their states are in
+            host RAM.
         keep: the store in ``disk`` is kept: a checkpoint of the model that a later ``offload``
             of the same model with the same ``disk`` opens again, without copying: the model then
             takes the store's values (its units' and, from the last commit, every other tensor's),
@@ -373,7 +396,7 @@ def offload(
         raise TypeError(f"ramtorch.offload: keep must be a bool, got {keep!r}")
     if keep and disk is None:
         raise ValueError("ramtorch.offload: keep=True needs disk=, the directory of the kept store")
-    store = _disk_units(model, units, resident_ids, host_budget, disk, compress, keep)
+    store = _disk_units(model, units, resident_ids, host_budget, disk, compress, keep, optimizer_on_disk)
     if store is not None:
         store.optimizer_on_disk = optimizer_on_disk
 
@@ -404,6 +427,12 @@ def offload(
                 bar.update(u.nbytes)
     if bar is not None:
         bar.close()
+    if store is not None and optimizer_on_disk:
+        # The streamed units kept in host RAM: their parameters' optimizer states on disk too.
+        for u in units:
+            if not u.resident and u.disk is None:
+                for p in u.params:
+                    store.host_params[id(p)] = weakref.ref(p)
 
     if meta_names:
         # What a load must still fill: each tensor with its version now (any write bumps it).

@@ -119,8 +119,9 @@ class Prediction:
     disk_units: list[str] = field(default_factory=list)
     disk_bytes: int = 0
     disk_read_seconds_per_pass: float = 0.0
-    #: ``offload(optimizer_on_disk=True)``: the optimizer states of the disk units' parameters
-    #: are on disk (their bytes), read and written once a step, not in host RAM.
+    #: ``offload(optimizer_on_disk=True)``: the optimizer states of the streamed units'
+    #: parameters are on disk (their bytes), read and written once a step, not in host RAM; the
+    #: host budget holds those units' gradients first.
     optimizer_on_disk: bool = False
     disk_state_bytes: int = 0
 
@@ -156,7 +157,7 @@ class Prediction:
                 f"{format_bytes(self.disk_bytes)}, read once a pass: "
                 f"{format_seconds(self.disk_read_seconds_per_pass)}"
                 + (
-                    f"; their optimizer states on disk too: {format_bytes(self.disk_state_bytes)}, "
+                    f"; the streamed units' optimizer states on disk: {format_bytes(self.disk_state_bytes)}, "
                     "read and written once a step"
                     if self.optimizer_on_disk
                     else ""
@@ -272,8 +273,9 @@ def predict(
     fits in, less :func:`host_reserve`; ``None``: not checked. ``host_budget``: the streamed units
     past it live on disk (as ``offload(host_budget=..., disk=...)`` places them), read once a pass
     (twice a training step, and written back once) at the ceilings' disk speeds.
-    ``optimizer_on_disk``: their optimizer states live on disk too (not in host RAM), read and
-    written once a step, in ``step()`` after the backward."""
+    ``optimizer_on_disk``: the optimizer states of the streamed units live on disk (not in host
+    RAM), read and written once a step, in ``step()`` after the backward, and the host budget
+    holds the streamed units' gradients before their weights."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if states not in STATES:
@@ -341,11 +343,14 @@ def predict(
     if hb is not None:
         cands = [k for k in range(len(units)) if k not in resident and not units[k].container]
         hb -= sum(units[k].nbytes for k in cands if k in gathered)
+        if optimizer_on_disk:  # (as offload: the streamed units' gradients first)
+            hb -= sum(_disk.grad_bytes(units[k].params) for k in cands)
         cands = [k for k in cands if k not in gathered]
         cands = [cands[i] for i in _disk.registration_order(model, [units[k].module for k in cands])]
         on_disk = [cands[i] for i in _disk.choose([units[k].nbytes for k in cands], max(hb, 0))]
         host_weights -= sum(units[k].nbytes for k in on_disk)
-    states_on_disk = {id(p) for k in on_disk for p in units[k].params} if optimizer_on_disk else set()
+    # optimizer_on_disk: the states of every streamed unit's parameters (on disk or not).
+    states_on_disk = on_host if optimizer_on_disk else set()
     host_training, moved, disk_states = 0, 0.0, 0
     for p in trained:
         here = id(p) in on_host or states == "host"
@@ -387,7 +392,7 @@ def predict(
     grad_bytes = [sizes[k] for k in reversed(range(len(units)))]
     link_back = fwd
     opt_end = fwd
-    disk_ids = {k for k in on_disk} if optimizer_on_disk else set()
+    disk_ids = {k for k in range(len(units)) if k not in resident} if optimizer_on_disk else set()
     for end, nbytes, n, k in zip(bwd_ends, grad_bytes, reversed(counts), reversed(range(len(units)))):
         link_back = max(link_back, end) + nbytes / (c.d2h_gbps * 1e9)
         if k not in disk_ids:  # (states on disk: updated in step(), priced by the disk below)
@@ -400,7 +405,7 @@ def predict(
     disk_writes = disk_bytes / (c.disk_write_gbps * 1e9)
     state_io = disk_states / (c.disk_gbps * 1e9) + disk_states / (c.disk_write_gbps * 1e9)
     step_seconds = max(fb_end, opt_end, disk_reads + disk_writes + state_io)
-    if optimizer_on_disk and on_disk:
+    if optimizer_on_disk and disk_states:
         step_seconds = max(step_seconds, fb_end + state_io + disk_writes)
     on_device = [p for k in resident for p in units[k].params] + [p for p in shared if p.requires_grad]
     return Prediction(
