@@ -552,7 +552,8 @@ def test_optimizer_states_on_disk_train_as_in_ram(tmp_path, dtype: torch.dtype, 
     assert st["disk_write_gbps"] is not None and st["disk_state_write_gbps"] is not None
 
 
-def test_the_host_budget_holds_the_gradients_and_every_streamed_units_states_go_to_disk(tmp_path, caplog):
+@pytest.mark.parametrize("kw", [{}, {"pipeline": True}])
+def test_the_host_budget_holds_the_gradients_and_every_streamed_units_states_go_to_disk(tmp_path, caplog, kw):
     torch.manual_seed(5)
     base = Net()
     grads = ramtorch._disk.grad_bytes(base.parameters())
@@ -564,12 +565,14 @@ def test_the_host_budget_holds_the_gradients_and_every_streamed_units_states_go_
     assert ramtorch.stats(whole)["disk_units"] == []
     ram = copy.deepcopy(base)
     ramtorch.offload(ram, device="cpu")
-    opts = [ropt.AdamW(m.parameters(), lr=1e-2) for m in (ram, whole)]
+    opts = [ropt.AdamW(m.parameters(), lr=1e-2, **kw) for m in (ram, whole)]
     _train((ram, whole), opts, 3, torch.float32)
     for o in opts:
         o.synchronize()
     ds = opts[1]._disk_states
     assert ds is not None and len(ds.extents) == len(list(base.parameters()))
+    # Updated during the backward: the units' backward copies start their states' reads.
+    assert (ds.hints_in_backward > 0) == bool(kw), ds.hints_in_backward
     for p in whole.parameters():
         assert all(ds.store.holds(t) for k, t in opts[1].state[p].items() if k != "step")
     for (n, a), b in zip(ram.state_dict().items(), whole.state_dict().values()):

@@ -364,6 +364,9 @@ class DiskStates:
         self._writing: dict[int, list[tuple[str, Any]]] = {}  # write-backs in flight, by parameter
         self._dirty: set[int] = set()  # extents written through the mapping (made, loaded)
         self._lock = threading.Lock()
+        # Held while reads ahead are begun, from the backward's hints (the compute thread) and
+        # from updates (the optimizer's worker), so that together they keep to the bound.
+        self._stage_lock = threading.Lock()
         self._pending: collections.deque[tuple[torch.Tensor, list[tuple[str, Any]]]] = collections.deque()
         self.written_bytes = 0
 
@@ -460,12 +463,13 @@ class DiskStates:
         self._stage_hinted()
 
     def _stage_hinted(self) -> None:
-        while True:
-            with self._lock:
-                if not self._hinted or len(self._staged) >= STATES_AHEAD:
-                    return
-                pid = self._hinted.popleft()
-            self._stage(pid)
+        with self._stage_lock:
+            while True:
+                with self._lock:
+                    if not self._hinted or len(self._staged) >= STATES_AHEAD:
+                        return
+                    pid = self._hinted.popleft()
+                self._stage(pid)
 
     def before(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Before ``p``'s update: its states in a staging buffer, once read (the reads of the next
@@ -482,12 +486,13 @@ class DiskStates:
             read = self._staged.pop(pid)
             if pid in self._hinted:
                 self._hinted.remove(pid)
-        for q in nxt:
-            with self._lock:
-                full = len(self._staged) >= STATES_AHEAD
-            if full:
-                break
-            self._stage(q)
+        with self._stage_lock:
+            for q in nxt:
+                with self._lock:
+                    full = len(self._staged) >= STATES_AHEAD
+                if full:
+                    break
+                self._stage(q)
         self._stage_hinted()
         buf = read.wait()
         with self._lock:

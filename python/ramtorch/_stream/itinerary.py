@@ -220,8 +220,13 @@ class Prefetcher:
     def _source(self, u: _Unit, wait: bool) -> tuple[torch.Tensor, int] | None:
         """The host bytes that cross the link for ``u`` (see :meth:`_Unit.source`); for a unit on
         disk, the staging buffer its extent was read into (read now, or waited for, if ``wait``;
-        else ``None`` while the read is not done)."""
+        else ``None`` while the read is not done). A unit in host RAM whose optimizer states are
+        on disk and updated during the backward starts their reads with its backward copy (as a
+        disk unit's backward read does, :meth:`_Unit.disk_read`)."""
         if u.disk is None:
+            store = self.disk_store
+            if store is not None and store.optimizer_on_disk and self._read_cached(u):
+                _disk.hint_states(u.params)
             return u.source()
         assert u.layout is not None
         enc = u.encoding()  # (encoded again first if the weights changed: the key names it)
