@@ -429,6 +429,9 @@ def test_the_plan_puts_the_units_offload_puts_on_disk_and_prices_their_reads(tmp
     assert states.disk_units == pred.disk_units
     held = sum(8 * p.numel() for p in real.parameters())  # fp32: two fp32 moments, no master
     assert states.disk_state_bytes == held
+    # Staging: the parameters in flight (read ahead, updated, written back), the largest ones.
+    largest = max(8 * p.numel() for p in real.parameters())
+    assert states.disk_state_staging_bytes == ramtorch._disk.STATES_IN_FLIGHT * largest
     assert pred.host_training_bytes - states.host_training_bytes == held
     io = held / (c.disk_gbps * 1e9) + held / (c.disk_write_gbps * 1e9)
     assert states.step_seconds >= states.forward_backward_seconds + io
@@ -550,6 +553,8 @@ def test_optimizer_states_on_disk_train_as_in_ram(tmp_path, dtype: torch.dtype, 
     assert st["disk_state_updates"] == 5 * len(on_disk)  # every step updates each one
     assert st["disk_state_written_bytes"] >= 5 * sum(e.capacity for e in ds.extents.values())
     assert st["disk_write_gbps"] is not None and st["disk_state_write_gbps"] is not None
+    largest = max(e.capacity for e in ds.extents.values())
+    assert st["disk_state_staging_bound_bytes"] == ramtorch._disk.STATES_IN_FLIGHT * largest
 
 
 @pytest.mark.parametrize("kw", [{}, {"pipeline": True}])
@@ -732,11 +737,13 @@ def test_states_read_ahead_in_the_backward_stay_within_the_bound(tmp_path, monke
     # whose update is starting.
     ram, disk, opts = _states_pair(tmp_path, torch.bfloat16, "fp32-master", pipeline=True)
     seen: list[int] = []
+    buffers: list[int] = []  # parameters whose states are in staging buffers, read to written
     stage = ramtorch._disk.DiskStates._stage
 
     def counting(self, pid):
         stage(self, pid)
         seen.append(len(self._staged))
+        buffers.append(len({*self._staged, *self._current, *self._writing}))
 
     monkeypatch.setattr(ramtorch._disk.DiskStates, "_stage", counting)
     monkeypatch.setattr(ramtorch._disk, "STATES_AHEAD", 1)
@@ -745,5 +752,6 @@ def test_states_read_ahead_in_the_backward_stay_within_the_bound(tmp_path, monke
         o.synchronize()
     assert opts[1]._disk_states.hints_in_backward > 0
     assert seen and max(seen) == 2  # the one about to be updated, and one ahead
+    assert max(buffers) <= 1 + 1 + ramtorch._disk.SETTLES_IN_FLIGHT  # (STATES_IN_FLIGHT, ahead 1)
     for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
         assert torch.equal(a, b), n

@@ -172,6 +172,7 @@ class Store:
                     "disk_state_written_bytes": written,
                     "disk_state_write_gbps": round(written / sbusy / 1e9, 3) if sbusy > 0 else None,
                     "disk_state_updates": sum(d.updates for d in states),
+                    "disk_state_staging_bound_bytes": max(d.staging_bound for d in states),
                 }
             )
         return out
@@ -313,6 +314,9 @@ def hint_states(params: Iterable[torch.Tensor]) -> None:
 STATES_AHEAD = 2
 #: Parameters whose states and weight may be being written back at once after their updates.
 SETTLES_IN_FLIGHT = 2
+#: Parameters whose states may be in staging buffers at once: read ahead, being updated, being
+#: written back (host memory beyond the budget: this many times the largest one's states).
+STATES_IN_FLIGHT = STATES_AHEAD + 1 + SETTLES_IN_FLIGHT
 
 
 class DiskStates:
@@ -372,6 +376,12 @@ class DiskStates:
 
     def __contains__(self, p: object) -> bool:
         return id(p) in self.extents
+
+    @property
+    def staging_bound(self) -> int:
+        """The most host memory the staging buffers of updates in flight take (see
+        :data:`STATES_IN_FLIGHT`)."""
+        return STATES_IN_FLIGHT * max((e.capacity for e in self.extents.values()), default=0)
 
     @property
     def nbytes(self) -> int:

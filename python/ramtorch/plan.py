@@ -124,6 +124,10 @@ class Prediction:
     #: host budget holds those units' gradients first.
     optimizer_on_disk: bool = False
     disk_state_bytes: int = 0
+    #: Host memory beyond the budget that the updates of those states take at most: staging
+    #: buffers for the parameters read ahead, being updated and being written back
+    #: (``ramtorch._disk.STATES_IN_FLIGHT`` times the largest parameter's states).
+    disk_state_staging_bytes: int = 0
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -158,7 +162,8 @@ class Prediction:
                 f"{format_seconds(self.disk_read_seconds_per_pass)}"
                 + (
                     f"; the streamed units' optimizer states on disk: {format_bytes(self.disk_state_bytes)}, "
-                    "read and written once a step"
+                    "read and written once a step, through staging buffers of up to "
+                    f"{format_bytes(self.disk_state_staging_bytes)}"
                     if self.optimizer_on_disk
                     else ""
                 ),
@@ -351,7 +356,7 @@ def predict(
         host_weights -= sum(units[k].nbytes for k in on_disk)
     # optimizer_on_disk: the states of every streamed unit's parameters (on disk or not).
     states_on_disk = on_host if optimizer_on_disk else set()
-    host_training, moved, disk_states = 0, 0.0, 0
+    host_training, moved, disk_states, largest_states = 0, 0.0, 0, 0
     for p in trained:
         here = id(p) in on_host or states == "host"
         held, step_bytes = optimizer_bytes(p, precision, device=not here)
@@ -362,6 +367,7 @@ def predict(
             step_bytes = max(step_bytes, optimizer_bytes(p, "fp32-master", device=not here)[1])
         if id(p) in states_on_disk:  # its gradient in host RAM, its states on disk
             disk_states += held
+            largest_states = max(largest_states, held)
             host_training += p.numel() * p.element_size()
             continue
         moved += step_bytes
@@ -440,6 +446,7 @@ def predict(
         disk_read_seconds_per_pass=sum(reads),
         optimizer_on_disk=optimizer_on_disk,
         disk_state_bytes=disk_states,
+        disk_state_staging_bytes=_disk.STATES_IN_FLIGHT * largest_states,
     )
 
 
