@@ -1226,3 +1226,108 @@ fn out_of_place_steps_check_their_old_values() {
         "{err}"
     );
 }
+
+/// A tensor updated in pieces (`index_offset`: each piece's first element in the whole tensor)
+/// gets the bits of one whole update, stochastic rounding included.
+#[test]
+fn pieces_with_their_offsets_update_as_the_whole_tensor() {
+    let n = 10_000;
+    let x = |i: usize, k: f32| (i as f32 * 0.377 + k).sin() * 1.3;
+    let init = |k: f32| -> Vec<bf16> { (0..n).map(|i| bf16::from_f32(x(i, k))).collect() };
+    let (mut p, mut m, mut v) = (init(0.0), vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+    let (mut pp, mut mp, mut vp) = (p.clone(), m.clone(), v.clone());
+    for t in 1..=3u64 {
+        let g: Vec<bf16> = (0..n)
+            .map(|i| bf16::from_f32(0.1 * x(i, t as f32)))
+            .collect();
+        let h = AdamW {
+            step: t,
+            seed: 5,
+            ..AdamW::default()
+        };
+        adamw_step(
+            &h,
+            TensorMut::BF16(&mut p),
+            None,
+            Tensor::BF16(&g),
+            TensorMut::BF16(&mut m),
+            TensorMut::BF16(&mut v),
+        )
+        .unwrap();
+        for (a, b) in [(0, 4096), (4096, 8192), (8192, n)] {
+            let hp = AdamW {
+                index_offset: a as u64,
+                ..h
+            };
+            adamw_step(
+                &hp,
+                TensorMut::BF16(&mut pp[a..b]),
+                None,
+                Tensor::BF16(&g[a..b]),
+                TensorMut::BF16(&mut mp[a..b]),
+                TensorMut::BF16(&mut vp[a..b]),
+            )
+            .unwrap();
+        }
+    }
+    assert!(
+        p == pp && m == mp && v == vp,
+        "pieces differ from the whole update"
+    );
+    // Without the offsets the pieces would draw other words: the test can tell.
+    let h = AdamW {
+        step: 4,
+        seed: 5,
+        ..AdamW::default()
+    };
+    let g = init(4.0);
+    let (mut p1, mut p2) = (p.clone(), p.clone());
+    let (mut m1, mut v1, mut m2, mut v2) = (m.clone(), v.clone(), m.clone(), v.clone());
+    adamw_step(
+        &h,
+        TensorMut::BF16(&mut p1[4096..]),
+        None,
+        Tensor::BF16(&g[4096..]),
+        TensorMut::BF16(&mut m1[4096..]),
+        TensorMut::BF16(&mut v1[4096..]),
+    )
+    .unwrap();
+    let h2 = AdamW {
+        index_offset: 4096,
+        ..h
+    };
+    adamw_step(
+        &h2,
+        TensorMut::BF16(&mut p2[4096..]),
+        None,
+        Tensor::BF16(&g[4096..]),
+        TensorMut::BF16(&mut m2[4096..]),
+        TensorMut::BF16(&mut v2[4096..]),
+    )
+    .unwrap();
+    assert!(p1 != p2 || m1 != m2 || v1 != v2);
+}
+
+#[test]
+fn a_piece_across_a_multiple_of_2_pow_32_elements_is_refused() {
+    let mut p = vec![0.0f32; 8];
+    let (mut m, mut v) = (vec![0.0f32; 8], vec![0.0f32; 8]);
+    let g = vec![0.5f32; 8];
+    let h = AdamW {
+        index_offset: (1u64 << 32) - 4,
+        ..AdamW::default()
+    };
+    let err = adamw_step(
+        &h,
+        TensorMut::F32(&mut p),
+        None,
+        Tensor::F32(&g),
+        TensorMut::F32(&mut m),
+        TensorMut::F32(&mut v),
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("crosses a multiple of 2^32"),
+        "{err}"
+    );
+}

@@ -420,6 +420,7 @@ fn adamw_step(
         grad_scale,
         step,
         seed,
+        index_offset: 0,
     };
     let named = [
         ("param", Some(param), param_dtype),
@@ -504,6 +505,7 @@ fn sgd_step(
         grad_scale,
         step,
         seed,
+        index_offset: 0,
     };
     let mut keeps = Vec::with_capacity(7);
     let (bufs, has_buf, has_master, old) = guard(op, || {
@@ -601,6 +603,7 @@ fn lion_step(
         grad_scale,
         step,
         seed,
+        index_offset: 0,
     };
     let named = [
         ("param", Some(param), param_dtype),
@@ -660,6 +663,11 @@ impl RuleStep {
         let f = |k: &str| hyper_get(hyper, k, |v| v.extract::<f64>());
         let b = |k: &str| hyper_get(hyper, k, |v| v.extract::<bool>());
         let u = |k: &str| hyper_get(hyper, k, |v| v.extract::<u64>());
+        // Optional: the index of the piece's first element (0: a whole tensor).
+        let offset = match hyper.get_item("index_offset") {
+            Ok(Some(_)) => u("index_offset")?,
+            _ => 0,
+        };
         Ok(match rule {
             "adamw" => RuleStep::AdamW(optim::AdamW {
                 lr: f("lr")?,
@@ -671,6 +679,7 @@ impl RuleStep {
                 grad_scale: f("grad_scale")?,
                 step: u("step")?,
                 seed: u("seed")?,
+                index_offset: offset,
             }),
             "sgd" => RuleStep::Sgd(optim::Sgd {
                 lr: f("lr")?,
@@ -683,6 +692,7 @@ impl RuleStep {
                 grad_scale: f("grad_scale")?,
                 step: u("step")?,
                 seed: u("seed")?,
+                index_offset: offset,
             }),
             "lion" => RuleStep::Lion(optim::Lion {
                 lr: f("lr")?,
@@ -693,6 +703,7 @@ impl RuleStep {
                 grad_scale: f("grad_scale")?,
                 step: u("step")?,
                 seed: u("seed")?,
+                index_offset: offset,
             }),
             _ => {
                 return Err(invalid(format!(
@@ -748,7 +759,8 @@ fn nth<'a, 'py>(
 
 /// One update of one tensor by any rule over any storage format: the one entry the front end
 /// calls. `rule` is `"adamw"`, `"sgd"` or `"lion"`; `hyper` a dict of its hyperparameters (the
-/// fields of `AdamW`, `Sgd` or `Lion`: `lr`, `beta1`, ..., `grad_scale`, `step`, `seed`). `param`,
+/// fields of `AdamW`, `Sgd` or `Lion`: `lr`, `beta1`, ..., `grad_scale`, `step`, `seed`, and
+/// optionally `index_offset`, when the call updates a piece of a larger tensor). `param`,
 /// `grad` and `states` (as many as the rule keeps: AdamW 2, Lion 1, SGD 0 or 1) are contiguous CPU
 /// tensors; their dtypes say their format: a `uint8` state is block-quantized, with its `float32`
 /// scales (one per block of 256) at the same position of `scales`. `master`: the float32 master

@@ -29,6 +29,10 @@ pub struct AdamW {
     pub step: u64,
     /// Seed of stochastic rounding (used when something is stored in `bf16` without a master).
     pub seed: u64,
+    /// Index of the first element in the whole tensor when a call updates a piece of it: the
+    /// piece's stochastic rounding then draws the words the whole tensor's update would (0 for
+    /// a whole tensor). A piece must not cross a multiple of 2^32 elements.
+    pub index_offset: u64,
 }
 
 impl Default for AdamW {
@@ -44,6 +48,7 @@ impl Default for AdamW {
             grad_scale: 1.0,
             step: 1,
             seed: 0,
+            index_offset: 0,
         }
     }
 }
@@ -152,6 +157,7 @@ pub fn adamw_update(
     let param = param_mode(param)?;
     let n = param.len();
     check_grad(&grad, n)?;
+    check_offset(h.index_offset, n)?;
     if matches!(exp_avg, StateMut::Q8 { .. }) != matches!(exp_avg_sq, StateMut::Q8 { .. }) {
         return Err(invalid(
             "exp_avg and exp_avg_sq must both be block-quantized or both not",
@@ -184,6 +190,13 @@ pub fn adamw_update(
         neg_step_size: (-(h.lr / bc1)) as f32,
     };
     let old = sources(old, &param, Some(&states.0), Some(&states.1))?;
-    run_step(rule, Stream::new(h.seed, h.step), param, grad, states, old);
+    run_step(
+        rule,
+        Stream::new(h.seed, h.step).at(h.index_offset),
+        param,
+        grad,
+        states,
+        old,
+    );
     Ok(())
 }

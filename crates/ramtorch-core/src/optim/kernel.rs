@@ -280,6 +280,19 @@ pub(super) fn check_grad(grad: &Tensor<'_>, n: usize) -> Result<()> {
     check_len("grad", grad.len(), n)
 }
 
+/// A piece of `n` elements starting at element `offset` of a tensor: its random words have the
+/// keys of one multiple of 2^32 elements (the parallel driver keeps each piece within one).
+pub(super) fn check_offset(offset: u64, n: usize) -> Result<()> {
+    let end = offset.checked_add(n as u64);
+    match end {
+        Some(end) if n == 0 || offset >> 32 == (end - 1) >> 32 => Ok(()),
+        _ => Err(invalid(format!(
+            "index_offset {offset} with {n} elements crosses a multiple of 2^32 elements; \
+             cut pieces at such multiples"
+        ))),
+    }
+}
+
 pub(super) fn check_finite(what: &str, x: f64) -> Result<()> {
     if !x.is_finite() {
         return Err(invalid(format!("{what} must be finite, got {x}")));
@@ -1072,7 +1085,8 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
         old.fill(&mut p, &mut a, &mut b);
         // Random word 0 of an element rounds the param (bits 0..16) and the first state (bits
         // 16..32); word 1 rounds the second state. Pieces do not straddle a multiple of 2^32.
-        let hi = start as u64 >> 32;
+        let start = start as u64 + self.stream.offset;
+        let hi = start >> 32;
         let lo = start as u32;
         let (k0, k1) = self.stream.keys(0, hi);
         let (k2, k3) = self.stream.keys(1, hi);
@@ -1159,7 +1173,8 @@ impl<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>
         old.fill(&mut p, &mut a, &mut b);
         // The random words of `Step`: word 0 rounds the param (bits 0..16) and the first state
         // (bits 16..32), word 1 the second state.
-        let hi = start as u64 >> 32;
+        let start = start as u64 + self.0.stream.offset;
+        let hi = start >> 32;
         let lo = start as u32;
         let (k0, k1) = self.0.stream.keys(0, hi);
         let (k2, k3) = self.0.stream.keys(1, hi);

@@ -27,6 +27,10 @@ pub struct Lion {
     pub step: u64,
     /// Seed of stochastic rounding.
     pub seed: u64,
+    /// Index of the first element in the whole tensor when a call updates a piece of it: the
+    /// piece's stochastic rounding then draws the words the whole tensor's update would (0 for
+    /// a whole tensor). A piece must not cross a multiple of 2^32 elements.
+    pub index_offset: u64,
 }
 
 impl Default for Lion {
@@ -41,6 +45,7 @@ impl Default for Lion {
             grad_scale: 1.0,
             step: 0,
             seed: 0,
+            index_offset: 0,
         }
     }
 }
@@ -131,6 +136,7 @@ pub fn lion_update(
     let param = param_mode(param)?;
     let n = param.len();
     check_grad(&grad, n)?;
+    check_offset(h.index_offset, n)?;
     let state = state_mode("exp_avg", exp_avg, n, true)?;
     let gs = if h.maximize {
         -h.grad_scale
@@ -147,6 +153,13 @@ pub fn lion_update(
         neg_lr: (-h.lr) as f32,
     };
     let old = sources(old, &param, Some(&state), None)?;
-    run_step(rule, Stream::new(h.seed, h.step), param, grad, state, old);
+    run_step(
+        rule,
+        Stream::new(h.seed, h.step).at(h.index_offset),
+        param,
+        grad,
+        state,
+        old,
+    );
     Ok(())
 }

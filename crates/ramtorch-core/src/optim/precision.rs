@@ -116,6 +116,9 @@ pub(super) fn hash32(x: u32, k1: u32, k2: u32) -> u32 {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Stream {
     key: u64,
+    /// Index in the whole tensor of the first element a call updates (a piece of the tensor:
+    /// its words are those the whole tensor's update would use).
+    pub(super) offset: u64,
 }
 
 impl Stream {
@@ -123,7 +126,13 @@ impl Stream {
         let k = mix64(seed ^ 0x6A09_E667_F3BC_C908);
         Stream {
             key: mix64(k ^ mix64(step.wrapping_add(0xBB67_AE85_84CA_A73B))),
+            offset: 0,
         }
+    }
+
+    /// The stream of a call that updates the piece of a tensor starting at element `offset`.
+    pub(super) fn at(self, offset: u64) -> Self {
+        Stream { offset, ..self }
     }
 
     /// The hash keys of word `lane` for elements whose index divided by 2^32 is `hi`.

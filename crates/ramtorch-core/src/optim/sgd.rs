@@ -31,6 +31,10 @@ pub struct Sgd {
     pub step: u64,
     /// Seed of stochastic rounding.
     pub seed: u64,
+    /// Index of the first element in the whole tensor when a call updates a piece of it: the
+    /// piece's stochastic rounding then draws the words the whole tensor's update would (0 for
+    /// a whole tensor). A piece must not cross a multiple of 2^32 elements.
+    pub index_offset: u64,
 }
 
 impl Default for Sgd {
@@ -47,6 +51,7 @@ impl Default for Sgd {
             grad_scale: 1.0,
             step: 0,
             seed: 0,
+            index_offset: 0,
         }
     }
 }
@@ -151,6 +156,7 @@ pub fn sgd_update(
     let param = param_mode(param)?;
     let n = param.len();
     check_grad(&grad, n)?;
+    check_offset(h.index_offset, n)?;
     let has_momentum = h.momentum != 0.0;
     let state = match momentum_buffer {
         Some(b) => {
@@ -179,6 +185,13 @@ pub fn sgd_update(
         neg_lr: (-h.lr) as f32,
     };
     let old = sources(old, &param, state.as_ref(), None)?;
-    run_step(rule, Stream::new(h.seed, h.step), param, grad, state, old);
+    run_step(
+        rule,
+        Stream::new(h.seed, h.step).at(h.index_offset),
+        param,
+        grad,
+        state,
+        old,
+    );
     Ok(())
 }
