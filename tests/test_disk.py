@@ -430,7 +430,7 @@ def test_the_plan_puts_the_units_offload_puts_on_disk_and_prices_their_reads(tmp
     held = sum(8 * p.numel() for p in real.parameters())  # fp32: two fp32 moments, no master
     assert states.disk_state_bytes == held
     # Staging: the parameters in flight (read ahead, updated, written back), the largest ones.
-    largest = max(8 * p.numel() for p in real.parameters())
+    largest = min(max(8 * p.numel() for p in real.parameters()), ramtorch._disk.PIECE_BYTES)
     assert states.disk_state_staging_bytes == ramtorch._disk.STATES_IN_FLIGHT * largest
     assert pred.host_training_bytes - states.host_training_bytes == held
     io = held / (c.disk_gbps * 1e9) + held / (c.disk_write_gbps * 1e9)
@@ -553,7 +553,8 @@ def test_optimizer_states_on_disk_train_as_in_ram(tmp_path, dtype: torch.dtype, 
     assert st["disk_state_updates"] == 5 * len(on_disk)  # every step updates each one
     assert st["disk_state_written_bytes"] >= 5 * sum(e.capacity for e in ds.extents.values())
     assert st["disk_write_gbps"] is not None and st["disk_state_write_gbps"] is not None
-    largest = max(e.capacity for e in ds.extents.values())
+    largest = max(pc.nbytes for ps in ds.pieces.values() for pc in ps)  # (a parameter is one piece)
+    assert largest == max(e.capacity for e in ds.extents.values())
     assert st["disk_state_staging_bound_bytes"] == ramtorch._disk.STATES_IN_FLIGHT * largest
 
 
@@ -596,6 +597,47 @@ def test_the_host_budget_holds_the_gradients_and_every_streamed_units_states_go_
         ramtorch.offload(small, device="cpu", host_budget=grads // 2, disk=tmp_path, optimizer_on_disk=True)
     assert len(ramtorch.stats(small)["disk_units"]) == 8
     assert "less than the streamed units' gradients" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "dtype,precision,width",
+    [(torch.float32, "fp32-master", 48), (torch.bfloat16, "bf16", 48), (torch.bfloat16, "compact", 560)],
+)
+@pytest.mark.parametrize("kw", [{}, {"pipeline": True}])
+def test_states_updated_in_pieces_train_as_in_ram(tmp_path, monkeypatch, dtype, precision, width, kw):
+    # The smallest pieces the layout allows (1024 elements of fp32 states, 2048 of bf16, 2^18
+    # with block-quantized moments): a parameter's update runs in several pieces, each drawing
+    # the stochastic rounding of the whole tensor's update (bf16 and compact round so).
+    monkeypatch.setattr(ramtorch._disk, "PIECE_BYTES", 1)
+    torch.manual_seed(4)
+    base = Net(width=width, depth=2, dtype=dtype)
+    ram, disk = copy.deepcopy(base), copy.deepcopy(base)
+    ramtorch.offload(ram, device="cpu")
+    budget = ramtorch._disk.grad_bytes(base.parameters()) + _unit_bytes(base.inp)
+    ramtorch.offload(disk, device="cpu", host_budget=budget, disk=tmp_path, optimizer_on_disk=True)
+    opts = [
+        ropt.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, precision=precision, **kw) for m in (ram, disk)
+    ]
+    _train((ram, disk), opts, 4, dtype)
+    for o in opts:
+        o.synchronize()
+    for (n, a), b in zip(ram.state_dict().items(), disk.state_dict().values()):
+        assert torch.equal(a, b), n
+    ram_states, disk_states = (o.state_dict()["state"] for o in opts)
+    for i in ram_states:
+        for k, v in ram_states[i].items():
+            assert torch.equal(v, disk_states[i][k]), (i, k)
+    ds = opts[1]._disk_states
+    w = disk.blocks[0][1].weight
+    assert ds.npieces(w) == (
+        2 if precision == "compact" else -(-w.numel() // (1024 if dtype == torch.float32 else 2048))
+    )
+    assert ds.npieces(disk.out.bias) == 1
+    st = ramtorch.stats(disk)
+    assert st["disk_state_updates"] == 4 * len(list(disk.parameters()))  # (a parameter, not a piece)
+    largest = max(pc.nbytes for ps in ds.pieces.values() for pc in ps)
+    assert largest < max(e.capacity for e in ds.extents.values())  # staging holds pieces
+    assert st["disk_state_staging_bound_bytes"] == ramtorch._disk.STATES_IN_FLIGHT * largest
 
 
 def test_optimizer_states_on_disk_load_and_resume(tmp_path):

@@ -310,26 +310,135 @@ def hint_states(params: Iterable[torch.Tensor]) -> None:
                 ds.hint(p)
 
 
-#: Parameters whose states are read into staging buffers ahead of their update.
-STATES_AHEAD = 2
-#: Parameters whose states and weight may be being written back at once after their updates.
-SETTLES_IN_FLIGHT = 2
-#: Parameters whose states may be in staging buffers at once: read ahead, being updated, being
-#: written back (host memory beyond the budget: this many times the largest one's states).
+#: Pieces of parameters whose states are read into staging buffers ahead of their update.
+STATES_AHEAD = 4
+#: Pieces whose states (and, with a parameter's last piece, its weight) may be being written
+#: back at once after their updates.
+SETTLES_IN_FLIGHT = 4
+#: Pieces whose states may be in staging buffers at once: read ahead, being updated, being
+#: written back (host memory beyond the budget: this many times the largest piece).
 STATES_IN_FLIGHT = STATES_AHEAD + 1 + SETTLES_IN_FLIGHT
+#: A parameter's states move and are updated in pieces of at most about this many bytes (a
+#: power of two of its elements, so that every piece of every state tensor starts on a 4 KiB
+#: boundary in the file); a parameter smaller than a piece is one piece.
+PIECE_BYTES = 256 << 20
+#: The layout of a states extent (:func:`states_layout`), as a kept store's manifest records it.
+STATES_LAYOUT = 2
+#: Elements of a quantization block (one scale each), as the optimizer kernels have them.
+_QBLOCK = 256
+
+
+class _Tensor:
+    """One state tensor of a parameter in its states extent: name, shape, dtype, its offset in
+    the extent (4 KiB aligned), its bytes, and whether it holds one value per element of the
+    parameter (else one per quantization block)."""
+
+    __slots__ = ("name", "shape", "dtype", "offset", "nbytes", "size", "per_element")
+
+    def __init__(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, offset: int, numel: int
+    ) -> None:
+        self.name, self.shape, self.dtype, self.offset = name, shape, dtype, offset
+        self.size = torch.empty((), dtype=dtype).element_size()
+        count = 1
+        for d in shape:
+            count *= d
+        self.nbytes = count * self.size
+        self.per_element = count == numel
+
+
+def states_layout(
+    numel: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> tuple[list[_Tensor], int]:
+    """Where a parameter's state tensors (``specs``: name to shape and dtype) lie in its states
+    extent: one after another, each starting on a 4 KiB boundary; and the extent's bytes."""
+    out, total = [], 0
+    for name, (shape, dtype) in specs.items():
+        t = _Tensor(name, tuple(shape), dtype, total, numel)
+        out.append(t)
+        total += _padded(t.nbytes)
+    return out, max(total, ALIGN)
+
+
+def pieces(numel: int, layout: Sequence[_Tensor]) -> list[tuple[int, int]]:
+    """The element ranges a parameter of ``numel`` elements is updated in: a power of two of
+    elements (every piece of every tensor then starts on a 4 KiB boundary), about
+    :data:`PIECE_BYTES` of states each; one piece when the layout cannot be cut (a tensor that
+    is neither per element nor per block) or the parameter is small."""
+    if numel == 0 or any(not t.per_element and t.nbytes != -(-numel // _QBLOCK) * t.size for t in layout):
+        return [(0, numel)]
+    per = sum(t.size if t.per_element else t.size / _QBLOCK for t in layout)
+    # The smallest piece whose tensors' slices are whole 4 KiB blocks.
+    low = max((ALIGN // t.size if t.per_element else ALIGN // t.size * _QBLOCK) for t in layout)
+    c = low
+    while c * 2 * per <= PIECE_BYTES and c * 2 <= (1 << 32):
+        c *= 2
+    if numel <= c:
+        return [(0, numel)]
+    return [(a, min(a + c, numel)) for a in range(0, numel, c)]
+
+
+class _Piece:
+    """Piece ``k`` of a parameter: elements ``[a, b)``, and for each state tensor the byte range
+    of its slice in the extent (``start``, ``nbytes``: whole 4 KiB blocks), its place in the
+    piece's staging buffer (``at``) and its elements (``count``)."""
+
+    __slots__ = ("a", "b", "ranges", "nbytes")
+
+    def __init__(self, a: int, b: int, numel: int, layout: Sequence[_Tensor], whole: bool) -> None:
+        self.a, self.b = a, b
+        self.ranges: list[tuple[_Tensor, int, int, int, int]] = []
+        at = 0
+        for t in layout:
+            if t.per_element:
+                lo, hi = a, b
+            else:
+                lo, hi = a // _QBLOCK, -(-b // _QBLOCK)
+            start = t.offset + lo * t.size
+            end = t.offset + (_padded(t.nbytes) if whole or b == numel else hi * t.size)
+            # (One piece: the whole tensor, viewed in its shape; else a 1-D slice of it.)
+            self.ranges.append((t, start, end - start, at, -1 if whole else hi - lo))
+            at += end - start
+        self.nbytes = at
+
+
+class _PieceRead:
+    """The reads of a piece's slices into one staging buffer."""
+
+    __slots__ = ("buf", "tickets", "store")
+
+    def __init__(self, buf: torch.Tensor, tickets: list[Any], store: Store) -> None:
+        self.buf, self.tickets, self.store = buf, tickets, store
+
+    def wait(self) -> torch.Tensor:
+        """The staging buffer once every slice is there (the wait counted in the store's
+        ``disk_wait_seconds``); a failed read raises ``OSError`` naming the range and the file."""
+        t0 = time.perf_counter()
+        waited = not all(t.done() for t in self.tickets)
+        for t in self.tickets:
+            t.wait()
+        if waited:
+            self.store.wait_seconds += time.perf_counter() - t0
+        return self.buf
+
+    def times(self) -> tuple[float, float] | None:
+        ts = [x for x in (t.times() for t in self.tickets) if x is not None]
+        return (min(x[0] for x in ts), max(x[1] for x in ts)) if ts else None
 
 
 class DiskStates:
     """The optimizer states (moments, fp32 masters, compensation) of the streamed parameters of
     a model offloaded with ``optimizer_on_disk=True`` (on disk or in host RAM): one store file
-    per optimizer next to the units' store,
-    made whole at its first step (or its first ``load_state_dict``), one extent per parameter
-    holding all its states. The optimizer's state tensors are views over the store's mapping
-    (``state_dict`` and loads see them as CPU tensors), but an update does not go through the
-    mapping: :meth:`before` reads the parameter's extent into a staging buffer (directly, past
-    the page cache, started :data:`STATES_AHEAD` parameters ahead), the kernel updates the
-    buffer, and :meth:`after` writes it back (directly) and the new weight (through the units'
-    mapping), on the stores' I/O threads, while the next updates run."""
+    per optimizer next to the units' store, made whole at its first step (or its first
+    ``load_state_dict``), one extent per parameter holding all its states, each tensor 4 KiB
+    aligned (:func:`states_layout`). The optimizer's state tensors are views over the store's
+    mapping (``state_dict`` and loads see them as CPU tensors), but an update does not go through
+    the mapping: it runs piece by piece (:func:`pieces`, at most about :data:`PIECE_BYTES` of
+    states each). :meth:`before` reads a piece's slices into a staging buffer (directly, past the
+    page cache, started :data:`STATES_AHEAD` pieces ahead), the kernel updates the buffer, and
+    :meth:`after` writes it back (directly), and after a parameter's last piece its new weight
+    (through the units' mapping, for a disk unit), on the stores' I/O threads, while the next
+    pieces run."""
 
     def __init__(
         self,
@@ -341,7 +450,17 @@ class DiskStates:
         directory = homes[0].directory  # type: ignore[union-attr]
         self.specs = {id(p): specs for p, specs in params}
         self._params = {id(p): p for p, _ in params}
-        sizes = [_arena.packed_nbytes(list(specs.values())) for _, specs in params]
+        self.layouts: dict[int, list[_Tensor]] = {}
+        sizes = []
+        for p, specs in params:
+            layout, size = states_layout(p.numel(), specs)
+            self.layouts[id(p)] = layout
+            sizes.append(size)
+        self.pieces: dict[int, list[_Piece]] = {}
+        for pid, lay in self.layouts.items():
+            n = self._params[pid].numel()
+            cuts = pieces(n, lay)
+            self.pieces[pid] = [_Piece(a, b, n, lay, len(cuts) == 1) for a, b in cuts]
         #: The kept store (``ramtorch._keep``) the states belong to, if any: updates are journaled.
         self.kept = homes[0].kept  # type: ignore[union-attr]
         opened = False
@@ -360,47 +479,58 @@ class DiskStates:
         #: ``pipeline=True``): their states are read ahead with their weights' backward reads.
         self.in_backward = False
         self.hints_in_backward = 0
-        self._order: list[int] = []  # the parameters to update next, in order
-        self._hinted: collections.deque[int] = collections.deque()  # hinted, not yet staged
-        self._journaled: dict[int, Any] = {}  # kept store: journal writes of staged reads
-        self._staged: dict[int, Read] = {}  # reads of extents begun ahead of their update
-        self._current: dict[int, torch.Tensor] = {}  # staging buffers of updates running
-        self._writing: dict[int, list[tuple[str, Any]]] = {}  # write-backs in flight, by parameter
+        Key = tuple[int, int]  # (id of the parameter, its piece)
+        self._order: list[Key] = []  # the pieces to update next, in order
+        self._hinted: collections.deque[Key] = collections.deque()  # hinted, not yet staged
+        self._journaled: dict[Key, Any] = {}  # kept store: journal writes of staged reads
+        self._staged: dict[Key, _PieceRead] = {}  # reads begun ahead of their update
+        self._current: dict[Key, torch.Tensor] = {}  # staging buffers of updates running
+        self._writing: dict[Key, list[tuple[str, Any]]] = {}  # write-backs in flight
         self._dirty: set[int] = set()  # extents written through the mapping (made, loaded)
         self._lock = threading.Lock()
         # Held while reads ahead are begun, from the backward's hints (the compute thread) and
         # from updates (the optimizer's worker), so that together they keep to the bound.
         self._stage_lock = threading.Lock()
-        self._pending: collections.deque[tuple[torch.Tensor, list[tuple[str, Any]]]] = collections.deque()
+        self._pending: collections.deque[tuple[Key, list[tuple[str, Any]]]] = collections.deque()
         self.written_bytes = 0
 
     def __contains__(self, p: object) -> bool:
         return id(p) in self.extents
 
     @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+    @property
     def staging_bound(self) -> int:
         """The most host memory the staging buffers of updates in flight take (see
         :data:`STATES_IN_FLIGHT`)."""
-        return STATES_IN_FLIGHT * max((e.capacity for e in self.extents.values()), default=0)
+        largest = max((pc.nbytes for ps in self.pieces.values() for pc in ps), default=0)
+        return STATES_IN_FLIGHT * largest
 
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
+    def npieces(self, p: torch.Tensor) -> int:
+        """How many pieces ``p``'s update runs in."""
+        return len(self.pieces[id(p)])
 
     def make(self, p: torch.Tensor, zero: bool = True) -> dict[str, torch.Tensor]:
         """``p``'s states over its extent in the mapping, zero (a master is the caller's to fill);
         ``zero=False``: as they are (the caller writes every byte)."""
         pid = id(p)
-        specs = self.specs[pid]
-        _, views = _arena.pack_mixed(list(specs.values()), self.extents[pid].view)
-        out = dict(zip(specs, views))
+        ext = self.extents[pid]
+        out = {
+            t.name: _arena.own_storage(ext.view(t.offset + t.nbytes)[t.offset :].view(t.dtype).view(t.shape))
+            for t in self.layouts[pid]
+        }
         with self._lock:
             fresh = pid in self._fresh
             self._fresh.discard(pid)
             self._dirty.add(pid)  # (the caller writes through the mapping)
-            self._staged.pop(pid, None)  # a read begun before is of the old bytes
-            fut = self._journaled.pop(pid, None)
-        if fut is not None:
+            futs = []
+            for key in [k for k in self._staged if k[0] == pid]:
+                del self._staged[key]  # a read begun before is of the old bytes
+            for key in [k for k in self._journaled if k[0] == pid]:
+                futs.append(self._journaled.pop(key))
+        for fut in futs:
             fut.result()  # (its read and journal write of the old bytes end before they change)
         if zero and not fresh:  # states made before (and dropped, for a load): zero again
             self.protect(p)
@@ -408,67 +538,85 @@ class DiskStates:
                 t.zero_()
         return out
 
-    def protect(self, p: torch.Tensor, buf: torch.Tensor | None = None, weight: bool = False) -> None:
-        """In a kept store, before ``p``'s states (``buf``: them, already read) and, with
-        ``weight``, its weight are written: their bytes as they are now go to the journal."""
-        kept = self.kept
-        if kept is None:
+    def protect(self, p: torch.Tensor) -> None:
+        """In a kept store, before ``p``'s states are written through the mapping: their bytes
+        as they are now go to the journal."""
+        if self.kept is None:
             return
         ext = self.extents[id(p)]
-        ranges: list[tuple[str, int, int, torch.Tensor | None]] = [("states", ext.offset, ext.capacity, buf)]
-        w = p.detach()
-        home = self.homes[id(p)]
-        if weight and home.holds(w):  # (a weight in host RAM: nothing of it is in the store)
-            ranges.append(("units", w.data_ptr() - home.map.data_ptr(), w.numel() * w.element_size(), None))
+        self._journal(p, [("states", ext.offset, ext.capacity, None)])
+
+    def _journal(self, p: torch.Tensor, ranges: list[tuple[str, int, int, torch.Tensor | None]]) -> None:
         t0 = time.perf_counter()
-        n = kept.protect_many(ranges)  # (nothing, for ranges saved since the last commit)
+        n = self.kept.protect_many(ranges)  # (nothing, for ranges saved since the last commit)
         spans = _engine.host_spans
         if n and spans is not None:
             spans.add(spans.DISK_WRITES, "journal", t0, time.perf_counter(), (p,), None, {"bytes": n})
 
     def plan(self, params: Iterable[torch.Tensor]) -> None:
         """The parameters (of this store, in order) the next updates go through: each update
-        starts reading the next ones' states."""
+        starts reading the next pieces' states."""
         with self._lock:
-            self._order = [id(p) for p in params if id(p) in self.extents]
-        for pid in self._order[:STATES_AHEAD]:
-            self._stage(pid)
+            self._order = [
+                (id(p), k) for p in params if id(p) in self.extents for k in range(self.npieces(p))
+            ]
+        with self._stage_lock:
+            for key in self._order[:STATES_AHEAD]:
+                self._stage(key)
 
-    def _stage(self, pid: int) -> None:
-        """Starts reading ``pid``'s extent into a staging buffer (after its write-back, if one is
-        in flight, and with what was written through the mapping written back first)."""
+    def _stage(self, key: tuple[int, int]) -> None:
+        """Starts reading piece ``key``'s slices into a staging buffer (after the parameter's
+        write-backs in flight, and with what was written through the mapping written back
+        first)."""
+        pid, k = key
         with self._lock:
-            if pid in self._staged or pid in self._current:
+            if key in self._staged or key in self._current:
                 return
-            writing = self._writing.get(pid)
+            writing = [t for w, ts in self._writing.items() if w[0] == pid for t in ts]
             dirty = pid in self._dirty
             self._dirty.discard(pid)
-        if writing is not None:
-            for _, t in writing:
-                t.wait()
+        for _, t in writing:
+            t.wait()
         ext = self.extents[pid]
         if dirty:
             ext.settle()
-        read = ext.read(pin=False)  # (only the CPU's kernels touch it)
+        piece = self.pieces[pid][k]
+        buf = _arena.host_bytes(piece.nbytes, pin=False)  # (only the CPU's kernels touch it)
+        core = self.store.core
+        tickets = [
+            core.read(buf[at : at + n], ext.offset + start, n, False) for _, start, n, at, _ in piece.ranges
+        ]
+        read = _PieceRead(buf, tickets, self.store)
         # A kept store: what the update will overwrite goes to the journal as soon as it is read,
         # while the updates before it run.
-        fut = None if self.kept is None else self.kept.pool.submit(self._journal_staged, pid, read)
+        fut = None if self.kept is None else self.kept.pool.submit(self._journal_staged, key, read)
         with self._lock:
-            self._staged[pid] = read
+            self._staged[key] = read
             if fut is not None:
-                self._journaled[pid] = fut
+                self._journaled[key] = fut
 
-    def _journal_staged(self, pid: int, read: Read) -> None:
-        read.ticket.wait()
-        self.protect(self._params[pid], read.buf, weight=True)
+    def _journal_staged(self, key: tuple[int, int], read: _PieceRead) -> None:
+        pid, k = key
+        buf = read.wait()
+        p = self._params[pid]
+        ext = self.extents[pid]
+        piece = self.pieces[pid][k]
+        ranges: list[tuple[str, int, int, torch.Tensor | None]] = [
+            ("states", ext.offset + start, n, buf[at : at + n]) for _, start, n, at, _ in piece.ranges
+        ]
+        w = p.detach()
+        home = self.homes[pid]
+        if k == 0 and home.holds(w):  # (the weight, once, before its first piece is updated)
+            ranges.append(("units", w.data_ptr() - home.map.data_ptr(), w.numel() * w.element_size(), None))
+        self._journal(p, ranges)
 
     def hint(self, p: torch.Tensor) -> None:
         """``p``'s weights' backward read has begun: its states are read next, once fewer than
-        :data:`STATES_AHEAD` parameters' states wait in staging buffers (the backward reads
-        units further ahead than that, and each states extent may be GBs)."""
+        :data:`STATES_AHEAD` pieces wait in staging buffers."""
         with self._lock:
-            if id(p) not in self._hinted:
-                self._hinted.append(id(p))
+            for k in range(self.npieces(p)):
+                if (id(p), k) not in self._hinted:
+                    self._hinted.append((id(p), k))
         self.hints_in_backward += 1
         self._stage_hinted()
 
@@ -478,24 +626,25 @@ class DiskStates:
                 with self._lock:
                     if not self._hinted or len(self._staged) >= STATES_AHEAD:
                         return
-                    pid = self._hinted.popleft()
-                self._stage(pid)
+                    key = self._hinted.popleft()
+                self._stage(key)
 
-    def before(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Before ``p``'s update: its states in a staging buffer, once read (the reads of the next
-        parameters of the plan begun), as the optimizer's state names map them."""
-        pid = id(p)
-        self._stage(pid)
+    def before(self, p: torch.Tensor, k: int = 0) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+        """Before the update of ``p``'s piece ``k``: its states' slices in a staging buffer, once
+        read (the reads of the next pieces begun), as the optimizer's state names map them, and
+        the piece's element range."""
+        key = (id(p), k)
+        self._stage(key)
         with self._lock:
             try:
-                k = self._order.index(pid)
+                i = self._order.index(key)
             except ValueError:
-                nxt: list[int] = []
+                nxt: list[tuple[int, int]] = [(id(p), j) for j in range(k + 1, self.npieces(p))]
             else:
-                nxt = self._order[k + 1 : k + 1 + STATES_AHEAD]
-            read = self._staged.pop(pid)
-            if pid in self._hinted:
-                self._hinted.remove(pid)
+                nxt = self._order[i + 1 :]
+            read = self._staged.pop(key)
+            if key in self._hinted:
+                self._hinted.remove(key)
         with self._stage_lock:
             for q in nxt:
                 with self._lock:
@@ -506,49 +655,63 @@ class DiskStates:
         self._stage_hinted()
         buf = read.wait()
         with self._lock:
-            fut = self._journaled.pop(pid, None)
+            fut = self._journaled.pop(key, None)
         if fut is not None:  # a kept store: what the update overwrites, in the journal first
             fut.result()  # (raises what the journal's write raised: nothing is updated then)
         with self._lock:
-            self._current[pid] = buf
-        specs = self.specs[pid]
-        _, views = _arena.pack_mixed(list(specs.values()), lambda n: buf[:n])
-        return dict(zip(specs, views))
+            self._current[key] = buf
+        piece = self.pieces[id(p)][k]
+        views = {}
+        for t, _, _, at, count in piece.ranges:
+            if count < 0:  # one piece, the whole tensor in its shape
+                views[t.name] = buf[at : at + t.nbytes].view(t.dtype).view(t.shape)
+            else:
+                views[t.name] = buf[at : at + count * t.size].view(t.dtype)
+        return views, (piece.a, piece.b)
 
-    def after(self, p: torch.Tensor) -> None:
-        """After ``p``'s update: its states (the staging buffer) and its new weight start being
-        written back to their stores, on the stores' I/O threads, while the next updates run; at
-        most :data:`SETTLES_IN_FLIGHT` parameters' write-backs are in flight (this waits for the
-        oldest past that). :meth:`flush` waits for all."""
+    def after(self, p: torch.Tensor, k: int = 0) -> None:
+        """After the update of ``p``'s piece ``k``: its states (the staging buffer) and, after the
+        last piece, the new weight of a disk unit start being written back, on the stores' I/O
+        threads, while the next pieces run; at most :data:`SETTLES_IN_FLIGHT` pieces' write-backs
+        are in flight (this waits for the oldest past that). :meth:`flush` waits for all."""
         pid = id(p)
+        key = (pid, k)
         ext = self.extents[pid]
         home = self.homes[pid]
+        piece = self.pieces[pid][k]
         with self._lock:
-            buf = self._current.pop(pid)
+            buf = self._current.pop(key)
+        core = self.store.core
+        tickets = [
+            ("write back states", core.write(buf[at : at + n], ext.offset + start, n))
+            for _, start, n, at, _ in piece.ranges
+        ]
+        n = 0
+        last = k == len(self.pieces[pid]) - 1
         w = p.detach()
-        # (A weight in host RAM, of a unit kept there: updated in place, nothing to write.)
-        n = w.numel() * w.element_size() if home.holds(w) else 0
-        tickets = [("write back states", self.store.core.write(buf, ext.offset, ext.capacity))]
-        if n:
-            off = w.data_ptr() - home.map.data_ptr()
-            tickets.append(("write back weight", home.core.settle_async(off, n)))
+        if last and home.holds(w):  # (a weight in host RAM: updated in place, nothing to write)
+            n = w.numel() * w.element_size()
+            tickets.append(
+                ("write back weight", home.core.settle_async(w.data_ptr() - home.map.data_ptr(), n))
+            )
         with self._lock:
-            self.written_bytes += ext.capacity + n
-            self.updates += 1
-            self._writing[pid] = tickets
-            self._pending.append((p, tickets))
+            self.written_bytes += piece.nbytes + n
+            if last:
+                self.updates += 1
+            self._writing[key] = tickets
+            self._pending.append((key, tickets))
             old = self._pending.popleft() if len(self._pending) > SETTLES_IN_FLIGHT else None
         if old is not None:
             self._wait(*old)
 
-    def abandon(self, p: torch.Tensor) -> None:
-        """``p``'s update failed: its staging buffer is dropped (the extent holds the states of
-        before it)."""
+    def abandon(self, p: torch.Tensor, k: int = 0) -> None:
+        """The update of ``p``'s piece ``k`` failed: its staging buffer is dropped (the extent
+        holds the states of before it)."""
         with self._lock:
-            self._current.pop(id(p), None)
+            self._current.pop((id(p), k), None)
 
-    def _wait(self, p: torch.Tensor, tickets: list[tuple[str, Any]]) -> None:
-        """Waits for ``p``'s write-backs (shown in the trace, if one is recording); raises the
+    def _wait(self, key: tuple[int, int], tickets: list[tuple[str, Any]]) -> None:
+        """Waits for a piece's write-backs (shown in the trace, if one is recording); raises the
         first one's error after waiting for all."""
         error: BaseException | None = None
         for _, t in tickets:
@@ -557,14 +720,19 @@ class DiskStates:
             except OSError as e:
                 error = error or e
         with self._lock:
-            if self._writing.get(id(p)) is tickets:
-                del self._writing[id(p)]
+            if self._writing.get(key) is tickets:
+                del self._writing[key]
         spans = _engine.host_spans
         if spans is not None:
+            p = self._params[key[0]]
+            seen: dict[str, list[float]] = {}
             for label, t in tickets:
                 times = t.times()
                 if times is not None:
-                    spans.add(spans.DISK_WRITES, label, times[0], times[1], (p,), None)
+                    lo_hi = seen.setdefault(label, [times[0], times[1]])
+                    lo_hi[0], lo_hi[1] = min(lo_hi[0], times[0]), max(lo_hi[1], times[1])
+            for label, (t0, t1) in seen.items():
+                spans.add(spans.DISK_WRITES, label, t0, t1, (p,), None)
         if error is not None:
             raise error
 
@@ -576,9 +744,9 @@ class DiskStates:
             with self._lock:
                 if not self._pending:
                     break
-                p, tickets = self._pending.popleft()
+                key, tickets = self._pending.popleft()
             try:
-                self._wait(p, tickets)
+                self._wait(key, tickets)
             except OSError as e:
                 error = error or e
         if error is not None:

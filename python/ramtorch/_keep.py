@@ -218,8 +218,15 @@ class Kept:
         with these sizes, else made anew (zeros). Returns it and whether it was opened."""
         sizes = [int(n) for n in sizes]
         path = self.path(STATES)
-        reuse = self.manifest.get("states") == sizes and os.path.exists(path)
+        same_layout = self.manifest.get("states_layout") == _disk.STATES_LAYOUT
+        reuse = self.manifest.get("states") == sizes and same_layout and os.path.exists(path)
         if not reuse:
+            if self.manifest.get("states") is not None and not same_layout:
+                logger.warning(
+                    "ramtorch: the optimizer states in the kept store in %r are in an older layout; "
+                    "they are made anew (zeros)",
+                    self.directory,
+                )
             if self.manifest.get("states") is not None:  # the last commit's states are gone now
                 self.manifest["states"] = None
                 _write_json(self.manifest_path, self.manifest)
@@ -280,7 +287,7 @@ class Kept:
 
     def _protect_many(self, ranges: Sequence[tuple[str, int, int, torch.Tensor | None]]) -> int:
         with self._lock:
-            todo = [r for r in ranges if (r[0], r[1]) not in self._protected and r[2] > 0]
+            todo = [r for r in ranges if (r[0], r[1], r[2]) not in self._protected and r[2] > 0]
             if not todo:
                 return 0
             start, pos, heads = self._end, self._end, []
@@ -301,7 +308,7 @@ class Kept:
             os.posix_fadvise(self._journal, start, pos - start, os.POSIX_FADV_DONTNEED)
             self._end = pos
             for which, offset, nbytes, _ in todo:
-                self._protected.add((which, offset))
+                self._protected.add((which, offset, nbytes))
                 self.journal_bytes += nbytes
             return sum(r[2] for r in todo)
 
@@ -409,6 +416,7 @@ class Kept:
         manifest = dict(self.manifest, serial=serial, rest=rest_name, dirty=False)
         if self._states_sizes is not None:
             manifest["states"] = self._states_sizes
+            manifest["states_layout"] = _disk.STATES_LAYOUT
         if source is not None:
             manifest["source"] = dict(source, serial=serial)
         _write_json(self.manifest_path, manifest)  # the commit point

@@ -203,14 +203,19 @@ class HostStates(torch.optim.Optimizer):
         state["step"] += 1
         ds = self._disk_states if weight is None else None
         if ds is not None and p in ds:
-            # States on disk: updated in a staging buffer, read ahead and written back (_disk).
-            staged = ds.before(p)
-            try:
-                self._run_kernel(p, grad, group, int(state["step"].item()), scale, states=staged)
-            except BaseException:
-                ds.abandon(p)
-                raise
-            ds.after(p)
+            # States on disk: updated piece by piece in staging buffers, read ahead and written
+            # back (_disk).
+            step = int(state["step"].item())
+            if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
+                grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
+            for k in range(ds.npieces(p)):
+                staged, span = ds.before(p, k)
+                try:
+                    self._run_kernel(p, grad, group, step, scale, states=staged, span=span)
+                except BaseException:
+                    ds.abandon(p, k)
+                    raise
+                ds.after(p, k)
         else:
             self._run_kernel(p, grad, group, int(state["step"].item()), scale, weight=weight)
 
@@ -239,16 +244,23 @@ class HostStates(torch.optim.Optimizer):
         into: dict[str, torch.Tensor] | None = None,
         weight: torch.Tensor | None = None,
         states: dict[str, torch.Tensor] | None = None,
+        span: tuple[int, int] | None = None,
     ) -> None:
         """Step ``step`` of the rule on ``p`` (whose states exist), in place, or out of place into
         ``into`` (the weight as ``"param"``, the states, ``"master"``). ``weight``: the host
         tensor that stands for ``p``'s weight (default ``p``); ``states``: tensors that stand for
-        its states (in place), by name (default its own)."""
+        its states (in place), by name (default its own). ``span``: only elements ``[a, b)`` of
+        the flattened parameter, whose states ``states`` holds (a piece: the same bits as those
+        elements get from the whole update)."""
         w = p if weight is None else weight
         if not w.is_contiguous():
             raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
         if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
             grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
+        if span is not None and span != (0, p.numel()):
+            a, b = span
+            w = w.detach().view(-1)[a:b]
+            grad = grad.view(-1)[a:b]
         state = self.state[p] if states is None else {**self.state[p], **states}
         names = self._state_names[: self._active_states(group)]
         states = [state[n] for n in names]
@@ -272,6 +284,8 @@ class HostStates(torch.optim.Optimizer):
         hyper = self._hyper(group, step)
         hyper["grad_scale"] = scale
         hyper["seed"] = hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1)
+        if span is not None and span[0]:
+            hyper["index_offset"] = span[0]
         _core.optim_step(
             self._rule,
             hyper,
