@@ -1227,6 +1227,19 @@ fn out_of_place_steps_check_their_old_values() {
     );
 }
 
+/// One AdamW step of a bf16 tensor and its bf16 moments (stochastic rounding).
+fn bf16_adamw(h: &AdamW, p: &mut [bf16], g: &[bf16], m: &mut [bf16], v: &mut [bf16]) {
+    adamw_step(
+        h,
+        TensorMut::BF16(p),
+        None,
+        Tensor::BF16(g),
+        TensorMut::BF16(m),
+        TensorMut::BF16(v),
+    )
+    .unwrap();
+}
+
 /// A tensor updated in pieces (`index_offset`: each piece's first element in the whole tensor)
 /// gets the bits of one whole update, stochastic rounding included.
 #[test]
@@ -1245,66 +1258,46 @@ fn pieces_with_their_offsets_update_as_the_whole_tensor() {
             seed: 5,
             ..AdamW::default()
         };
-        adamw_step(
-            &h,
-            TensorMut::BF16(&mut p),
-            None,
-            Tensor::BF16(&g),
-            TensorMut::BF16(&mut m),
-            TensorMut::BF16(&mut v),
-        )
-        .unwrap();
+        bf16_adamw(&h, &mut p, &g, &mut m, &mut v);
         for (a, b) in [(0, 4096), (4096, 8192), (8192, n)] {
             let hp = AdamW {
                 index_offset: a as u64,
                 ..h
             };
-            adamw_step(
-                &hp,
-                TensorMut::BF16(&mut pp[a..b]),
-                None,
-                Tensor::BF16(&g[a..b]),
-                TensorMut::BF16(&mut mp[a..b]),
-                TensorMut::BF16(&mut vp[a..b]),
-            )
-            .unwrap();
+            bf16_adamw(&hp, &mut pp[a..b], &g[a..b], &mut mp[a..b], &mut vp[a..b]);
         }
     }
     assert!(
         p == pp && m == mp && v == vp,
         "pieces differ from the whole update"
     );
-    // Without the offsets the pieces would draw other words: the test can tell.
+    // Without the offset a piece would draw other words: the test can tell.
     let h = AdamW {
         step: 4,
         seed: 5,
         ..AdamW::default()
     };
     let g = init(4.0);
-    let (mut p1, mut p2) = (p.clone(), p.clone());
-    let (mut m1, mut v1, mut m2, mut v2) = (m.clone(), v.clone(), m.clone(), v.clone());
-    adamw_step(
+    let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
+    let (mut p2, mut m2, mut v2) = (p.clone(), m.clone(), v.clone());
+    bf16_adamw(
         &h,
-        TensorMut::BF16(&mut p1[4096..]),
-        None,
-        Tensor::BF16(&g[4096..]),
-        TensorMut::BF16(&mut m1[4096..]),
-        TensorMut::BF16(&mut v1[4096..]),
-    )
-    .unwrap();
+        &mut p1[4096..],
+        &g[4096..],
+        &mut m1[4096..],
+        &mut v1[4096..],
+    );
     let h2 = AdamW {
         index_offset: 4096,
         ..h
     };
-    adamw_step(
+    bf16_adamw(
         &h2,
-        TensorMut::BF16(&mut p2[4096..]),
-        None,
-        Tensor::BF16(&g[4096..]),
-        TensorMut::BF16(&mut m2[4096..]),
-        TensorMut::BF16(&mut v2[4096..]),
-    )
-    .unwrap();
+        &mut p2[4096..],
+        &g[4096..],
+        &mut m2[4096..],
+        &mut v2[4096..],
+    );
     assert!(p1 != p2 || m1 != m2 || v1 != v2);
 }
 
