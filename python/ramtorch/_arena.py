@@ -72,11 +72,6 @@ def _packed_offsets(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple
     return offsets, total
 
 
-def packed_nbytes(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
-    """Bytes :func:`pack_mixed` takes for ``specs``."""
-    return _packed_offsets(specs)[1]
-
-
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous, inside a live arena or shared region) as a tensor with a storage of its
     own over the same bytes, which keeps the region alive. A region packing several tensors then

@@ -204,15 +204,14 @@ class Extent:
         """Writes the extent's mapped pages back to the file and drops them from memory."""
         self.store.core.settle(self.offset, self.capacity)
 
-    def read(self, cache: bool = False, nbytes: int | None = None, pin: bool = True) -> Read:
+    def read(self, cache: bool = False, nbytes: int | None = None) -> Read:
         """Starts reading the extent into a new page-locked staging buffer: directly (past the
         page cache) where the file system allows, the extent's pages dropped from memory after;
         with ``cache``, through the page cache and left there, for an extent whose parameters an
         optimizer is about to write (each write through the mapping would otherwise read its page
-        from the disk first). ``nbytes``: read only the first ones (in whole 4 KiB blocks).
-        ``pin=False``: the staging buffer is not page-locked (for bytes only the CPU uses)."""
+        from the disk first). ``nbytes``: read only the first ones (in whole 4 KiB blocks)."""
         n = self.capacity if nbytes is None else min(self.capacity, _padded(nbytes))
-        buf = _arena.host_bytes(n, pin=pin)
+        buf = _arena.host_bytes(n)
         return Read(buf, self.store.core.read(buf, self.offset, n, cache), self.store)
 
 
@@ -421,10 +420,6 @@ class _PieceRead:
             self.store.wait_seconds += time.perf_counter() - t0
         return self.buf
 
-    def times(self) -> tuple[float, float] | None:
-        ts = [x for x in (t.times() for t in self.tickets) if x is not None]
-        return (min(x[0] for x in ts), max(x[1] for x in ts)) if ts else None
-
 
 class DiskStates:
     """The optimizer states (moments, fp32 masters, compensation) of the streamed parameters of
@@ -448,7 +443,6 @@ class DiskStates:
         if any(h is None for h in homes):
             raise ValueError("DiskStates: every parameter must live in a store with optimizer_on_disk")
         directory = homes[0].directory  # type: ignore[union-attr]
-        self.specs = {id(p): specs for p, specs in params}
         self._params = {id(p): p for p, _ in params}
         self.layouts: dict[int, list[_Tensor]] = {}
         sizes = []
