@@ -250,11 +250,11 @@ def offload(
             optimizers: moments, fp32 masters, compensation), in a second store file in
             ``disk``, made whole at the optimizer's first step (or first ``load_state_dict``)
             and gone when the optimizer is. Such a parameter is updated in place in ``step()``
-            (during the backward with ``pipeline=True`` or ``overlap="backward"``): its states
-            are read ahead of it into a staging buffer (``O_DIRECT``), updated there and written
-            back (``O_DIRECT``) with its new weight (a disk unit's), so host memory holds only
-            the states of the few parameters in flight. ``False`` (default): their states are in
-            host RAM.
+            (during the backward with ``pipeline=True`` or ``overlap="backward"``), in pieces of
+            at most 256 MiB of states: each piece is read ahead into a staging buffer
+            (``O_DIRECT``), updated there and written back (``O_DIRECT``), then the new weight of
+            a disk unit, so host memory holds only the few pieces in flight (the bound is in
+            ``ramtorch.stats``). ``False`` (default): their states are in host RAM.
         keep: the store in ``disk`` is kept: a checkpoint of the model that a later ``offload``
             of the same model with the same ``disk`` opens again, without copying: the model then
             takes the store's values (its units' and, from the last commit, every other tensor's),
