@@ -559,14 +559,15 @@ class DiskStates:
                 self._stage(key)
 
     def _stage(self, key: tuple[int, int]) -> None:
-        """Starts reading piece ``key``'s slices into a staging buffer (after the parameter's
-        write-backs in flight, and with what was written through the mapping written back
+        """Starts reading piece ``key``'s slices into a staging buffer (after the write-back of
+        the same piece, if one is in flight, and, for a first piece, the weight's, which a kept
+        store journals with it; with what was written through the mapping written back
         first)."""
         pid, k = key
         with self._lock:
             if key in self._staged or key in self._current:
                 return
-            writing = [t for w, ts in self._writing.items() if w[0] == pid for t in ts]
+            writing = [t for w, ts in self._writing.items() if w == key or k == 0 and w[0] == pid for t in ts]
             dirty = pid in self._dirty
             self._dirty.discard(pid)
         for _, t in writing:
