@@ -665,6 +665,25 @@ def test_optimizer_on_disk_needs_a_disk(tmp_path):
         ramtorch.offload(Net(), device="cpu", disk=tmp_path, optimizer_on_disk="yes")
 
 
+def test_one_optimizer_over_two_models_with_states_on_disk_is_refused(tmp_path):
+    # Each model's states belong in its own store (its directory, its kept store's journal).
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = Net(), Net()
+    for m, d in ((a, "a"), (b, "b")):
+        ramtorch.offload(m, device="cpu", host_budget=0, disk=tmp_path / d, optimizer_on_disk=True)
+    opt = ropt.AdamW([*a.parameters(), *b.parameters()], lr=1e-2)
+    x = torch.randn(3, 16)
+    (a(x).sum() + b(x).sum()).backward()
+    with pytest.raises(ValueError, match="an optimizer per model"):
+        opt.step()
+    assert all(not opt.state[p] for p in a.parameters())  # nothing half made
+    for m in (a, b):  # an optimizer each trains
+        o = ropt.AdamW(m.parameters(), lr=1e-2)
+        o.step()
+        o.synchronize()
+
+
 def test_the_trace_shows_the_write_backs_of_states_on_disk(tmp_path):
     import json
 

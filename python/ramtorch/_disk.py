@@ -442,6 +442,13 @@ class DiskStates:
         homes = [states_home(p) for p, _ in params]
         if any(h is None for h in homes):
             raise ValueError("DiskStates: every parameter must live in a store with optimizer_on_disk")
+        dirs = list(dict.fromkeys(h.directory for h in homes))  # type: ignore[union-attr]
+        if len({id(h) for h in homes}) > 1:
+            raise ValueError(
+                "ramtorch.optim: one optimizer over the parameters of several models offloaded with "
+                f"optimizer_on_disk=True (their stores are in {', '.join(map(repr, dirs))}); its "
+                "states would all go to one of them: use an optimizer per model"
+            )
         directory = homes[0].directory  # type: ignore[union-attr]
         self._params = {id(p): p for p, _ in params}
         self.layouts: dict[int, list[_Tensor]] = {}

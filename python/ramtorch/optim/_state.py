@@ -164,7 +164,11 @@ class HostStates(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            ds = self._disk_states_for(p)
+            try:
+                ds = self._disk_states_for(p)
+            except ValueError:
+                del self.state[p]
+                raise
             if ds is None:
                 home = _disk.store_of(p)
                 if home is not None and home.kept is not None:
