@@ -430,7 +430,8 @@ def test_the_plan_puts_the_units_offload_puts_on_disk_and_prices_their_reads(tmp
     held = sum(8 * p.numel() for p in real.parameters())  # fp32: two fp32 moments, no master
     assert states.disk_state_bytes == held
     # Staging: the parameters in flight (read ahead, updated, written back), the largest ones.
-    largest = min(max(8 * p.numel() for p in real.parameters()), ramtorch._disk.PIECE_BYTES)
+    # (Two fp32 moments, each 4 KiB aligned in the parameter's extent: one piece at this size.)
+    largest = max(2 * (-(-4 * p.numel() // 4096) * 4096) for p in real.parameters())
     assert states.disk_state_staging_bytes == ramtorch._disk.STATES_IN_FLIGHT * largest
     assert pred.host_training_bytes - states.host_training_bytes == held
     io = held / (c.disk_gbps * 1e9) + held / (c.disk_write_gbps * 1e9)
@@ -638,6 +639,13 @@ def test_states_updated_in_pieces_train_as_in_ram(tmp_path, monkeypatch, dtype, 
     largest = max(pc.nbytes for ps in ds.pieces.values() for pc in ps)
     assert largest < max(e.capacity for e in ds.extents.values())  # staging holds pieces
     assert st["disk_state_staging_bound_bytes"] == ramtorch._disk.STATES_IN_FLIGHT * largest
+    # The plan predicts that bound before anything is allocated.
+    from ramtorch.plan import predict
+
+    with torch.device("meta"):
+        meta = Net(width=width, depth=2, dtype=dtype)
+    pred = predict(meta, None, 7, host_budget=budget, optimizer_on_disk=True, precision=precision)
+    assert pred.disk_state_staging_bytes == st["disk_state_staging_bound_bytes"]
 
 
 def test_optimizer_states_on_disk_load_and_resume(tmp_path):

@@ -377,6 +377,14 @@ def pieces(numel: int, layout: Sequence[_Tensor]) -> list[tuple[int, int]]:
     return [(a, min(a + c, numel)) for a in range(0, numel, c)]
 
 
+def largest_piece(numel: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Staging bytes of the largest piece of a parameter of ``numel`` elements whose states are
+    ``specs`` (name to shape and dtype), as :class:`DiskStates` cuts them."""
+    layout, _ = states_layout(numel, specs)
+    cuts = pieces(numel, layout)
+    return max(_Piece(a, b, numel, layout, len(cuts) == 1).nbytes for a, b in cuts)
+
+
 class _Piece:
     """Piece ``k`` of a parameter: elements ``[a, b)``, and for each state tensor the byte range
     of its slice in the extent (``start``, ``nbytes``: whole 4 KiB blocks), its place in the

@@ -126,7 +126,8 @@ class Prediction:
     disk_state_bytes: int = 0
     #: Host memory beyond the budget that the updates of those states take at most: staging
     #: buffers for the pieces read ahead, being updated and being written back
-    #: (``ramtorch._disk.STATES_IN_FLIGHT`` times the largest piece, ``PIECE_BYTES`` or less).
+    #: (``ramtorch._disk.STATES_IN_FLIGHT`` times the largest piece, about ``PIECE_BYTES`` or
+    #: less).
     disk_state_staging_bytes: int = 0
 
     @property
@@ -367,7 +368,8 @@ def predict(
             step_bytes = max(step_bytes, optimizer_bytes(p, "fp32-master", device=not here)[1])
         if id(p) in states_on_disk:  # its gradient in host RAM, its states on disk
             disk_states += held
-            largest_states = max(largest_states, min(held, _disk.PIECE_BYTES))  # (in pieces)
+            specs = _optim_state.state_specs(tuple(p.shape), p.dtype, precision, _ADAMW_STATES)
+            largest_states = max(largest_states, _disk.largest_piece(p.numel(), specs))
             host_training += p.numel() * p.element_size()
             continue
         moved += step_bytes
