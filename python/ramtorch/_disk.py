@@ -18,6 +18,7 @@ leaves from that buffer (``ramtorch._stream.itinerary.Prefetcher``).
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import time
@@ -339,9 +340,7 @@ class _Tensor:
     ) -> None:
         self.name, self.shape, self.dtype, self.offset = name, shape, dtype, offset
         self.size = torch.empty((), dtype=dtype).element_size()
-        count = 1
-        for d in shape:
-            count *= d
+        count = math.prod(shape)
         self.nbytes = count * self.size
         self.per_element = count == numel
 
@@ -377,12 +376,16 @@ def pieces(numel: int, layout: Sequence[_Tensor]) -> list[tuple[int, int]]:
     return [(a, min(a + c, numel)) for a in range(0, numel, c)]
 
 
+def _cut(numel: int, layout: Sequence[_Tensor]) -> list[_Piece]:
+    """The pieces (:func:`pieces`) of a parameter of ``numel`` elements, with their ranges."""
+    cuts = pieces(numel, layout)
+    return [_Piece(a, b, numel, layout, len(cuts) == 1) for a, b in cuts]
+
+
 def largest_piece(numel: int, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
     """Staging bytes of the largest piece of a parameter of ``numel`` elements whose states are
     ``specs`` (name to shape and dtype), as :class:`DiskStates` cuts them."""
-    layout, _ = states_layout(numel, specs)
-    cuts = pieces(numel, layout)
-    return max(_Piece(a, b, numel, layout, len(cuts) == 1).nbytes for a, b in cuts)
+    return max(pc.nbytes for pc in _cut(numel, states_layout(numel, specs)[0]))
 
 
 class _Piece:
@@ -450,8 +453,8 @@ class DiskStates:
         homes = [states_home(p) for p, _ in params]
         if any(h is None for h in homes):
             raise ValueError("DiskStates: every parameter must live in a store with optimizer_on_disk")
-        dirs = list(dict.fromkeys(h.directory for h in homes))  # type: ignore[union-attr]
         if len({id(h) for h in homes}) > 1:
+            dirs = list(dict.fromkeys(h.directory for h in homes))  # type: ignore[union-attr]
             raise ValueError(
                 "ramtorch.optim: one optimizer over the parameters of several models offloaded with "
                 f"optimizer_on_disk=True (their stores are in {', '.join(map(repr, dirs))}); its "
@@ -465,11 +468,7 @@ class DiskStates:
             layout, size = states_layout(p.numel(), specs)
             self.layouts[id(p)] = layout
             sizes.append(size)
-        self.pieces: dict[int, list[_Piece]] = {}
-        for pid, lay in self.layouts.items():
-            n = self._params[pid].numel()
-            cuts = pieces(n, lay)
-            self.pieces[pid] = [_Piece(a, b, n, lay, len(cuts) == 1) for a, b in cuts]
+        self.pieces = {pid: _cut(self._params[pid].numel(), lay) for pid, lay in self.layouts.items()}
         #: The kept store (``ramtorch._keep``) the states belong to, if any: updates are journaled.
         self.kept = homes[0].kept  # type: ignore[union-attr]
         opened = False
