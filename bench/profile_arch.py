@@ -3,6 +3,10 @@ the host's busiest functions (``torch.profiler``, CPU self time) and ramtorch's 
 (link and compute busy time). A diagnostic, not a benchmark: it prints, it records nothing.
 
     python3 bench/profile_arch.py --arch mistral llama --layers 4
+    python3 bench/profile_arch.py --arch qwen2 llama --layers 8 --decode 1 --out $OUT/traces
+
+``--decode B``: greedy ``generate()`` of ``--new`` tokens after a ``--prompt``-token prompt at
+batch B (default options), instead of a training pass; prints the link's largest idle gaps too.
 """
 
 from __future__ import annotations
@@ -22,6 +26,39 @@ import arch  # noqa: E402
 from w1 import busy_summary  # noqa: E402
 
 
+def link_gaps(path: str, top: int = 12) -> dict:
+    """The host→device track's idle gaps in a Chrome trace of ``ramtorch.trace``: their count and
+    sum, and the ``top`` largest with the copies before and after them and what the compute track
+    ran meanwhile."""
+    doc = json.load(open(path))
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in doc["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    h2d = sorted(
+        (e for e in spans if names.get((e["pid"], e["tid"]), "").startswith("host→device")),
+        key=lambda e: e["ts"],
+    )
+    other = sorted((e for e in spans if e not in h2d), key=lambda e: e["ts"])
+    gaps = []
+    for before, after in zip(h2d, h2d[1:]):
+        t0, t1 = before["ts"] + before["dur"], after["ts"]
+        if t1 > t0:
+            during = [e["name"] for e in other if e["ts"] < t1 and e["ts"] + e["dur"] > t0][:6]
+            gaps.append((t1 - t0, before["name"], after["name"], during))
+    gaps.sort(reverse=True)
+    return {
+        "h2d_spans": len(h2d),
+        "gaps": len(gaps),
+        "gap_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
+        "largest": [
+            {"ms": round(g / 1e3, 3), "after": b, "before": n, "during": d} for g, b, n, d in gaps[:top]
+        ],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", nargs="+", default=["mistral"])
@@ -30,6 +67,9 @@ def main() -> None:
     ap.add_argument("--accumulate", action="store_true", help="keep .grad between passes")
     ap.add_argument("--forward", action="store_true", help="forward passes only (no_grad, eval)")
     ap.add_argument("--out", default=None, help="a folder to keep each trace in (<arch>-<pass>.json)")
+    ap.add_argument("--decode", type=int, default=0, help="profile greedy generate() at this batch")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--no-profiler", action="store_true", help="skip torch.profiler's table")
     ap.add_argument("--torch-trace", action="store_true", help="keep torch.profiler's trace (with --out)")
     a = ap.parse_args()
@@ -44,7 +84,26 @@ def main() -> None:
         model.train(not a.forward)
         params = list(model.parameters())
 
-        def step(model: torch.nn.Module = model, x: dict = x, params: list = params) -> None:
+        ids = None
+        if a.decode:
+            model.eval()
+            g = torch.Generator().manual_seed(1000 + a.decode)
+            ids = torch.randint(3, model.config.vocab_size, (a.decode, a.prompt), generator=g).to("cuda")
+
+        def step(
+            model: torch.nn.Module = model, x: dict = x, params: list = params, ids: torch.Tensor | None = ids
+        ) -> None:
+            if ids is not None:
+                with torch.no_grad():
+                    model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=a.new,
+                        min_new_tokens=a.new,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
+                return
             if a.forward:
                 with torch.no_grad():
                     model(**x)
@@ -71,13 +130,14 @@ def main() -> None:
                 os.makedirs(a.out, exist_ok=True)
                 prof.export_chrome_trace(os.path.join(a.out, f"{name}-torch.json"))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
-        kind = "forward" if a.forward else "forward_backward"
+        kind = f"decode{a.decode}" if a.decode else "forward" if a.forward else "forward_backward"
         folder = a.out or tempfile.mkdtemp()
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{name}-{kind}.json")
         with ramtorch.trace(path):
             step()
         print(json.dumps(busy_summary(path), indent=1)[:3000], flush=True)
+        print(json.dumps(link_gaps(path), indent=1), flush=True)
         del model, step, params
         torch.cuda.empty_cache()
 
