@@ -221,6 +221,9 @@ def run_base(a: argparse.Namespace, base: str) -> list[dict[str, Any]]:
         r.pop("stats", None)
         records.append(r)
         print(f"# {base} {phase} ramtorch: {r['seconds']}", file=sys.stderr, flush=True)
+        if a.trace:
+            path = os.path.join(a.trace, f"lora-{base}-{phase}.json")
+            r["trace"] = traced(phase_fn(opt, True, phase), opt, path)
     for r in records:
         r["weight_bytes"] = extra["streamed_bytes_per_pass"]
         if r.get("optimizer") is None:
@@ -228,6 +231,23 @@ def run_base(a: argparse.Namespace, base: str) -> list[dict[str, Any]]:
         if r.get("compress") is None:
             r.pop("compress", None)
     return records
+
+
+def traced(fn: Any, opt: Any, path: str) -> dict[str, Any]:
+    """Two more calls of ``fn`` under ``ramtorch.trace(path)``: the trace's busy time per track
+    and the link's largest idle gaps (``bench/profile_arch.py``)."""
+    import ramtorch
+    from profile_arch import link_gaps
+    from w1 import busy_summary
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with ramtorch.trace(path):
+        for _ in range(2):
+            fn()
+        opt.synchronize()
+    out = {"busy": busy_summary(path), "link_gaps": link_gaps(path)}
+    print(json.dumps(out["link_gaps"], indent=1), file=sys.stderr, flush=True)
+    return out
 
 
 def run_child(a: argparse.Namespace, base: str) -> list[dict[str, Any]]:
@@ -238,6 +258,7 @@ def run_child(a: argparse.Namespace, base: str) -> list[dict[str, Any]]:
     cmd += ["--reps", str(a.reps), "--warmup", str(a.warmup), "--rank", str(a.rank), "--adapters", a.adapters]
     cmd += ["--phases", *a.phases, "--device", a.device] + (["--layers", str(a.layers)] if a.layers else [])
     cmd += ["--smoke"] if a.smoke else []
+    cmd += ["--trace", a.trace] if a.trace else []
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
         out, err, rc = p.stdout, p.stderr, p.returncode
@@ -264,6 +285,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--trace", default=None, help="a folder: trace two more offloaded calls a phase")
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, 1 rep: checks the script")
     ap.add_argument("--device", default=None, help="compute device (default: cuda, or cpu with --smoke)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
