@@ -44,7 +44,8 @@ copy path moves; ``h2d_gbps``: pinned H2D measured in this run (``arch.ceilings`
 
 The last record (``mapped:probe``) says whether memory page-locked the way ramtorch's arena does it
 (``cuMemHostRegister`` with ``CU_MEMHOSTREGISTER_PORTABLE`` only) has a device address and reads
-correctly from a kernel, against ``PORTABLE | DEVICEMAP``, with the device's mapping attributes.
+correctly from a kernel, against ``PORTABLE | DEVICEMAP``, with the device's mapping attributes; and
+the same for a buffer of ramtorch's arena itself where ``ramtorch`` imports (the staged wheel).
 """
 
 from __future__ import annotations
@@ -213,26 +214,41 @@ ATTRS = {
 }
 
 
+def _read_check(drv: Driver, host: torch.Tensor) -> dict:
+    """cuMemHostGetDevicePointer's CUresult for the int16 ``host`` filled with a pattern, whether
+    the device address is the host one, and (only where the driver gave an address) whether a
+    kernel reads the pattern through it."""
+    host.copy_(torch.arange(host.numel(), dtype=torch.int32).remainder(30011).to(torch.int16))
+    rc, dptr = drv.device_pointer(host.data_ptr())
+    res = {"device_pointer_rc": rc, "same_pointer": dptr == host.data_ptr()}
+    if rc == 0:
+        res["kernel_read_ok"] = torch.equal(mapped(host, dptr).clone().cpu(), host)
+    return res
+
+
 def arena_probe(drv: Driver, size: int = 16 << 20) -> dict:
-    """Registers anonymous pageable memory as the arena pins it (cuMemHostRegister, PORTABLE = 1) and
-    with PORTABLE | DEVICEMAP (3): per flag set, the CUresult of the registration and of
-    cuMemHostGetDevicePointer, whether the device address is the host one, and whether a kernel reads
-    the bytes written on the host (only tried where the driver gave a device address)."""
+    """Anonymous pageable memory registered as the arena pins it (cuMemHostRegister with PORTABLE =
+    1, crates/ramtorch-core/src/cuda.rs) and with PORTABLE | DEVICEMAP (3), then ``_read_check``;
+    and a buffer of ramtorch's own arena where the package imports."""
     out: dict = {name: drv.attr(n) for name, n in ATTRS.items()}
     for name, flags in (("portable", 1), ("portable_devicemap", 3)):
         m = mmap.mmap(-1, size)
         host = torch.frombuffer(m, dtype=torch.int16)
-        host.copy_(torch.arange(host.numel(), dtype=torch.int32).remainder(30011).to(torch.int16))
-        addr, res = host.data_ptr(), {}
-        res["register_rc"] = drv.lib.cuMemHostRegister_v2(ctypes.c_void_p(addr), ctypes.c_size_t(size), flags)
+        addr = host.data_ptr()
+        res = {
+            "register_rc": drv.lib.cuMemHostRegister_v2(ctypes.c_void_p(addr), ctypes.c_size_t(size), flags)
+        }
         if res["register_rc"] == 0:
-            rc, dptr = drv.device_pointer(addr)
-            res.update(device_pointer_rc=rc, same_pointer=dptr == addr)
-            if rc == 0:
-                res["kernel_read_ok"] = torch.equal(mapped(host, dptr).clone().cpu(), host)
+            res.update(_read_check(drv, host))
             res["unregister_rc"] = drv.lib.cuMemHostUnregister(ctypes.c_void_p(addr))
         out[name] = res
         del host  # m is unmapped when the last tensor over it goes
+    try:
+        from ramtorch._arena import host_bytes
+
+        out["ramtorch_arena"] = _read_check(drv, host_bytes(size).view(torch.int16))
+    except Exception as e:  # no wheel here, or no arena: said in the record
+        out["ramtorch_arena"] = f"not probed: {e!r}"
     return out
 
 
