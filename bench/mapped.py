@@ -300,10 +300,9 @@ def measure(c: Case, a: argparse.Namespace, pool: torch.Tensor, base: int, env: 
     """(transfer, mode, copy path, seconds, copied bytes) of ``c``'s paths, after the equality check."""
     n = a.layers if c.streamed else 1
     host = layout(pool, c, n)
-    for s in host:
-        for t in s:
-            t.copy_(torch.randn(t.shape, dtype=DT, device="cuda"))  # filled on the GPU: fast
-    maps = [[mapped(t, base + t.data_ptr() - pool.data_ptr()) for t in s] for s in host]
+    for w in (w for s in host for w in s):
+        w.copy_(torch.randn(w.shape, dtype=DT, device="cuda"))  # filled on the GPU: fast
+    maps = [[mapped(w, base + w.data_ptr() - pool.data_ptr()) for w in s] for s in host]
     bufs = [torch.empty(c.set_bytes, dtype=torch.uint8, device="cuda") for _ in range(1 + c.streamed)]
     slots = [layout(b, c, 1)[0] for b in bufs]
     op, gather = op_for(c, a, "cuda")
