@@ -16,7 +16,7 @@ import torch
 
 from .. import _core, _engine
 from .._units import format_bytes
-from . import _speculation
+from . import _parallel, _speculation
 from ._jobs import _Jobs
 from ._resident import ResidentStates
 from ._schedule import OverlapSchedule, UpdateMode, listen
@@ -376,6 +376,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             )
         host_updates = self.timings["in_step_updates"]
         resident: list[tuple[torch.nn.Parameter, dict[str, Any]]] = []
+        host: list[tuple[torch.nn.Parameter, dict[str, Any], int]] = []
         for index, group in enumerate(self.param_groups):
             dev_params = []
             for p in group["params"]:
@@ -384,12 +385,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
                 if self._is_resident(p):
                     resident.append((p, group))  # states="host": after the loop, in forward order
                 elif _is_host(p):
-                    start = time.perf_counter() if spans is not None else 0.0
-                    self._update_host(p, p.grad, group, scale)
-                    self.timings["in_step_updates"] += 1
-                    if spans is not None:  # one parameter; the trace joins those of a unit
-                        end = time.perf_counter()
-                        spans.add(spans.CALLER, "update", start, end, (p,), None, {"param_group": index})
+                    host.append((p, group, index))
                 else:
                     dev_params.append(p)
             if dev_params:
@@ -401,6 +397,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
                     spans.add(
                         spans.CALLER, "torch update", start, end, dev_params, where, {"param_group": index}
                     )
+        self._update_hosts(host, scale)
         if resident:
             start = time.perf_counter()
             self._update_resident(resident, scale)
@@ -421,6 +418,35 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         if self._zero is not None:
             self._zero.publish(self.param_groups)
         return loss
+
+    def _update_hosts(
+        self, items: list[tuple[torch.nn.Parameter, dict[str, Any], int]], scale: float
+    ) -> None:
+        """The in-place updates of ``step()`` of host parameters ``items`` ((parameter, its group,
+        the group's index)), small ones side by side (``_parallel``) once every one has its states
+        (a first update makes them: all in turn); states on disk in turn, in the order the disk
+        reads ahead."""
+        spans = _engine.host_spans  # ramtorch.trace is recording (None otherwise)
+        ds = self._disk_states
+
+        def one(item: tuple[torch.nn.Parameter, dict[str, Any], int]) -> None:
+            p, group, index = item
+            start = time.perf_counter() if spans is not None else 0.0
+            self._update_host(p, p.grad, group, scale)
+            if spans is not None:  # one parameter; the trace joins those of a unit
+                end = time.perf_counter()
+                spans.add(spans.CALLER, "update", start, end, (p,), None, {"param_group": index})
+
+        def numel(item: tuple[torch.nn.Parameter, dict[str, Any], int]) -> int:
+            p = item[0]
+            return _parallel.ALONE_NUMEL if ds is not None and p in ds else p.numel()
+
+        if all(self.state.get(p) for p, _, _ in items):
+            _parallel.run(one, items, numel)
+        else:
+            for item in items:
+                one(item)
+        self.timings["in_step_updates"] += len(items)
 
     def _check_host_memory(self) -> None:
         """Before an update makes states in host RAM: a ``MemoryError`` that names the bytes when

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import _engine, _profile
+from . import _parallel
 from ._jobs import _Jobs
 from ._speculation import Shadows, Speculation, freeze_group, same_group
 from ._state import _is_host
@@ -259,17 +260,21 @@ class OverlapSchedule(torch.optim.Optimizer):
         except BaseException:  # noqa: BLE001 - the copies failed: nothing commits; step() recomputes
             return
         t = time.perf_counter()
-        done = []
-        for p, spec, shadow, parts in work:
+        done: list[torch.nn.Parameter] = []
+
+        def one(item: tuple[Any, ...]) -> None:
+            p, spec, shadow, parts = item
             if self._spec_closed or self._spec.get(id(p)) is not spec:
-                continue  # step() has begun (it updates the rest), or replaced, or dropped
+                return  # step() has begun (it updates the rest), or replaced, or dropped
             try:
                 grad = parts[0] if len(parts) == 1 else parts[0] + parts[1]
                 self._update_host_into(p, grad, spec.hyper, spec.step, shadow)
             except Exception:  # noqa: BLE001 - never committed; step() updates it and meets the error
-                continue
+                return
             spec.done = True
-            done.append(p)
+            done.append(p)  # list.append is atomic: small ones run side by side (_parallel)
+
+        _parallel.run(one, work, lambda item: item[0].numel())
         end = time.perf_counter()
         self.timings["in_backward_seconds"] += end - t
         self.timings["in_backward_updates"] += len(done)
@@ -287,6 +292,7 @@ class OverlapSchedule(torch.optim.Optimizer):
             return committed
         owned = self._param_ids()
         same: dict[tuple[int, int], bool] = {}  # (frozen hyperparameters, group) compared once
+        copies: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         for pid, s in spec.items():
             entry = owned.get(pid)
             if entry is None:
@@ -302,10 +308,12 @@ class OverlapSchedule(torch.optim.Optimizer):
                     self.timings["recomputed_updates"] += 1
                 continue
             assert state is not None
-            new = self._shadows.swap(pid, state, self._host_keys())
-            p.copy_(new)
+            copies.append((p, self._shadows.swap(pid, state, self._host_keys())))
             state["step"] += 1
             committed.add(pid)
+        # The new weights into the parameters, small ones side by side (torch's copy of a tensor
+        # of fewer than 32k elements runs on one core).
+        _parallel.run(lambda pn: pn[0].copy_(pn[1]), copies, lambda pn: pn[0].numel())
         self.timings["committed_updates"] += len(committed)
         return committed
 
