@@ -219,6 +219,10 @@ def run_base(a: argparse.Namespace, base: str) -> list[dict[str, Any]]:
             consecutive=opt.synchronize if phase == "step" else None,
         )
         r.pop("stats", None)
+        if phase == "step":  # the default schedule's choice and what its updates did
+            auto = getattr(opt, "_auto", None)
+            r["update_schedule"] = auto.choice if auto is not None else str(opt._mode)
+            r["optimizer_timings"] = dict(opt.timings)
         records.append(r)
         print(f"# {base} {phase} ramtorch: {r['seconds']}", file=sys.stderr, flush=True)
         if a.trace:
