@@ -5,6 +5,7 @@ seven projections (q, k, v, o, gate, up, down); writes one JSON list and prints 
 
     python3 bench/lora.py --out $OUT/lora.json [--base bf16 int8] [--layers 4] [--tokens 2048]
         [--rank 16] [--adapters auto|peft|minimal] [--phases step forward_backward] [--reps 3]
+        [--stream-adapters] [--trace DIR]
     python3 bench/lora.py --smoke --out /tmp/lora.json      # tiny Llama on the CPU, 1 rep
 
 Adapters: peft's ``get_peft_model(LoraConfig(r, lora_alpha=2r, target_modules=..., lora_dropout=0))``
@@ -19,6 +20,10 @@ on the adapters), then moved to host RAM and offloaded with default options (sys
 sequence of ``--tokens`` tokens, the model's causal-LM loss) + backward + ``step()`` +
 ``zero_grad()``, steps back to back after the warm-up (the time is the steady state of one, as in
 ``bench/benchlib.py: measure``); ``forward_backward`` on request.
+
+By default the adapters stay on the GPU (``offload`` keeps a unit's light trainable parameters
+over a frozen base resident); ``--stream-adapters`` streams them with their units, as ramtorch did
+before, for an A/B (its records carry ``"options": {"adapters": "streamed"}``).
 
 Limit: the frozen base crosses the link twice a step (forward, and backward for the input
 gradients) and only the adapters' gradients come back: link = max(2 × streamed bytes per pass / H2D,
@@ -190,6 +195,11 @@ def run_base(a: argparse.Namespace, base: str) -> list[dict[str, Any]]:
     del opt
     model.to("cpu")
     free_device()
+    if a.stream_adapters:  # the A/B of an option: adapters stream with their units, as before
+        import ramtorch._stream.units as stream_units
+
+        stream_units.LIGHT_SHARE = 0.0
+        common["options"] = {"adapters": "streamed"}
     t1 = time.perf_counter()
     ramtorch.offload(model, device=dev)
     st = ramtorch.stats(model)
@@ -263,6 +273,7 @@ def run_child(a: argparse.Namespace, base: str) -> list[dict[str, Any]]:
     cmd += ["--phases", *a.phases, "--device", a.device] + (["--layers", str(a.layers)] if a.layers else [])
     cmd += ["--smoke"] if a.smoke else []
     cmd += ["--trace", a.trace] if a.trace else []
+    cmd += ["--stream-adapters"] if a.stream_adapters else []
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
         out, err, rc = p.stdout, p.stderr, p.returncode
@@ -289,6 +300,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--commit", default=None)
+    ap.add_argument(
+        "--stream-adapters",
+        action="store_true",
+        help="adapters stream with their units (the default keeps them on the GPU): an A/B",
+    )
     ap.add_argument("--trace", default=None, help="a folder: trace two more offloaded calls a phase")
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, 1 rep: checks the script")
     ap.add_argument("--device", default=None, help="compute device (default: cuda, or cpu with --smoke)")

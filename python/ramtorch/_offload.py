@@ -271,10 +271,13 @@ def offload(
             ``ValueError``. ``host_budget=None``: the store's own units go to disk again.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
-        units, and buffers stay on the device and count against the budget. Not counted: in training,
-    the gradients of what stays on the device and the optimizer states that ``ramtorch.optim``
-    keeps there for it (an fp32 master and two fp32 moments a bf16 parameter with AdamW: with its
-    gradient, 14 bytes a parameter); ``python -m ramtorch plan`` reports them.
+    units, buffers, and a unit's trainable parameters when the rest of it is frozen and they hold
+    at most a sixteenth of its bytes (LoRA adapters, trained biases or norms over a frozen base:
+    their gradients then stay on the device and the optimizer updates them there) stay on the
+    device and count against the budget. Not counted: in training, the gradients of what stays
+    on the device and the optimizer states that ``ramtorch.optim`` keeps there for it (an fp32
+    master and two fp32 moments a bf16 parameter with AdamW: with its gradient, 14 bytes a
+    parameter); ``python -m ramtorch plan`` reports them.
 
     A model built without weights (on the meta device, or under accelerate's
     ``init_empty_weights``) is allocated here, zeroed, for :func:`ramtorch.load` to fill: a load
@@ -342,7 +345,8 @@ def offload(
     shared_ids = {id(p) for p in shared}
     for u, raw in zip(units, raw_units):
         u.container = raw[3]
-        # Tied parameters stay resident: drop them from the streamed unit.
+        # Tied parameters and light trainable ones (adapters over a frozen base) stay resident:
+        # drop them from the streamed unit.
         own = [i for i, p in enumerate(u.params) if id(p) not in shared_ids]
         if len(own) != len(u.params):
             remap = {old: new for new, old in enumerate(own)}

@@ -1,0 +1,107 @@
+"""A unit's light trainable parameters over a frozen base (LoRA adapters, trained biases) stay on
+the device instead of streaming (``ramtorch._stream.units.light_trainable``): the frozen bytes
+stream, the adapters' gradients and updates stay where they are, and training equals torch's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ramtorch
+import ramtorch.optim as ropt
+import torch
+from ramtorch import _engine
+from ramtorch._stream import units as _units
+from ramtorch.plan import predict
+from torch import nn
+
+
+class LoRABlock(nn.Module):
+    """A frozen ``Linear`` plus a rank-``r`` update ``B(A(x))`` (B zero at first, as peft makes it)."""
+
+    def __init__(self, d: int, r: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.A = nn.Linear(d, r, bias=False)
+        self.B = nn.Linear(r, d, bias=False)
+        nn.init.zeros_(self.B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.B(self.A(x)))
+
+
+class LoRAStack(nn.Module):
+    def __init__(self, blocks: int = 4, d: int = 64, r: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(LoRABlock(d, r) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_adapters_stay_and_the_base_streams():
+    m = LoRAStack()
+    ramtorch.offload(m, device="cpu")
+    for b in m.blocks:
+        assert _engine.is_streamed(b.base.weight) and _engine.is_streamed(b.base.bias)
+        assert not _engine.is_streamed(b.A.weight) and not _engine.is_streamed(b.B.weight)
+    frozen = sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
+    assert m._ramtorch_streamer.stats()["streamed_bytes_per_pass"] >= frozen
+
+
+@pytest.mark.parametrize("opt_kind", ["ramtorch", "torch"])
+def test_training_with_resident_adapters_equals_torch(opt_kind):
+    torch.manual_seed(0)
+    ref = LoRAStack()
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    train = [p for p in ours.parameters() if p.requires_grad]
+    assert train and not any(_engine.is_streamed(p) for p in train)
+    o_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    o_ours = ropt.AdamW(train, lr=1e-2) if opt_kind == "ramtorch" else torch.optim.AdamW(train, lr=1e-2)
+    for _ in range(4):
+        x = torch.randn(5, 64)
+        for model, opt in ((ref, o_ref), (ours, o_ours)):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.equal(p, q) for p, q in zip(LoRAStack().parameters(), ours.parameters()))
+
+
+def test_heavy_trainable_parameters_stream():
+    """Trainable parameters that hold more than LIGHT_SHARE of their unit stream with it, and a
+    unit with nothing frozen (full fine-tuning) streams whole."""
+    m = LoRAStack(r=16)  # A and B: 2 x 16 x 64 of 64 x 64 + 64: about 1/2 of the unit
+    ramtorch.offload(m, device="cpu")
+    assert all(_engine.is_streamed(p) for p in m.parameters())
+    full = LoRAStack()
+    full.requires_grad_(True)
+    ramtorch.offload(full, device="cpu")
+    assert all(_engine.is_streamed(p) for p in full.parameters())
+
+
+def test_light_trainable_rule():
+    f = nn.Parameter(torch.zeros(1000), requires_grad=False)
+    light = nn.Parameter(torch.zeros(62))
+    heavy = nn.Parameter(torch.zeros(80))
+    assert _units.light_trainable([f, light]) == [light]  # 62 <= (1062) / 16
+    assert _units.light_trainable([f, heavy]) == []  # 80 > 1080 / 16
+    assert _units.light_trainable([light]) == []  # nothing frozen
+    assert _units.light_trainable([f]) == []  # nothing trainable
+
+
+def test_the_plan_keeps_the_adapters_resident_as_offload_does():
+    with torch.device("meta"):
+        meta = LoRAStack()
+    pred = predict(meta, None, 128)
+    real = LoRAStack()
+    ramtorch.offload(real, device="cpu")
+    s = real._ramtorch_streamer.stats()
+    assert pred.streamed_bytes_per_pass == s["streamed_bytes_per_pass"]
+    frozen = sum(p.numel() * p.element_size() for p in real.parameters() if not p.requires_grad)
+    assert s["streamed_bytes_per_pass"] < frozen + 64 * 4 * len(list(real.parameters()))
