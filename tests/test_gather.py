@@ -467,3 +467,16 @@ def test_transformers_decoder_matches_torch(tied):
         opt.zero_grad()
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+
+
+def test_which_lookups_read_the_table_in_place():
+    """Reading a table in place (mapped host memory) is chosen on a GPU for lookups whose rows'
+    gradient is not needed, without max_norm, with the table in RAM; the CPU device gathers."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert gather.reads_in_place(cuda, False, None, False)
+    assert not gather.reads_in_place(cuda, True, None, False)  # the backward needs the rows
+    assert not gather.reads_in_place(cuda, False, 1.0, False)  # max_norm writes rows in place
+    assert not gather.reads_in_place(cuda, False, None, True)  # on disk: not page-locked
+    assert not gather.reads_in_place(cpu, False, None, False)
+    # Host memory that cannot be mapped (no CUDA here) gives no view: the lookup gathers.
+    assert gather.mapped_table(torch.zeros(4, 4), cuda) is None

@@ -72,3 +72,65 @@ def test_offloaded_model_moves_the_rows_read_on_cuda():
     ramtorch.synchronize()
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q, p.detach().cpu(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _counters() -> dict:
+    return ramtorch._engine.engine_for(torch.device("cuda", torch.cuda.current_device())).row_counters
+
+
+@pytest.mark.parametrize("where", ["cuda", "cpu"], ids=["ids-on-gpu", "ids-on-cpu"])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_lookups_without_gradient_read_the_table_in_place(where, padding_idx):
+    """A frozen table, and any table under no_grad, is read by the GPU where it lies (mapped
+    host memory): outputs equal nn.Embedding's on the device bitwise, nothing is gathered on the
+    host, and a later training forward of a trainable table gathers its rows again."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(50_000, 256, padding_idx=padding_idx), nn.Linear(256, 8)).cuda()
+    ours = ramtorch.offload(copy.deepcopy(ref).cpu(), device="cuda")
+    assert [u.name for u in ours._ramtorch_streamer.units if u.gather] == ["0"]
+    c = _counters()
+    for grad in (False, True):
+        ours[0].weight.requires_grad_(grad)
+        ref[0].weight.requires_grad_(grad)
+        ids = torch.randint(0, 50_000, (4, 100))
+        ids[0, :5] = 3
+        before = dict(c)
+        with torch.no_grad():
+            assert torch.equal(ours(ids.to(where)), ref(ids.cuda()))
+        assert c["mapped_lookups"] == before["mapped_lookups"] + 1
+        assert c["rows_gathered"] == before["rows_gathered"]
+    # Trainable, with gradients: the rows are gathered (the backward needs them).
+    before = dict(c)
+    ids = torch.randint(0, 50_000, (4, 100), device="cuda")
+    y, y_ref = ours(ids), ref(ids)
+    assert torch.equal(y, y_ref)
+    assert c["mapped_lookups"] == before["mapped_lookups"] and c["rows_gathered"] > before["rows_gathered"]
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    torch.cuda.synchronize()
+    assert torch.equal(ours[0].weight.grad, ref[0].weight.grad.cpu())
+    # Frozen with gradients for the rest of the model: read in place, the rest trains.
+    ours[0].weight.requires_grad_(False)
+    before = dict(c)
+    ours(ids).square().sum().backward()
+    assert c["mapped_lookups"] == before["mapped_lookups"] + 1
+
+
+def test_an_index_out_of_range_on_the_cpu_raises_before_reading_in_place():
+    ours = ramtorch.offload(nn.Sequential(nn.Embedding(50_000, 256), nn.Linear(256, 8)), device="cuda")
+    ours[0].weight.requires_grad_(False)
+    with pytest.raises(IndexError, match="50000"):
+        ours(torch.tensor([[1, 50_000]]))
+
+
+def test_a_table_in_pageable_memory_gathers(monkeypatch):
+    """Where the table cannot be read in place (its memory not mapped), lookups gather."""
+    from ramtorch._stream import gather
+
+    monkeypatch.setattr(gather, "mapped_table", lambda table, device: None)
+    ours = ramtorch.offload(nn.Sequential(nn.Embedding(50_000, 256), nn.Linear(256, 8)), device="cuda")
+    c = _counters()
+    before = dict(c)
+    with torch.no_grad():
+        ours(torch.randint(0, 50_000, (2, 10), device="cuda"))
+    assert c["mapped_lookups"] == before["mapped_lookups"] and c["rows_gathered"] > before["rows_gathered"]

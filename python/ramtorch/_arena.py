@@ -30,6 +30,22 @@ def host_bytes(nbytes: int, zeroed: bool = False, pin: bool = True) -> torch.Ten
     return flat
 
 
+def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Contiguous host tensor ``t`` (arena or shared memory, page-locked) as the kernels of CUDA
+    ``device`` read it in place: a CUDA tensor of ``t``'s shape and dtype over the same bytes,
+    read over the link by whatever kernel uses it (mapped host memory), which keeps ``t``'s
+    memory alive. Raises where the memory is not page-locked and mapped (pinning refused, a disk
+    store's mapping) or not ramtorch's (``ValueError``/``RuntimeError`` from the bindings)."""
+    if not t.is_contiguous():
+        raise ValueError("device_view: the host tensor must be contiguous")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    nbytes = t.numel() * t.element_size()
+    flat = torch.from_dlpack(_core.arena_device_view(t.data_ptr(), nbytes, index))
+    if flat.device != torch.device("cuda", index) or flat.data_ptr() != t.data_ptr():
+        raise RuntimeError(f"device_view: torch made {flat.device} memory at another address of it")
+    return flat.view(t.dtype).view(tuple(t.shape))
+
+
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 

@@ -345,7 +345,14 @@ class DeviceEngine:
         self.layer_counters = {"prefetches": 0, "prefetch_hits": 0, "prefetch_wasted": 0}
         # Embedding tables streamed by rows (``_stream/gather.py``): lookups, distinct rows
         # gathered, and their bytes each way (copied by torch, outside the engine's copies).
-        self.row_counters = {"row_lookups": 0, "rows_gathered": 0, "row_h2d_bytes": 0, "row_d2h_bytes": 0}
+        self.row_counters = {
+            "row_lookups": 0,
+            "rows_gathered": 0,
+            "row_h2d_bytes": 0,
+            "row_d2h_bytes": 0,
+            "mapped_lookups": 0,
+            "mapped_row_bytes": 0,
+        }
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         # Holders of speculative prefetches on this device (offloaded models' streamers): asked
         # to give their slots back (``holder.drop_prefetched()``) when the slots are needed.

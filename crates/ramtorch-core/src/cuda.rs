@@ -89,18 +89,30 @@ impl Context {
             .map_err(|e| cuda_err("cuCtxSetCurrent", e))
     }
 
-    /// Page-locks `len` bytes at `ptr` for every context (`CU_MEMHOSTREGISTER_PORTABLE`).
+    /// Page-locks `len` bytes at `ptr` for every context (`CU_MEMHOSTREGISTER_PORTABLE`), mapped
+    /// into the devices' address space (`CU_MEMHOSTREGISTER_DEVICEMAP`: kernels may read it in
+    /// place, see [`Context::device_pointer`]).
     ///
     /// # Safety
     /// `ptr..ptr+len` must be a live, page-aligned host allocation that stays mapped until
     /// [`Context::unregister_host`] is called on it.
     pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
         self.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller guarantees the range is a live mapping.
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
-        };
+        let r = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) };
         check("cuMemHostRegister", r)
+    }
+
+    /// The address at which this context's kernels read the page-locked host byte at `ptr`
+    /// (`cuMemHostGetDevicePointer`); an error for memory that is not page-locked and mapped.
+    pub fn device_pointer(&self, ptr: *const u8) -> Result<u64> {
+        self.bind()?;
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: the driver only looks the address up in its registrations and writes `d`.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, ptr as *mut c_void, 0) };
+        check("cuMemHostGetDevicePointer", r)?;
+        Ok(d)
     }
 
     /// Undoes [`Context::register_host`].

@@ -1,5 +1,7 @@
 //! Host memory handed to torch as DLPack capsules: a 1-D `uint8` CPU tensor over an arena region
-//! or a shared region, which the capsule (then torch's tensor) keeps alive.
+//! or a shared region, which the capsule (then torch's tensor) keeps alive; or, for page-locked
+//! memory mapped into a GPU's address space, a CUDA tensor over the same bytes (kernels read them
+//! over the link in place).
 
 use std::ffi::{c_char, c_void, CStr};
 
@@ -101,8 +103,30 @@ unsafe extern "C" fn capsule_destructor(cap: *mut pyo3::ffi::PyObject) {
     }
 }
 
+const K_DL_CUDA: i32 = 2;
+
 /// A DLPack capsule of a 1-D uint8 CPU tensor over `memory`, which it keeps alive.
 pub(crate) fn export(py: Python<'_>, memory: Memory) -> PyResult<Py<PyAny>> {
+    export_at(py, memory, None)
+}
+
+/// A DLPack capsule of a 1-D uint8 tensor over the page-locked host `memory` as CUDA device
+/// `device` reads it in place (mapped host memory: its device address is its host address,
+/// which the caller has checked), keeping `memory` alive as [`export`] does.
+pub(crate) fn export_mapped(py: Python<'_>, memory: Memory, device: usize) -> PyResult<Py<PyAny>> {
+    export_at(py, memory, Some(device))
+}
+
+fn export_at(py: Python<'_>, memory: Memory, cuda: Option<usize>) -> PyResult<Py<PyAny>> {
+    let (device_type, device_id) = match cuda {
+        None => (K_DL_CPU, 0),
+        Some(d) => (
+            K_DL_CUDA,
+            i32::try_from(d).map_err(|_| {
+                pyo3::exceptions::PyValueError::new_err(format!("device index {d} is too large"))
+            })?,
+        ),
+    };
     let ptr = memory.as_ptr();
     let mut ctx = Box::new(Export {
         shape: [memory.len() as i64],
@@ -113,8 +137,8 @@ pub(crate) fn export(py: Python<'_>, memory: Memory) -> PyResult<Py<PyAny>> {
         dl_tensor: DLTensor {
             data: ptr as *mut c_void,
             device: DLDevice {
-                device_type: K_DL_CPU,
-                device_id: 0,
+                device_type,
+                device_id,
             },
             ndim: 1,
             dtype: DLDataType {

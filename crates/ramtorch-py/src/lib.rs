@@ -21,7 +21,7 @@ use ramtorch_core::engine::{Engine as CoreEngine, EngineStats, Marker};
 use ramtorch_core::shared::SharedRegion;
 use ramtorch_core::{cuda, fork, Error};
 
-use dlpack::{export, Memory};
+use dlpack::{export, export_mapped, Memory};
 
 create_exception!(
     _core,
@@ -99,6 +99,33 @@ fn arena_alloc(py: Python<'_>, nbytes: usize, zeroed: bool, pin: bool) -> PyResu
 fn arena_view(py: Python<'_>, addr: usize, nbytes: usize) -> PyResult<Py<PyAny>> {
     let slice = guard("arena_view", || arena()?.slice(addr, nbytes))?;
     export(py, Memory::Slice(slice))
+}
+
+/// The `nbytes` bytes at `addr` inside a live arena or shared region, as CUDA device `device`'s
+/// kernels read them in place: a DLPack capsule of a 1-D uint8 CUDA tensor over the same memory
+/// (mapped page-locked host memory, whose device address must equal its host address), which
+/// keeps the region alive. Memory that is not page-locked and mapped (pinning refused, a disk
+/// store's mapping) is an error naming why, as is anything outside memory ramtorch allocated.
+#[pyfunction]
+fn arena_device_view(
+    py: Python<'_>,
+    addr: usize,
+    nbytes: usize,
+    device: usize,
+) -> PyResult<Py<PyAny>> {
+    let slice = guard("arena_device_view", || {
+        let slice = arena()?.slice(addr, nbytes)?;
+        let ctx = cuda::Context::new(device)?;
+        let dptr = ctx.device_pointer(slice.as_ptr())?;
+        if dptr != addr as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "host memory at {addr:#x} is mapped at device address {dptr:#x} on cuda:{device}, \
+                 not at its host address"
+            )));
+        }
+        Ok(slice)
+    })?;
+    export_mapped(py, Memory::Slice(slice), device)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -566,6 +593,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_MAX_INFLIGHT", ramtorch_core::engine::MAX_MAX_INFLIGHT)?;
     m.add_function(wrap_pyfunction!(arena_alloc, m)?)?;
     m.add_function(wrap_pyfunction!(arena_view, m)?)?;
+    m.add_function(wrap_pyfunction!(arena_device_view, m)?)?;
     m.add_function(wrap_pyfunction!(arena_stats, m)?)?;
     m.add_function(wrap_pyfunction!(arena_empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(take_pin_warning, m)?)?;

@@ -147,6 +147,29 @@ def check_indices(ids: Any, rows: int, device: torch.device, label: str) -> None
         )
 
 
+def reads_in_place(device: torch.device, grad_wanted: bool, max_norm: float | None, on_disk: bool) -> bool:
+    """Whether a lookup reads the table in place (mapped host memory, see :func:`mapped_table`)
+    instead of gathering its rows on the host: on a CUDA device, when the forward needs no
+    gradient of the table (a frozen table, ``torch.no_grad()``, generation), does not renormalise
+    rows in place (``max_norm``) and the table is in page-locked RAM (not on disk).
+
+    Measured on an H200 (``bench/mapped.py``, BENCHMARKS.md): ``F.embedding`` on the mapped table
+    reads 512 rows of 8 KiB in 98 us and 4096 in 673, against 206 and 1086 for the host gather and
+    its copy; 1 and 8 rows take 17 and 24 us against 16 and 17. And the indices never go to the
+    host: the gather's device-to-host copy of them waits for the work queued before it. A lookup
+    that needs the rows' gradient keeps the gather, which hands the rows to the backward."""
+    return device.type == "cuda" and not grad_wanted and max_norm is None and not on_disk
+
+
+def mapped_table(table: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """The host ``table`` as ``device``'s kernels read it in place (``_arena.device_view``), or
+    ``None`` where its memory cannot be read so (not page-locked: the lookup then gathers)."""
+    try:
+        return _arena.device_view(table.detach(), device)
+    except (RuntimeError, ValueError):
+        return None
+
+
 def host_indices(ids: torch.Tensor, rows: int, label: str) -> torch.Tensor:
     """``ids`` on the host (a copy from the device waits for the work queued before it), checked
     against the table's ``rows``: an index out of range is an ``IndexError``, as on the CPU with

@@ -137,7 +137,8 @@ class Streamer(Prefetcher, GradientHooks):
             "prefetch_hits": 0,
             "prefetch_wasted": 0,
             "passes": 0,
-            # Forwards of units streamed by rows (.gather), and the bytes of the rows they moved.
+            # Forwards of units streamed by rows (.gather), and the bytes of the rows they moved
+            # (read in place: the rows' bytes the lookup's indices name, repeats counted).
             "row_lookups": 0,
             "gathered_bytes": 0,
             # Bytes decoded on the device from units streamed encoded (offload(compress=...)).
@@ -459,6 +460,11 @@ class Streamer(Prefetcher, GradientHooks):
         gather.check_indices(ids, param.shape[0], self.device, label)
         if not recompute:
             gather.drop_interrupted(self.eng)
+        grad_wanted = torch.is_grad_enabled() and param.requires_grad
+        if gather.reads_in_place(self.device, grad_wanted, module.max_norm, u.disk is not None):  # type: ignore[arg-type]
+            table = self._mapped_table(u)
+            if table is not None:
+                return self._read_in_place(u, module, table, ids, args, kwargs, label)
         host = gather.host_indices(ids, param.shape[0], label)
         index, inverse = gather.distinct(host)
         row_bytes = param.shape[1] * param.element_size()
@@ -492,6 +498,52 @@ class Streamer(Prefetcher, GradientHooks):
             return args, {**kwargs, "input": found.remapped}
         return (found.remapped, *args[1:]), kwargs
 
+    def _mapped_table(self, u: _Unit) -> torch.Tensor | None:
+        """``u``'s table as the device reads it in place, made once per table memory (a repack
+        makes it anew), or None where its memory is not mapped."""
+        param = u.params[0]
+        key = (param.data_ptr(), param.numel(), param.dtype)
+        if u.mapped is None or u.mapped[0] != key:
+            u.mapped = (key, gather.mapped_table(param, self.device))
+        return u.mapped[1]
+
+    def _read_in_place(
+        self,
+        u: _Unit,
+        module: nn.Module,
+        table: torch.Tensor,
+        ids: Any,
+        args: tuple,
+        kwargs: dict,
+        label: str,
+    ) -> tuple[tuple, dict]:
+        """A lookup that reads the rows its indices name straight from the host table (mapped
+        host memory, :func:`.gather.reads_in_place`): the table's device view stands for it
+        while its forward runs, on the indices as given (moved to the device). Indices on the
+        CPU are checked there (an ``IndexError``, as ``_gather_forward`` raises); on the device
+        they are checked as torch checks them for a table on the device."""
+        param = u.params[0]
+        if ids.device.type == "cpu":
+            gather.host_indices(ids, param.shape[0], label)
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        # A pipelined optimizer step may still be writing the table.
+        _engine.wait_updates(u.params)
+        e = u.entries[0]
+        u.gathers.append((e.owner._parameters[e.name], module.padding_idx, None, 0))
+        e.owner._parameters[e.name] = table  # type: ignore[assignment]
+        read = ids.numel() * param.shape[1] * param.element_size()
+        with self.lock:
+            c = self.eng.row_counters
+            c["row_lookups"] += 1
+            c["mapped_lookups"] += 1
+            c["mapped_row_bytes"] += read
+            if "gathered_bytes" in self.counters:
+                self.counters["row_lookups"] += 1
+                self.counters["gathered_bytes"] += read
+        if not args:
+            return args, {**kwargs, "input": ids}
+        return (ids, *args[1:]), kwargs
+
     def gather_label(self, u: _Unit) -> str:
         """Names ``u`` in the errors of its lookups."""
         return f"ramtorch.offload: embedding {u.name!r}"
@@ -504,7 +556,7 @@ class Streamer(Prefetcher, GradientHooks):
         e = u.entries[0]
         e.owner._parameters[e.name] = before
         e.owner.padding_idx = padding_idx  # type: ignore[assignment]
-        if found.rows._version != version:
+        if found is not None and found.rows._version != version:
             with torch.no_grad():
                 u.params[0].index_copy_(0, found.index, found.rows.detach().to("cpu"))
         return output

@@ -473,6 +473,9 @@ class _Unit:
         # forward that took the whole table through a slot).
         self.gather = False
         self.gathers: list[Any] = []
+        # A table read in place (.gather.reads_in_place): (its memory's address, numel, dtype)
+        # and its device view (None: the memory is not mapped), made at its first such lookup.
+        self.mapped: tuple[tuple[int, int, torch.dtype], torch.Tensor | None] | None = None
         self.gen = 0
         # Per parameter, where its packed tensors are, when some parameter is a tensor subclass
         # (see :func:`stream_tensors`); ``None`` (the fast path) when each parameter is one tensor.
