@@ -105,3 +105,26 @@ def test_the_plan_keeps_the_adapters_resident_as_offload_does():
     assert pred.streamed_bytes_per_pass == s["streamed_bytes_per_pass"]
     frozen = sum(p.numel() * p.element_size() for p in real.parameters() if not p.requires_grad)
     assert s["streamed_bytes_per_pass"] < frozen + 64 * 4 * len(list(real.parameters()))
+
+
+def test_peft_merges_into_the_streamed_base_with_adapters_kept_on_the_device():
+    """peft's merge_and_unload adds get_delta_weight, computed where the adapters are, into the
+    base weight in host RAM: offload gives the LoRA layers whose adapters it kept on the device a
+    get_delta_weight that brings the delta to the base weight's device (on the GPU suite the two
+    devices differ; here it is installed and merging still equals peft on a plain model)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    config = peft.LoraConfig(target_modules=["0", "2"], r=2, init_lora_weights=False)
+    plain = peft.get_peft_model(copy.deepcopy(base), config)
+    ours = copy.deepcopy(plain)
+    ramtorch.offload(ours, device="cpu")
+    layers = [m for m in ours.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    assert layers and all(
+        type(m.__dict__.get("get_delta_weight")).__name__ == "_DeltaOnBaseDevice" for m in layers
+    )
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), plain(x))
+        merged, merged_ref = ours.merge_and_unload(), plain.merge_and_unload()
+        torch.testing.assert_close(merged(x), merged_ref(x), rtol=1e-5, atol=1e-5)

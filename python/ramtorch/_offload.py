@@ -416,6 +416,7 @@ def offload(
     with torch.no_grad():
         for p in shared:
             _move(p, dev)
+        _deltas_to_base_weights(model, {id(p) for p in shared})
         computed = _place_buffers(model, dev)
         for u in units:
             if u.uid in resident_ids:
@@ -565,6 +566,42 @@ def weights_unchanged(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         with streamer.lock:
             streamer.unchanged -= 1
+
+
+class _DeltaOnBaseDevice:
+    """A peft LoRA layer's ``get_delta_weight``, its result moved to the device of the layer's
+    base weight. peft merges (``merge_and_unload``, ``merge``, ``unmerge``) by adding the delta,
+    computed where the adapters are, into the base weight: with the adapters kept on the GPU
+    (``_stream.units.light_trainable``) and the base weight streamed from host RAM, the two are on
+    different devices. A class, not a closure, so that a model holding it still pickles."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, adapter: str) -> torch.Tensor:
+        layer = self.layer
+        delta = type(layer).get_delta_weight(layer, adapter)  # type: ignore[attr-defined]
+        base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer.base_layer
+        weight = getattr(base, "weight", None)
+        if (
+            isinstance(weight, torch.Tensor)
+            and isinstance(delta, torch.Tensor)
+            and delta.device != weight.device
+        ):
+            delta = delta.to(weight.device)
+        return delta
+
+
+def _deltas_to_base_weights(model: nn.Module, moved: set[int]) -> None:
+    """Gives every peft LoRA layer (a module with ``base_layer`` and ``get_delta_weight``) whose
+    adapters were moved to the device (``moved``: parameter ids) a :class:`_DeltaOnBaseDevice`."""
+    for m in model.modules():
+        if not hasattr(m, "base_layer") or not callable(getattr(type(m), "get_delta_weight", None)):
+            continue
+        base = m.base_layer
+        own = [p for p in m.parameters() if all(p is not q for q in base.parameters())]
+        if any(id(p) in moved for p in own):
+            m.get_delta_weight = _DeltaOnBaseDevice(m)  # type: ignore[method-assign]
 
 
 def _move(p: nn.Parameter, dev: torch.device) -> None:
