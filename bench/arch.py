@@ -5,7 +5,7 @@ next to the same model resident on the GPU; writes one JSON list (BENCH.md recor
 
     python3 bench/arch.py --out $OUT/arch.json [--arch llama qwen2 ...] [--phases forward ...]
         [--tokens 4096] [--reps 3] [--warmup 1] [--layers N] [--commit abc1234]
-        [--phases ... decode --batch 1 8 --prompt 128 --new 16]
+        [--phases ... decode --batch 1 8 --prompt 128 --new 16] [--host-gather]
     python3 bench/arch.py --smoke --out /tmp/arch.json      # tiny configs on the CPU, 1 rep
 
 Architectures (their per-layer shapes are those of the real configs named; ``layers`` blocks):
@@ -509,6 +509,11 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         log(name, phase, "resident", r.get("seconds"))
     model.to("cpu")
     free_device()
+    if a.host_gather:  # the A/B of the default: lookups without gradient gather on the host
+        import ramtorch._stream.gather as stream_gather
+
+        stream_gather.reads_in_place = lambda *args, **kw: False
+        common["options"] = {"lookups": "host gather"}
     t1 = time.perf_counter()
     ramtorch.offload(model, device=dev)
     offload_seconds = time.perf_counter() - t1
@@ -685,6 +690,8 @@ def child_args(a: argparse.Namespace, name: str) -> list[str]:
         out += ["--layers", str(a.layers)]
     if a.smoke:
         out.append("--smoke")
+    if a.host_gather:
+        out.append("--host-gather")
     return out
 
 
@@ -752,6 +759,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--timeout", type=float, default=240, help="seconds allowed to one architecture's process"
+    )
+    ap.add_argument(
+        "--host-gather",
+        action="store_true",
+        help="an A/B: embedding lookups without gradient gather rows on the host (the default reads "
+        "the table in place on the GPU); records carry options",
     )
     ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD, else unknown")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, 1 rep: checks the script")
