@@ -134,3 +134,24 @@ def test_a_table_in_pageable_memory_gathers(monkeypatch):
     with torch.no_grad():
         ours(torch.randint(0, 50_000, (2, 10), device="cuda"))
     assert c["mapped_lookups"] == before["mapped_lookups"] and c["rows_gathered"] > before["rows_gathered"]
+
+
+def test_a_table_written_after_the_forward_returns_is_not_read_by_it():
+    """The forward of a model whose lookup read its table in place returns only once the GPU has
+    read the rows: a write to the table right after (an optimizer step, a ``.data`` edit) does
+    not reach that forward's output, as it would not for a table on the GPU."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(50_000, 256), nn.Linear(256, 8)).cuda()
+    ours = ramtorch.offload(copy.deepcopy(ref).cpu(), device="cuda")
+    ours[0].weight.requires_grad_(False)
+    ids = torch.randint(0, 50_000, (8, 512), device="cuda")
+    with torch.no_grad():
+        want = ref(ids)
+        for _ in range(3):
+            torch.cuda._sleep(50_000_000)  # the GPU busy with earlier work when the lookup is queued
+            got = ours(ids)
+            saved = ours[0].weight.detach().clone()
+            ours[0].weight.data.zero_()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+            ours[0].weight.data.copy_(saved)

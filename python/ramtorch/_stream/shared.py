@@ -35,6 +35,8 @@ from .units import _packed_bytes, _Unit, check_streamable
 class LayerStreamer(Streamer):
     """The streamer of a device's free-standing units (one per compute device: :func:`for_device`)."""
 
+    pass_ends = False
+
     def __init__(self, device: torch.device) -> None:
         self.model_ref = None
         self.device = device
@@ -58,6 +60,7 @@ class LayerStreamer(Streamer):
         self.held = 0
         self.slot_owner: dict[int, _Unit] = {}
         self.decoded: dict[int, torch.Tensor] = {}  # (ramtorch.nn layers stream raw: stays empty)
+        self.mapped_reads: list[torch.cuda.Event] = []  # (each waited for at once: stays empty)
         self.decode_stream: torch.cuda.Stream | None = None
         self.staged: dict[int, Any] = {}  # (nor from disk: stays empty)
         self.disk_ahead = 1

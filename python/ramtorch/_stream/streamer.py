@@ -93,6 +93,10 @@ class Streamer(Prefetcher, GradientHooks):
     :meth:`unit_state` sums them up. Every transition happens under ``lock``.
     """
 
+    #: Whether the model's forward ends with ``end_pass`` (a free-standing layer's streamer has
+    #: no pass around its units: ``shared.LayerStreamer``).
+    pass_ends = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -149,6 +153,9 @@ class Streamer(Prefetcher, GradientHooks):
             "disk_reads_on_demand": 0,
         }
         self.decoded: dict[int, torch.Tensor] = {}
+        # Events after this pass's lookups that read their tables in place (.gather): waited for
+        # at the pass's end, before user code may write the tables.
+        self.mapped_reads: list[torch.cuda.Event] = []
         self.decode_stream: torch.cuda.Stream | None = None
         # offload(disk=...): the store of the units that live on disk, and their reads ahead.
         self.disk_store: _disk.Store | None = None
@@ -315,6 +322,7 @@ class Streamer(Prefetcher, GradientHooks):
     def _end_pass(self) -> None:
         if PassState.FORWARD not in self.state:
             return
+        self._settle_mapped_reads()
         with self.lock:
             self.state &= ~PassState.FORWARD
             self.fwd_itin = self.cur_fwd
@@ -544,6 +552,25 @@ class Streamer(Prefetcher, GradientHooks):
             return args, {**kwargs, "input": ids}
         return (ids, *args[1:]), kwargs
 
+    def _mapped_read_queued(self) -> None:
+        """A lookup that reads its table in place was queued: the host table must not change
+        until the GPU has read it, and user code may write it (an optimizer's step, ``.data``)
+        once the model's forward returns. So the forward's end waits for it (``_end_pass``: by
+        then the GPU, kept within a few units of the host by the copies' throttle, is long past
+        the lookup); outside a model's pass (a layer run on its own) it is waited for now."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        if self.pass_ends and PassState.FORWARD in self.state:
+            self.mapped_reads.append(event)
+        else:
+            event.synchronize()
+
+    def _settle_mapped_reads(self) -> None:
+        """Waits for the in-place reads of this pass's lookups (:meth:`_mapped_read_queued`)."""
+        reads, self.mapped_reads = self.mapped_reads, []
+        for event in reads:
+            event.synchronize()
+
     def gather_label(self, u: _Unit) -> str:
         """Names ``u`` in the errors of its lookups."""
         return f"ramtorch.offload: embedding {u.name!r}"
@@ -556,7 +583,9 @@ class Streamer(Prefetcher, GradientHooks):
         e = u.entries[0]
         e.owner._parameters[e.name] = before
         e.owner.padding_idx = padding_idx  # type: ignore[assignment]
-        if found is not None and found.rows._version != version:
+        if found is None:
+            self._mapped_read_queued()
+        elif found.rows._version != version:
             with torch.no_grad():
                 u.params[0].index_copy_(0, found.index, found.rows.detach().to("cpu"))
         return output
