@@ -480,3 +480,23 @@ def test_which_lookups_read_the_table_in_place():
     assert not gather.reads_in_place(cpu, False, None, False)
     # Host memory that cannot be mapped (no CUDA here) gives no view: the lookup gathers.
     assert gather.mapped_table(torch.zeros(4, 4), cuda) is None
+
+
+def test_the_plan_says_how_each_unit_reaches_the_gpu(monkeypatch):
+    """plan's ``transfer`` per unit: a gathered table that trains is ``rows`` (gathered when it
+    trains, read in place otherwise), a frozen one ``mapped``, a table the budget keeps
+    ``resident``, the other streamed units ``copy``; the summary's note says so."""
+    from ramtorch.plan import predict
+
+    monkeypatch.setenv("RAMTORCH_GATHER_MIN_BYTES", "4KiB")
+
+    def transfers(model: nn.Module, budget: int | None = None) -> dict[str, str]:
+        return {u.name: u.transfer for u in predict(model, budget, 16).units}
+
+    got = transfers(EmbedNet(64, 16))
+    assert got["emb"] == "rows" and set(got.values()) == {"rows", "copy"}
+    frozen = EmbedNet(64, 16)
+    frozen.emb.requires_grad_(False)
+    assert transfers(frozen)["emb"] == "mapped"
+    assert "every lookup reads them in place" in predict(frozen, None, 16).summary()
+    assert transfers(EmbedNet(64, 16), 1 << 20)["emb"] == "resident"

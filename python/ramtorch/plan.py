@@ -76,6 +76,20 @@ class UnitPlan:
     bytes: int
     params: int
     resident: bool
+    #: How the unit's bytes reach the GPU: ``"resident"`` (they stay there), ``"copy"`` (copied
+    #: into a slot each pass), ``"rows"`` (an embedding whose lookups gather the rows they read
+    #: when they train the table, and read them in place from mapped host memory otherwise) or
+    #: ``"mapped"`` (a frozen such table: every lookup reads in place, on a GPU).
+    transfer: str = "copy"
+
+
+def _transfer(u: Any, resident: bool, gathered: bool) -> str:
+    """How unit ``u``'s bytes reach the GPU (:attr:`UnitPlan.transfer`)."""
+    if resident:
+        return "resident"
+    if not gathered:
+        return "copy"
+    return "rows" if any(p.requires_grad for p in u.params) else "mapped"
 
 
 @dataclass
@@ -425,11 +439,19 @@ def predict(
         forward_seconds=fwd,
         forward_backward_seconds=fb_end,
         step_seconds=step_seconds,
-        units=[UnitPlan(u.name, u.nbytes, n, k in resident) for k, (u, n) in enumerate(zip(units, counts))],
+        units=[
+            UnitPlan(u.name, u.nbytes, n, k in resident, _transfer(u, k in resident, k in gathered))
+            for k, (u, n) in enumerate(zip(units, counts))
+        ],
         notes=((_block_notes(model) + ([hint] if hint else [])) if unit is None else [])
         + [
             f"embedding {units[k].name!r} ({format_bytes(units[k].nbytes)}) streams by the rows a pass "
             f"reads (at most {format_bytes(sizes[k])} at {tokens} tokens), in no slot"
+            + (
+                ": on a GPU every lookup reads them in place (mapped host memory; the table is frozen)"
+                if _transfer(units[k], False, True) == "mapped"
+                else "; lookups that do not train it read them in place on a GPU (mapped host memory)"
+            )
             for k in sorted(gathered)
         ],
         resident_training_bytes=sum(
