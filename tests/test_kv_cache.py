@@ -251,20 +251,33 @@ _OPS = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@example(page=2, lookahead=1, layers=2, ops=[("append", 3), ("crop", 6), ("repeat", 2), ("append", 1)])
+@settings(max_examples=80, deadline=None)
+@example(page=2, lookahead=1, layers=2, ops=[("append", 3), ("crop", 6), ("repeat", 2), ("append", 1)], dev=0)
+@example(page=2, lookahead=1, layers=2, ops=[("append", 5), ("reorder", [2, 0, 1]), ("append", 3)], dev=600)
+@example(  # the device copies dropped by a new batch order, made again past the tokens held, refilled
+    page=2,
+    lookahead=0,
+    layers=2,
+    ops=[("append", 5), ("reorder", [2, 0, 1]), ("append", 3), ("append", 2), ("append", 1)],
+    dev=10**6,
+)
+@example(
+    page=3, lookahead=0, layers=2, ops=[("append", 4), ("crop", 3), ("append", 4), ("append", 1)], dev=2000
+)
 @given(
     page=st.integers(1, 5),
     lookahead=st.integers(0, 3),
     layers=st.integers(1, 4),
     ops=st.lists(_OPS, min_size=1, max_size=10),
+    dev=st.sampled_from([0, 600, 2000, 10**6]),
 )
-def test_any_sequence_of_appends_and_edits_matches_plain_tensors(page, lookahead, layers, ops):
+def test_any_sequence_of_appends_and_edits_matches_plain_tensors(page, lookahead, layers, ops, dev):
     """Appends of any size (none included), crops, beam reorders, repeats and selections of the
-    batch, in any order: every layer returns, and holds, what plain tensors edited the same way
+    batch, in any order, with none, some or all of the first pages copied on the device
+    (``device_bytes``): every layer returns, and holds, what plain tensors edited the same way
     hold (DynamicCache's own operations on them)."""
     g = torch.Generator().manual_seed(page * 100 + lookahead * 10 + layers)
-    cache = ramtorch.HostCache(page_tokens=page, lookahead=lookahead)
+    cache = ramtorch.HostCache(page_tokens=page, lookahead=lookahead, device_bytes=dev)
     ref = [(torch.empty(3, 2, 0, 4), torch.empty(3, 2, 0, 2)) for _ in range(layers)]
     for op, arg in ops:
         b = ref[0][0].shape[0]
@@ -289,10 +302,33 @@ def test_any_sequence_of_appends_and_edits_matches_plain_tensors(page, lookahead
             cache.batch_select_indices(torch.tensor(arg))
             ref = [(k[arg], v[arg]) for k, v in ref]
     assert cache.get_seq_length() == ref[0][0].shape[2]
+    assert cache.stats()["mirror_bytes"] <= dev
     for i in range(layers):
         if i < len(cache.layers) and cache.layers[i].is_initialized:
             keys, values = cache.host_tensors(i)
             assert torch.equal(keys, ref[i][0]) and torch.equal(values, ref[i][1])
+
+
+def test_first_pages_kept_on_the_device_do_not_cross_again():
+    """With ``device_bytes`` for every page, a decode step copies no old token to the device:
+    only the new tokens cross (back, to the pages); with room for some pages, the step moves
+    the tokens past them. Greedy decoding stays bitwise that of DynamicCache."""
+    model = tiny("llama", seed=7)
+    ids = torch.randint(3, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    want = generate(model, ids, transformers.DynamicCache(), max_new_tokens=6).sequences
+    moved = {}
+    for dev in (0, 1 << 12, 1 << 30):
+        cache = ramtorch.HostCache(page_tokens=4, device_bytes=dev)
+        assert torch.equal(generate(model, ids, cache, max_new_tokens=6).sequences, want)
+        s = cache.stats()
+        assert s["mirror_bytes"] <= dev
+        moved[dev] = (s["kv_bytes_per_step"], s["mirrored_tokens"], s["tokens"])
+    layer = cache.layers[0]
+    kb, vb = layer.token_bytes()
+    new_token = len(cache.layers) * (kb + vb)
+    per_step, mirrored, tokens = moved[1 << 30]
+    assert mirrored == tokens and per_step == new_token  # the step's new token only
+    assert moved[0][0] > moved[1 << 12][0] > per_step
 
 
 def test_kv_bytes_per_step_counts_what_one_decode_step_moves():
@@ -331,12 +367,14 @@ def test_batch_selection_and_repetition_match_dynamic_cache():
     assert torch.equal(a, b)
 
 
-def test_a_prompt_cache_copied_for_several_continuations():
+@pytest.mark.parametrize("device_bytes", [0, 1 << 30], ids=["pages", "device-copies"])
+def test_a_prompt_cache_copied_for_several_continuations(device_bytes):
     """transformers' prompt-reuse pattern: fill a cache with a prompt once, ``copy.deepcopy`` it
-    for each continuation. The copies have pages of their own and give DynamicCache's tokens."""
+    for each continuation. The copies have pages of their own (and device copies of their own,
+    made anew from them) and give DynamicCache's tokens."""
     model = tiny("llama", seed=13)
     prompt = torch.randint(1, VOCAB, (1, 9))
-    ours, ref = ramtorch.HostCache(page_tokens=4), transformers.DynamicCache()
+    ours, ref = ramtorch.HostCache(page_tokens=4, device_bytes=device_bytes), transformers.DynamicCache()
     with torch.no_grad():
         model(prompt, use_cache=True, **_cache_kw(model, ours))
         model(prompt, use_cache=True, **_cache_kw(model, ref))
@@ -527,6 +565,26 @@ def test_side_stream_paging_is_bitwise_dynamic_cache_on_cuda():
 
 
 @pytest.mark.gpu
+def test_first_pages_on_the_device_on_cuda():
+    """On CUDA, with room for some first pages on the device (read by the side stream's copies,
+    refilled after a beam reorder): the same tokens and logits as DynamicCache, in greedy
+    decoding and in beam search, and fewer bytes a step than with none."""
+    ref = tiny("llama", seed=9).to(torch.bfloat16).cuda()
+    ids = torch.randint(1, VOCAB, (2, 40), device="cuda")
+    for kw in ({}, {"num_beams": 3}):
+        want = generate(ref, ids, max_new_tokens=24, output_logits=True, **kw)
+        moved = []
+        for device_bytes in (0, 40_000):
+            cache = ramtorch.HostCache(page_tokens=16, lookahead=2, device_bytes=device_bytes)
+            got = generate(ref, ids, cache, max_new_tokens=24, output_logits=True, **kw)
+            assert torch.equal(got.sequences, want.sequences)
+            assert torch.equal(torch.stack(got.logits), torch.stack(want.logits))
+            assert cache.stats()["mirror_bytes"] <= device_bytes
+            moved.append(cache.stats()["h2d_bytes"])
+        assert moved[1] < moved[0]
+
+
+@pytest.mark.gpu
 def test_a_decode_step_holds_the_ring_not_the_cache_on_cuda():
     """16 layers of 200 cached tokens: a decode step's peak device memory above what it started
     with (the ring, one layer's assembled keys and values, activations) stays under half the
@@ -650,9 +708,9 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done)
     copy_pages, assemble = ramtorch.HostCache._copy_pages, ramtorch.HostCache._assemble
     append, quiesce = ramtorch.HostCache._append, ramtorch.HostCache._quiesce
 
-    def logged_copy(self, layer, keys, values):
+    def logged_copy(self, layer, keys, values, mirrored=0):
         fake.op("fill", (slot_of(keys), self.layers.index(layer)))
-        return copy_pages(self, layer, keys, values)
+        return copy_pages(self, layer, keys, values, mirrored)
 
     def logged_assemble(old, new):
         if old is not None:

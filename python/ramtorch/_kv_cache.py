@@ -58,6 +58,13 @@ class _HostLayer(CacheLayerMixin):
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         self.appended: Any = None  # a CUDA event after the last copy into the pages
+        # Device copies of the layer's first pages (HostCache(device_bytes=...)): their tokens
+        # need not cross the link again. ``mirrored`` says whether they hold what the host pages
+        # hold (an edit of the pages, such as a crop or a new batch order, clears it; the next
+        # copy of the layer refills them from the device buffer it fills).
+        self.dev_key_pages: list[torch.Tensor] = []
+        self.dev_value_pages: list[torch.Tensor] = []
+        self.mirrored = True
 
     def __repr__(self) -> str:
         return f"_HostLayer(length={self.length}, pages={len(self.key_pages)}, shape={self.shape})"
@@ -98,6 +105,15 @@ class _HostLayer(CacheLayerMixin):
 
     def host_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.key_pages + self.value_pages)
+
+    def mirror_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.dev_key_pages + self.dev_value_pages)
+
+    def mirror_rows(self) -> int:
+        """Tokens whose keys and values the device copies hold (0 while they are stale)."""
+        if not self.mirrored or not self.dev_key_pages:
+            return 0
+        return min(self.length, self.dev_key_pages[0].shape[0] * len(self.dev_key_pages))
 
     # The pages may be in flight: HostCache's own methods wait for the copies first.
     def reset(self) -> None:
@@ -145,6 +161,10 @@ class HostCache(Cache):
             while a layer computes; the device holds ``lookahead + 1`` layers' old tokens.
         pin: page-lock the host pages when a GPU is present (needed for copies that overlap
             compute); ``False`` keeps them pageable.
+        device_bytes: device memory for copies of the layers' first pages, which then do not
+            cross the link again: each step moves only the tokens past them. Pages are taken as
+            the layers grow, all layers alike, while the total stays within ``device_bytes``
+            (0, the default: none; the whole cache crosses each step).
 
     The layers must be updated in the order a forward pass runs them (increasing layer index,
     each once per pass). Keys and values are detached from autograd: use it for inference.
@@ -152,8 +172,14 @@ class HostCache(Cache):
     :meth:`stats` counts the bytes each pass moved (``kv_bytes_per_step``).
     """
 
-    def __init__(self, page_tokens: int = 256, lookahead: int = 1, pin: bool = True) -> None:
-        for name, value, low in (("page_tokens", page_tokens, 1), ("lookahead", lookahead, 0)):
+    def __init__(
+        self, page_tokens: int = 256, lookahead: int = 1, pin: bool = True, device_bytes: int = 0
+    ) -> None:
+        for name, value, low in (
+            ("page_tokens", page_tokens, 1),
+            ("lookahead", lookahead, 0),
+            ("device_bytes", device_bytes, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"HostCache: {name} must be an int, got {type(value).__name__}")
             if value < low:
@@ -162,6 +188,7 @@ class HostCache(Cache):
         self.page_tokens = page_tokens
         self.lookahead = lookahead
         self.pin = bool(pin)
+        self.device_bytes = device_bytes
         self.device: torch.device | None = None
         self._slots = [_Slot() for _ in range(lookahead + 1)]
         self._side: Any = None  # the side CUDA stream
@@ -183,6 +210,7 @@ class HostCache(Cache):
         self._pass_bytes = 0
         self._last_pass_bytes = 0
         self._pass_open = False
+        self._mirror_bytes = 0  # device memory of the layers' first pages' copies
 
     # ----------------------------------------------------------------------------------------
     # What transformers calls
@@ -237,6 +265,7 @@ class HostCache(Cache):
             fresh = _HostLayer()
             fresh.version = layer.version + 1
             self.layers[i] = fresh
+        self._mirror_bytes = 0
         self._first = self._last = None
         self._this_pass = []
 
@@ -276,7 +305,7 @@ class HostCache(Cache):
         several continuations, as with ``DynamicCache``); nothing in flight or on the device is
         shared, and the copy's device buffers start empty."""
         self._quiesce()
-        new = HostCache(self.page_tokens, self.lookahead, self.pin)
+        new = HostCache(self.page_tokens, self.lookahead, self.pin, self.device_bytes)
         memo[id(self)] = new
         new.device = self.device
         for layer in self.layers:
@@ -286,11 +315,15 @@ class HostCache(Cache):
                 twin.length, twin.is_initialized = layer.length, True
                 twin.key_pages = [new._to_host(p) for p in layer.key_pages]
                 twin.value_pages = [new._to_host(p) for p in layer.value_pages]
+                twin.dev_key_pages = [torch.empty_like(p) for p in layer.dev_key_pages]
+                twin.dev_value_pages = [torch.empty_like(p) for p in layer.dev_value_pages]
+                twin.mirrored = False  # filled by its first copy
             new.layers.append(twin)
         new._first, new._last, new._pass_base = self._first, self._last, self._pass_base
         new._order, new._this_pass = list(self._order), list(self._this_pass)
         new._pass_open, new._counts = self._pass_open, dict(self._counts)
         new._pass_bytes, new._last_pass_bytes = self._pass_bytes, self._last_pass_bytes
+        new._mirror_bytes = self._mirror_bytes
         return new
 
     # ----------------------------------------------------------------------------------------
@@ -322,8 +355,10 @@ class HostCache(Cache):
 
     def stats(self) -> dict[str, int]:
         """Counters: ``kv_bytes_per_step``; ``h2d_bytes``/``d2h_bytes`` (totals); ``host_bytes``
-        (pages held); ``device_bytes`` (the ring's buffers; the layer being assembled is a
-        fresh tensor besides); ``tokens``; ``pages`` (of keys, as many of values);
+        (pages held); ``device_bytes`` (the ring's buffers and the copies of the first pages;
+        the layer being assembled is a fresh tensor besides); ``mirror_bytes`` (those copies)
+        and ``mirrored_tokens`` (the tokens they hold, in the layer that holds fewest);
+        ``tokens``; ``pages`` (of keys, as many of values);
         ``prefetch_hits`` (a layer's tokens were already on the device or queued) and
         ``prefetch_misses``; ``passes``."""
         layers = self._filled()
@@ -331,7 +366,9 @@ class HostCache(Cache):
             "kv_bytes_per_step": self._last_pass_bytes,
             **self._counts,
             "host_bytes": sum(layer.host_bytes() for layer in layers),
-            "device_bytes": sum(s.buf.numel() for s in self._slots if s.buf is not None),
+            "device_bytes": sum(s.buf.numel() for s in self._slots if s.buf is not None) + self._mirror_bytes,
+            "mirror_bytes": self._mirror_bytes,
+            "mirrored_tokens": min((layer.mirror_rows() for layer in layers), default=0),
             "tokens": self.get_seq_length(self._first or 0),
             "pages": sum(len(layer.key_pages) for layer in layers),
         }
@@ -506,11 +543,13 @@ class HostCache(Cache):
         slot.layer, slot.version, slot.length = idx, layer.version, n
         keys, values = self._views(slot, layer)
         pages = self._pages_for(layer)
-        moved = n * (kb + vb)
+        mirrored = layer.mirror_rows()
+        moved = (n - mirrored) * (kb + vb)
         self._counts["h2d_bytes"] += moved
         self._pass_bytes += moved
         if not cuda:
-            self._copy_pages(layer, keys, values)
+            self._copy_pages(layer, keys, values, mirrored)
+            self._refill_mirror(layer, keys, values)
             slot.ready = None
             return slot
         side = self._side_stream()
@@ -519,7 +558,8 @@ class HostCache(Cache):
         if layer.appended is not None:
             side.wait_event(layer.appended)
         with torch.cuda.stream(side):
-            self._copy_pages(layer, keys, values)
+            self._copy_pages(layer, keys, values, mirrored)
+            self._refill_mirror(layer, keys, values)
             slot.ready = torch.cuda.Event()
             slot.ready.record(side)
         self._track(slot.ready, pages)
@@ -536,17 +576,37 @@ class HostCache(Cache):
         used = -(-layer.length // self.page_tokens)
         return layer.key_pages[:used] + layer.value_pages[:used]
 
-    def _copy_pages(self, layer: _HostLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _copy_pages(
+        self, layer: _HostLayer, keys: torch.Tensor, values: torch.Tensor, mirrored: int = 0
+    ) -> None:
         """Copies the layer's filled rows into ``keys``/``values`` (``[tokens, batch, heads,
         dim]``): the full pages in one call (a loop in C++, not per page in Python), then the
-        filled part of the last page."""
+        filled part of the last page. The first ``mirrored`` rows (whole pages, or all the rows)
+        come from the device copies of the first pages instead of the host pages."""
         p = self.page_tokens
         full, rest = divmod(layer.length, p)
         cuda = self._cuda()
-        if full:
-            dst = list(keys[: full * p].unflatten(0, (full, p)).unbind(0))
-            dst += values[: full * p].unflatten(0, (full, p)).unbind(0)
-            torch._foreach_copy_(dst, layer.key_pages[:full] + layer.value_pages[:full], non_blocking=cuda)
+        if mirrored:  # from the device copies: whole pages in one call, then a last part
+            dev, mrest = divmod(mirrored, p)
+            if dev:
+                dst = list(keys[: dev * p].unflatten(0, (dev, p)).unbind(0))
+                dst += values[: dev * p].unflatten(0, (dev, p)).unbind(0)
+                src = layer.dev_key_pages[:dev] + layer.dev_value_pages[:dev]
+                torch._foreach_copy_(dst, src, non_blocking=cuda)
+            if mrest:
+                keys[dev * p : mirrored].copy_(layer.dev_key_pages[dev][:mrest], non_blocking=cuda)
+                values[dev * p : mirrored].copy_(layer.dev_value_pages[dev][:mrest], non_blocking=cuda)
+            if mirrored >= layer.length:
+                return
+        else:
+            dev = 0
+        # (Fewer mirrored rows than the layer holds: ``mirrored`` is whole pages, ``dev`` of them.)
+        if full > dev:
+            dst = list(keys[dev * p : full * p].unflatten(0, (full - dev, p)).unbind(0))
+            dst += values[dev * p : full * p].unflatten(0, (full - dev, p)).unbind(0)
+            torch._foreach_copy_(
+                dst, layer.key_pages[dev:full] + layer.value_pages[dev:full], non_blocking=cuda
+            )
         if rest:
             keys[full * p : layer.length].copy_(layer.key_pages[full][:rest], non_blocking=cuda)
             values[full * p : layer.length].copy_(layer.value_pages[full][:rest], non_blocking=cuda)
@@ -568,6 +628,58 @@ class HostCache(Cache):
             slot.free = torch.cuda.Event()
             slot.free.record(torch.cuda.current_stream(self.device))
         slot.buf = buf
+
+    def _refill_mirror(self, layer: _HostLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """After the host pages changed under the device copies (a crop's tokens appended
+        again, a new batch order, a copied cache): the copies made anew from the device buffer
+        just filled with all of the layer's tokens (``keys``/``values``), on the stream that
+        filled it."""
+        if layer.mirrored or not layer.dev_key_pages:
+            layer.mirrored = True
+            return
+        p = self.page_tokens
+        pages = min(len(layer.dev_key_pages), -(-layer.length // p))
+        for k in range(pages):
+            rows = min(p, layer.length - k * p)
+            layer.dev_key_pages[k][:rows].copy_(keys[k * p : k * p + rows])
+            layer.dev_value_pages[k][:rows].copy_(values[k * p : k * p + rows])
+        layer.mirrored = True
+
+    def _mirror_append(
+        self, layer: _HostLayer, k_rows: torch.Tensor, v_rows: torch.Tensor, start: int
+    ) -> None:
+        """The new rows ``k_rows``/``v_rows`` (token-major, on the device, from token ``start``)
+        into the device copies of the layer's first pages: a page is added while the budget
+        allows and the rows reach it."""
+        p = self.page_tokens
+        end = start + k_rows.shape[0]
+        b, h, dk, dv = layer.shape  # type: ignore[misc]
+        kb, vb = layer.token_bytes()
+        while len(layer.dev_key_pages) * p < end and self._mirror_bytes + p * (kb + vb) <= self.device_bytes:
+            if len(layer.dev_key_pages) * p < start:
+                layer.mirrored = False  # a page of tokens appended before it: filled at the next copy
+            with torch.inference_mode(False):
+                pages = (
+                    torch.empty((p, b, h, dk), dtype=layer.dtype, device=self.device),
+                    torch.empty((p, b, h, dv), dtype=layer.dtype, device=self.device),
+                )
+            if self._cuda():
+                for t in pages:  # the side stream reads and refills them: freed after its work
+                    t.record_stream(self._side_stream())
+            layer.dev_key_pages.append(pages[0])
+            layer.dev_value_pages.append(pages[1])
+            self._mirror_bytes += p * (kb + vb)
+        if not layer.mirrored:
+            return
+        pos = start
+        cap = len(layer.dev_key_pages) * p
+        while pos < min(end, cap):
+            page, off = divmod(pos, p)
+            rows = min(p - off, min(end, cap) - pos)
+            src = slice(pos - start, pos - start + rows)
+            layer.dev_key_pages[page][off : off + rows].copy_(k_rows[src])
+            layer.dev_value_pages[page][off : off + rows].copy_(v_rows[src])
+            pos += rows
 
     def _side_stream(self) -> Any:
         if self._side is None:
@@ -612,6 +724,8 @@ class HostCache(Cache):
             layer.key_pages[page][off : off + rows].copy_(k_rows[src], non_blocking=cuda)
             layer.value_pages[page][off : off + rows].copy_(v_rows[src], non_blocking=cuda)
             pos += rows
+        if self.device_bytes:
+            self._mirror_append(layer, k_rows, v_rows, start)
         if cuda:
             layer.appended = torch.cuda.Event()
             layer.appended.record(torch.cuda.current_stream(self.device))
@@ -650,6 +764,9 @@ class HostCache(Cache):
             layer.key_pages, layer.value_pages = new_keys, new_values
             layer.shape = (b, *layer.shape[1:])
             layer.version += 1
+            # Another batch: the device copies are of the old one (made anew at that size).
+            self._mirror_bytes -= layer.mirror_bytes()
+            layer.dev_key_pages, layer.dev_value_pages, layer.mirrored = [], [], True
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode(False):
