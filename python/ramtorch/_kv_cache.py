@@ -164,7 +164,9 @@ class HostCache(Cache):
         device_bytes: device memory for copies of the layers' first pages, which then do not
             cross the link again: each step moves only the tokens past them. Pages are taken as
             the layers grow, all layers alike, while the total stays within ``device_bytes``
-            (0, the default: none; the whole cache crosses each step).
+            (0, the default: none; the whole cache crosses each step). A new batch order
+            (beam search reorders every step) makes them anew from the next copy of each layer,
+            so beam search gains little from them.
 
     The layers must be updated in the order a forward pass runs them (increasing layer index,
     each once per pass). Keys and values are detached from autograd: use it for inference.
