@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import subprocess
+import sys
 
 import pytest
 import ramtorch
@@ -755,3 +757,55 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done)
             for a in earlier:
                 if a[0] in ("fill", "append"):
                     assert fake.before(a, b), (a, b)
+
+
+def test_the_plan_sizes_the_cache_and_what_a_step_moves(tmp_path):
+    """``plan_kv_cache``: the cache's bytes from the config, the device copies the budget leaves
+    room for after the weights, and the bytes a decode step moves, against a HostCache given
+    those device bytes (its measured step bytes are the prediction's, or a page a layer more,
+    where a copied page is not yet full)."""
+    from ramtorch.plan import kv_cache_bytes_per_token, plan_kv_cache, predict
+
+    model = tiny("llama", seed=8)
+    cfg = model.config
+    per_token = kv_cache_bytes_per_token(cfg, torch.float32)
+    heads = cfg.num_key_value_heads
+    assert per_token == 2 * cfg.num_hidden_layers * heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    context = 14  # the last decode step's old tokens: 10 of prompt and 4 generated before it
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    page_bytes = per_token // cfg.num_hidden_layers * 4
+    for room in (None, 3 * page_bytes, 10 * per_token * context):
+        pred = predict(model, None if room is None else weights + room + (1 << 20), 16)
+        kv = plan_kv_cache(pred, model, context, page_tokens=4)
+        assert kv.kv_bytes == per_token * context and kv.kv_device_bytes % page_bytes == 0
+        cache = ramtorch.HostCache(page_tokens=4, lookahead=0, device_bytes=kv.kv_device_bytes)
+        generate(model, ids, cache, max_new_tokens=6)
+        got = cache.stats()["kv_bytes_per_step"]
+        assert kv.kv_bytes_per_step <= got <= kv.kv_bytes_per_step + cfg.num_hidden_layers * page_bytes
+        if room is None:
+            assert kv.kv_device_bytes == 0 and got == kv.kv_bytes_per_step == kv.kv_bytes + per_token
+        if room is not None and room >= kv.kv_bytes:
+            assert kv.kv_place == "gpu" and got == kv.kv_bytes_per_step == per_token
+    with pytest.raises(ValueError, match="context must be a positive int"):
+        plan_kv_cache(pred, model, 0)
+    config = tmp_path / "config.json"
+    cfg.to_json_file(config)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ramtorch",
+            "plan",
+            "--model",
+            str(config),
+            "--context",
+            "4096",
+            "--budget",
+            "1GiB",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "KV cache at 4096 tokens x 1:" in out and "decode step:" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -99,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the streamed units' optimizer states on disk, their gradients in the host budget, "
         "as offload(optimizer_on_disk=True) (needs --host-budget)",
     )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="plan greedy decoding with a ramtorch.HostCache holding this many tokens: the cache "
+        "bytes, what the budget keeps on the GPU (HostCache(device_bytes=...)), the bytes a step "
+        "moves and its time",
+    )
+    p.add_argument("--batch", type=int, default=1, help="--context: sequences decoded together")
+    p.add_argument("--page-tokens", type=int, default=256, help="--context: HostCache's page_tokens")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     a = ap.parse_args(argv)
     try:
@@ -119,10 +130,21 @@ def main(argv: list[str] | None = None) -> int:
             host_budget=a.host_budget,
             optimizer_on_disk=a.optimizer_on_disk,
         )
+        kv = None
+        if a.context is not None:
+            kv = _plan.plan_kv_cache(pred, model, a.context, a.batch, a.page_tokens, ceilings)
     except (ValueError, TypeError, RuntimeError, OSError, ImportError) as e:
         print(f"ramtorch plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(pred.as_dict(), indent=1) if a.json else pred.summary())
+    if a.json:
+        out = pred.as_dict()
+        if kv is not None:
+            out["kv_cache"] = dataclasses.asdict(kv)
+        print(json.dumps(out, indent=1))
+    else:
+        print(pred.summary())
+        if kv is not None:
+            print(_plan.kv_summary(kv))
     return 0
 
 

@@ -83,6 +83,107 @@ class UnitPlan:
     transfer: str = "copy"
 
 
+@dataclass
+class KVPlan:
+    """Greedy decoding with a :class:`ramtorch.HostCache` holding ``context`` tokens of ``batch``
+    sequences, under the plan's budget: the cache lives in host RAM; what the budget leaves after
+    the weights' resident units and slots holds device copies of the layers' first pages
+    (``HostCache(device_bytes=kv_device_bytes)``), whose tokens do not cross again. A decode step
+    moves the streamed weights and the rest of the cache to the GPU, and the new token's keys
+    and values back."""
+
+    context: int
+    batch: int
+    page_tokens: int
+    #: The whole cache, and a token's keys and values in every layer.
+    kv_bytes: int
+    kv_bytes_per_token: int
+    #: What to give ``HostCache(device_bytes=...)``: whole pages, as it takes them.
+    kv_device_bytes: int
+    #: Cache bytes over the link in a decode step (``bench`` names: ``"kv_bytes_per_step"``).
+    kv_bytes_per_step: int
+    #: ``"gpu"`` when the budget holds the whole cache, else ``"host"``.
+    kv_place: str
+    #: Predicted decode step: the streamed weights and the cache's share to the GPU at the H2D
+    #: ceiling (the new token's bytes back are fewer, in the other direction).
+    decode_seconds: float
+
+
+def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype, batch: int = 1) -> int:
+    """Bytes of one token's keys and values in every layer of a transformers decoder ``config``
+    (``num_hidden_layers``, ``num_key_value_heads`` or ``num_attention_heads``, ``head_dim`` or
+    ``hidden_size / num_attention_heads``), in ``dtype``, for ``batch`` sequences."""
+    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if not isinstance(getattr(config, name, None), int):
+            raise ValueError(f"the model's config has no {name}: its KV cache cannot be sized")
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize * batch
+
+
+def plan_kv_cache(
+    pred: Prediction,
+    model: nn.Module,
+    context: int,
+    batch: int = 1,
+    page_tokens: int = 256,
+    ceilings: Ceilings | None = None,
+) -> KVPlan:
+    """The KV cache of greedy decoding at ``context`` tokens under ``pred``'s plan (see
+    :class:`KVPlan`): the budget's room after the weights goes to device copies of the cache's
+    first pages, page by page as ``HostCache`` takes them (every layer alike); no budget keeps
+    none there."""
+    for name, value in (("context", context), ("batch", batch), ("page_tokens", page_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    c = ceilings or Ceilings()
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("the model has no transformers config: its KV cache cannot be sized")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    per_token = kv_cache_bytes_per_token(config, dtype, batch)
+    layers = config.num_hidden_layers
+    total = per_token * context
+    page = per_token // layers * page_tokens  # one layer's page of keys and its page of values
+    room = 0
+    if pred.budget is not None:
+        room = max(0, pred.budget - pred.resident_bytes - pred.slots * pred.slot_bytes)
+    pages = min(room // page, layers * -(-context // page_tokens))
+    device = pages * page
+    mirrored = min(total, device)
+    step = total - mirrored + per_token
+    return KVPlan(
+        context=context,
+        batch=batch,
+        page_tokens=page_tokens,
+        kv_bytes=total,
+        kv_bytes_per_token=per_token,
+        kv_device_bytes=device,
+        kv_bytes_per_step=step,
+        kv_place="gpu" if mirrored >= total else "host",
+        decode_seconds=(pred.streamed_bytes_per_pass + total - mirrored) / (c.h2d_gbps * 1e9),
+    )
+
+
+def kv_summary(kv: KVPlan) -> str:
+    """Lines for the plan's printout: the cache, where it lives, a decode step."""
+    if kv.kv_place == "gpu":
+        where = "all of it on the GPU"
+    elif kv.kv_device_bytes:
+        held = format_bytes(kv.kv_device_bytes)
+        where = f"{held} of it on the GPU (HostCache(device_bytes={kv.kv_device_bytes}))"
+    else:
+        where = "all of it in host RAM (give a GPU budget to keep some on the GPU)"
+    return "\n".join(
+        [
+            f"KV cache at {kv.context} tokens x {kv.batch}: {format_bytes(kv.kv_bytes)} "
+            f"({format_bytes(kv.kv_bytes_per_token)} a token), {where}",
+            f"decode step: {format_bytes(kv.kv_bytes_per_step)} of cache over the link, predicted "
+            f"{format_seconds(kv.decode_seconds)} with the streamed weights",
+        ]
+    )
+
+
 def _transfer(u: Any, resident: bool, gathered: bool) -> str:
     """How unit ``u``'s bytes reach the GPU (:attr:`UnitPlan.transfer`)."""
     if resident:
