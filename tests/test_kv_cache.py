@@ -775,10 +775,12 @@ def test_the_plan_sizes_the_cache_and_what_a_step_moves(tmp_path):
     context = 14  # the last decode step's old tokens: 10 of prompt and 4 generated before it
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     page_bytes = per_token // cfg.num_hidden_layers * 4
-    for room in (None, 3 * page_bytes, 10 * per_token * context):
+    ring = 3 * per_token // cfg.num_hidden_layers * context  # lookahead 1: two layers, and one assembled
+    for room in (None, ring + 3 * page_bytes, ring + 10 * per_token * context):
         pred = predict(model, None if room is None else weights + room + (1 << 20), 16)
         kv = plan_kv_cache(pred, model, context, page_tokens=4)
         assert kv.kv_bytes == per_token * context and kv.kv_device_bytes % page_bytes == 0
+        assert (kv.kv_device_bytes > 0) == (room is not None)
         cache = ramtorch.HostCache(page_tokens=4, lookahead=0, device_bytes=kv.kv_device_bytes)
         generate(model, ids, cache, max_new_tokens=6)
         got = cache.stats()["kv_bytes_per_step"]
@@ -809,3 +811,42 @@ def test_the_plan_sizes_the_cache_and_what_a_step_moves(tmp_path):
         check=True,
     ).stdout
     assert "KV cache at 4096 tokens x 1:" in out and "decode step:" in out
+
+
+def test_a_cache_for_an_offloaded_model_takes_what_its_budget_leaves():
+    """``HostCache.for_model``: the device bytes of a live offloaded model's budget, after its
+    weights, the ring and the layer being assembled, as the plan predicts them for that model
+    and budget; none without a budget; and decoding with it stays DynamicCache's."""
+    from ramtorch import _kv_sizes
+    from ramtorch.plan import plan_kv_cache, predict
+
+    model = tiny("llama", seed=8)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = _kv_sizes.bytes_per_token(model.config, torch.float32)
+    budget = weights + (1 << 20) + 40 * per_token
+    want = plan_kv_cache(predict(copy.deepcopy(model), budget, 16), model, 30, page_tokens=4).kv_device_bytes
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(5))
+    ref = generate(model, ids, transformers.DynamicCache(), max_new_tokens=6).sequences
+    ours = copy.deepcopy(model)
+    ramtorch.offload(ours, device="cpu", gpu_budget=budget)
+    cache = ramtorch.HostCache.for_model(ours, 30, page_tokens=4)
+    assert cache.device_bytes == want > 0
+    assert torch.equal(generate(ours, ids, cache, max_new_tokens=6).sequences, ref)
+    plain = copy.deepcopy(model)
+    ramtorch.offload(plain, device="cpu")
+    assert ramtorch.HostCache.for_model(plain, 30).device_bytes == 0
+    assert ramtorch.HostCache.for_model(model, 30).device_bytes == 0  # not offloaded
+    with pytest.raises(ValueError, match="context must be a positive int"):
+        ramtorch.HostCache.for_model(ours, 0)
+
+
+def test_device_copy_bytes_leaves_the_ring_room_and_takes_whole_pages():
+    from ramtorch._kv_sizes import device_copy_bytes
+
+    # 2 layers, 8 bytes a token (4 a layer), 10 tokens, pages of 2 tokens (8 bytes), lookahead 1:
+    # the ring and the assembled layer take 3 x 40 bytes.
+    assert device_copy_bytes(120, 8, 2, 10, 2, 1) == 0
+    assert device_copy_bytes(120 + 7, 8, 2, 10, 2, 1) == 0
+    assert device_copy_bytes(120 + 8, 8, 2, 10, 2, 1) == 8
+    assert device_copy_bytes(120 + 8 * 100, 8, 2, 10, 2, 1) == 8 * 10  # at most the whole cache
+    assert device_copy_bytes(-5, 8, 2, 10, 2, 1) == 0

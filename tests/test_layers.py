@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "ramtorch._disk": ENGINE,
     "ramtorch._config": ENGINE,
     "ramtorch._units": ENGINE,
+    "ramtorch._kv_sizes": ENGINE,
     "ramtorch._log": ENGINE,
     "ramtorch._profile": ENGINE,
     "ramtorch._nodes": ENGINE,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import _arena
+from . import _arena, _kv_sizes
 
 __all__ = ["HostCache", "prefill"]
 
@@ -213,6 +213,40 @@ class HostCache(Cache):
         self._last_pass_bytes = 0
         self._pass_open = False
         self._mirror_bytes = 0  # device memory of the layers' first pages' copies
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        context: int,
+        batch: int = 1,
+        page_tokens: int = 256,
+        lookahead: int = 1,
+        pin: bool = True,
+    ) -> HostCache:
+        """A cache for ``model`` (offloaded with ``ramtorch.offload(..., gpu_budget=...)``) that
+        will hold ``context`` tokens of ``batch`` sequences, with the ``device_bytes`` its budget
+        leaves: after the weights' resident units and slots, the cache's ring and the layer being
+        assembled, device copies of the cache's first pages (as ``python -m ramtorch plan
+        --context`` predicts). A model offloaded without a budget, or not offloaded, gets none."""
+        for name, value in (("context", context), ("batch", batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"HostCache.for_model: {name} must be a positive int, got {value!r}")
+        device_bytes = 0
+        streamer = getattr(model, "_ramtorch_streamer", None)
+        if streamer is not None and streamer.budget is not None:
+            config = getattr(model, "config", None)
+            if config is None:
+                raise ValueError(
+                    "HostCache.for_model: the model has no transformers config to size its cache by"
+                )
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            per_token = _kv_sizes.bytes_per_token(config, dtype, batch)
+            room = streamer.budget - streamer.resident_bytes - streamer.slots * streamer.slot_bytes
+            device_bytes = _kv_sizes.device_copy_bytes(
+                room, per_token, config.num_hidden_layers, context, page_tokens, lookahead
+            )
+        return cls(page_tokens, lookahead, pin, device_bytes)
 
     # ----------------------------------------------------------------------------------------
     # What transformers calls

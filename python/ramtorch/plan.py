@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _config, _disk
+from . import _config, _disk, _kv_sizes
 from ._stream import gather as _gather
 from ._stream import placement
 from ._stream import units as _stream_units
@@ -109,16 +109,8 @@ class KVPlan:
     decode_seconds: float
 
 
-def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype, batch: int = 1) -> int:
-    """Bytes of one token's keys and values in every layer of a transformers decoder ``config``
-    (``num_hidden_layers``, ``num_key_value_heads`` or ``num_attention_heads``, ``head_dim`` or
-    ``hidden_size / num_attention_heads``), in ``dtype``, for ``batch`` sequences."""
-    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
-        if not isinstance(getattr(config, name, None), int):
-            raise ValueError(f"the model's config has no {name}: its KV cache cannot be sized")
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize * batch
+#: Bytes of one token's keys and values in every layer (``ramtorch._kv_sizes.bytes_per_token``).
+kv_cache_bytes_per_token = _kv_sizes.bytes_per_token
 
 
 def plan_kv_cache(
@@ -128,11 +120,13 @@ def plan_kv_cache(
     batch: int = 1,
     page_tokens: int = 256,
     ceilings: Ceilings | None = None,
+    lookahead: int = 1,
 ) -> KVPlan:
     """The KV cache of greedy decoding at ``context`` tokens under ``pred``'s plan (see
-    :class:`KVPlan`): the budget's room after the weights goes to device copies of the cache's
-    first pages, page by page as ``HostCache`` takes them (every layer alike); no budget keeps
-    none there."""
+    :class:`KVPlan`): what the budget leaves after the weights (their resident units and slots)
+    holds the cache's ring (``lookahead + 1`` layers' tokens) and the layer being assembled, then
+    device copies of the cache's first pages (``HostCache.for_model`` gives a live offloaded
+    model's cache the same); no budget keeps none there."""
     for name, value in (("context", context), ("batch", batch), ("page_tokens", page_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -141,15 +135,13 @@ def plan_kv_cache(
     if config is None:
         raise ValueError("the model has no transformers config: its KV cache cannot be sized")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    per_token = kv_cache_bytes_per_token(config, dtype, batch)
+    per_token = _kv_sizes.bytes_per_token(config, dtype, batch)
     layers = config.num_hidden_layers
     total = per_token * context
-    page = per_token // layers * page_tokens  # one layer's page of keys and its page of values
     room = 0
     if pred.budget is not None:
-        room = max(0, pred.budget - pred.resident_bytes - pred.slots * pred.slot_bytes)
-    pages = min(room // page, layers * -(-context // page_tokens))
-    device = pages * page
+        room = pred.budget - pred.resident_bytes - pred.slots * pred.slot_bytes
+    device = _kv_sizes.device_copy_bytes(room, per_token, layers, context, page_tokens, lookahead)
     mirrored = min(total, device)
     step = total - mirrored + per_token
     return KVPlan(
