@@ -838,6 +838,8 @@ def test_a_cache_for_an_offloaded_model_takes_what_its_budget_leaves():
     assert ramtorch.HostCache.for_model(model, 30).device_bytes == 0  # not offloaded
     with pytest.raises(ValueError, match="context must be a positive int"):
         ramtorch.HostCache.for_model(ours, 0)
+    with pytest.raises(ValueError, match="page_tokens must be at least 1"):
+        ramtorch.HostCache.for_model(ours, 30, page_tokens=0)
 
 
 def test_device_copy_bytes_leaves_the_ring_room_and_takes_whole_pages():

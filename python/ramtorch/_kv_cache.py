@@ -229,10 +229,8 @@ class HostCache(Cache):
         leaves: after the weights' resident units and slots, the cache's ring and the layer being
         assembled, device copies of the cache's first pages (as ``python -m ramtorch plan
         --context`` predicts). A model offloaded without a budget, or not offloaded, gets none."""
-        for name, value in (("context", context), ("batch", batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"HostCache.for_model: {name} must be a positive int, got {value!r}")
-        device_bytes = 0
+        _kv_sizes.check_counts("HostCache.for_model: ", context=context, batch=batch)
+        cache = cls(page_tokens, lookahead, pin)  # (checks them)
         streamer = getattr(model, "_ramtorch_streamer", None)
         if streamer is not None and streamer.budget is not None:
             config = getattr(model, "config", None)
@@ -243,10 +241,10 @@ class HostCache(Cache):
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             per_token = _kv_sizes.bytes_per_token(config, dtype, batch)
             room = streamer.budget - streamer.resident_bytes - streamer.slots * streamer.slot_bytes
-            device_bytes = _kv_sizes.device_copy_bytes(
+            cache.device_bytes = _kv_sizes.device_copy_bytes(
                 room, per_token, config.num_hidden_layers, context, page_tokens, lookahead
             )
-        return cls(page_tokens, lookahead, pin, device_bytes)
+        return cache
 
     # ----------------------------------------------------------------------------------------
     # What transformers calls

@@ -9,6 +9,14 @@ from typing import Any
 import torch
 
 
+def check_counts(what: str, **counts: Any) -> None:
+    """Raises a ``ValueError`` (prefixed by ``what``) naming the first of ``counts`` that is not a
+    positive int."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what}{name} must be a positive int, got {value!r}")
+
+
 def bytes_per_token(config: Any, dtype: torch.dtype, batch: int = 1) -> int:
     """Bytes of one token's keys and values in every layer of a transformers decoder ``config``
     (``num_hidden_layers``, ``num_key_value_heads`` or ``num_attention_heads``, ``head_dim`` or

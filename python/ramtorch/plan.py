@@ -127,9 +127,7 @@ def plan_kv_cache(
     holds the cache's ring (``lookahead + 1`` layers' tokens) and the layer being assembled, then
     device copies of the cache's first pages (``HostCache.for_model`` gives a live offloaded
     model's cache the same); no budget keeps none there."""
-    for name, value in (("context", context), ("batch", batch), ("page_tokens", page_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _kv_sizes.check_counts("", context=context, batch=batch, page_tokens=page_tokens)
     c = ceilings or Ceilings()
     config = getattr(model, "config", None)
     if config is None:
