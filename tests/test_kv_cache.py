@@ -17,6 +17,7 @@ import ramtorch
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from ramtorch._kv_cache import _runs
 
 transformers = pytest.importorskip("transformers")
 
@@ -209,10 +210,11 @@ def test_the_loop_may_start_in_inference_mode_and_go_on_outside_it():
     assert torch.equal(a, b)
 
 
-def test_pages_grow_one_at_a_time_and_stay_in_place():
+def test_pages_grow_in_extents_and_stay_in_place():
     """Appends of several sizes across page boundaries: the pages fill in order, new pages are
-    added without moving the old ones, each layer gets back exactly ``torch.cat``'s result, and
-    the device holds the ring (two layers' tokens, a quarter more), not the cache."""
+    added without moving the old ones, carved from extents that double (so that the pages lie
+    back to back and cross in few copies), each layer gets back exactly ``torch.cat``'s result,
+    and the device holds the ring (two layers' tokens, a quarter more), not the cache."""
     torch.manual_seed(5)
     layers = 8
     cache = ramtorch.HostCache(page_tokens=3, lookahead=1)
@@ -234,7 +236,12 @@ def test_pages_grow_one_at_a_time_and_stay_in_place():
     s = cache.stats()
     per_token = 2 * 2 * (8 + 4) * 4  # batch 2, 2 heads, key dim 8 and value dim 4, fp32
     assert s["tokens"] == 19 and s["pages"] == layers * 7
-    assert s["host_bytes"] == layers * 7 * 3 * per_token
+    # extents of 1, 1, 2 and 4 pages (each as many pages as the layer held, at least those
+    # needed): 8 pages carved, 7 used, one spare
+    assert s["host_bytes"] == layers * 8 * 3 * per_token
+    assert len(_runs(cache.layers[0].key_pages)) == len(_runs(cache.layers[-1].value_pages)) == 4
+    joined = torch.cat(_runs(cache.layers[0].key_pages))
+    assert torch.equal(joined, torch.cat(cache.layers[0].key_pages))
     # lookahead + 1 buffers of at most 18 old tokens + a quarter, rounded to pages (24)
     assert len(cache._slots) == 2 and s["device_bytes"] <= 2 * (24 * per_token + 256)
     assert s["device_bytes"] < layers * 19 * per_token / 2

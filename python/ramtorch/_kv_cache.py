@@ -32,10 +32,51 @@ from . import _arena, _kv_sizes
 __all__ = ["HostCache", "prefill"]
 
 _ALIGN = 256  # bytes: where the values start in a ring buffer after the keys
+#: Host pages are carved from extents of up to this many bytes (of keys, as many of values), each
+#: twice the pages a layer holds so far: the pages of a long sequence lie back to back and cross
+#: the link in copies of this size instead of one small copy per page.
+_EXTENT_BYTES = 16 << 20
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def _carve(
+    pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, host: bool, pin: bool, device: Any
+) -> list[torch.Tensor]:
+    """``pages`` pages of ``page_shape`` as views of one allocation, back to back (host arena
+    memory, or memory on ``device``)."""
+    shape = (pages * page_shape[0], *page_shape[1:])
+    with torch.inference_mode(False):
+        if host:
+            block = _arena.host_empty(shape, dtype, pin=pin)
+        else:
+            block = torch.empty(shape, dtype=dtype, device=device)
+    return list(block.split(page_shape[0]))
+
+
+def _runs(pages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``pages`` (contiguous, token-major tensors of one shape past the first dimension) with
+    each run of pages that lie back to back in one allocation joined into one tensor: one copy
+    for the run instead of one per page."""
+    runs: list[list[Any]] = []  # [root, first page, address, bytes, rows]
+    for page in pages:
+        root = page._base if page._base is not None else page
+        if runs and runs[-1][0] is root and runs[-1][2] + runs[-1][3] == page.data_ptr():
+            runs[-1][3] += page.numel() * page.element_size()
+            runs[-1][4] += page.shape[0]
+        else:
+            runs.append([root, page, page.data_ptr(), page.numel() * page.element_size(), page.shape[0]])
+    out = []
+    for root, first, address, nbytes, rows in runs:
+        if rows == first.shape[0]:
+            out.append(first)
+            continue
+        flat = root.view(torch.uint8).view(-1)  # the pages' allocation, contiguous (see _carve)
+        start = address - root.data_ptr()
+        out.append(flat[start : start + nbytes].view(first.dtype).view(rows, *first.shape[1:]))
+    return out
 
 
 class _HostLayer(CacheLayerMixin):
@@ -65,6 +106,9 @@ class _HostLayer(CacheLayerMixin):
         self.dev_key_pages: list[torch.Tensor] = []
         self.dev_value_pages: list[torch.Tensor] = []
         self.mirrored = True
+        # Host pages carved but not yet used: the rest of the last extent (see _EXTENT_BYTES).
+        self.spare_key_pages: list[torch.Tensor] = []
+        self.spare_value_pages: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
         return f"_HostLayer(length={self.length}, pages={len(self.key_pages)}, shape={self.shape})"
@@ -104,7 +148,9 @@ class _HostLayer(CacheLayerMixin):
         return b * h * dk * size, b * h * dv * size
 
     def host_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.key_pages + self.value_pages)
+        """Host memory of the pages, those held and those carved for the next tokens."""
+        pages = self.key_pages + self.value_pages + self.spare_key_pages + self.spare_value_pages
+        return sum(p.numel() * p.element_size() for p in pages)
 
     def mirror_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.dev_key_pages + self.dev_value_pages)
@@ -154,9 +200,11 @@ class HostCache(Cache):
         out = model.generate(ids, cache=cache, max_new_tokens=64)
 
     Args:
-        page_tokens: tokens per host page. Pages are allocated one at a time as the sequence
-            grows (never the whole cache again); small pages waste less memory at the end of a
-            sequence, large ones copy in fewer pieces.
+        page_tokens: tokens per host page. Pages are allocated as the sequence grows (never
+            the whole cache again), carved from extents that hold as many pages as the layer
+            already has, up to 16 MiB of keys (as much of values): a layer holds at most that
+            beyond its tokens, and its pages lie back to back, so that they cross the link in
+            copies of up to 16 MiB whatever the page size.
         lookahead: how many of the next layers' pages are copied ahead on a side stream (CUDA)
             while a layer computes; the device holds ``lookahead + 1`` layers' old tokens.
         pin: page-lock the host pages when a GPU is present (needed for copies that overlap
@@ -305,7 +353,7 @@ class HostCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` tokens of every layer (a non-positive count, as
-        ``DynamicCache.crop``); pages left empty are freed."""
+        ``DynamicCache.crop``); pages left empty are kept for the tokens appended next."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"HostCache.crop: pass a negative number of tokens to remove, got {tokens_to_remove} "
@@ -317,6 +365,8 @@ class HostCache(Cache):
         for layer in self._filled():
             layer.length = max(0, layer.length + tokens_to_remove)
             keep = -(-layer.length // self.page_tokens)
+            layer.spare_key_pages[:0] = layer.key_pages[keep:]
+            layer.spare_value_pages[:0] = layer.value_pages[keep:]
             del layer.key_pages[keep:], layer.value_pages[keep:]
             layer.version += 1
         self._pass_base = self.get_seq_length(self._first or 0)
@@ -347,10 +397,16 @@ class HostCache(Cache):
             if layer.is_initialized:
                 twin.shape, twin.dtype, twin.device = layer.shape, layer.dtype, layer.device
                 twin.length, twin.is_initialized = layer.length, True
-                twin.key_pages = [new._to_host(p) for p in layer.key_pages]
-                twin.value_pages = [new._to_host(p) for p in layer.value_pages]
-                twin.dev_key_pages = [torch.empty_like(p) for p in layer.dev_key_pages]
-                twin.dev_value_pages = [torch.empty_like(p) for p in layer.dev_value_pages]
+                twin.key_pages = new._host_copies(layer.key_pages)
+                twin.value_pages = new._host_copies(layer.value_pages)
+                for mine, theirs in (
+                    (layer.dev_key_pages, twin.dev_key_pages),
+                    (layer.dev_value_pages, twin.dev_value_pages),
+                ):
+                    if mine:
+                        theirs[:] = _carve(
+                            len(mine), tuple(mine[0].shape), mine[0].dtype, False, False, mine[0].device
+                        )
                 twin.mirrored = False  # filled by its first copy
             new.layers.append(twin)
         new._first, new._last, new._pass_base = self._first, self._last, self._pass_base
@@ -614,36 +670,43 @@ class HostCache(Cache):
         self, layer: _HostLayer, keys: torch.Tensor, values: torch.Tensor, mirrored: int = 0
     ) -> None:
         """Copies the layer's filled rows into ``keys``/``values`` (``[tokens, batch, heads,
-        dim]``): the full pages in one call (a loop in C++, not per page in Python), then the
-        filled part of the last page. The first ``mirrored`` rows (whole pages, or all the rows)
-        come from the device copies of the first pages instead of the host pages."""
-        p = self.page_tokens
-        full, rest = divmod(layer.length, p)
+        dim]``): the first ``mirrored`` rows from the device copies of the first pages, the rest
+        from the host pages, each run of pages that lie back to back in one copy."""
         cuda = self._cuda()
-        if mirrored:  # from the device copies: whole pages in one call, then a last part
-            dev, mrest = divmod(mirrored, p)
-            if dev:
-                dst = list(keys[: dev * p].unflatten(0, (dev, p)).unbind(0))
-                dst += values[: dev * p].unflatten(0, (dev, p)).unbind(0)
-                src = layer.dev_key_pages[:dev] + layer.dev_value_pages[:dev]
-                torch._foreach_copy_(dst, src, non_blocking=cuda)
-            if mrest:
-                keys[dev * p : mirrored].copy_(layer.dev_key_pages[dev][:mrest], non_blocking=cuda)
-                values[dev * p : mirrored].copy_(layer.dev_value_pages[dev][:mrest], non_blocking=cuda)
-            if mirrored >= layer.length:
-                return
-        else:
-            dev = 0
-        # (Fewer mirrored rows than the layer holds: ``mirrored`` is whole pages, ``dev`` of them.)
-        if full > dev:
-            dst = list(keys[dev * p : full * p].unflatten(0, (full - dev, p)).unbind(0))
-            dst += values[dev * p : full * p].unflatten(0, (full - dev, p)).unbind(0)
-            torch._foreach_copy_(
-                dst, layer.key_pages[dev:full] + layer.value_pages[dev:full], non_blocking=cuda
-            )
-        if rest:
-            keys[full * p : layer.length].copy_(layer.key_pages[full][:rest], non_blocking=cuda)
-            values[full * p : layer.length].copy_(layer.value_pages[full][:rest], non_blocking=cuda)
+        n = layer.length
+        m = min(mirrored, n)
+        if m:
+            self._read_rows(layer.dev_key_pages, 0, m, keys, cuda)
+            self._read_rows(layer.dev_value_pages, 0, m, values, cuda)
+        if n > m:
+            self._read_rows(layer.key_pages, m, n, keys, cuda)
+            self._read_rows(layer.value_pages, m, n, values, cuda)
+
+    def _read_rows(self, pages: list[torch.Tensor], lo: int, hi: int, dst: torch.Tensor, cuda: bool) -> None:
+        """Rows ``lo:hi`` of the sequence ``pages`` hold into ``dst[lo:hi]``."""
+        p = self.page_tokens
+        first, row = lo // p, (lo // p) * p
+        dsts, srcs = [], []
+        for run in _runs(pages[first : (hi - 1) // p + 1]):
+            a, b = max(row, lo), min(row + run.shape[0], hi)
+            if a < b:
+                dsts.append(dst[a:b])
+                srcs.append(run[a - row : b - row])
+            row += run.shape[0]
+        torch._foreach_copy_(dsts, srcs, non_blocking=cuda)
+
+    def _write_rows(self, pages: list[torch.Tensor], start: int, rows: torch.Tensor, cuda: bool) -> None:
+        """``rows`` (token-major) into the sequence ``pages`` hold, from row ``start``."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        p = self.page_tokens
+        first, row = start // p, (start // p) * p
+        for run in _runs(pages[first : (start + n - 1) // p + 1]):
+            a, b = max(row, start), min(row + run.shape[0], start + n)
+            if a < b:
+                run[a - row : b - row].copy_(rows[a - start : b - start], non_blocking=cuda)
+            row += run.shape[0]
 
     def _grow(self, slot: _Slot, need: int, layer: _HostLayer) -> None:
         """A larger ring buffer: room for the layer's tokens and a quarter more (at least a page),
@@ -671,12 +734,9 @@ class HostCache(Cache):
         if layer.mirrored or not layer.dev_key_pages:
             layer.mirrored = True
             return
-        p = self.page_tokens
-        pages = min(len(layer.dev_key_pages), -(-layer.length // p))
-        for k in range(pages):
-            rows = min(p, layer.length - k * p)
-            layer.dev_key_pages[k][:rows].copy_(keys[k * p : k * p + rows])
-            layer.dev_value_pages[k][:rows].copy_(values[k * p : k * p + rows])
+        rows = min(layer.length, len(layer.dev_key_pages) * self.page_tokens)
+        self._write_rows(layer.dev_key_pages, 0, keys[:rows], False)
+        self._write_rows(layer.dev_value_pages, 0, values[:rows], False)
         layer.mirrored = True
 
     def _mirror_append(
@@ -689,31 +749,25 @@ class HostCache(Cache):
         end = start + k_rows.shape[0]
         b, h, dk, dv = layer.shape  # type: ignore[misc]
         kb, vb = layer.token_bytes()
-        while len(layer.dev_key_pages) * p < end and self._mirror_bytes + p * (kb + vb) <= self.device_bytes:
-            if len(layer.dev_key_pages) * p < start:
+        held = len(layer.dev_key_pages)
+        want = -(-end // p) - held
+        room = (self.device_bytes - self._mirror_bytes) // (p * (kb + vb))
+        new = min(want, room)
+        if new > 0:  # the pages the rows reach, while the budget allows, in one allocation
+            if held * p < start:
                 layer.mirrored = False  # a page of tokens appended before it: filled at the next copy
-            with torch.inference_mode(False):
-                pages = (
-                    torch.empty((p, b, h, dk), dtype=layer.dtype, device=self.device),
-                    torch.empty((p, b, h, dv), dtype=layer.dtype, device=self.device),
-                )
-            if self._cuda():
-                for t in pages:  # the side stream reads and refills them: freed after its work
-                    t.record_stream(self._side_stream())
-            layer.dev_key_pages.append(pages[0])
-            layer.dev_value_pages.append(pages[1])
-            self._mirror_bytes += p * (kb + vb)
+            for dim, into in ((dk, layer.dev_key_pages), (dv, layer.dev_value_pages)):
+                carved = _carve(new, (p, b, h, dim), layer.dtype, False, False, self.device)
+                if self._cuda():  # the side stream reads and refills them: freed after its work
+                    carved[0]._base.record_stream(self._side_stream())
+                into.extend(carved)
+            self._mirror_bytes += new * p * (kb + vb)
         if not layer.mirrored:
             return
-        pos = start
         cap = len(layer.dev_key_pages) * p
-        while pos < min(end, cap):
-            page, off = divmod(pos, p)
-            rows = min(p - off, min(end, cap) - pos)
-            src = slice(pos - start, pos - start + rows)
-            layer.dev_key_pages[page][off : off + rows].copy_(k_rows[src])
-            layer.dev_value_pages[page][off : off + rows].copy_(v_rows[src])
-            pos += rows
+        if cap > start:
+            self._write_rows(layer.dev_key_pages, start, k_rows[: cap - start], False)
+            self._write_rows(layer.dev_value_pages, start, v_rows[: cap - start], False)
 
     def _side_stream(self) -> Any:
         if self._side is None:
@@ -745,19 +799,9 @@ class HostCache(Cache):
         v_rows = values.detach().permute(2, 0, 1, 3).contiguous()
         p = self.page_tokens
         start, end = layer.length, layer.length + n
-        while len(layer.key_pages) * p < end:
-            b, h, dk, dv = layer.shape
-            with torch.inference_mode(False):
-                layer.key_pages.append(_arena.host_empty((p, b, h, dk), layer.dtype, pin=self.pin))
-                layer.value_pages.append(_arena.host_empty((p, b, h, dv), layer.dtype, pin=self.pin))
-        pos = start
-        while pos < end:
-            page, off = divmod(pos, p)
-            rows = min(p - off, end - pos)
-            src = slice(pos - start, pos - start + rows)
-            layer.key_pages[page][off : off + rows].copy_(k_rows[src], non_blocking=cuda)
-            layer.value_pages[page][off : off + rows].copy_(v_rows[src], non_blocking=cuda)
-            pos += rows
+        self._add_pages(layer, -(-end // p) - len(layer.key_pages))
+        self._write_rows(layer.key_pages, start, k_rows, cuda)
+        self._write_rows(layer.value_pages, start, v_rows, cuda)
         if self.device_bytes:
             self._mirror_append(layer, k_rows, v_rows, start)
         if cuda:
@@ -770,6 +814,39 @@ class HostCache(Cache):
         self._pass_bytes += n * (kb + vb)
         layer.length = end
         layer.version += 1
+
+    def _add_pages(self, layer: _HostLayer, count: int) -> None:
+        """``count`` more host pages for the layer: spare ones first, then a new extent of at
+        least as many pages as it holds (up to ``_EXTENT_BYTES``), the rest kept spare."""
+        if count <= 0:
+            return
+        take = min(count, len(layer.spare_key_pages))
+        layer.key_pages += layer.spare_key_pages[:take]
+        layer.value_pages += layer.spare_value_pages[:take]
+        del layer.spare_key_pages[:take], layer.spare_value_pages[:take]
+        short = count - take
+        if short <= 0:
+            return
+        b, h, dk, dv = layer.shape  # type: ignore[misc]
+        kb, _ = layer.token_bytes()
+        cap = max(1, _EXTENT_BYTES // (self.page_tokens * kb))
+        n = max(short, min(cap, len(layer.key_pages)))
+        for dim, held, spare in (
+            (dk, layer.key_pages, layer.spare_key_pages),
+            (dv, layer.value_pages, layer.spare_value_pages),
+        ):
+            carved = _carve(n, (self.page_tokens, b, h, dim), layer.dtype, True, self.pin, None)
+            held += carved[:short]
+            spare[:] = carved[short:]
+
+    def _host_copies(self, pages: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``pages`` in fresh host pages of one extent."""
+        if not pages:
+            return []
+        out = _carve(len(pages), tuple(pages[0].shape), pages[0].dtype, True, self.pin, None)
+        for dst, src in zip(out, pages):
+            dst.copy_(src)
+        return out
 
     def _quiesce(self) -> None:
         """Waits for every copy that reads or writes host pages and forgets the ring's contents:
@@ -786,11 +863,9 @@ class HostCache(Cache):
         """Replaces every page by ``fn(page)`` (a new batch dimension), in fresh host pages."""
         self._quiesce()
         for layer in self._filled():
-            new_keys, new_values = [], []
-            for page in layer.key_pages:
-                new_keys.append(self._to_host(fn(page)))
-            for page in layer.value_pages:
-                new_values.append(self._to_host(fn(page)))
+            new_keys = self._host_copies([fn(page) for page in layer.key_pages])
+            new_values = self._host_copies([fn(page) for page in layer.value_pages])
+            layer.spare_key_pages, layer.spare_value_pages = [], []  # of the old batch size
             # the new batch size, also for a layer with no pages left (cropped to nothing)
             b = fn(torch.empty(0, layer.shape[0], 1, 1)).shape[1]
             if any(t.shape[1] != b for t in new_keys + new_values):  # pragma: no cover
@@ -801,12 +876,6 @@ class HostCache(Cache):
             # Another batch: the device copies are of the old one (made anew at that size).
             self._mirror_bytes -= layer.mirror_bytes()
             layer.dev_key_pages, layer.dev_value_pages, layer.mirrored = [], [], True
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode(False):
-            out = _arena.host_empty(tuple(t.shape), t.dtype, pin=self.pin)
-        out.copy_(t)
-        return out
 
 
 def prefill(
