@@ -7,12 +7,16 @@ line (BENCH.md format).
         [--no-resident] [--deadline SECONDS] [--commit C]
     python3 bench/long_context.py --tiny --device cpu --shapes 1x512 2x128   # CPU smoke run
 
-Each shape ``BxC`` is B sequences holding C tokens each. The cache is filled with random keys and
+Each shape ``BxC`` is B sequences whose cache holds C tokens each at the last step (filled with
+C − warmup − steps tokens before the first step). The cache is filled with random keys and
 values (the same bits for every cache: a generator seeded per layer), not by a prefill: what is
 measured is the decode step, and a 256k-token prefill would cost minutes of compute that no cache
-changes. Every cache is filled the way a chunked prefill fills it (``--fill-chunk`` tokens of every
-layer per pass, layers in order), so that ``HostCache``'s device pages are shared among the layers
-as they are after ``ramtorch.prefill``.
+changes. ``HostCache`` is filled the way a chunked prefill fills it (``--fill-chunk`` tokens of
+every layer per pass, layers in order), so that its device pages are shared among the layers as
+they are after ``ramtorch.prefill``; transformers' caches in one pass (each pass of theirs moves the
+whole cache both ways). Run transformers' caches in a process of their own (``--kv offloaded``):
+they allocate page-locked host memory through torch's caching host allocator, which keeps what it
+freed.
 
 Then ``--warmup`` + ``--steps`` decode steps, each ``model(ids[:, s:s+1], cache=cache,
 use_cache=True)`` with the same token ids for every cache (random, teacher-forced: every cache sees
@@ -24,7 +28,7 @@ Systems, in this order:
   budget. Its step time is the compute floor and its last-position logits the reference.
 - Then the model moves to host RAM and ``ramtorch.offload(model, gpu_budget=--budget)``; with each
   ``--kv``:
-  - ``host``: ``ramtorch.HostCache.for_model(model, context=C + steps, batch=B)`` (the device
+  - ``host``: ``ramtorch.HostCache.for_model(model, context=C, batch=B)`` (the device
     bytes the budget leaves hold copies of the cache's first pages; ``kv_bytes_per_step`` counts
     what still crosses);
   - ``host_plain``: ``ramtorch.HostCache()`` (no device pages: the whole cache crosses each step;
@@ -32,7 +36,7 @@ Systems, in this order:
   - ``offloaded``: transformers' ``DynamicCache(offloading=True)`` (what
     ``cache_implementation="offloaded"`` makes: each layer's cache comes up a layer ahead and goes
     back after use), CUDA only, transformers 5.20 or later;
-  - ``offloaded_static``: ``StaticCache(config, max_cache_len=C + steps, offloading=True)``, same.
+  - ``offloaded_static``: ``StaticCache(config, max_cache_len=C, offloading=True)``, same.
 
 Limit of a step (``limit_seconds``), from the pinned H2D/D2H bandwidth measured in this process
 (2 GiB copies) and the bytes the step must move: up = weights streamed per pass (ramtorch's
@@ -45,7 +49,7 @@ are what the budget cannot hold, so ``"floor_seconds"`` is also given: (weights 
 left for them) / H2D, the best any cache could do under this budget.
 
 Each record: workload ``W2-long-context``, phase ``decode``, system, ``kv`` (the cache),
-``kv_place`` (``gpu``/``host``), ``batch``, ``context`` (tokens held before the first timed step),
+``kv_place`` (``gpu``/``host``), ``batch``, ``context`` (tokens held at the last step),
 ``kv_bytes_per_step`` (cache bytes over the link, both directions, in one step), seconds,
 tokens_per_second, the limits, GPU peak (``max_memory_allocated`` during the timed steps) and the
 ramtorch budget, host RSS, and the logits against the resident model's
@@ -110,16 +114,19 @@ def cache_bytes(cfg: Any, batch: int, tokens: int) -> int:
 def fill(cache: Any, cfg: Any, batch: int, context: int, chunk: int, device: str) -> None:
     """``context`` tokens of random keys and values into every layer of ``cache``, ``chunk`` tokens
     of each layer per pass (layers in order, as a chunked prefill fills it). The bits depend only
-    on (layer, position): every cache gets the same."""
+    on (layer, position), not on ``chunk``: every cache gets the same."""
     layers, heads, dim = kv_dims(cfg)
     for start in range(0, context, chunk):
         n = min(chunk, context - start)
         for layer in range(layers):
             g = torch.Generator(device=device)
-            g.manual_seed(1_000_003 * layer + start)
-            kv = torch.randn((2, batch, heads, n, dim), generator=g, device=device, dtype=torch.bfloat16)
+            g.manual_seed(1_000_003 * layer)
+            # the layer's whole sequence, sliced: the bits do not depend on the chunks
+            kv = torch.randn(
+                (2, batch, heads, context, dim), generator=g, device=device, dtype=torch.bfloat16
+            )
             extra = {"cache_position": torch.arange(start, start + n, device=device)}
-            cache.update(kv[0], kv[1], layer, extra)
+            cache.update(kv[0, :, :, start : start + n], kv[1, :, :, start : start + n], layer, extra)
             del kv
     sync(device)
 
@@ -205,7 +212,9 @@ def main() -> int:
 
     commit = a.commit or git_commit()
     command = "python3 bench/long_context.py " + " ".join(sys.argv[1:])
-    most = max(c for _, c in a.shapes) + a.warmup + a.steps
+    most = max(c for _, c in a.shapes)
+    if min(c for _, c in a.shapes) <= a.warmup + a.steps:
+        ap.error("each shape's context must exceed --warmup + --steps")
     cfg = config(a.tiny, most)
     base = {
         "workload": "W2-long-context" if not a.tiny else "W2-long-context-tiny",
@@ -255,11 +264,12 @@ def main() -> int:
         log(f"{name}: filling")
         cache = None
         try:
-            cache = make_cache(kind, model, cfg, b, c + steps, a.page_tokens)
+            cache = make_cache(kind, model, cfg, b, c, a.page_tokens)
             t = time.perf_counter()
-            fill(cache, cfg, b, c, min(a.fill_chunk, c), a.device)
-            fill_s = time.perf_counter() - t
             host = kind.startswith("host")
+            filled = c - steps
+            fill(cache, cfg, b, filled, min(a.fill_chunk, filled) if host else filled, a.device)
+            fill_s = time.perf_counter() - t
             marks: dict[str, int] = {}
             counters = cache.stats if host else None
 
@@ -271,7 +281,7 @@ def main() -> int:
             log(f"{name}: filled in {fill_s:.1f} s; decoding")
             secs, logits, peak = decode(model, cache, ids[(b, c)].to(a.device), a.warmup, a.device, mark)
             step = statistics.median(secs)
-            full = cache_bytes(cfg, b, c + a.warmup + a.steps // 2)  # the cache at a middle timed step
+            full = cache_bytes(cfg, b, c - a.steps // 2)  # the cache at a middle timed step
             if host:
                 st = cache.stats()
                 up_kv = (st["h2d_bytes"] - marks["h2d"]) / a.steps
@@ -287,7 +297,7 @@ def main() -> int:
                 "kv": kind,
                 "kv_place": "gpu" if kind == "dynamic" else "host",
                 "batch": b,
-                "context": c + a.warmup,
+                "context": c,
                 "steps": a.steps,
                 "seconds": step,
                 "seconds_all": secs,
@@ -308,7 +318,7 @@ def main() -> int:
                 rec["host_cache"] = cache.stats()
                 rec["device_bytes"] = cache.device_bytes
                 rec["page_tokens"] = cache.page_tokens
-            if bw:
+            if bw and system != "resident":
                 link = max(up / (bw["h2d_gbps"] * 1e9), down_kv / (bw["d2h_gbps"] * 1e9))
                 link = max(link, (up + down_kv) / (bw["duplex_gbps"] * 1e9))
                 limit = max(link, floor.get((b, c), 0.0))
@@ -316,7 +326,7 @@ def main() -> int:
                 rec["limit_compute_source"] = "resident" if (b, c) in floor else None
                 if system == "ramtorch":
                     budget = parse_bytes(a.budget) or 0
-                    must = max(0, weight_bytes + cache_bytes(cfg, b, c + a.warmup) - budget)
+                    must = max(0, weight_bytes + cache_bytes(cfg, b, c - a.steps // 2) - budget)
                     rec["floor_seconds"] = must / (bw["h2d_gbps"] * 1e9)
             if (b, c) in reference:
                 rec["logits_vs_resident"] = compare_logits(reference[(b, c)], logits)
