@@ -334,10 +334,8 @@ def main() -> int:
                 reference[(b, c)] = logits
                 floor[(b, c)] = step
             emit(rec)
-            log(
-                f"{name}: {step * 1e3:.1f} ms a step"
-                + (f", {rec['ratio_to_limit']:.3f} of the limit" if bw else "")
-            )
+            ratio = rec.get("ratio_to_limit")
+            log(f"{name}: {step * 1e3:.1f} ms a step" + (f", {ratio:.3f} of the limit" if ratio else ""))
         except torch.OutOfMemoryError as e:
             emit(
                 {"system": system, "kv": kind, "batch": b, "context": c, "error": f"out of memory: {e}"[:400]}

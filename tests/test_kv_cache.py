@@ -698,16 +698,18 @@ class _FakeCuda:
 
 @pytest.mark.parametrize("done", [False, True], ids=["gpu-behind", "gpu-done"])
 @pytest.mark.parametrize("lookahead", [1, 2])
-def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done):
+@pytest.mark.parametrize("device_bytes", [0, 1 << 20], ids=["host-pages", "device-pages"])
+def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done, device_bytes):
     """The CUDA path run on the CPU with fake streams and events (greedy and beam search, which
     edits the pages on the host): each read of a ring buffer happens after the copy that filled
     it; a copy into a buffer, after the reads of what it held; a copy of a layer's pages, after
     the copies of its tokens into them; a change of the pages on the host, after every copy that
-    touched them. And the tokens are DynamicCache's."""
+    touched them. And the tokens are DynamicCache's, also with device copies of the first pages
+    (which the assembly reads in place of the ring's rows)."""
     fake = _FakeCuda(done)
     fake.install(monkeypatch)
     monkeypatch.setattr(ramtorch.HostCache, "_cuda", lambda self: True)
-    cache = ramtorch.HostCache(page_tokens=3, lookahead=lookahead)
+    cache = ramtorch.HostCache(page_tokens=3, lookahead=lookahead, device_bytes=device_bytes)
 
     def slot_of(t: torch.Tensor) -> int:
         """The ring buffer ``t`` (a view of keys or of values) lies in."""
@@ -722,10 +724,13 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done)
         fake.op("fill", (slot_of(keys), self.layers.index(layer)))
         return copy_pages(self, layer, keys, values, mirrored)
 
-    def logged_assemble(old, new):
+    mirrored_reads = []
+
+    def logged_assemble(self, old, new, dev_pages, mirrored):
+        mirrored_reads.append(mirrored)
         if old is not None:
             fake.op("read", slot_of(old))
-        return assemble(old, new)
+        return assemble(self, old, new, dev_pages, mirrored)
 
     def logged_append(self, layer, keys, values):
         fake.op("append", self.layers.index(layer))
@@ -736,7 +741,7 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done)
         fake.op("host edit", None, stream="host")
 
     monkeypatch.setattr(ramtorch.HostCache, "_copy_pages", logged_copy)
-    monkeypatch.setattr(ramtorch.HostCache, "_assemble", staticmethod(logged_assemble))
+    monkeypatch.setattr(ramtorch.HostCache, "_assemble", logged_assemble)
     monkeypatch.setattr(ramtorch.HostCache, "_append", logged_append)
     monkeypatch.setattr(ramtorch.HostCache, "_quiesce", logged_quiesce)
 
@@ -747,6 +752,7 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done)
         got = generate(model, ids, cache, **kw)
         assert torch.equal(got.sequences, ref.sequences)
         cache.reset()
+    assert (max(mirrored_reads) > 0) == bool(device_bytes)
     ops = fake.ops
     kinds = {k for k, *_ in ops}
     assert {"fill", "read", "append", "host edit"} <= kinds

@@ -180,6 +180,7 @@ class _Slot:
     ready: Any = None  # CUDA event: the copies into ``buf`` are done
     busy: bool = False  # taken by the layer being assembled
     free: Any = None  # CUDA event: the last reader of ``buf`` is done
+    mirrored: int = 0  # the first tokens, not copied: the assembly reads the device pages
 
 
 def _drain(inflight: list[tuple[Any, list[torch.Tensor]]]) -> None:
@@ -320,8 +321,9 @@ class HostCache(Cache):
             )
         old = self._take(layer_idx, layer)
         self._prefetch_after(layer_idx)
-        keys = self._assemble(old[0] if old else None, key_states)
-        values = self._assemble(old[1] if old else None, value_states)
+        m = old[2].mirrored if old else 0
+        keys = self._assemble(old[0] if old else None, key_states, layer.dev_key_pages, m)
+        values = self._assemble(old[1] if old else None, value_states, layer.dev_value_pages, m)
         if old is not None:
             self._release(old[2])
         self._append(layer, key_states, value_states)
@@ -630,10 +632,10 @@ class HostCache(Cache):
         cuda = self._cuda()
         if slot.buf is None or slot.buf.numel() < need:
             self._grow(slot, need, layer)
-        slot.layer, slot.version, slot.length = idx, layer.version, n
+        mirrored = layer.mirror_rows()
+        slot.layer, slot.version, slot.length, slot.mirrored = idx, layer.version, n, mirrored
         keys, values = self._views(slot, layer)
         pages = self._pages_for(layer)
-        mirrored = layer.mirror_rows()
         moved = (n - mirrored) * (kb + vb)
         self._counts["h2d_bytes"] += moved
         self._pass_bytes += moved
@@ -669,15 +671,13 @@ class HostCache(Cache):
     def _copy_pages(
         self, layer: _HostLayer, keys: torch.Tensor, values: torch.Tensor, mirrored: int = 0
     ) -> None:
-        """Copies the layer's filled rows into ``keys``/``values`` (``[tokens, batch, heads,
-        dim]``): the first ``mirrored`` rows from the device copies of the first pages, the rest
-        from the host pages, each run of pages that lie back to back in one copy."""
+        """Copies the layer's filled rows past the first ``mirrored`` (which the device copies
+        of the first pages hold: the assembly reads them there) from the host pages into
+        ``keys``/``values`` (``[tokens, batch, heads, dim]``), each run of pages that lie back to
+        back in one copy."""
         cuda = self._cuda()
         n = layer.length
         m = min(mirrored, n)
-        if m:
-            self._read_rows(layer.dev_key_pages, 0, m, keys, cuda)
-            self._read_rows(layer.dev_value_pages, 0, m, values, cuda)
         if n > m:
             self._read_rows(layer.key_pages, m, n, keys, cuda)
             self._read_rows(layer.value_pages, m, n, values, cuda)
@@ -774,17 +774,26 @@ class HostCache(Cache):
             self._side = torch.cuda.Stream(device=self.device)
         return self._side
 
-    @staticmethod
-    def _assemble(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    def _assemble(
+        self, old: torch.Tensor | None, new: torch.Tensor, dev_pages: list[torch.Tensor], mirrored: int
+    ) -> torch.Tensor:
         """``[batch, heads, old + new tokens, dim]``, a fresh contiguous tensor as ``torch.cat``
         makes it in ``DynamicCache`` (so attention kernels see the same layout: the new states are
-        often a transposed view)."""
+        often a transposed view): the first ``mirrored`` old tokens read from the device pages,
+        the rest of ``old`` (``[tokens, batch, heads, dim]``) from the ring buffer."""
         if old is None:
             return torch.empty_like(new, memory_format=torch.contiguous_format).copy_(new)
         n_old = old.shape[0]
         b, h, n, d = new.shape
         out = torch.empty((b, h, n_old + n, d), dtype=new.dtype, device=new.device)
-        out[:, :, :n_old].copy_(old.permute(1, 2, 0, 3))
+        row = 0
+        if mirrored:
+            for run in _runs(dev_pages[: -(-mirrored // self.page_tokens)]):
+                end = min(row + run.shape[0], mirrored)
+                out[:, :, row:end].copy_(run[: end - row].permute(1, 2, 0, 3))
+                row = end
+        if n_old > row:
+            out[:, :, row:n_old].copy_(old[row:].permute(1, 2, 0, 3))
         out[:, :, n_old:].copy_(new)
         return out
 
