@@ -4,7 +4,7 @@ next to the same model resident on the GPU; writes one JSON list (BENCH.md recor
 ``arch:<name>``) and prints a table.
 
     python3 bench/arch.py --out $OUT/arch.json [--arch llama qwen2 ...] [--phases forward ...]
-        [--tokens 4096] [--reps 3] [--warmup 1] [--layers N] [--commit abc1234]
+        [--tokens 4096] [--reps 3] [--warmup 1] [--layers N | --full-depth] [--commit abc1234]
         [--phases ... decode --batch 1 8 --prompt 128 --new 16] [--host-gather]
     python3 bench/arch.py --smoke --out /tmp/arch.json      # tiny configs on the CPU, 1 rep
 
@@ -471,6 +471,8 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
 
     dev = a.device
     layers = a.layers or (SMOKE_LAYERS[ARCHS[name].kind == "cnn"] if a.smoke else ARCHS[name].layers)
+    if a.full_depth and not a.smoke:
+        layers = ARCHS[name].full_layers
     dtype = torch.float32 if a.smoke else torch.bfloat16
     t0 = time.perf_counter()
     model = build(name, layers, a.smoke, dev, dtype)
@@ -688,6 +690,8 @@ def child_args(a: argparse.Namespace, name: str) -> list[str]:
     out += ["--batch", *map(str, a.batch), "--prompt", str(a.prompt), "--new", str(a.new)]
     if a.layers:
         out += ["--layers", str(a.layers)]
+    if a.full_depth:
+        out.append("--full-depth")
     if a.smoke:
         out.append("--smoke")
     if a.host_gather:
@@ -756,6 +760,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument(
         "--layers", type=int, default=None, help="blocks of every model (default: per architecture)"
+    )
+    ap.add_argument(
+        "--full-depth",
+        action="store_true",
+        help="each model at its real depth (full_layers; not with --smoke)",
     )
     ap.add_argument(
         "--timeout", type=float, default=240, help="seconds allowed to one architecture's process"
