@@ -726,11 +726,25 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done,
 
     mirrored_reads = []
 
-    def logged_assemble(self, old, new, dev_pages, mirrored):
+    def logged_assemble(self, old, new, dev_pages, mirrored, n_old):
         mirrored_reads.append(mirrored)
         if old is not None:
             fake.op("read", slot_of(old))
-        return assemble(self, old, new, dev_pages, mirrored)
+        if mirrored:
+            owner = [
+                i
+                for i, x in enumerate(self.layers)
+                if dev_pages is x.dev_key_pages or dev_pages is x.dev_value_pages
+            ]
+            fake.op("device pages read", owner[0])
+        return assemble(self, old, new, dev_pages, mirrored, n_old)
+
+    refill_mirror = ramtorch.HostCache._refill_mirror
+
+    def logged_refill(self, layer, keys, values):
+        if not layer.mirrored and layer.dev_key_pages:
+            fake.op("device pages refill", self.layers.index(layer))
+        return refill_mirror(self, layer, keys, values)
 
     def logged_append(self, layer, keys, values):
         fake.op("append", self.layers.index(layer))
@@ -742,6 +756,7 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done,
 
     monkeypatch.setattr(ramtorch.HostCache, "_copy_pages", logged_copy)
     monkeypatch.setattr(ramtorch.HostCache, "_assemble", logged_assemble)
+    monkeypatch.setattr(ramtorch.HostCache, "_refill_mirror", logged_refill)
     monkeypatch.setattr(ramtorch.HostCache, "_append", logged_append)
     monkeypatch.setattr(ramtorch.HostCache, "_quiesce", logged_quiesce)
 
@@ -754,6 +769,8 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done,
         cache.reset()
     assert (max(mirrored_reads) > 0) == bool(device_bytes)
     ops = fake.ops
+    if device_bytes:  # beam search's new batch orders make the device pages anew
+        assert {"device pages read", "device pages refill"} <= {k for k, *_ in ops}
     kinds = {k for k, *_ in ops}
     assert {"fill", "read", "append", "host edit"} <= kinds
     assert {s for k, s, *_ in ops if k == "fill"} == {"side"}
@@ -766,10 +783,51 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done,
             for a in earlier:
                 if (a[0] == "read" and a[2] == b[2][0]) or (a[0] == "append" and a[2] == b[2][1]):
                     assert fake.before(a, b), (a, b)
+        if b[0] == "device pages read":  # after their last refill (a side-stream copy)
+            refills = [a for a in earlier if a[0] == "device pages refill" and a[2] == b[2]]
+            assert not refills or fake.before(refills[-1], b), (refills[-1], b)
+        if b[0] == "device pages refill":  # after the reads of what they held
+            for a in earlier:
+                if a[0] == "device pages read" and a[2] == b[2]:
+                    assert fake.before(a, b), (a, b)
         if b[0] == "host edit":  # after every copy that read or wrote the pages
             for a in earlier:
                 if a[0] in ("fill", "append"):
                     assert fake.before(a, b), (a, b)
+
+
+def test_layers_the_device_pages_hold_whole_take_no_buffer_and_no_prefetch(monkeypatch):
+    """A one-pass prefill gives the device pages to the first layers whole (as ``generate()``'s
+    prefill does): at the next step those layers are assembled from the device pages with no
+    ring buffer and no copy, and the prefetch passes over them to the next layer that needs a
+    copy, so that the link works while they compute (no misses). The tokens stay
+    DynamicCache's."""
+    model = tiny("llama", seed=9)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(4))
+    want = generate(model, ids, transformers.DynamicCache(), max_new_tokens=2).sequences
+    probe = ramtorch.HostCache(page_tokens=4)
+    generate(model, ids, probe, max_new_tokens=1)
+    kb, vb = probe.layers[0].token_bytes()
+    copied: list[int] = []
+    copy_in = ramtorch.HostCache._copy_in
+
+    def logged(self, idx, layer, exclude):
+        copied.append(idx)
+        return copy_in(self, idx, layer, exclude)
+
+    monkeypatch.setattr(ramtorch.HostCache, "_copy_in", logged)
+    # room for the prompt's 16 tokens of one layer: the first layer's, whole
+    cache = ramtorch.HostCache(page_tokens=4, lookahead=1, device_bytes=16 * (kb + vb))
+    got = generate(model, ids, cache, max_new_tokens=2).sequences  # the prefill and one step
+    assert torch.equal(got, want)
+    assert layers > 2 and cache.layers[0].mirror_rows() == 16 and cache.layers[1].mirror_rows() == 0
+    # the step: the first layer read from the device pages, never copied; then the prefetch of
+    # the next step's first layer, which now holds a token past its pages (that token only)
+    assert copied == [*range(1, layers), 0]
+    s = cache.stats()
+    assert s["prefetch_misses"] == 0 and s["prefetch_hits"] == layers
+    assert s["h2d_bytes"] == (layers - 1) * 16 * (kb + vb) + (kb + vb)
 
 
 def test_the_plan_sizes_the_cache_and_what_a_step_moves(tmp_path):

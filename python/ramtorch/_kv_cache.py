@@ -106,6 +106,7 @@ class _HostLayer(CacheLayerMixin):
         self.dev_key_pages: list[torch.Tensor] = []
         self.dev_value_pages: list[torch.Tensor] = []
         self.mirrored = True
+        self.mirror_ready: Any = None  # a CUDA event after the side stream last refilled them
         # Host pages carved but not yet used: the rest of the last extent (see _EXTENT_BYTES).
         self.spare_key_pages: list[torch.Tensor] = []
         self.spare_value_pages: list[torch.Tensor] = []
@@ -319,13 +320,13 @@ class HostCache(Cache):
                 f"{self._pass_base} when this pass began: an earlier forward stopped midway, "
                 "leaving the layers unequal; reset the cache (HostCache.reset) or start a new one"
             )
-        old = self._take(layer_idx, layer)
+        old_keys, old_values, slot, m = self._take(layer_idx, layer)
         self._prefetch_after(layer_idx)
-        m = old[2].mirrored if old else 0
-        keys = self._assemble(old[0] if old else None, key_states, layer.dev_key_pages, m)
-        values = self._assemble(old[1] if old else None, value_states, layer.dev_value_pages, m)
-        if old is not None:
-            self._release(old[2])
+        n_old = layer.length
+        keys = self._assemble(old_keys, key_states, layer.dev_key_pages, m, n_old)
+        values = self._assemble(old_values, value_states, layer.dev_value_pages, m, n_old)
+        if slot is not None:
+            self._release(slot)
         self._append(layer, key_states, value_states)
         if self._order and layer_idx == self._order[-1]:
             self._end_pass()
@@ -553,11 +554,21 @@ class HostCache(Cache):
         self._last_pass_bytes = self._pass_bytes
         self._pass_bytes = 0
 
-    def _take(self, idx: int, layer: _HostLayer) -> tuple[torch.Tensor, torch.Tensor, _Slot] | None:
-        """The layer's old tokens on the device (``[tokens, batch, heads, dim]`` views of a ring
-        buffer), the compute stream made to wait for their copy; ``None`` if it holds none."""
+    def _take(
+        self, idx: int, layer: _HostLayer
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, _Slot | None, int]:
+        """The layer's old tokens on the device: ``[tokens, batch, heads, dim]`` views of a ring
+        buffer, its slot, and how many of the first tokens the device pages hold instead (the
+        ring's rows for them are not filled), the compute stream made to wait for the copy. No
+        buffer (``None``) when the layer holds no token, or when the device pages hold them all."""
         if layer.length == 0:
-            return None
+            return None, None, None, 0
+        mirrored = layer.mirror_rows()
+        if mirrored >= layer.length:  # nothing to copy: the assembly reads the device pages
+            self._counts["prefetch_hits"] += 1
+            if self._cuda() and layer.mirror_ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(layer.mirror_ready)
+            return None, None, None, mirrored
         slot = next((s for s in self._slots if s.layer == idx and s.version == layer.version), None)
         if slot is None:
             self._counts["prefetch_misses"] += 1
@@ -569,7 +580,7 @@ class HostCache(Cache):
         if self._cuda() and slot.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
         keys, values = self._views(slot, layer)
-        return keys, values, slot
+        return keys, values, slot, slot.mirrored
 
     def _views(self, slot: _Slot, layer: _HostLayer) -> tuple[torch.Tensor, torch.Tensor]:
         assert slot.buf is not None and layer.shape is not None
@@ -590,19 +601,24 @@ class HostCache(Cache):
         slot.layer, slot.version, slot.busy = None, -1, False
 
     def _prefetch_after(self, idx: int) -> None:
-        """Queues the copies of the ``lookahead`` layers after ``idx`` in the order of the last
-        pass (wrapping to the next pass's first layers)."""
+        """Queues the copies of the next ``lookahead`` layers after ``idx`` that need one, in the
+        order of the last pass (wrapping to the next pass's first layers): layers whose old
+        tokens the device pages hold all of are passed over, so that the link works ahead
+        while they compute."""
         if not self.lookahead or idx not in self._order:
             return
         pos = self._order.index(idx)
         n = len(self._order)
-        wanted = [self._order[(pos + k) % n] for k in range(1, min(self.lookahead, n - 1) + 1)]
+        wanted: list[int] = []
+        for k in range(1, n):
+            if len(wanted) >= self.lookahead:
+                break
+            target = self._order[(pos + k) % n]
+            layer = self.layers[target] if target < len(self.layers) else None
+            if isinstance(layer, _HostLayer) and 0 < layer.length and layer.mirror_rows() < layer.length:
+                wanted.append(target)
         for target in wanted:
-            if target >= len(self.layers):
-                continue
             layer = self.layers[target]
-            if not isinstance(layer, _HostLayer) or layer.length == 0:
-                continue
             if any(s.layer == target and s.version == layer.version for s in self._slots):
                 continue
             self._copy_in(target, layer, exclude=wanted)
@@ -651,9 +667,12 @@ class HostCache(Cache):
             side.wait_event(layer.appended)
         with torch.cuda.stream(side):
             self._copy_pages(layer, keys, values, mirrored)
+            refill = not layer.mirrored and bool(layer.dev_key_pages)
             self._refill_mirror(layer, keys, values)
             slot.ready = torch.cuda.Event()
             slot.ready.record(side)
+        if refill:  # a read of the device pages without a slot waits for this
+            layer.mirror_ready = slot.ready
         self._track(slot.ready, pages)
         return slot
 
@@ -775,15 +794,19 @@ class HostCache(Cache):
         return self._side
 
     def _assemble(
-        self, old: torch.Tensor | None, new: torch.Tensor, dev_pages: list[torch.Tensor], mirrored: int
+        self,
+        old: torch.Tensor | None,
+        new: torch.Tensor,
+        dev_pages: list[torch.Tensor],
+        mirrored: int,
+        n_old: int,
     ) -> torch.Tensor:
         """``[batch, heads, old + new tokens, dim]``, a fresh contiguous tensor as ``torch.cat``
         makes it in ``DynamicCache`` (so attention kernels see the same layout: the new states are
-        often a transposed view): the first ``mirrored`` old tokens read from the device pages,
-        the rest of ``old`` (``[tokens, batch, heads, dim]``) from the ring buffer."""
-        if old is None:
+        often a transposed view): of the ``n_old`` old tokens, the first ``mirrored`` read from
+        the device pages, the rest from ``old`` (``[n_old, batch, heads, dim]``, a ring buffer)."""
+        if n_old == 0:
             return torch.empty_like(new, memory_format=torch.contiguous_format).copy_(new)
-        n_old = old.shape[0]
         b, h, n, d = new.shape
         out = torch.empty((b, h, n_old + n, d), dtype=new.dtype, device=new.device)
         row = 0
@@ -793,7 +816,8 @@ class HostCache(Cache):
                 out[:, :, row:end].copy_(run[: end - row].permute(1, 2, 0, 3))
                 row = end
         if n_old > row:
-            out[:, :, row:n_old].copy_(old[row:].permute(1, 2, 0, 3))
+            assert old is not None  # only a layer the device pages hold whole has no ring buffer
+            out[:, :, row:n_old].copy_(old[row:n_old].permute(1, 2, 0, 3))
         out[:, :, n_old:].copy_(new)
         return out
 
