@@ -796,6 +796,19 @@ def test_the_cuda_path_orders_every_copy_by_events(monkeypatch, lookahead, done,
                     assert fake.before(a, b), (a, b)
 
 
+def test_generate_prefills_in_chunks_into_the_host_cache():
+    """``generate(..., prefill_chunk_size=n)`` (transformers' own chunked prefill) fills a
+    HostCache a chunk a pass, so that a long prompt never has its whole cache on the device;
+    the tokens are DynamicCache's."""
+    model = tiny("llama", seed=3)
+    ids = torch.randint(3, VOCAB, (2, 23), generator=torch.Generator().manual_seed(1))
+    want = generate(model, ids, transformers.DynamicCache(), max_new_tokens=5).sequences
+    cache = ramtorch.HostCache(page_tokens=4)
+    got = generate(model, ids, cache, max_new_tokens=5, prefill_chunk_size=8).sequences
+    assert torch.equal(got, want)
+    assert cache.stats()["passes"] == 3 + 4  # 23 tokens in chunks of 8, then 4 decode steps
+
+
 def test_layers_the_device_pages_hold_whole_take_no_buffer_and_no_prefetch(monkeypatch):
     """A one-pass prefill gives the device pages to the first layers whole (as ``generate()``'s
     prefill does): at the next step those layers are assembled from the device pages with no
