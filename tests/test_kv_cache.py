@@ -914,8 +914,15 @@ def test_a_cache_for_an_offloaded_model_takes_what_its_budget_leaves():
     ours = copy.deepcopy(model)
     ramtorch.offload(ours, device="cpu", gpu_budget=budget)
     cache = ramtorch.HostCache.for_model(ours, 30, page_tokens=4)
-    assert cache.device_bytes == want > 0
+    assert cache.device_bytes == want > 0 and cache.context == 30
     assert torch.equal(generate(ours, ids, cache, max_new_tokens=6).sequences, ref)
+    # with a context, the ring's buffers are what the plan counts: the 30 tokens' keys and
+    # values, no more (for_model's copies hold these layers whole: they took no buffer)
+    sized = ramtorch.HostCache(page_tokens=4, context=30)
+    assert torch.equal(generate(ours, ids, sized, max_new_tokens=6).sequences, ref)
+    kb, vb = sized.layers[0].token_bytes()
+    ring = [s.buf.numel() for s in sized._slots if s.buf is not None]
+    assert ring and all(n == -(-30 * kb // 256) * 256 + 30 * vb for n in ring)
     plain = copy.deepcopy(model)
     ramtorch.offload(plain, device="cpu")
     assert ramtorch.HostCache.for_model(plain, 30).device_bytes == 0
@@ -924,6 +931,8 @@ def test_a_cache_for_an_offloaded_model_takes_what_its_budget_leaves():
         ramtorch.HostCache.for_model(ours, 0)
     with pytest.raises(ValueError, match="page_tokens must be at least 1"):
         ramtorch.HostCache.for_model(ours, 30, page_tokens=0)
+    with pytest.raises(ValueError, match="context must be at least 1"):
+        ramtorch.HostCache(context=0)
 
 
 def test_device_copy_bytes_leaves_the_ring_room_and_takes_whole_pages():

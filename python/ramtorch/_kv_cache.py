@@ -217,6 +217,10 @@ class HostCache(Cache):
             (0, the default: none; the whole cache crosses each step). A new batch order
             (beam search reorders every step) makes them anew from the next copy of each layer,
             so beam search gains little from them.
+        context: the tokens the cache is expected to hold, if known: the ring's buffers are
+            then allocated for that many at once (no larger, and not again as the sequence
+            grows); past it they grow by a quarter at a time. ``None`` (the default): they grow
+            with the sequence, a quarter ahead.
 
     The layers must be updated in the order a forward pass runs them (increasing layer index,
     each once per pass). Keys and values are detached from autograd: use it for inference.
@@ -225,12 +229,18 @@ class HostCache(Cache):
     """
 
     def __init__(
-        self, page_tokens: int = 256, lookahead: int = 1, pin: bool = True, device_bytes: int = 0
+        self,
+        page_tokens: int = 256,
+        lookahead: int = 1,
+        pin: bool = True,
+        device_bytes: int = 0,
+        context: int | None = None,
     ) -> None:
         for name, value, low in (
             ("page_tokens", page_tokens, 1),
             ("lookahead", lookahead, 0),
             ("device_bytes", device_bytes, 0),
+            ("context", 1 if context is None else context, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"HostCache: {name} must be an int, got {type(value).__name__}")
@@ -241,6 +251,7 @@ class HostCache(Cache):
         self.lookahead = lookahead
         self.pin = bool(pin)
         self.device_bytes = device_bytes
+        self.context = context
         self.device: torch.device | None = None
         self._slots = [_Slot() for _ in range(lookahead + 1)]
         self._side: Any = None  # the side CUDA stream
@@ -280,7 +291,7 @@ class HostCache(Cache):
         assembled, device copies of the cache's first pages (as ``python -m ramtorch plan
         --context`` predicts). A model offloaded without a budget, or not offloaded, gets none."""
         _kv_sizes.check_counts("HostCache.for_model: ", context=context, batch=batch)
-        cache = cls(page_tokens, lookahead, pin)  # (checks them)
+        cache = cls(page_tokens, lookahead, pin, context=context)  # (checks them)
         streamer = getattr(model, "_ramtorch_streamer", None)
         if streamer is not None and streamer.budget is not None:
             config = getattr(model, "config", None)
@@ -392,7 +403,7 @@ class HostCache(Cache):
         several continuations, as with ``DynamicCache``); nothing in flight or on the device is
         shared, and the copy's device buffers start empty."""
         self._quiesce()
-        new = HostCache(self.page_tokens, self.lookahead, self.pin, self.device_bytes)
+        new = HostCache(self.page_tokens, self.lookahead, self.pin, self.device_bytes, self.context)
         memo[id(self)] = new
         new.device = self.device
         for layer in self.layers:
@@ -728,10 +739,14 @@ class HostCache(Cache):
             row += run.shape[0]
 
     def _grow(self, slot: _Slot, need: int, layer: _HostLayer) -> None:
-        """A larger ring buffer: room for the layer's tokens and a quarter more (at least a page),
+        """A larger ring buffer: room for the ``context`` tokens the cache expects, while the
+        layer holds no more; else for the layer's tokens and a quarter more (at least a page),
         rounded to whole pages, so that a growing sequence reallocates it rarely."""
         kb, vb = layer.token_bytes()
-        tokens = _round_up(layer.length + max(layer.length // 4, self.page_tokens), self.page_tokens)
+        if self.context is not None and layer.length <= self.context:
+            tokens = self.context  # what the plan (``_kv_sizes.device_copy_bytes``) counts
+        else:
+            tokens = _round_up(layer.length + max(layer.length // 4, self.page_tokens), self.page_tokens)
         largest = max([need, _round_up(tokens * kb, _ALIGN) + tokens * vb])
         if slot.buf is not None:
             largest = max(largest, slot.buf.numel())
