@@ -288,6 +288,110 @@ impl Drop for Event {
     }
 }
 
+impl Context {
+    /// Lets copies issued in this context reach `peer`'s memory directly (NVLink or PCIe
+    /// peer-to-peer). `false` when the two devices cannot: copies between them still work, staged
+    /// through host memory by the driver.
+    pub fn enable_peer_access(&self, peer: &Context) -> Result<bool> {
+        let mut can: std::ffi::c_int = 0;
+        // SAFETY: `can` is a valid out-pointer; both devices are live handles of retained contexts.
+        check("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), peer.ctx.cu_device())
+        })?;
+        if can == 0 {
+            return Ok(false);
+        }
+        self.bind()?;
+        // SAFETY: `peer`'s context is retained by `peer` for the duration of the call.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) };
+        if r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(true);
+        }
+        check("cuCtxEnablePeerAccess", r).map(|()| true)
+    }
+}
+
+/// Device memory allocated in one context, freed on drop.
+pub struct DeviceBuffer {
+    ctx: Context,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceBuffer(cuda:{}, {} bytes)",
+            self.ctx.ordinal(),
+            self.len
+        )
+    }
+}
+
+impl DeviceBuffer {
+    /// `len` bytes of device memory in `ctx`.
+    pub fn new(ctx: &Context, len: usize) -> Result<Self> {
+        ctx.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the context is current.
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, len.max(1))
+        })?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// The device address.
+    pub fn address(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: `ptr` was allocated in this context and is freed once, here. Its users
+            // (copies queued by `Links`) are done: the owner synchronizes before dropping it.
+            unsafe {
+                let _ = sys::cuMemFree_v2(self.ptr);
+            }
+        }
+    }
+}
+
+/// Copies `n` bytes from `src` (memory of `src_ctx`'s device) to `dst` (memory of `dst_ctx`'s
+/// device) on `stream`, a stream of `src_ctx`.
+///
+/// # Safety
+/// Both ranges must stay valid until the copy completes on `stream`.
+pub unsafe fn copy_peer(
+    dst_ctx: &Context,
+    dst: u64,
+    src_ctx: &Context,
+    src: u64,
+    n: usize,
+    stream: u64,
+) -> Result<()> {
+    src_ctx.bind()?;
+    // SAFETY: the caller guarantees both ranges are valid until the stream reaches the copy;
+    // both contexts are retained by their owners.
+    let r = unsafe {
+        sys::cuMemcpyPeerAsync(
+            dst as sys::CUdeviceptr,
+            dst_ctx.ctx.cu_ctx(),
+            src as sys::CUdeviceptr,
+            src_ctx.ctx.cu_ctx(),
+            n,
+            stream as sys::CUstream,
+        )
+    };
+    check("cuMemcpyPeerAsync", r)
+}
+
 /// Copies `n` bytes host→device on `stream`.
 ///
 /// # Safety

@@ -111,7 +111,7 @@ impl CudaDevice {
         &self.ctx
     }
 
-    fn raw(&self, lane: Lane) -> u64 {
+    pub(crate) fn raw(&self, lane: Lane) -> u64 {
         match lane {
             Lane::Transfer => self.transfer.raw(),
             Lane::Gradient => self.gradient.raw(),
@@ -219,6 +219,18 @@ impl HostEvent {
     }
 }
 
+#[cfg(test)]
+impl HostEvent {
+    /// A record that no lane completes: lanes waiting on the event block until [`Self::fire`].
+    pub(crate) fn arm(&self) -> u64 {
+        self.next_generation()
+    }
+    /// Completes the record [`Self::arm`] made.
+    pub(crate) fn fire(&self, generation: u64) {
+        self.complete(generation)
+    }
+}
+
 enum Op {
     Copy { dst: usize, src: usize, n: usize },
     Complete(Arc<HostEvent>, u64),
@@ -303,7 +315,7 @@ impl HostDevice {
         }
     }
 
-    fn copy(&self, lane: Lane, dst: usize, src: usize, n: usize) -> Result<()> {
+    pub(crate) fn copy(&self, lane: Lane, dst: usize, src: usize, n: usize) -> Result<()> {
         match self.worker(lane) {
             Some(w) => w.send(Op::Copy { dst, src, n }),
             None => {

@@ -5,6 +5,7 @@
 //! - [`disk`]: the disk tier, a store file for units that do not fit in host RAM, read ahead;
 //! - [`engine`]: device slots, the copy throttle and the gradient write-back;
 //! - [`fork`]: refusing work in a process forked after ramtorch started in its parent;
+//! - [`links`]: several links into one device: copies split between its own link and peers;
 //! - [`cuda`]: thin safe wrappers over the CUDA driver API, loaded at run time;
 //! - [`optim`]: CPU optimizer kernels (AdamW, SGD, Lion) over host memory, all cores, SIMD.
 //! - [`shared`]: host memory mapped once by several processes of a node (a memfd), each pinning it.
@@ -35,6 +36,7 @@ pub mod engine;
 pub mod error;
 pub mod fork;
 pub mod io;
+pub mod links;
 pub mod optim;
 pub mod shared;
 
