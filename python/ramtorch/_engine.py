@@ -12,6 +12,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -329,12 +330,26 @@ class _Sum:
 class DeviceEngine:
     """Slots, weight acquisition and gradient write-back for one compute device."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, relays: tuple[int, ...] = ()) -> None:
         self.device = device
-        if device.type == "cuda":
-            self._core = _core.Engine("cuda", device.index)
-        else:
-            self._core = _core.Engine("cpu")
+        #: The peers asked to feed this device besides its own link (CUDA ordinals; on the host
+        #: device, host stand-ins), see :func:`configure_links`; ``relays`` those that do.
+        self.asked_relays = relays
+        self.relays = relays
+        kind, index = ("cuda", device.index) if device.type == "cuda" else ("cpu", 0)
+        try:
+            self._core = _core.Engine(kind, index, relays=list(relays) if relays else None)
+        except (RuntimeError, ValueError) as e:
+            if not relays:
+                raise
+            warnings.warn(
+                f"links: {device} could not be fed through {_links_text(relays)} ({e}); it streams "
+                "over its own link only",
+                UserWarning,
+                stacklevel=4,
+            )
+            self.relays = ()
+            self._core = _core.Engine(kind, index)
         self._slots: list[torch.Tensor] = []
         self._slot_bytes = 0
         self._want_bytes = 0
@@ -889,6 +904,13 @@ class DeviceEngine:
         s.update(self.row_counters)
         s["h2d_gbps"] = s["h2d_timed_bytes"] / s["h2d_seconds"] / 1e9 if s["h2d_seconds"] > 0 else 0.0
         s["d2h_gbps"] = s["d2h_timed_bytes"] / s["d2h_seconds"] / 1e9 if s["d2h_seconds"] > 0 else 0.0
+        links = self._core.link_stats()
+        if links is not None:
+            s["links"] = 1 + len(self.relays)
+            s["link_relays"] = list(self.relays)
+            s["link_own_bytes"] = links["own_bytes"]
+            s["link_relay_bytes"] = list(links["relay_bytes"])
+            s["link_direct"] = list(links["direct"])
         return s
 
 
@@ -896,18 +918,82 @@ _ENGINES: dict[torch.device, DeviceEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def engine_for(device: torch.device) -> DeviceEngine:
-    """The engine of ``device`` (normalised), created on first use."""
+def engine_for(device: torch.device, relays: tuple[int, ...] | None = None) -> DeviceEngine:
+    """The engine of ``device`` (normalised), created on first use; with ``relays``, one fed
+    through those peers as well (see :func:`configure_links`)."""
     eng = _ENGINES.get(device)
     if eng is None:
         with _ENGINES_LOCK:
             eng = _ENGINES.get(device)
             if eng is None:
-                eng = DeviceEngine(device)
+                eng = DeviceEngine(device, relays or ())
                 _ENGINES[device] = eng
                 for callback in list(_ENGINE_CREATED):
                     callback(eng)
+    if relays is not None and eng.asked_relays != relays:
+        raise ValueError(
+            f"{device} already streams over {_links_text(eng.asked_relays)}; links are set by the first "
+            f"model offloaded to a device and shared by every model on it, so {_links_text(relays)} "
+            "cannot be used now (pass the same links, or none)"
+        )
     return eng
+
+
+def _links_text(relays: tuple[int, ...]) -> str:
+    if not relays:
+        return "its own link only"
+    return f"its own link and {len(relays)} peer(s) ({', '.join(map(str, relays))})"
+
+
+def configure_links(device: torch.device, links: object) -> tuple[int, ...] | None:
+    """The relays ``offload(..., links=links)`` asks of ``device``'s engine: ``None`` (own link
+    only, or whatever the engine already has), ``"auto"`` (on CUDA, every other GPU that can
+    reach ``device`` directly, as ``torch.cuda.can_device_access_peer`` says; on the host device,
+    none), a list of devices (CUDA: the peers; ``device`` itself may be listed) or, on the host
+    device only, an int ``n``: ``n`` links, the own one and ``n - 1`` host stand-ins (the split
+    and relay logic without a GPU). A peer that cannot be used is left out with a warning."""
+    if links is None:
+        return None
+    if device.type != "cuda":
+        if links == "auto":
+            return ()
+        if isinstance(links, bool) or not isinstance(links, int) or links < 1:
+            raise ValueError(
+                f"links={links!r} on the host device: give an int n >= 1 (the own link and n - 1 host "
+                "stand-ins), 'auto' or None"
+            )
+        return tuple(range(1, links))
+    if links == "auto":
+        peers = [
+            i
+            for i in range(torch.cuda.device_count())
+            if i != device.index and torch.cuda.can_device_access_peer(device.index, i)
+        ]
+        return tuple(peers)
+    if isinstance(links, (str, torch.device, int)) or not hasattr(links, "__iter__"):
+        raise ValueError(f"links={links!r}: give 'auto', a list of CUDA devices, or None")
+    relays: list[int] = []
+    for entry in links:  # type: ignore[union-attr]
+        try:
+            d = torch.device(entry)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"links: {entry!r} is not a device ({e})") from None
+        if d.type != "cuda":
+            raise ValueError(f"links: {entry!r} is not a CUDA device; peers of {device} must be GPUs")
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"links: cuda:{index} does not exist ({torch.cuda.device_count()} GPU(s))")
+        if index == device.index or index in relays:
+            continue
+        if not torch.cuda.can_device_access_peer(device.index, index):
+            warnings.warn(
+                f"links: cuda:{index} cannot reach {device} directly (no peer access); it is left out",
+                UserWarning,
+                stacklevel=3,
+            )
+            continue
+        relays.append(index)
+    return tuple(relays)
 
 
 #: Called with every engine created from now on (layers above register here: the optimizers

@@ -16,7 +16,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -164,6 +164,7 @@ def offload(
     disk: str | os.PathLike[str] | None = None,
     optimizer_on_disk: bool = False,
     keep: bool = False,
+    links: str | int | Sequence[str | torch.device | int] | None = None,
 ) -> nn.Module:
     """Keeps ``model``'s parameters in host RAM and streams them to ``device`` unit by unit.
 
@@ -269,6 +270,18 @@ def offload(
             the journal does not see (``.data`` writes, torch's optimizers) are not protected:
             commit after them. A directory holding the store of another model is a
             ``ValueError``. ``host_budget=None``: the store's own units go to disk again.
+        links: more links into ``device`` than its own (several GPUs of one host): each copy of
+            at least 4 MiB is split between ``device``'s own link and relays through peer GPUs
+            (host → peer, then peer → ``device`` over NVLink), in pieces of up to 64 MiB through
+            two staging buffers on each peer (128 MiB of its memory), equal shares. ``"auto"``:
+            every other GPU that reaches ``device`` directly; or a list of devices. Outputs are
+            bitwise those of one link; gradients leave by the own link. A peer without direct
+            access is left out, and a peer that cannot be set up falls back to one link, with a
+            warning. Set by the first model offloaded to a device (its engine is shared):
+            another model on that device passes the same links or none. ``ramtorch.stats()``
+            counts the bytes of each path (``link_own_bytes``, ``link_relay_bytes``). On the
+            host device (``device="cpu"``), an int ``n`` gives ``n`` links through host stand-ins,
+            which runs the same split and relay logic without a GPU.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
     units, buffers, and a unit's trainable parameters when the rest of it is frozen and they hold
@@ -307,6 +320,9 @@ def offload(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = _engine.normalize_device(device)
+    relays = _engine.configure_links(dev, links)
+    if relays is not None:
+        _engine.engine_for(dev, relays)  # checked before anything is moved
     auto = isinstance(gpu_budget, str) and gpu_budget.strip().lower() == "auto"
     budget = _auto_budget(dev) if auto else parse_bytes(gpu_budget, "gpu_budget")
     meta_names = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]

@@ -18,6 +18,7 @@ use pyo3::types::PyDict;
 use ramtorch_core::arena::{Arena, HostSlice};
 use ramtorch_core::device::{ComputeStream, CudaDevice, Device, HostDevice, Lane};
 use ramtorch_core::engine::{Engine as CoreEngine, EngineStats, Marker};
+use ramtorch_core::links::{LinkStats, Links};
 use ramtorch_core::shared::SharedRegion;
 use ramtorch_core::{cuda, fork, Error};
 
@@ -194,6 +195,10 @@ fn cuda_device_count() -> PyResult<usize> {
 enum AnyEngine {
     Cuda(CoreEngine<CudaDevice>),
     Host(CoreEngine<HostDevice>),
+    /// A CUDA device fed by its own link and through peer devices.
+    CudaLinks(CoreEngine<Links<CudaDevice>>),
+    /// The host device with host-device "peers": the same split and relay logic, without a GPU.
+    HostLinks(CoreEngine<Links<HostDevice>>),
 }
 
 macro_rules! with_engine {
@@ -201,8 +206,38 @@ macro_rules! with_engine {
         match &*$self.inner {
             AnyEngine::Cuda($e) => $body,
             AnyEngine::Host($e) => $body,
+            AnyEngine::CudaLinks($e) => $body,
+            AnyEngine::HostLinks($e) => $body,
         }
     };
+}
+
+impl AnyEngine {
+    /// Where the device's memory is.
+    fn place(&self) -> memory::Place {
+        match self {
+            AnyEngine::Cuda(e) => memory::Place::Cuda(e.device().context().ordinal()),
+            AnyEngine::CudaLinks(e) => memory::Place::Cuda(e.device().own().context().ordinal()),
+            AnyEngine::Host(_) | AnyEngine::HostLinks(_) => memory::Place::Host,
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            AnyEngine::Cuda(e) => e.device().name(),
+            AnyEngine::Host(e) => e.device().name(),
+            AnyEngine::CudaLinks(e) => e.device().name(),
+            AnyEngine::HostLinks(e) => e.device().name(),
+        }
+    }
+
+    fn link_stats(&self) -> Option<LinkStats> {
+        match self {
+            AnyEngine::CudaLinks(e) => Some(e.device().stats()),
+            AnyEngine::HostLinks(e) => Some(e.device().stats()),
+            AnyEngine::Cuda(_) | AnyEngine::Host(_) => None,
+        }
+    }
 }
 
 /// What keeps the device slots alive while they are the slots.
@@ -273,26 +308,62 @@ impl Engine {
 
 #[pymethods]
 impl Engine {
-    /// `device` is `"cpu"` (the host device: worker-thread copies) or a CUDA ordinal.
+    /// `kind` is `"cpu"` (the host device: worker-thread copies) or `"cuda"` with its ordinal
+    /// `index`. `relays` (CUDA ordinals; on the host device, one entry per host "peer") feed the
+    /// device through peers as well as its own link, each copy split by `shares` (own link
+    /// first; default equal) in pieces of at most `chunk` bytes; copies under `min_split` bytes
+    /// take the own link only.
     #[new]
-    #[pyo3(signature = (kind, index = 0))]
-    fn new(py: Python<'_>, kind: &str, index: usize) -> PyResult<Self> {
+    #[pyo3(signature = (kind, index = 0, relays = None, shares = None, chunk = 64 << 20, min_split = 4 << 20))]
+    fn new(
+        py: Python<'_>,
+        kind: &str,
+        index: usize,
+        relays: Option<Vec<usize>>,
+        shares: Option<Vec<f64>>,
+        chunk: usize,
+        min_split: usize,
+    ) -> PyResult<Self> {
         let op = "Engine()";
-        let inner = match kind {
-            "cpu" => AnyEngine::Host(CoreEngine::new(py.detach(|| guard(op, HostDevice::new))?)),
-            "cuda" => AnyEngine::Cuda(CoreEngine::new(
+        let relays = relays.unwrap_or_default();
+        let shares = shares.unwrap_or_else(|| vec![1.0; relays.len() + 1]);
+        let inner = match (kind, relays.is_empty()) {
+            ("cpu", true) => {
+                AnyEngine::Host(CoreEngine::new(py.detach(|| guard(op, HostDevice::new))?))
+            }
+            ("cuda", true) => AnyEngine::Cuda(CoreEngine::new(
                 py.detach(|| guard(op, || CudaDevice::new(index)))?,
             )),
-            other => {
+            ("cpu", false) => AnyEngine::HostLinks(CoreEngine::new(py.detach(|| {
+                guard(op, || {
+                    let peers = relays
+                        .iter()
+                        .map(|_| HostDevice::new())
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Links::new(HostDevice::new()?, peers, &shares, chunk, min_split)
+                })
+            })?)),
+            ("cuda", false) => AnyEngine::CudaLinks(CoreEngine::new(py.detach(|| {
+                guard(op, || {
+                    if relays.contains(&index) {
+                        return Err(Error::InvalidArgument(format!(
+                            "cuda:{index} cannot relay to itself (relays {relays:?})"
+                        )));
+                    }
+                    let peers = relays
+                        .iter()
+                        .map(|&i| CudaDevice::new(i))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Links::new(CudaDevice::new(index)?, peers, &shares, chunk, min_split)
+                })
+            })?)),
+            (other, _) => {
                 return Err(PyValueError::new_err(format!(
                     "{op}: unsupported device type {other:?}"
                 )))
             }
         };
-        let name = match &inner {
-            AnyEngine::Cuda(e) => e.device().name(),
-            AnyEngine::Host(e) => e.device().name(),
-        };
+        let name = inner.name();
         Ok(Self {
             inner: ManuallyDrop::new(inner),
             name,
@@ -328,17 +399,11 @@ impl Engine {
             let mut host = Vec::new();
             for (i, s) in slots.iter().enumerate() {
                 let what = format!("slot {i}");
-                match &*self.inner {
-                    AnyEngine::Cuda(e) => {
-                        let index = e.device().context().ordinal();
-                        ptrs.push(memory::device_address(
-                            &what,
-                            s,
-                            memory::Place::Cuda(index),
-                            nbytes,
-                        )?);
+                match self.inner.place() {
+                    place @ memory::Place::Cuda(_) => {
+                        ptrs.push(memory::device_address(&what, s, place, nbytes)?);
                     }
-                    AnyEngine::Host(_) => {
+                    memory::Place::Host => {
                         let slice = memory::host_slice(&what, s, nbytes)?;
                         ptrs.push(slice.as_ptr() as u64);
                         host.push(slice);
@@ -535,10 +600,7 @@ impl Engine {
     ) -> PyResult<usize> {
         let op = "copy_to_host";
         let (dst, src) = guard(op, || {
-            let place = match &*self.inner {
-                AnyEngine::Cuda(e) => memory::Place::Cuda(e.device().context().ordinal()),
-                AnyEngine::Host(_) => memory::Place::Host,
-            };
+            let place = self.inner.place();
             Ok((
                 memory::host_slice("dst", dst, nbytes)?,
                 memory::device_address("src", src, place, nbytes)?,
@@ -574,6 +636,19 @@ impl Engine {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = guard("stats", || with_engine!(self, e => e.stats()))?;
         stats_dict(py, s)
+    }
+
+    /// Bytes each link carried (`own_bytes`, `relay_bytes`: one per peer, `direct`: whether
+    /// each peer reaches the device directly), or `None` for an engine fed by its own link only.
+    fn link_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(s) = self.inner.link_stats() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("own_bytes", s.own_bytes)?;
+        d.set_item("relay_bytes", s.relay_bytes)?;
+        d.set_item("direct", s.direct)?;
+        Ok(Some(d))
     }
 
     fn __repr__(&self) -> String {
