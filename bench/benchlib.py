@@ -37,6 +37,50 @@ def budget_arg(text: str | None) -> int | str | None:
     return int(text) if text.isdigit() else text
 
 
+def links_arg(text: str | None) -> str | list[str] | None:
+    """``--links``: ``auto``, a comma-separated list of devices, or ``none``."""
+    if text is None or text.lower() == "none":
+        return None
+    return "auto" if text.lower() == "auto" else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def multi_link_h2d_gbps(peers: list[int], nbytes: int = 2 << 30, chunk: int = 64 << 20) -> float:
+    """Host→``cuda:0`` bandwidth over its own link and through each GPU of ``peers`` at once
+    (host → peer, then peer → ``cuda:0``), the bytes split equally, the relayed ones in ``chunk``
+    pieces through two staging buffers a peer: the ceiling of ``offload(links=...)``, measured
+    with torch alone."""
+    paths = 1 + len(peers)
+    share = nbytes // paths // chunk * chunk
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    own = torch.cuda.Stream("cuda:0")
+    lanes = [[torch.cuda.Stream(f"cuda:{p}") for _ in range(2)] for p in peers]
+    staging = [[torch.empty(chunk, dtype=torch.uint8, device=f"cuda:{p}") for _ in range(2)] for p in peers]
+
+    def once() -> None:
+        own_len = nbytes - share * len(peers)
+        with torch.cuda.stream(own):
+            dst[:own_len].copy_(host[:own_len], non_blocking=True)
+        at = own_len
+        for i in range(len(peers)):
+            for k, off in enumerate(range(0, share, chunk)):
+                lane, buf = lanes[i][k % 2], staging[i][k % 2]
+                with torch.cuda.stream(lane):
+                    buf.copy_(host[at + off : at + off + chunk], non_blocking=True)
+                    dst[at + off : at + off + chunk].copy_(buf, non_blocking=True)
+            at += share
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+
+    once()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t)
+    return nbytes / min(times) / 1e9
+
+
 def parse_bytes(value: int | str | None) -> int | None:
     """``8GiB`` → 8589934592, ``"1e9"`` → 1000000000, 123 → 123, None → None."""
     if value is None or isinstance(value, int):
@@ -203,6 +247,12 @@ def ramtorch_fields(before: dict, after: dict, reps: int, phase: str, weight_byt
     for name, d1 in devs1.items():
         if not name.startswith("cuda"):
             continue
+        if d1.get("links"):  # offload(links=...): how many links fed the device, bytes per path
+            out["links"] = d1["links"]
+            out["link_relays"] = d1.get("link_relays")
+            out["link_own_bytes"] = d1.get("link_own_bytes")
+            out["link_relay_bytes"] = d1.get("link_relay_bytes")
+            out.setdefault("options", {})["links"] = d1.get("link_relays")
         d0 = devs0.get(name, {})
         for k in ("h2d_bytes", "reused_bytes", "d2h_bytes", "stall_seconds"):
             if _num(d1.get(k)) and reps > 0:

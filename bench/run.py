@@ -31,6 +31,7 @@ import time
 import torch
 import w1
 import w2
+from benchlib import multi_link_h2d_gbps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = {"w1": list(w1.SYSTEMS), "w2": list(w2.SYSTEMS)}
@@ -194,7 +195,13 @@ def finish(records: list[dict], bw: dict[str, float], meta: dict) -> None:
                 r["bf16_floor_seconds"] = max(comp or 0.0, streamed / h2d)
                 r["speedup_vs_bf16_floor"] = r["bf16_floor_seconds"] / r["seconds"]
                 streamed = r["link_bytes_per_pass"]
-            if r["phase"] == "forward":
+            if r.get("links", 1) > 1 and bw.get("multi_link_h2d_gbps"):
+                # Several links: the limit is the measured ceiling of them all; the gain is over
+                # the one-link limit.
+                r["one_link_floor_seconds"] = max(comp or 0.0, streamed / h2d)
+                r["speedup_vs_one_link"] = r["one_link_floor_seconds"] / r["seconds"]
+                link = streamed / (bw["multi_link_h2d_gbps"] * 1e9)
+            elif r["phase"] == "forward":
                 link = streamed / h2d
             else:
                 link = max(2 * streamed / h2d, w / d2h, (2 * streamed + w) / duplex)
@@ -235,6 +242,13 @@ def main() -> None:
         default=["none"],
         help="ramtorch offload(compress=...): none lossless fp8 (one run each; forward phase only)",
     )
+    ap.add_argument(
+        "--links",
+        nargs="+",
+        default=["none"],
+        help="ramtorch offload(links=...): none auto cuda:1,... (one run each; forward phase only). "
+        "With any, the ceiling of host->cuda:0 over every link is measured first (multi_link_h2d_gbps)",
+    )
     ap.add_argument("--seq", type=int, default=2048, help="W2 sequence length (batch 1)")
     ap.add_argument("--w2-gpu-cap", default=None, help="GPU memory cap of W2's offloading systems")
     ap.add_argument("--reps", type=int, default=5)
@@ -252,6 +266,14 @@ def main() -> None:
         ap.error(f"unknown systems {sorted(set(a.systems) - known)}; known: {sorted(known)}")
 
     bw = bandwidth(a.device)
+    if any(v != "none" for v in a.links) and a.device.startswith("cuda") and torch.cuda.device_count() > 1:
+        peers = [i for i in range(1, torch.cuda.device_count()) if torch.cuda.can_device_access_peer(0, i)]
+        bw["multi_link_h2d_gbps"] = multi_link_h2d_gbps(peers)
+        bw["topology"] = {
+            "gpus": torch.cuda.device_count(),
+            "peers_of_cuda0": peers,
+        }
+        torch.cuda.empty_cache()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hold neither GPU nor pinned memory while the systems run
         getattr(torch._C, "_host_emptyCache", lambda: None)()
@@ -286,16 +308,21 @@ def main() -> None:
                 a.optimizers if (system == "ramtorch" and wl == "w1" and "step" in a.phases) else [None]
             )
             combos = [
-                (budget, codec)
+                (budget, codec, links)
                 for budget in (a.budgets if system == "ramtorch" else [None])
                 for codec in (a.compress if system == "ramtorch" else ["none"])
+                for links in (a.links if system == "ramtorch" else ["none"])
             ]
-            for budget, codec in combos:
+            for budget, codec, links in combos:
                 for k, optimizer in enumerate(optimizers):
                     more = ["--budget", budget] if budget is not None else []
                     if codec != "none":
                         more += ["--compress", codec]
                         if wl == "w1":
+                            more += ["--phases", "forward"]
+                    if links != "none":
+                        more += ["--links", links]
+                        if wl == "w1" and codec == "none":
                             more += ["--phases", "forward"]
                     if optimizer is not None:
                         more += ["--optimizer", optimizer]

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from benchlib import (
     budget_arg,
+    links_arg,
     measure,
     parse_bytes,
 )
@@ -161,7 +162,12 @@ def fsdp2(model: Stack, device: str) -> dict:
 
 
 def wrap(
-    system: str, model: Stack, device: str, budget: int | str | None, compress: str | None = None
+    system: str,
+    model: Stack,
+    device: str,
+    budget: int | str | None,
+    compress: str | None = None,
+    links: str | list[str] | None = None,
 ) -> tuple[nn.Module, dict]:
     """Applies the system's offloading to the built model; returns the model to call and extra fields."""
     extra: dict = {}
@@ -171,9 +177,7 @@ def wrap(
         to_host(model)
         if compress is not None:
             model.requires_grad_(False)  # compressed units are frozen ones
-            model = ramtorch.offload(model, gpu_budget=budget, device=device, compress=compress)
-        else:
-            model = ramtorch.offload(model, gpu_budget=budget, device=device)
+        model = ramtorch.offload(model, gpu_budget=budget, device=device, compress=compress, links=links)
         extra["gpu_budget"] = budget
         extra["gpu_budget_bytes"] = parse_bytes(budget)
     elif system == "ramtorch-1.11":
@@ -313,6 +317,7 @@ def main() -> None:
     ap.add_argument("--phases", nargs="+", default=["forward", "forward_backward"])
     ap.add_argument("--budget", default=None, help="ramtorch gpu_budget: bytes, e.g. 8GiB, or none")
     ap.add_argument("--compress", default=None, help="offload(compress=...): lossless, fp8 (frozen model)")
+    ap.add_argument("--links", type=links_arg, default=None, help="offload(links=...): auto or cuda:1,...")
     ap.add_argument(
         "--optimizer",
         default="rust",
@@ -365,7 +370,7 @@ def main() -> None:
     model = build(a.system, a.d, a.f, a.layers, dev)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     nparams = sum(p.numel() for p in model.parameters())
-    model, extra = wrap(a.system, model, dev, budget, a.compress)
+    model, extra = wrap(a.system, model, dev, budget, a.compress, a.links)
     extra["setup_seconds"] = time.perf_counter() - t0  # build, copy to host, wrap
     params = list(model.parameters())
     opt, opt_name, opt_bytes = (

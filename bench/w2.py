@@ -29,6 +29,7 @@ import time
 import torch
 from benchlib import (
     budget_arg,
+    links_arg,
     measure,
     parse_bytes,
 )
@@ -136,6 +137,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget", default=None, help="ramtorch gpu_budget: bytes, e.g. 8GiB, or none")
     ap.add_argument("--compress", default=None, help="ramtorch offload(compress=...): lossless, fp8")
+    ap.add_argument("--links", type=links_arg, default=None, help="offload(links=...): auto or cuda:1,...")
     ap.add_argument("--gpu-cap", default=None, help="cap GPU memory of the offloading systems, e.g. 12GiB")
     # Hidden: run on the CPU with a tiny model, to check the harness without a GPU.
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -162,9 +164,7 @@ def main() -> None:
 
         if a.compress is not None:
             model.requires_grad_(False)  # compressed units are frozen ones (the pass is no_grad anyway)
-            model = ramtorch.offload(model, gpu_budget=budget, device=dev, compress=a.compress)
-        else:
-            model = ramtorch.offload(model, gpu_budget=budget, device=dev)
+        model = ramtorch.offload(model, gpu_budget=budget, device=dev, compress=a.compress, links=a.links)
         extra["gpu_budget"] = budget
         extra["gpu_budget_bytes"] = parse_bytes(budget)
     elif a.system == "accelerate":
