@@ -96,26 +96,33 @@ def run(precision: str, args: argparse.Namespace, data: torch.Tensor) -> dict[st
     }
 
 
-def run_minilm(precision: str, args: argparse.Namespace) -> dict[str, object]:
-    """A MiniLM-shaped BERT (``transformers.BertConfig``: 6 layers, hidden 384, 12 heads, FFN
-    1536, vocabulary 30522; random initialisation) with bf16 weights, fine-tuned for sequence
-    classification on a synthetic task: a sequence of token ids drawn from the first 2000 is
-    labelled by the sign of a fixed random weighting of its tokens (a bag-of-words rule the model
-    can learn from scratch). Returns its record."""
-    from transformers import BertConfig, BertForSequenceClassification
+def minilm_config(**overrides: object) -> object:
+    """The shape of MiniLM-L6 (``transformers.BertConfig``): 6 layers, hidden 384, 12 heads, FFN
+    1536, vocabulary 30522."""
+    from transformers import BertConfig
 
-    device = torch.device("cpu")
-    torch.manual_seed(args.seed)
-    cfg = BertConfig(
+    kw: dict = dict(
         vocab_size=30522,
         hidden_size=384,
         num_hidden_layers=6,
         num_attention_heads=12,
         intermediate_size=1536,
         max_position_embeddings=512,
-        num_labels=2,
     )
-    model = BertForSequenceClassification(cfg).to(torch.bfloat16)
+    return BertConfig(**{**kw, **overrides})
+
+
+def run_minilm(precision: str, args: argparse.Namespace) -> dict[str, object]:
+    """A MiniLM-shaped BERT (``transformers.BertConfig``: 6 layers, hidden 384, 12 heads, FFN
+    1536, vocabulary 30522; random initialisation) with bf16 weights, fine-tuned for sequence
+    classification on a synthetic task: a sequence of token ids drawn from the first 2000 is
+    labelled by the sign of a fixed random weighting of its tokens (a bag-of-words rule the model
+    can learn from scratch). Returns its record."""
+    from transformers import BertForSequenceClassification
+
+    device = torch.device("cpu")
+    torch.manual_seed(args.seed)
+    model = BertForSequenceClassification(minilm_config(num_labels=2)).to(torch.bfloat16)
     ramtorch.offload(model, device=device)
     opt = ramtorch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, precision=precision)
     rule = torch.randn(2000, generator=torch.Generator().manual_seed(7))

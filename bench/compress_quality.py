@@ -138,18 +138,11 @@ def lm_records(args: argparse.Namespace, base: dict[str, Any], data: torch.Tenso
 def minilm_records(
     args: argparse.Namespace, base: dict[str, Any], data: torch.Tensor
 ) -> list[dict[str, Any]]:
-    from transformers import BertConfig, BertForMaskedLM
+    from compact_quality import minilm_config
+    from transformers import BertForMaskedLM
 
     torch.manual_seed(args.seed)
-    cfg = BertConfig(
-        vocab_size=30522,
-        hidden_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        intermediate_size=1536,
-        max_position_embeddings=512,
-    )
-    model = BertForMaskedLM(cfg)
+    model = BertForMaskedLM(minilm_config())
     mask_id = 256  # the token ids are bytes (0-255); the next id masks
     cpu = torch.device("cpu")
 

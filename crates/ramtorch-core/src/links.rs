@@ -464,6 +464,21 @@ mod tests {
         }
     }
 
+    /// Queues the copy of `src` into `dst` on the transfer lane; the caller synchronizes before
+    /// either buffer goes.
+    fn copy_whole(links: &Links<HostDevice>, dst: &mut [u8], src: &[u8]) {
+        // SAFETY: the callers keep both buffers alive until they synchronize the lane.
+        unsafe {
+            links.copy_to_device(
+                Lane::Transfer,
+                dst.as_mut_ptr() as u64,
+                src.as_ptr(),
+                src.len(),
+            )
+        }
+        .expect("copy");
+    }
+
     fn pattern(n: usize, seed: u8) -> Vec<u8> {
         (0..n)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -488,16 +503,7 @@ mod tests {
                 .record(&read, Lane::Compute(Default::default()))
                 .expect("record");
             links.wait(Lane::Transfer, &read).expect("wait");
-            // SAFETY: both buffers outlive the synchronisation below.
-            unsafe {
-                links.copy_to_device(
-                    Lane::Transfer,
-                    dst.as_mut_ptr() as u64,
-                    src.as_ptr(),
-                    src.len(),
-                )
-            }
-            .expect("copy");
+            copy_whole(&links, &mut dst, &src);
             let ready = links.new_event().expect("event");
             links.record(&ready, Lane::Transfer).expect("record");
             links.synchronize(&ready).expect("sync");
@@ -578,16 +584,7 @@ mod tests {
         let reader = links.new_event().expect("event");
         let generation = reader.arm();
         links.wait(Lane::Transfer, &reader).expect("wait");
-        // SAFETY: both buffers outlive the synchronisation below.
-        unsafe {
-            links.copy_to_device(
-                Lane::Transfer,
-                dst.as_mut_ptr() as u64,
-                src.as_ptr(),
-                src.len(),
-            )
-        }
-        .expect("copy");
+        copy_whole(&links, &mut dst, &src);
         std::thread::sleep(std::time::Duration::from_millis(50));
         // SAFETY: the lanes write `dst` only after `reader` fires (below); reading it here races
         // with nothing.
