@@ -56,7 +56,7 @@ def _train(model: nn.Module, widths: list[int], dtype: torch.dtype, links: int |
 def test_training_over_several_links_equals_one_link(fresh_engines, widths, dtype, n):
     """Forward, gradients and three AdamW steps over ``n`` links equal the one-link path's bit
     for bit (the relays move bytes, nothing else) and torch's up to its optimizer's rounding,
-    and every path carried a share of the units."""
+    and every path carried a share of the units in, and of their gradients out."""
     one = _train(_stack(widths, dtype, 1), widths, dtype, None)
     many = _train(_stack(widths, dtype, 1), widths, dtype, n)
     assert len(one) == len(many) and all(torch.equal(a, b) for a, b in zip(one, many))
@@ -64,6 +64,9 @@ def test_training_over_several_links_equals_one_link(fresh_engines, widths, dtyp
     assert s["links"] == n and len(s["link_relay_bytes"]) == n - 1
     assert s["link_own_bytes"] > 0 and all(b > 0 for b in s["link_relay_bytes"])
     assert s["link_own_bytes"] + sum(s["link_relay_bytes"]) == s["h2d_bytes"]
+    # the gradients left by every link too
+    assert s["link_own_down_bytes"] > 0 and all(b > 0 for b in s["link_relay_down_bytes"])
+    assert s["link_own_down_bytes"] + sum(s["link_relay_down_bytes"]) == s["d2h_bytes"]
     ref = _stack(widths, dtype, 1)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(2)

@@ -910,6 +910,8 @@ class DeviceEngine:
             s["link_relays"] = list(self.relays)
             s["link_own_bytes"] = links["own_bytes"]
             s["link_relay_bytes"] = list(links["relay_bytes"])
+            s["link_own_down_bytes"] = links["own_down_bytes"]
+            s["link_relay_down_bytes"] = list(links["relay_down_bytes"])
             s["link_direct"] = list(links["direct"])
         return s
 

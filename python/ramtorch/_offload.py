@@ -274,12 +274,14 @@ def offload(
             at least 4 MiB is split between ``device``'s own link and relays through peer GPUs
             (host → peer, then peer → ``device`` over NVLink), in pieces of up to 64 MiB through
             two staging buffers on each peer (128 MiB of its memory), equal shares. ``"auto"``:
-            every other GPU that reaches ``device`` directly; or a list of devices. Outputs are
-            bitwise those of one link; gradients leave by the own link. A peer without direct
+            every other GPU that reaches ``device`` directly; or a list of devices. Gradients
+            leave by every link the same way (``device`` → peer → host), on lanes of their own.
+            Outputs and gradients are bitwise those of one link. A peer without direct
             access is left out, and a peer that cannot be set up falls back to one link, with a
             warning. Set by the first model offloaded to a device (its engine is shared):
             another model on that device passes the same links or none. ``ramtorch.stats()``
-            counts the bytes of each path (``link_own_bytes``, ``link_relay_bytes``). On the
+            counts the bytes of each path (``link_own_bytes``, ``link_relay_bytes``, and
+            ``link_own_down_bytes``, ``link_relay_down_bytes`` for gradients). On the
             host device (``device="cpu"``), an int ``n`` gives ``n`` links through host stand-ins,
             which runs the same split and relay logic without a GPU.
 

@@ -364,7 +364,7 @@ impl Drop for DeviceBuffer {
 }
 
 /// Copies `n` bytes from `src` (memory of `src_ctx`'s device) to `dst` (memory of `dst_ctx`'s
-/// device) on `stream`, a stream of `src_ctx`.
+/// device) on `stream`, a stream of `stream_ctx` (one of the two).
 ///
 /// # Safety
 /// Both ranges must stay valid until the copy completes on `stream`.
@@ -374,9 +374,10 @@ pub unsafe fn copy_peer(
     src_ctx: &Context,
     src: u64,
     n: usize,
+    stream_ctx: &Context,
     stream: u64,
 ) -> Result<()> {
-    src_ctx.bind()?;
+    stream_ctx.bind()?;
     // SAFETY: the caller guarantees both ranges are valid until the stream reaches the copy;
     // both contexts are retained by their owners.
     let r = unsafe {

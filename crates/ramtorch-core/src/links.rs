@@ -11,7 +11,10 @@
 //! last copy out). The copies out wait for an event recorded on the transfer lane first, so that
 //! whatever the engine made that lane wait for (the slot's last reader) also orders them; the
 //! transfer lane then waits for each peer lane used, so an event recorded after the call covers
-//! every piece. Device→host copies (gradients) take the own link only.
+//! every piece. Device→host copies on the gradient lane (gradients) are split the same way in
+//! the other direction: the compute device's memory → a peer's staging buffer (read over NVLink)
+//! → host, on a second handle of each peer (lanes of its own, so the two directions overlap), the
+//! reads gated by an event recorded on the gradient lane first.
 //!
 //! On the host device the same code runs with worker threads as lanes: the split and the
 //! ordering are tested without a GPU.
@@ -35,6 +38,14 @@ pub trait Relay: Device + Sized {
     /// Lets copies from this device reach `to`'s memory directly; `false` when they cannot
     /// (they still work, slower).
     fn connect(&self, to: &Self) -> Result<bool>;
+    /// Another handle of this device, with lanes of its own.
+    fn twin(&self) -> Result<Self>;
+    /// Queues on `lane` of this device a copy of `n` bytes from `src` (memory of `from`) to
+    /// `dst` (memory of this device).
+    ///
+    /// # Safety
+    /// Both ranges must stay valid until the copy has run.
+    unsafe fn copy_in(&self, lane: Lane, from: &Self, dst: u64, src: u64, n: usize) -> Result<()>;
     /// Queues on `lane` of this device a copy of `n` bytes from `src` (memory of this device) to
     /// `dst` (memory of `to`).
     ///
@@ -57,8 +68,17 @@ impl Relay for CudaDevice {
         Ok(there && back)
     }
     unsafe fn copy_out(&self, lane: Lane, to: &Self, dst: u64, src: u64, n: usize) -> Result<()> {
+        let (me, stream) = (self.context(), self.raw(lane));
         // SAFETY: forwarded from the caller's contract.
-        unsafe { cuda::copy_peer(to.context(), dst, self.context(), src, n, self.raw(lane)) }
+        unsafe { cuda::copy_peer(to.context(), dst, me, src, n, me, stream) }
+    }
+    fn twin(&self) -> Result<Self> {
+        CudaDevice::new(self.context().ordinal())
+    }
+    unsafe fn copy_in(&self, lane: Lane, from: &Self, dst: u64, src: u64, n: usize) -> Result<()> {
+        let (me, stream) = (self.context(), self.raw(lane));
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { cuda::copy_peer(me, dst, from.context(), src, n, me, stream) }
     }
 }
 
@@ -111,6 +131,12 @@ impl Relay for HostDevice {
         Ok(true)
     }
     unsafe fn copy_out(&self, lane: Lane, _to: &Self, dst: u64, src: u64, n: usize) -> Result<()> {
+        self.copy(lane, dst as usize, src as usize, n)
+    }
+    fn twin(&self) -> Result<Self> {
+        HostDevice::new()
+    }
+    unsafe fn copy_in(&self, lane: Lane, _from: &Self, dst: u64, src: u64, n: usize) -> Result<()> {
         self.copy(lane, dst as usize, src as usize, n)
     }
 }
@@ -175,12 +201,31 @@ pub fn split(n: usize, shares: &[f64], chunk: usize, align: usize) -> Vec<Piece>
     pieces
 }
 
-struct Path<D: Relay> {
+/// One direction of a peer's relay: a handle of the peer with two lanes, a staging buffer and
+/// an event for each lane.
+struct Way<D: Relay> {
     peer: D,
     staging: [D::Buffer; 2],
     landed: [D::Event; 2],
     turn: AtomicUsize,
     bytes: AtomicU64,
+}
+
+impl<D: Relay> Way<D> {
+    fn new(peer: D, chunk: usize) -> Result<Self> {
+        Ok(Self {
+            staging: [peer.alloc(chunk)?, peer.alloc(chunk)?],
+            landed: [peer.new_event()?, peer.new_event()?],
+            peer,
+            turn: AtomicUsize::new(0),
+            bytes: AtomicU64::new(0),
+        })
+    }
+}
+
+struct Path<D: Relay> {
+    up: Way<D>,
+    down: Way<D>,
     direct: bool,
 }
 
@@ -191,6 +236,10 @@ pub struct LinkStats {
     pub own_bytes: u64,
     /// Through each peer, in the order they were given.
     pub relay_bytes: Vec<u64>,
+    /// Device→host over the compute device's own link.
+    pub own_down_bytes: u64,
+    /// Device→host through each peer.
+    pub relay_down_bytes: Vec<u64>,
     /// Whether each peer reaches the compute device directly (peer access enabled).
     pub direct: Vec<bool>,
 }
@@ -203,7 +252,9 @@ pub struct Links<D: Relay> {
     chunk: usize,
     min_split: usize,
     gate: D::Event,
+    gate_down: D::Event,
     own_bytes: AtomicU64,
+    own_down_bytes: AtomicU64,
     /// One split copy at a time: the gate and the peers' events are recorded and waited for in
     /// pairs.
     queue: Mutex<()>,
@@ -216,8 +267,8 @@ impl<D: Relay> Links<D> {
     /// `own` fed by its own link and through each of `peers` (devices of their own, with lanes
     /// of their own: they may run other work). `shares` weighs the paths, own link first (one
     /// more than `peers`); copies are relayed in pieces of at most `chunk` bytes, through two
-    /// staging buffers of that size on each peer; copies smaller than `min_split` take the own
-    /// link only.
+    /// staging buffers of that size on each peer and direction; copies smaller than `min_split`
+    /// take the own link only.
     pub fn new(
         own: D,
         peers: Vec<D>,
@@ -246,17 +297,17 @@ impl<D: Relay> Links<D> {
         let mut paths = Vec::with_capacity(peers.len());
         for peer in peers {
             let direct = peer.connect(&own)?;
+            let down = Way::new(peer.twin()?, chunk)?;
             paths.push(Path {
-                staging: [peer.alloc(chunk)?, peer.alloc(chunk)?],
-                landed: [peer.new_event()?, peer.new_event()?],
-                peer,
-                turn: AtomicUsize::new(0),
-                bytes: AtomicU64::new(0),
+                up: Way::new(peer, chunk)?,
+                down,
                 direct,
             });
         }
         Ok(Self {
             gate: own.new_event()?,
+            gate_down: own.new_event()?,
+            own_down_bytes: AtomicU64::new(0),
             own,
             paths,
             shares: shares.to_vec(),
@@ -279,7 +330,13 @@ impl<D: Relay> Links<D> {
             relay_bytes: self
                 .paths
                 .iter()
-                .map(|p| p.bytes.load(Ordering::Relaxed))
+                .map(|p| p.up.bytes.load(Ordering::Relaxed))
+                .collect(),
+            own_down_bytes: self.own_down_bytes.load(Ordering::Relaxed),
+            relay_down_bytes: self
+                .paths
+                .iter()
+                .map(|p| p.down.bytes.load(Ordering::Relaxed))
                 .collect(),
             direct: self.paths.iter().map(|p| p.direct).collect(),
         }
@@ -293,7 +350,7 @@ impl<D: Relay> Links<D> {
         }
     }
 
-    /// The split copy (see the module docs).
+    /// The split host→device copy (see the module docs).
     ///
     /// # Safety
     /// As for [`Device::copy_to_device`].
@@ -308,25 +365,25 @@ impl<D: Relay> Links<D> {
         self.own.record(&self.gate, Lane::Transfer)?;
         let mut used = vec![[false; 2]; self.paths.len()];
         for piece in pieces.iter().filter(|p| p.path > 0) {
-            let path = &self.paths[piece.path - 1];
-            let k = path.turn.fetch_add(1, Ordering::Relaxed) % 2;
+            let way = &self.paths[piece.path - 1].up;
+            let k = way.turn.fetch_add(1, Ordering::Relaxed) % 2;
             let lane = Self::lane(k);
-            let staging = D::address(&path.staging[k]);
+            let staging = D::address(&way.staging[k]);
             // SAFETY: the source range is the caller's (valid until the transfer lane, which
             // waits for this lane below, passes the copy); the staging buffer lives as long as
             // `self` and is reused only after this lane's copy out of it.
             unsafe {
-                path.peer
+                way.peer
                     .copy_to_device(lane, staging, src.add(piece.offset), piece.len)?;
             }
             if !used[piece.path - 1][k] {
-                path.peer.wait(lane, &self.gate)?;
+                way.peer.wait(lane, &self.gate)?;
                 used[piece.path - 1][k] = true;
             }
             // SAFETY: the destination is the caller's (valid until the copy runs), the source
             // the staging buffer just filled on this lane.
             unsafe {
-                path.peer.copy_out(
+                way.peer.copy_out(
                     lane,
                     &self.own,
                     dst + piece.offset as u64,
@@ -334,7 +391,7 @@ impl<D: Relay> Links<D> {
                     piece.len,
                 )?;
             }
-            path.bytes.fetch_add(piece.len as u64, Ordering::Relaxed);
+            way.bytes.fetch_add(piece.len as u64, Ordering::Relaxed);
         }
         for piece in pieces.iter().filter(|p| p.path == 0) {
             // SAFETY: the caller's contract.
@@ -349,12 +406,73 @@ impl<D: Relay> Links<D> {
             self.own_bytes
                 .fetch_add(piece.len as u64, Ordering::Relaxed);
         }
-        for (i, lanes) in used.iter().enumerate() {
+        self.join(&used, false, Lane::Transfer)
+    }
+
+    /// The split device→host copy: the mirror of [`Links::copy_split`] on the gradient lane.
+    ///
+    /// # Safety
+    /// As for [`Device::copy_to_host`].
+    unsafe fn copy_split_down(&self, dst: *mut u8, src: u64, n: usize) -> Result<()> {
+        let _one = self
+            .queue
+            .lock()
+            .map_err(|_| Error::Worker("links lock poisoned".into()))?;
+        let pieces = split(n, &self.shares, self.chunk, ALIGN);
+        // What the engine made the gradient lane wait for (the compute stream that wrote the
+        // source) orders the peers' reads of it too.
+        self.own.record(&self.gate_down, Lane::Gradient)?;
+        let mut used = vec![[false; 2]; self.paths.len()];
+        for piece in pieces.iter().filter(|p| p.path > 0) {
+            let way = &self.paths[piece.path - 1].down;
+            let k = way.turn.fetch_add(1, Ordering::Relaxed) % 2;
+            let lane = Self::lane(k);
+            let staging = D::address(&way.staging[k]);
+            if !used[piece.path - 1][k] {
+                way.peer.wait(lane, &self.gate_down)?;
+                used[piece.path - 1][k] = true;
+            }
+            // SAFETY: the source is the caller's (valid until the gradient lane, which waits for
+            // this lane below, passes the copy); the staging buffer lives as long as `self` and
+            // is refilled only after this lane's copy out of it.
+            unsafe {
+                way.peer.copy_in(
+                    lane,
+                    &self.own,
+                    staging,
+                    src + piece.offset as u64,
+                    piece.len,
+                )?;
+                way.peer
+                    .copy_to_host(lane, dst.add(piece.offset), staging, piece.len)?;
+            }
+            way.bytes.fetch_add(piece.len as u64, Ordering::Relaxed);
+        }
+        for piece in pieces.iter().filter(|p| p.path == 0) {
+            // SAFETY: the caller's contract.
+            unsafe {
+                self.own.copy_to_host(
+                    Lane::Gradient,
+                    dst.add(piece.offset),
+                    src + piece.offset as u64,
+                    piece.len,
+                )?;
+            }
+            self.own_down_bytes
+                .fetch_add(piece.len as u64, Ordering::Relaxed);
+        }
+        self.join(&used, true, Lane::Gradient)
+    }
+
+    /// Makes `lane` of the compute device wait for the peers' lanes `used` (of the down or the
+    /// up direction).
+    fn join(&self, used: &[[bool; 2]], down: bool, lane: Lane) -> Result<()> {
+        for (path, lanes) in self.paths.iter().zip(used) {
+            let way = if down { &path.down } else { &path.up };
             for (k, on) in lanes.iter().enumerate() {
                 if *on {
-                    let path = &self.paths[i];
-                    path.peer.record(&path.landed[k], Self::lane(k))?;
-                    self.own.wait(Lane::Transfer, &path.landed[k])?;
+                    way.peer.record(&way.landed[k], Self::lane(k))?;
+                    self.own.wait(lane, &way.landed[k])?;
                 }
             }
         }
@@ -366,8 +484,10 @@ impl<D: Relay> Drop for Links<D> {
     fn drop(&mut self) {
         // The staging buffers are freed after the copies that use them.
         for path in &self.paths {
-            let _ = path.peer.synchronize_lane(Lane::Transfer);
-            let _ = path.peer.synchronize_lane(Lane::Gradient);
+            for way in [&path.up, &path.down] {
+                let _ = way.peer.synchronize_lane(Lane::Transfer);
+                let _ = way.peer.synchronize_lane(Lane::Gradient);
+            }
         }
     }
 }
@@ -408,8 +528,13 @@ impl<D: Relay> Device for Links<D> {
         unsafe { self.copy_split(dst, src, n) }
     }
     unsafe fn copy_to_host(&self, lane: Lane, dst: *mut u8, src: u64, n: usize) -> Result<()> {
+        if lane != Lane::Gradient || self.paths.is_empty() || n < self.min_split {
+            self.own_down_bytes.fetch_add(n as u64, Ordering::Relaxed);
+            // SAFETY: forwarded from the caller's contract.
+            return unsafe { self.own.copy_to_host(lane, dst, src, n) };
+        }
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.own.copy_to_host(lane, dst, src, n) }
+        unsafe { self.copy_split_down(dst, src, n) }
     }
     fn lane_handle(&self, lane: Lane) -> u64 {
         self.own.lane_handle(lane)
@@ -598,6 +723,50 @@ mod tests {
             "a piece landed before the slot's reader was done"
         );
         assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn gradients_leave_by_every_link_after_what_the_gradient_lane_waits_for() {
+        let links = Links::new(
+            HostDevice::new().expect("device"),
+            vec![
+                HostDevice::new().expect("peer"),
+                HostDevice::new().expect("peer"),
+            ],
+            &[1.0, 1.0, 2.0],
+            8192,
+            4096,
+        )
+        .expect("links");
+        let n = 200_000;
+        let mut src = pattern(n, 3);
+        let mut dst = vec![0u8; n];
+        // The compute stream has not written the gradient yet: the engine makes the gradient
+        // lane wait for it before the copy.
+        let written = links.new_event().expect("event");
+        let generation = written.arm();
+        links.wait(Lane::Gradient, &written).expect("wait");
+        // SAFETY: both buffers outlive the synchronisation below; `src` is written only before
+        // the event the copy waits for fires.
+        unsafe { links.copy_to_host(Lane::Gradient, dst.as_mut_ptr(), src.as_ptr() as u64, n) }
+            .expect("copy");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let fresh = pattern(n, 4);
+        // SAFETY: no lane reads `src` before `written` fires (below).
+        unsafe { std::ptr::copy_nonoverlapping(fresh.as_ptr(), src.as_mut_ptr(), n) };
+        written.fire(generation);
+        links.synchronize_lane(Lane::Gradient).expect("sync");
+        assert_eq!(
+            dst, fresh,
+            "a piece was read before the gradient was written"
+        );
+        let s = links.stats();
+        assert!(s.own_down_bytes > 0 && s.relay_down_bytes.iter().all(|b| *b > 0));
+        assert_eq!(
+            s.own_down_bytes + s.relay_down_bytes.iter().sum::<u64>(),
+            n as u64
+        );
+        assert_eq!(s.own_bytes + s.relay_bytes.iter().sum::<u64>(), 0);
     }
 
     #[test]

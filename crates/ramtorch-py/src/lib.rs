@@ -638,8 +638,9 @@ impl Engine {
         stats_dict(py, s)
     }
 
-    /// Bytes each link carried (`own_bytes`, `relay_bytes`: one per peer, `direct`: whether
-    /// each peer reaches the device directly), or `None` for an engine fed by its own link only.
+    /// Bytes each link carried to the device (`own_bytes`, `relay_bytes`: one per peer) and from
+    /// it (`own_down_bytes`, `relay_down_bytes`), and `direct` (whether each peer reaches the
+    /// device directly), or `None` for an engine fed by its own link only.
     fn link_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(s) = self.inner.link_stats() else {
             return Ok(None);
@@ -647,6 +648,8 @@ impl Engine {
         let d = PyDict::new(py);
         d.set_item("own_bytes", s.own_bytes)?;
         d.set_item("relay_bytes", s.relay_bytes)?;
+        d.set_item("own_down_bytes", s.own_down_bytes)?;
+        d.set_item("relay_down_bytes", s.relay_down_bytes)?;
         d.set_item("direct", s.direct)?;
         Ok(Some(d))
     }
