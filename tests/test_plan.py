@@ -64,6 +64,23 @@ def test_predictions_follow_bytes_and_compute():
     assert big.step_seconds >= big.forward_backward_seconds
 
 
+def test_more_links_divide_the_link_time():
+    """``Ceilings(links=n)``: a link-bound forward takes the streamed bytes over n links; a
+    compute-bound one does not change; the plan says how many links it assumed."""
+    m = meta_stack(blocks=8, d=256, f=1024)
+    one = predict(m, None, 16, Ceilings(h2d_gbps=10.0, tflops=1.0, efficiency=1.0))
+    two = predict(m, None, 16, Ceilings(h2d_gbps=10.0, tflops=1.0, efficiency=1.0, links=2))
+    assert two.forward_seconds == pytest.approx(two.streamed_bytes_per_pass / 20e9, rel=0.1)
+    assert two.forward_seconds < 0.6 * one.forward_seconds
+    assert two.forward_backward_seconds < one.forward_backward_seconds
+    assert any("2 links into the GPU" in n for n in two.notes) and not any("links" in n for n in one.notes)
+    big = [predict(m, None, 1 << 16, Ceilings(tflops=1.0, efficiency=1.0, links=k)) for k in (1, 2)]
+    assert big[1].forward_seconds == pytest.approx(big[0].forward_seconds, rel=0.02)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="links must be an int"):
+            Ceilings(links=bad)
+
+
 def test_prediction_against_a_small_measured_run_on_cpu():
     """A sanity check of the model on this machine: ceilings measured here, then an offloaded CPU
     forward timed. The CPU shares its cores between copies and compute, so only the order of

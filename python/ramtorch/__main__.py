@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--h2d-gbps", type=float, default=c.h2d_gbps, help=f"pinned host->device GB/s {gb}")
     p.add_argument("--d2h-gbps", type=float, default=c.d2h_gbps, help=f"device->host GB/s {gb}")
     p.add_argument(
+        "--links",
+        type=int,
+        default=c.links,
+        help="links into the GPU, each at --h2d-gbps/--d2h-gbps (offload(links=...): its own and "
+        "its peers') (default: %(default)s)",
+    )
+    p.add_argument(
         "--tflops", type=float, default=c.tflops, help="GPU matmul TFLOP/s, peak (default: %(default)s)"
     )
     p.add_argument(
@@ -114,7 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         ceilings = _plan.Ceilings(
-            a.h2d_gbps, a.d2h_gbps, a.tflops, a.efficiency, a.host_gbps, a.disk_gbps, a.disk_write_gbps
+            a.h2d_gbps,
+            a.d2h_gbps,
+            a.tflops,
+            a.efficiency,
+            a.host_gbps,
+            a.disk_gbps,
+            a.disk_write_gbps,
+            a.links,
         )
         model = _plan.build_meta_model(a.model)
         pred = _plan.predict(

@@ -57,6 +57,9 @@ class Ceilings:
     #: writes 1.9-2.5 GB/s).
     disk_gbps: float = 1.5
     disk_write_gbps: float = 1.9
+    #: Links into the compute GPU (``offload(links=...)``: its own and its peers'), each at
+    #: ``h2d_gbps``/``d2h_gbps``; copies are split equally among them.
+    links: int = 1
 
     def __post_init__(self) -> None:
         # Every time is a size divided by one of these: zero, negative or nan ceilings would
@@ -68,6 +71,18 @@ class Ceilings:
             if not ok or (name == "efficiency" and v > 1):
                 want = "a fraction in (0, 1]" if name == "efficiency" else "a positive finite number"
                 raise ValueError(f"{name} must be {want}, got {v!r}")
+        if isinstance(self.links, bool) or not isinstance(self.links, int) or self.links < 1:
+            raise ValueError(f"links must be an int of at least 1, got {self.links!r}")
+
+    @property
+    def link_h2d(self) -> float:
+        """Bytes a second into the GPU over all its links."""
+        return self.h2d_gbps * 1e9 * self.links
+
+    @property
+    def link_d2h(self) -> float:
+        """Bytes a second out of the GPU over all its links."""
+        return self.d2h_gbps * 1e9 * self.links
 
 
 @dataclass
@@ -151,7 +166,7 @@ def plan_kv_cache(
         kv_device_bytes=device,
         kv_bytes_per_step=step,
         kv_place="gpu" if mirrored >= total else "host",
-        decode_seconds=(pred.streamed_bytes_per_pass + total - mirrored) / (c.h2d_gbps * 1e9),
+        decode_seconds=(pred.streamed_bytes_per_pass + total - mirrored) / c.link_h2d,
     )
 
 
@@ -485,7 +500,7 @@ def predict(
     nparams = sum(p.numel() for p in model.parameters())
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = moved / max(1, sum(p.numel() for p in trained))
-    copies = [0.0 if k in resident else sizes[k] / (c.h2d_gbps * 1e9) for k in range(len(units))]
+    copies = [0.0 if k in resident else sizes[k] / c.link_h2d for k in range(len(units))]
     reads = [0.0] * len(units)
     for k in on_disk:
         reads[k] = units[k].nbytes / (c.disk_gbps * 1e9)
@@ -507,7 +522,7 @@ def predict(
     opt_end = fwd
     disk_ids = {k for k in range(len(units)) if k not in resident} if optimizer_on_disk else set()
     for end, nbytes, n, k in zip(bwd_ends, grad_bytes, reversed(counts), reversed(range(len(units)))):
-        link_back = max(link_back, end) + nbytes / (c.d2h_gbps * 1e9)
+        link_back = max(link_back, end) + nbytes / c.link_d2h
         if k not in disk_ids:  # (states on disk: updated in step(), priced by the disk below)
             opt_end = max(opt_end, link_back) + optimizer_bytes_per_param * n / (c.host_gbps * 1e9)
     fb_end = max(fb, link_back)
@@ -544,7 +559,15 @@ def predict(
                 else "; lookups that do not train it read them in place on a GPU (mapped host memory)"
             )
             for k in sorted(gathered)
-        ],
+        ]
+        + (
+            [
+                f"{c.links} links into the GPU ({c.h2d_gbps:g} GB/s each): every copy split among them, "
+                "as offload(links=...) splits it"
+            ]
+            if c.links > 1
+            else []
+        ),
         resident_training_bytes=sum(
             _training_bytes(p, precision, states) for p in on_device if p.is_floating_point()
         ),
