@@ -66,6 +66,29 @@ def streamed(model: torch.nn.Module, codec: str) -> torch.nn.Module:
     return twin
 
 
+def codec_record(
+    base: dict[str, Any],
+    workload: str,
+    codec: str,
+    model: torch.nn.Module,
+    twin: torch.nn.Module,
+    steps: int,
+    train_s: float,
+) -> dict[str, Any]:
+    """The fields every record shares: the model, its training, and what ``codec`` streamed."""
+    units = ramtorch.stats(twin)
+    return {
+        **base,
+        "workload": workload,
+        "compress": codec,
+        "params": sum(p.numel() for p in model.parameters()),
+        "train_steps": steps,
+        "train_seconds": train_s,
+        "compressed_units": units.get("compressed_units"),
+        "streamed_bytes_per_pass": units.get("streamed_bytes_per_pass"),
+    }
+
+
 def train_lm(args: argparse.Namespace, data: torch.Tensor) -> torch.nn.Module:
     device = torch.device("cpu")
     torch.manual_seed(args.seed)
@@ -111,15 +134,9 @@ def lm_records(args: argparse.Namespace, base: dict[str, Any], data: torch.Tenso
         if codec == "none":
             ref_ppl, ref_logits = ppl, logits
         assert ref_ppl is not None and ref_logits is not None
-        units = ramtorch.stats(twin)
         out.append(
             {
-                **base,
-                "workload": "demo-bytelm",
-                "compress": codec,
-                "params": sum(p.numel() for p in model.parameters()),
-                "train_steps": args.lm_steps,
-                "train_seconds": train_s,
+                **codec_record(base, "demo-bytelm", codec, model, twin, args.lm_steps, train_s),
                 "held_out_tokens": targets.numel(),
                 "held_out_loss": loss,
                 "perplexity": ppl,
@@ -127,8 +144,6 @@ def lm_records(args: argparse.Namespace, base: dict[str, Any], data: torch.Tenso
                 "bitwise_vs_bf16": bool(torch.equal(logits, ref_logits)),
                 "reference_bitwise_plain_bf16": bool(torch.equal(ref_logits, plain)),
                 "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
-                "compressed_units": units.get("compressed_units"),
-                "streamed_bytes_per_pass": units.get("streamed_bytes_per_pass"),
             }
         )
         del twin
@@ -187,15 +202,9 @@ def minilm_records(
             ref, ref_loss = vecs, loss
         assert ref is not None and ref_loss is not None
         cos = F.cosine_similarity(vecs, ref, dim=1)
-        units = ramtorch.stats(twin)
         out.append(
             {
-                **base,
-                "workload": "minilm-shape-mlm",
-                "compress": codec,
-                "params": sum(p.numel() for p in model.parameters()),
-                "train_steps": args.minilm_steps,
-                "train_seconds": train_s,
+                **codec_record(base, "minilm-shape-mlm", codec, model, twin, args.minilm_steps, train_s),
                 "sequences": vecs.shape[0],
                 "cosine_min": float(cos.min()),
                 "cosine_mean": float(cos.mean()),
@@ -203,8 +212,6 @@ def minilm_records(
                 "mlm_loss_vs_bf16": loss / ref_loss - 1,
                 "bitwise_vs_bf16": bool(torch.equal(vecs, ref)),
                 "reference_bitwise_plain_bf16": bool(torch.equal(ref, plain)),
-                "compressed_units": units.get("compressed_units"),
-                "streamed_bytes_per_pass": units.get("streamed_bytes_per_pass"),
             }
         )
         del twin

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import statistics
 import sys
@@ -96,19 +95,16 @@ def shape_arg(text: str) -> tuple[int, int]:
     return b, c
 
 
-def cache_kwarg(model: nn.Module) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def kv_dims(cfg: Any) -> tuple[int, int, int]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
 
 
 def cache_bytes(cfg: Any, batch: int, tokens: int) -> int:
-    layers, heads, dim = kv_dims(cfg)
-    return 2 * layers * batch * heads * tokens * dim * 2  # keys and values, bf16
+    """Bytes of ``tokens`` tokens' keys and values in every layer, bf16 (as ramtorch sizes them)."""
+    from ramtorch import _kv_sizes
+
+    return _kv_sizes.bytes_per_token(cfg, torch.bfloat16, batch) * tokens
 
 
 def fill(cache: Any, cfg: Any, batch: int, context: int, chunk: int, device: str) -> None:
@@ -141,7 +137,9 @@ def decode(
 ) -> tuple[list[float], torch.Tensor, int]:
     """Decode steps over ``ids`` ([B, warmup + steps]): the timed steps' seconds, every step's
     last-position logits (float32, on the CPU) and the GPU peak of the timed steps."""
-    name = cache_kwarg(model)
+    from ramtorch._kv_cache import _cache_kwarg
+
+    name = _cache_kwarg(model)
     seconds, logits = [], []
     for s in range(ids.shape[1]):
         if s == warmup:
