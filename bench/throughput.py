@@ -120,6 +120,13 @@ def main() -> None:
         help="ramtorch.optim.AdamW's overlap: default (True), 'backward', or off (False)",
     )
     ap.add_argument("--gpu-budget", default=None, help="ramtorch.offload's gpu_budget (default: none)")
+    ap.add_argument(
+        "--gpu-updates",
+        choices=["off", "on"],
+        nargs="+",
+        default=["off"],
+        help="ramtorch.optim.AdamW's gpu_updates, each a run with an optimizer of its own (default: off)",
+    )
     ap.add_argument("--warmup", type=int, default=6, help="steps before timing (the schedule chooses in 5)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument(
@@ -195,10 +202,37 @@ def main() -> None:
     ramtorch.offload(model, device=a.device, gpu_budget=budget_arg(a.gpu_budget))
     free(a.device)
     overlap: bool | str = {"default": True, "backward": "backward", "off": False}[a.overlap]
-    opt = ropt.AdamW(model.parameters(), lr=1e-5, precision=a.precision, overlap=overlap)
     setup = time.perf_counter() - t0
     print(f"offloaded in {setup:.1f} s", file=sys.stderr)
+    for gpu_updates in a.gpu_updates:
+        opt = ropt.AdamW(
+            model.parameters(),
+            lr=1e-5,
+            precision=a.precision,
+            overlap=overlap,
+            gpu_updates=gpu_updates == "on",
+        )
+        run_steps(a, model, opt, common, params, micro, res_flops, setup, gpu_updates, emit)
+        del opt
+        gc.collect()
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(records, fh, indent=1)
 
+
+def run_steps(
+    a: argparse.Namespace,
+    model: torch.nn.Module,
+    opt: Any,
+    common: dict[str, Any],
+    params: int,
+    micro: int,
+    res_flops: float | None,
+    setup: float,
+    gpu_updates: str,
+    emit: Any,
+) -> None:
+    """The timed steps of one optimizer, for each ``--accum``."""
     for n, accum in enumerate(a.accum):
         batches = micro_batches(argparse.Namespace(**{**vars(a), "accum": accum}))
 
@@ -247,15 +281,20 @@ def main() -> None:
         }
         if a.gpu_budget is not None:
             rec["gpu_budget"] = a.gpu_budget
+        options: dict[str, Any] = {}
         if a.overlap != "default":
-            rec["options"] = {"overlap": a.overlap}
+            options["overlap"] = a.overlap
+        if gpu_updates == "on":
+            options["gpu_updates"] = True
+        if options:
+            rec["options"] = options
         emit(rec)
         ratio = "" if res_flops is None else f", {flops / res_flops:.2f} of resident"
-        print(f"{tokens} tokens a step: {seconds:.2f} s, {flops:.0f} TFLOP/s{ratio}", file=sys.stderr)
+        print(
+            f"{tokens} tokens a step, gpu_updates {gpu_updates}: {seconds:.2f} s, {flops:.0f} TFLOP/s{ratio}",
+            file=sys.stderr,
+        )
         del batches
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(records, fh, indent=1)
 
 
 def a_one(a: argparse.Namespace) -> argparse.Namespace:

@@ -1205,6 +1205,50 @@ fn one_buffer(
         .ok_or_else(|| invalid("tensor is required".into()))
 }
 
+/// The `f32` constants and stochastic-rounding keys of one step of `rule` with `hyper` (as
+/// `optim_step` takes them), for the GPU implementation of the same kernels: a dict of the
+/// rule's constants (AdamW: `gs`, `decay`, `w1`, `w1c`, `lerp_low`, `beta2`, `c2`,
+/// `inv_bc2_sqrt`, `eps`, `neg_step_size`) and `keys`, the four hash keys of the elements from
+/// `hyper["index_offset"]` (0 if absent) up to the next multiple of 2^32. Only AdamW has a GPU
+/// implementation; other rules raise `ValueError`.
+#[pyfunction]
+fn optim_constants<'py>(
+    py: Python<'py>,
+    rule: &str,
+    hyper: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let op = "optim_constants";
+    let (h, offset, seed, step) = guard(op, || match RuleStep::parse(rule, hyper)? {
+        RuleStep::AdamW(h) => Ok((h.constants()?, h.index_offset, h.seed, h.step)),
+        _ => Err(invalid(format!(
+            "{rule}: only adamw has a GPU implementation of its kernel"
+        ))),
+    })?;
+    let d = PyDict::new(py);
+    d.set_item("gs", h.gs)?;
+    d.set_item("decay", h.decay)?;
+    d.set_item("w1", h.w1)?;
+    d.set_item("w1c", h.w1c)?;
+    d.set_item("lerp_low", h.lerp_low)?;
+    d.set_item("beta2", h.beta2)?;
+    d.set_item("c2", h.c2)?;
+    d.set_item("inv_bc2_sqrt", h.inv_bc2_sqrt)?;
+    d.set_item("eps", h.eps)?;
+    d.set_item("neg_step_size", h.neg_step_size)?;
+    d.set_item(
+        "keys",
+        optim::precision::stochastic_keys(seed, step, offset).to_vec(),
+    )?;
+    Ok(d)
+}
+
+/// The 256 values of the 8-bit states' dynamic map, ascending: signed (in `[-1, 1]`) or unsigned
+/// (in `[0, 1]`).
+#[pyfunction]
+fn q8_map(signed: bool) -> Vec<f32> {
+    optim::quant::qmap(signed).to_vec()
+}
+
 /// Number of threads the optimizer kernels run on (the rayon pool; set RAYON_NUM_THREADS before
 /// the first call to change it).
 #[pyfunction]
@@ -1223,5 +1267,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grad_stats, m)?)?;
     m.add_function(wrap_pyfunction!(scale, m)?)?;
     m.add_function(wrap_pyfunction!(optim_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(optim_constants, m)?)?;
+    m.add_function(wrap_pyfunction!(q8_map, m)?)?;
     Ok(())
 }

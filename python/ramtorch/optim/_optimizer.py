@@ -16,7 +16,7 @@ import torch
 
 from .. import _core, _engine
 from .._units import format_bytes
-from . import _parallel, _speculation
+from . import _assist, _parallel, _speculation
 from ._jobs import _Jobs
 from ._resident import ResidentStates
 from ._schedule import OverlapSchedule, UpdateMode, listen
@@ -65,6 +65,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         pipeline: bool = False,
         max_grad_norm: float | None = None,
         states: str = "device",
+        gpu_updates: bool = False,
     ) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
@@ -112,6 +113,14 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         self._spec = {}
         self._spec_closed = False  # step() has begun: speculations not begun are dropped
         self._shadows = Shadows()
+        # gpu_updates=True: the GPU computes speculative updates beside the CPU (_assist); what it
+        # copies is page-locked.
+        if not isinstance(gpu_updates, bool):
+            raise ValueError(f"gpu_updates must be True or False, got {gpu_updates!r}")
+        self._assist = _assist.GpuAssist() if gpu_updates else None
+        self._steppers = {}
+        self._pin_states = gpu_updates
+        self._shadows.pin_all = gpu_updates
         # overlap=True: the choice between speculating and updating in step(), measured per run.
         self._auto: AutoChoice | None = AutoChoice() if self._mode is UpdateMode.SPECULATE else None
         # clip_grad_norm_() before step(): (norm of the gradients, max_norm), applied by step().
@@ -132,6 +141,9 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             "speculated_updates": 0,
             "committed_updates": 0,
             "recomputed_updates": 0,
+            # Speculative updates computed on the GPU (gpu_updates=True), and their seconds.
+            "gpu_updates": 0,
+            "gpu_seconds": 0.0,
         }
 
     # -- user API ----------------------------------------------------------------------------------
@@ -298,6 +310,8 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             self._spec_closed = True
             try:
                 self.drain()
+                if self._assist is not None:
+                    self._assist.drop_offers()
             finally:
                 self._spec_closed = False
         rspec = self._close_resident()  # speculations of parameters with host states (_resident)
@@ -605,8 +619,8 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; zeroing gradients in place first waits for the
         updates still reading them (``pipeline``)."""
-        if not set_to_none and self._jobs.busy():
-            self._jobs.wait()
+        if not set_to_none and (self._jobs.busy() or (self._assist is not None and self._assist.busy())):
+            self._wait_updates()
         self._clip_request = None  # measured on gradients that are gone
         self._forget_resident_grads()
         super().zero_grad(set_to_none=set_to_none)
@@ -658,5 +672,8 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         jobs = getattr(self, "_jobs", None)
         if jobs is not None:
             jobs.close()
+        assist = getattr(self, "_assist", None)
+        if assist is not None:
+            assist.close(0)  # the thread ends after what it runs (it holds no reference to us)
         if getattr(self, "_rhooks", None):
             self._unhook_resident()

@@ -73,6 +73,7 @@ class HostOptions(TypedDict, total=False):
     pipeline: bool
     max_grad_norm: float | None
     states: str
+    gpu_updates: bool
 
 
 #: Arguments of torch's optimizers that ramtorch's rules do not implement, with the value that

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import _engine, _profile
-from . import _parallel
+from . import _assist, _gpu_step, _parallel
 from ._jobs import _Jobs
 from ._speculation import Shadows, Speculation, freeze_group, same_group
 from ._state import _is_host
@@ -86,6 +86,8 @@ class OverlapSchedule(torch.optim.Optimizer):
     _error: BaseException | None
     _spec: dict[int, Speculation]
     _spec_closed: bool
+    _assist: _assist.GpuAssist | None
+    _steppers: dict[torch.device, _gpu_step.DeviceStepper]
     _shadows: Shadows
     _auto: Any
     _state_names: tuple[str, ...]
@@ -241,10 +243,18 @@ class OverlapSchedule(torch.optim.Optimizer):
             )
             # A later backward of the same step replaces it (the gradient read is then the sum).
             self._spec[id(p)] = spec
-            work.append((p, spec, shadow, parts))
+            work.append((p, spec, shadow, parts, None))
         if not work:
             return
         marker = eng._core.marker()
+        if self._assist is not None and self._assist.enabled and _assist.supported(eng.device):
+            offered = []
+            for k, (p, spec, shadow, parts, _) in enumerate(work):
+                if self._gpu_can_update(p, parts):
+                    claim = _assist.Claim()
+                    work[k] = (p, spec, shadow, parts, claim)
+                    offered.append((claim, self._gpu_update(eng.device, p, spec, shadow, parts)))
+            self._assist.offer(lambda: eng._core.wait_marker(marker), offered)
         self._jobs.submit(
             lambda: self._speculate_job(eng, marker, work),
             lambda: eng._core.marker_done(marker),
@@ -263,9 +273,11 @@ class OverlapSchedule(torch.optim.Optimizer):
         done: list[torch.nn.Parameter] = []
 
         def one(item: tuple[Any, ...]) -> None:
-            p, spec, shadow, parts = item
+            p, spec, shadow, parts, claim = item
             if self._spec_closed or self._spec.get(id(p)) is not spec:
                 return  # step() has begun (it updates the rest), or replaced, or dropped
+            if claim is not None and not claim.take("cpu"):
+                return  # the GPU runs it (_assist)
             try:
                 grad = parts[0] if len(parts) == 1 else parts[0] + parts[1]
                 self._update_host_into(p, grad, spec.hyper, spec.step, shadow)
@@ -282,6 +294,55 @@ class OverlapSchedule(torch.optim.Optimizer):
         if spans is not None and done:
             spans.add(spans.WORKER, "wait for gradients of", begin, t, done, eng.device)
             spans.add(spans.WORKER, "speculative update", t, end, done, eng.device)
+
+    def _gpu_can_update(self, p: torch.nn.Parameter, parts: list[torch.Tensor]) -> bool:
+        """Whether the GPU kernel computes ``p``'s update from these gradient parts (host
+        tensors of one float dtype, contiguous; states in a format the kernel has)."""
+        if any(g.device.type != "cpu" or not g.is_contiguous() or g.dtype != parts[0].dtype for g in parts):
+            return False
+        try:
+            args, kw = self._kernel_args(p, list(parts), self._group_of(p), 1, 1.0)
+        except (KeyError, ValueError):
+            return False
+        rule, _, dst, grad, states = args
+        return (
+            _gpu_step.layout(rule, dst, grad[0], states, kw["master"], kw["comp"], kw["scales"]) is not None
+        )
+
+    def _group_of(self, p: torch.nn.Parameter) -> dict[str, Any]:
+        entry = self._param_ids().get(id(p))
+        if entry is None:
+            raise KeyError("not this optimizer's parameter")
+        return entry[1]
+
+    def _gpu_update(
+        self,
+        device: torch.device,
+        p: torch.nn.Parameter,
+        spec: Speculation,
+        shadow: dict[str, torch.Tensor],
+        parts: list[torch.Tensor],
+    ) -> Callable[[], None]:
+        """The speculative update of ``p`` as the GPU thread runs it (``_assist``): the same
+        arguments as the CPU's (``_kernel_args``), computed by ``_gpu_step`` on ``device``,
+        done once the results are in the shadow."""
+
+        def run() -> None:
+            if self._spec_closed or self._spec.get(id(p)) is not spec:
+                return
+            stepper = self._steppers.get(device)
+            if stepper is None:
+                stepper = self._steppers[device] = _gpu_step.DeviceStepper(device)
+            t = time.perf_counter()
+            args, kw = self._kernel_args(p, list(parts), spec.hyper, spec.step, 1.0, shadow)
+            for ev in stepper.step(*args, **kw):
+                ev.synchronize()
+            spec.done = True
+            self.timings["gpu_seconds"] += time.perf_counter() - t
+            self.timings["gpu_updates"] += 1
+            self.timings["speculated_updates"] += 1
+
+        return run
 
     def _commit(self, spec: dict[int, Speculation], scale: float) -> set[int]:
         """In ``step()``: commits each speculation whose inputs are as ``step()`` sees them (the
@@ -391,10 +452,16 @@ class OverlapSchedule(torch.optim.Optimizer):
         if any(eng.adds_into_grad(owned[pid][0]) for pid in self._done if pid in owned):
             self.drain()
 
+    def _wait_updates(self) -> None:
+        """Until every queued update has finished, on the CPU worker and on the GPU thread."""
+        self._jobs.wait()
+        if self._assist is not None:
+            self._assist.wait()
+
     def drain(self, interrupted: bool = False) -> None:
         """Waits for the updates queued during backward. After an interrupted backward the
         parameters already updated stay updated (the step is partly done; the error says so)."""
-        self._jobs.wait()
+        self._wait_updates()
         self._raise_failed()
         if interrupted:
             self._spec.clear()
@@ -407,7 +474,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     def _forget_failed(self) -> None:
         """Waits for the queued updates and drops the error of a failed one (a load replaces
         what it left)."""
-        self._jobs.wait()
+        self._wait_updates()
         self._error = None
 
     def _raise_failed(self) -> None:

@@ -124,6 +124,8 @@ class Shadows:
     spare them; counts what they hold."""
 
     def __init__(self) -> None:
+        #: Page-lock every buffer (the GPU writes them: ``gpu_updates``), not only the weight's.
+        self.pin_all = False
         self._bufs: dict[int, dict[str, torch.Tensor]] = {}
         self._refused: set[int] = set()
         self._lock = threading.Lock()
@@ -157,7 +159,7 @@ class Shadows:
                 self._refused.add(pid)
                 return None
             bufs = {
-                name: _arena.host_empty(shape, dt, pin=pin_param and name == "param")
+                name: _arena.host_empty(shape, dt, pin=self.pin_all or (pin_param and name == "param"))
                 for name, (shape, dt) in want.items()
             }
             self._bufs[pid] = bufs

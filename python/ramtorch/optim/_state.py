@@ -132,6 +132,10 @@ class HostStates(torch.optim.Optimizer):
         """Shape and dtype of each state of host parameter ``p`` (the master included)."""
         return state_specs(tuple(p.shape), p.dtype, self.precision, self._state_names)
 
+    #: Whether new states are page-locked (the GPU copies them: ``gpu_updates``); else memory
+    #: only the CPU touches.
+    _pin_states = False
+
     #: The states of parameters that live on disk with ``optimizer_on_disk=True`` (made by
     #: :meth:`_disk_states_for` when first needed).
     _disk_states: _disk.DiskStates | None = None
@@ -184,7 +188,9 @@ class HostStates(torch.optim.Optimizer):
                 # Zero codes with a zero scale decode to zero; a zero compensation: the weight is
                 # the master.
                 if ds is None:
-                    state[name] = _arena.host_empty(shape, dtype, zeroed=name != "master", pin=False)
+                    state[name] = _arena.host_empty(
+                        shape, dtype, zeroed=name != "master", pin=self._pin_states
+                    )
                 if name == "master":
                     state[name].copy_(p.detach())
         return state
@@ -256,10 +262,31 @@ class HostStates(torch.optim.Optimizer):
         its states (in place), by name (default its own). ``span``: only elements ``[a, b)`` of
         the flattened parameter, whose states ``states`` holds (a piece: the same bits as those
         elements get from the whole update)."""
+        args, kwargs = self._kernel_args(p, grad, group, step, scale, into, weight, states, span)
+        _core.optim_step(*args, **kwargs)
+
+    def _kernel_args(
+        self,
+        p: torch.nn.Parameter,
+        grad: torch.Tensor | list[torch.Tensor],
+        group: dict[str, Any],
+        step: int,
+        scale: float,
+        into: dict[str, torch.Tensor] | None = None,
+        weight: torch.Tensor | None = None,
+        states: dict[str, torch.Tensor] | None = None,
+        span: tuple[int, int] | None = None,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments of ``_core.optim_step`` for :meth:`_run_kernel`'s update (the GPU
+        kernel takes the same: ``_gpu_step``). ``grad`` may be a list of host tensors of ``p``'s
+        dtype, summed by the kernel (the GPU's; the CPU's sums them first)."""
         w = p if weight is None else weight
         if not w.is_contiguous():
             raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
-        if grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
+        if isinstance(grad, list):
+            if span is not None:
+                raise ValueError("a gradient in parts is for whole parameters")
+        elif grad.dtype not in _DTYPES or not grad.is_contiguous() or grad.device.type != "cpu":
             grad = grad.detach().to(device="cpu", dtype=p.dtype).contiguous()
         if span is not None and span != (0, p.numel()):
             a, b = span
@@ -290,17 +317,8 @@ class HostStates(torch.optim.Optimizer):
         hyper["seed"] = hash((self._seed, step, self._index_of(p))) & ((1 << 63) - 1)
         if span is not None and span[0]:
             hyper["index_offset"] = span[0]
-        _core.optim_step(
-            self._rule,
-            hyper,
-            dst,
-            grad,
-            dst_states,
-            master=dst_master,
-            comp=dst_comp,
-            scales=dst_scales,
-            old=old,
-        )
+        kwargs = {"master": dst_master, "comp": dst_comp, "scales": dst_scales, "old": old}
+        return (self._rule, hyper, dst, grad, dst_states), kwargs
 
     def _index_of(self, p: torch.nn.Parameter) -> int:
         """Position of ``p`` among the optimizer's parameters (seeds its stochastic rounding)."""

@@ -53,18 +53,72 @@ impl Default for AdamW {
     }
 }
 
-#[derive(Clone, Copy)]
-pub(super) struct AdamRule {
-    gs: f32,
-    decay: f32,
-    w1: f32,
-    w1c: f32,
-    lerp_low: bool,
-    beta2: f32,
-    c2: f32,
-    inv_bc2_sqrt: f32,
-    eps: f32,
-    neg_step_size: f32,
+/// The `f32` constants of one AdamW step, as the kernels use them (computed from [`AdamW`] in
+/// double, as torch does, then rounded): what another implementation of the same step (the GPU
+/// kernel of the Python package) needs to compute the same bits. See [`AdamW::constants`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamRule {
+    /// The gradient's factor (`grad_scale`, negated to maximise).
+    pub gs: f32,
+    /// The weight's factor, `1 - lr * weight_decay`.
+    pub decay: f32,
+    /// `1 - beta1`, the weight of torch's `lerp`.
+    pub w1: f32,
+    /// `1 - w1` in `f32`.
+    pub w1c: f32,
+    /// Whether `lerp` takes its low form, `m + w1 * (g - m)` (else `g - (g - m) * w1c`).
+    pub lerp_low: bool,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub c2: f32,
+    /// `1 / sqrt(1 - beta2^step)`.
+    pub inv_bc2_sqrt: f32,
+    /// `eps`.
+    pub eps: f32,
+    /// `-lr / (1 - beta1^step)`.
+    pub neg_step_size: f32,
+}
+
+impl AdamW {
+    /// The step's `f32` constants, after checking the hyperparameters (the errors of
+    /// [`adamw_update`]).
+    pub fn constants(&self) -> Result<AdamRule> {
+        let h = self;
+        check_nonneg("lr", h.lr)?;
+        check_beta("beta1", h.beta1, false)?;
+        check_beta("beta2", h.beta2, false)?;
+        check_nonneg("eps", h.eps)?;
+        check_nonneg("weight_decay", h.weight_decay)?;
+        check_finite("grad_scale", h.grad_scale)?;
+        if h.step == 0 {
+            return Err(invalid(
+                "step counts from 1 (the bias corrections divide by 1 - beta^step)",
+            ));
+        }
+        // Scalars as torch computes them: in double, then cast to the tensors' float.
+        let step = h.step as f64;
+        let bc1 = 1.0 - h.beta1.powf(step);
+        let bc2 = 1.0 - h.beta2.powf(step);
+        let w1 = (1.0 - h.beta1) as f32;
+        let gs = if h.maximize {
+            -h.grad_scale
+        } else {
+            h.grad_scale
+        };
+        Ok(AdamRule {
+            gs: gs as f32,
+            decay: (1.0 - h.lr * h.weight_decay) as f32,
+            w1,
+            w1c: 1.0 - w1,
+            lerp_low: w1.abs() < 0.5,
+            beta2: h.beta2 as f32,
+            c2: (1.0 - h.beta2) as f32,
+            inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
+            eps: h.eps as f32,
+            neg_step_size: (-(h.lr / bc1)) as f32,
+        })
+    }
 }
 
 impl Rule for AdamRule {
@@ -143,17 +197,6 @@ pub fn adamw_update(
     exp_avg_sq: StateMut<'_>,
     old: &Old<'_>,
 ) -> Result<()> {
-    check_nonneg("lr", h.lr)?;
-    check_beta("beta1", h.beta1, false)?;
-    check_beta("beta2", h.beta2, false)?;
-    check_nonneg("eps", h.eps)?;
-    check_nonneg("weight_decay", h.weight_decay)?;
-    check_finite("grad_scale", h.grad_scale)?;
-    if h.step == 0 {
-        return Err(invalid(
-            "step counts from 1 (the bias corrections divide by 1 - beta^step)",
-        ));
-    }
     let param = param_mode(param)?;
     let n = param.len();
     check_grad(&grad, n)?;
@@ -167,28 +210,7 @@ pub fn adamw_update(
         state_mode("exp_avg", exp_avg, n, true)?,
         state_mode("exp_avg_sq", exp_avg_sq, n, false)?,
     );
-    // Scalars as torch computes them: in double, then cast to the tensors' float.
-    let step = h.step as f64;
-    let bc1 = 1.0 - h.beta1.powf(step);
-    let bc2 = 1.0 - h.beta2.powf(step);
-    let w1 = (1.0 - h.beta1) as f32;
-    let gs = if h.maximize {
-        -h.grad_scale
-    } else {
-        h.grad_scale
-    };
-    let rule = AdamRule {
-        gs: gs as f32,
-        decay: (1.0 - h.lr * h.weight_decay) as f32,
-        w1,
-        w1c: 1.0 - w1,
-        lerp_low: w1.abs() < 0.5,
-        beta2: h.beta2 as f32,
-        c2: (1.0 - h.beta2) as f32,
-        inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
-        eps: h.eps as f32,
-        neg_step_size: (-(h.lr / bc1)) as f32,
-    };
+    let rule = h.constants()?;
     let old = sources(old, &param, Some(&states.0), Some(&states.1))?;
     run_step(
         rule,

@@ -96,7 +96,7 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
-pub use adamw::{adamw_step, adamw_step_from, adamw_update, AdamW};
+pub use adamw::{adamw_step, adamw_step_from, adamw_update, AdamRule, AdamW};
 pub use lion::{lion_step, lion_step_from, lion_update, Lion};
 pub use sgd::{sgd_step, sgd_step_from, sgd_update, Sgd};
 pub use stats::{grad_stats, scale_in_place, stochastic_round_bf16, GradStats};

@@ -121,6 +121,18 @@ pub(super) struct Stream {
     pub(super) offset: u64,
 }
 
+/// The keys of the random words of stochastic rounding for the elements of a call with `seed`
+/// at `step` whose index (in the whole tensor) divided by 2^32 is that of `offset`: `[k0, k1]`
+/// hash word 0 of element `i` as `hash32(i mod 2^32, k0, k1)`, `[k2, k3]` word 1. Word 0 rounds
+/// the parameter (its low 16 bits) and the first state (its high 16 bits), word 1 the second
+/// state. For another implementation of the kernels to draw the same words.
+pub fn stochastic_keys(seed: u64, step: u64, offset: u64) -> [u32; 4] {
+    let s = Stream::new(seed, step);
+    let (k0, k1) = s.keys(0, offset >> 32);
+    let (k2, k3) = s.keys(1, offset >> 32);
+    [k0, k1, k2, k3]
+}
+
 impl Stream {
     pub(super) fn new(seed: u64, step: u64) -> Self {
         let k = mix64(seed ^ 0x6A09_E667_F3BC_C908);

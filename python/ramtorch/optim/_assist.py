@@ -1,0 +1,173 @@
+"""The GPU as a second worker for speculative updates (``gpu_updates=True``).
+
+During the last backward of a step the CPU's cores compute each unit's update into its shadow as
+the unit's gradients land (``_speculation``); when the updates take longer than the backward (a
+large model in ``precision="compact"``, whose codec keeps the cores busy), the rest waits for
+``step()``. The GPU meanwhile has its memory bandwidth to spare and its kernels take
+microseconds: the cost of an update there is the link, about 14 bytes a parameter in compact
+precision (8 up, 6 down) and 30 with fp32 masters. So the GPU takes updates too: every
+speculative update is a *claim* that the first of the two workers to take it runs, the CPU
+worker taking the newest units' first (its jobs run newest first), the GPU thread the oldest
+units' first, from the end of each unit's list, so that they meet. Both compute the same bits
+(``_gpu_kernel``), so which one ran an update changes nothing.
+
+The GPU thread waits for a unit's gradient copies like the CPU worker, runs each update it
+claimed through a ``_gpu_step.DeviceStepper`` on the unit's device, and marks the speculation
+done once its results are in the shadow (an event it waits for). ``step()``'s drain waits for an
+update the GPU thread is running. A failure there leaves the speculation undone (``step()``
+updates the parameter on the CPU) and turns the GPU's share off, with a warning."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from .._log import logger
+from . import _jobs
+
+
+class Claim:
+    """An update that either worker may run: the first :meth:`take` wins."""
+
+    __slots__ = ("_lock", "by")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by: str | None = None
+
+    def take(self, who: str) -> bool:
+        """Whether ``who`` now owns the update (it was not taken)."""
+        with self._lock:
+            if self.by is not None:
+                return False
+            self.by = who
+            return True
+
+
+class GpuAssist:
+    """The GPU thread of one optimizer: offered units of updates, runs the ones it claims."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        #: Offered units, oldest first: (wait for the gradients, [(claim, run), ...]).
+        self._offers: list[tuple[Callable[[], None], list[tuple[Claim, Callable[[], None]]]]] = []
+        self._running = 0
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.enabled = True
+        #: Updates run on the GPU, and the seconds the thread spent running them.
+        self.updates = 0
+        self.seconds = 0.0
+
+    def offer(self, wait: Callable[[], None], items: list[tuple[Claim, Callable[[], None]]]) -> None:
+        """Offers a unit's updates: ``wait()`` returns once its gradients have landed (raises if
+        they never will); each ``run()`` computes one update on the GPU and returns once its
+        results are in host memory."""
+        if not self.enabled or not items:
+            return
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="ramtorch-optim-gpu", daemon=True)
+                self._thread.start()
+                _LIVE.add(self)
+            self._offers.append((wait, items))
+            self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._offers and not self._closing:
+                    self._cv.wait()
+                if not self._offers:
+                    return
+                wait, items = self._offers.pop(0)
+            if not self.enabled or all(c.by is not None for c, _ in items):
+                continue
+            try:
+                wait()
+            except BaseException:  # noqa: BLE001 - the copies failed: the CPU job meets the error
+                continue
+            for claim, run in reversed(items):
+                if not self.enabled:
+                    break
+                with self._cv:
+                    if not claim.take("gpu"):
+                        continue
+                    self._running += 1
+                start = time.perf_counter()
+                try:
+                    run()
+                    self.updates += 1
+                except Exception as e:  # noqa: BLE001 - the update stays undone: step() runs it
+                    self.enabled = False
+                    logger.warning(
+                        "ramtorch.optim: an update on the GPU failed (%s); the CPU does them all now", e
+                    )
+                    warnings.warn(
+                        f"ramtorch.optim: an update on the GPU failed ({e}); updates run on the CPU "
+                        "from now on",
+                        RuntimeWarning,
+                        stacklevel=1,
+                    )
+                finally:
+                    self.seconds += time.perf_counter() - start
+                    with self._cv:
+                        self._running -= 1
+                        self._cv.notify_all()
+            del wait, items  # they hold the optimizer: not past this unit
+
+    def busy(self) -> bool:
+        """Whether an update is running on the GPU thread."""
+        return self._running > 0
+
+    def wait(self) -> None:
+        """Until no update is running on the GPU thread. Updates it has not claimed are the CPU
+        worker's (it claims what is left of a unit when it reaches it)."""
+        with self._cv:
+            while self._running:
+                self._cv.wait()
+
+    def drop_offers(self) -> None:
+        """Forgets the offered units (``step()`` has begun: what is not running stays with the
+        CPU worker or with ``step()``)."""
+        with self._cv:
+            self._offers.clear()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Ends the thread after the update it is running (waiting at most ``timeout`` seconds)."""
+        with self._cv:
+            self._closing = True
+            self._offers.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+#: Threads started. At interpreter exit each is ended and joined (as the CPU worker's are,
+#: ``_jobs``): a daemon thread stopped inside a CUDA call while the interpreter finalizes can
+#: abort the process.
+_LIVE: weakref.WeakSet[GpuAssist] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for assist in list(_LIVE):
+        assist.close(_jobs.EXIT_WAIT_SECONDS)
+
+
+def supported(device: torch.device | None) -> bool:
+    """Whether updates can run on ``device`` (a CUDA device, with Triton)."""
+    if device is None or device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

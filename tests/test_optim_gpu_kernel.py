@@ -1,0 +1,313 @@
+"""The GPU AdamW kernel (``ramtorch.optim._gpu_kernel``) against the Rust kernel, bit for bit:
+every parameter and state format, gradients of three dtypes, pieces that do not fill a block,
+offsets past 2^32, out of place and in place, non-finite values. On the CPU Triton's interpreter
+runs the kernel (in a subprocess: the interpreter is chosen when Triton is imported); the GPU
+tests run the compiled kernel and the staged path through host memory."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import ramtorch
+import torch
+from ramtorch import _core
+
+BF16 = torch.bfloat16
+
+
+def _hyper(rng: torch.Generator, step: int, offset: int) -> dict:
+    r = lambda lo, hi: lo + (hi - lo) * torch.rand((), generator=rng).item()  # noqa: E731
+    return {
+        "lr": r(1e-4, 3e-2),
+        "beta1": 0.9 if step % 2 else r(0.1, 0.6),  # both of torch's lerp forms
+        "beta2": r(0.95, 0.9999),
+        "eps": 10 ** r(-9, -6),
+        "weight_decay": r(0.0, 0.1),
+        "maximize": bool(step % 3 == 0),
+        "grad_scale": 1.0 if step % 2 else r(0.25, 2.0),
+        "step": step,
+        "seed": int(torch.randint(0, 1 << 62, (), generator=rng)),
+        "index_offset": offset,
+    }
+
+
+def _operands(
+    rng: torch.Generator, n: int, pformat: str, sformat: tuple[str, str], gdtype: torch.dtype, special: bool
+) -> dict:
+    """Random operands of one update (host tensors), as ``_core.optim_step`` takes them."""
+    w = torch.randn(n, generator=rng) * 0.05
+    g = torch.randn(n, generator=rng) * 1e-2
+    if special and n > 300:
+        g[256:300] = 0.0
+        g[7] = float("nan")  # a NaN gradient: its blocks of quantized states become NaN
+    ops: dict = {"grad": g, "master": None, "comp": None, "scales": None}
+    if pformat == "f32":
+        ops["param"] = w.clone()
+    elif pformat == "bf16":
+        ops["param"] = w.to(BF16)
+    elif pformat == "master":
+        ops["param"], ops["master"] = w.to(BF16), w.clone()
+    else:
+        ops["param"] = w.to(BF16)
+        ops["comp"] = ((w - w.to(BF16).float()) * torch.rand(n, generator=rng)).to(BF16)
+        if special and n > 3:
+            ops["param"][3] = float("inf")
+    m = torch.randn(n, generator=rng) * 1e-3
+    v = torch.rand(n, generator=rng) * 1e-5
+    if special and n > 600:
+        m[512:768], v[512:768] = 0.0, 0.0  # an all-zero block of new moments
+        g[512:768] = 0.0
+    states, scales = [], []
+    for x, fmt, signed in ((m, sformat[0], True), (v, sformat[1], False)):
+        if fmt == "f32":
+            states.append(x.clone())
+        elif fmt == "bf16":
+            states.append(x.to(BF16))
+        else:
+            codes = torch.empty(n, dtype=torch.uint8)
+            sc = torch.empty(-(-n // 256), dtype=torch.float32)
+            _core.q8_quantize(x, codes, sc, signed)
+            states.append(codes)
+            scales.append(sc)
+    ops["states"] = states
+    ops["scales"] = scales or None
+    ops["grad"] = g.to(gdtype)
+    return ops
+
+
+def _clone(ops: dict) -> dict:
+    c = {}
+    for k, v in ops.items():
+        if isinstance(v, torch.Tensor):
+            c[k] = v.clone()
+        elif isinstance(v, list):
+            c[k] = [t.clone() for t in v]
+        else:
+            c[k] = v
+    return c
+
+
+def _dests(ops: dict) -> list[torch.Tensor]:
+    out = [ops["param"], *ops["states"]]
+    out += [t for t in (ops["master"], ops["comp"]) if t is not None]
+    out += ops["scales"] or []
+    return out
+
+
+def _old(ops: dict) -> dict:
+    """The ``old`` argument of an update out of place that reads ``ops`` (then fresh buffers
+    receive the results)."""
+    old: dict = {"states": ops["states"]}
+    if ops["master"] is not None:
+        old["master"] = ops["master"]
+    else:
+        old["param"] = ops["param"]
+    if ops["comp"] is not None:
+        old["comp"] = ops["comp"]
+    if ops["scales"] is not None:
+        old["scales"] = ops["scales"]
+    return old
+
+
+def _fresh(ops: dict) -> dict:
+    """Destination buffers of an update out of place: filled with garbage, fully overwritten."""
+    f = _clone(ops)
+    for t in _dests(f):
+        t.view(torch.uint8).fill_(0xA5)
+    return f
+
+
+def _run(step_fn, ops: dict, hyper: dict, out_of_place: bool) -> list[torch.Tensor]:  # noqa: ANN001
+    if out_of_place:
+        dst = _fresh(ops)
+        old = _old(ops)
+    else:
+        dst, old = _clone(ops), None
+    step_fn(
+        "adamw",
+        hyper,
+        dst["param"],
+        dst["grad"] if not out_of_place else ops["grad"],
+        dst["states"],
+        master=dst["master"],
+        comp=dst["comp"],
+        scales=dst["scales"],
+        old=old,
+    )
+    return _dests(dst)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+CASES = [
+    (p, s, g)
+    for p, s, g in itertools.product(
+        ("f32", "bf16", "master", "comp"),
+        (("f32", "f32"), ("bf16", "bf16"), ("f32", "bf16"), ("q8", "q8")),
+        (torch.float32, BF16, torch.float16),
+    )
+]
+
+
+def compare_all(step_fn, sizes: tuple[int, ...], device: str = "cpu") -> int:  # noqa: ANN001
+    """Runs every case through ``step_fn`` (the GPU kernel's entry) and ``_core.optim_step``;
+    raises on the first difference; returns the number of comparisons."""
+    rng = torch.Generator().manual_seed(0)
+    count = 0
+    runs = [(k, case, sizes[k % len(sizes)], False) for k, case in enumerate(CASES)]
+    runs += [(k, case, max(sizes), True) for k, case in enumerate(CASES)]  # non-finite values
+    for k, (pformat, sformat, gdtype), n, special in runs:
+        offset = 0 if k % 4 else (1 << 32) - 256 * (-(-n // 256))  # ends just below 2^32
+        if k % 8 == 1:
+            offset = (3 << 32) + 512  # past 2^32: the keys of another window
+        hyper = _hyper(rng, 1 + k % 9, offset)
+        ops = _operands(rng, n, pformat, sformat, gdtype, special)
+        for out_of_place in (False, True):
+            want = _run(_core.optim_step, ops, hyper, out_of_place)
+            if device == "cpu":
+                got = _run(step_fn, ops, hyper, out_of_place)
+            else:
+                dev = {
+                    key: (
+                        v.to(device)
+                        if isinstance(v, torch.Tensor)
+                        else [t.to(device) for t in v]
+                        if isinstance(v, list)
+                        else v
+                    )
+                    for key, v in ops.items()
+                }
+                got = [t.cpu() for t in _run(step_fn, dev, hyper, out_of_place)]
+            for i, (a, b) in enumerate(zip(want, got)):
+                if not _same_bits(a, b):
+                    diff = (a.view(torch.uint8) != b.view(torch.uint8)).nonzero()[:5].flatten().tolist()
+                    raise AssertionError(
+                        f"case {pformat}/{sformat}/{gdtype} n={n} offset={offset} "
+                        f"out_of_place={out_of_place}: "
+                        f"destination {i} differs at bytes {diff}"
+                    )
+            count += 1
+    return count
+
+
+def test_interpreted_kernel_equals_the_rust_kernel_bitwise():
+    """Every format, in the interpreter, against ``_core.optim_step``."""
+    pytest.importorskip("triton")
+    code = (
+        "import test_optim_gpu_kernel as t\n"
+        "from ramtorch.optim._gpu_step import optim_step_here\n"
+        "print(t.compare_all(optim_step_here, (1, 255, 700, 1300)))\n"
+    )
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([pkg, here])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert int(r.stdout.strip().splitlines()[-1]) == 4 * len(CASES)
+
+
+def test_the_kernel_refuses_what_it_does_not_implement():
+    from ramtorch.optim._gpu_step import layout
+
+    p = torch.zeros(4, dtype=torch.float16)
+    g = torch.zeros(4)
+    s = [torch.zeros(4), torch.zeros(4)]
+    assert layout("adamw", p, g, s, torch.zeros(4), None, None) is None  # fp16 with a master
+    assert layout("sgd", torch.zeros(4), g, s[:1], None, None, None) is None
+    assert (
+        layout("adamw", torch.zeros(4), g, [s[0], torch.zeros(4, dtype=torch.uint8)], None, None, [g]) is None
+    )
+    assert layout("adamw", torch.zeros(4), g, s, None, None, None) == (0, 0, 0)
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_equals_the_rust_kernel_bitwise():
+    from ramtorch.optim._gpu_step import optim_step_here
+
+    assert compare_all(optim_step_here, (1, 255, 700, 1300, 70_000), device="cuda") == 4 * len(CASES)
+
+
+@pytest.mark.gpu
+def test_staged_steps_from_host_memory_equal_the_rust_kernel(monkeypatch: pytest.MonkeyPatch):
+    """The path a host update takes on the GPU: pieces staged up on two streams, results copied
+    down into host tensors; pieces small enough that a tensor takes several."""
+    from ramtorch.optim import _gpu_step
+
+    monkeypatch.setattr(_gpu_step, "PIECE", 1024)
+    stepper = _gpu_step.DeviceStepper(torch.device("cuda"))
+
+    def staged(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        for ev in stepper.step(*args, **kwargs):
+            ev.synchronize()
+
+    assert compare_all(staged, (1, 700, 5000, 9000)) == 4 * len(CASES)
+    assert stepper.up_bytes > 0 and stepper.down_bytes > 0
+
+
+def train_both_ways(device: str, precisions: tuple[str, ...] = ("compact", "fp32-master", "bf16")) -> str:
+    """Trains a small offloaded model with ``gpu_updates`` off and on; returns one line per
+    precision: whether the weights are bitwise equal, and the updates the GPU ran. On the CPU the
+    caller makes ``_assist.supported`` true (Triton's interpreter runs the GPU kernel)."""
+    lines = []
+    for prec in precisions:
+        weights, gpu_runs = [], 0
+        for gpu in (False, True):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(
+                torch.nn.Linear(64, 96, dtype=BF16), torch.nn.GELU(), torch.nn.Linear(96, 64, dtype=BF16)
+            )
+            ramtorch.offload(m, device=device)
+            opt = ramtorch.optim.AdamW(m.parameters(), lr=1e-2, precision=prec, gpu_updates=gpu)
+            torch.manual_seed(1)
+            for _ in range(5):
+                for _ in range(2):  # two micro-batches a step
+                    x = torch.randn(8, 64, dtype=BF16, device=device)
+                    m(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            weights.append([p.detach().cpu().view(torch.int16).clone() for p in m.parameters()])
+            gpu_runs = opt.timings["gpu_updates"] if gpu else gpu_runs
+        same = all(torch.equal(a, b) for a, b in zip(*weights))
+        lines.append(f"{prec} {same} {gpu_runs}")
+    return "\n".join(lines)
+
+
+def test_gpu_updates_train_bitwise_as_the_cpu_in_the_interpreter():
+    """``gpu_updates=True`` end to end on the CPU: the GPU thread claims updates (the kernel
+    interpreted), and every step equals the CPU-only run bit for bit."""
+    pytest.importorskip("triton")
+    code = (
+        "import test_optim_gpu_kernel as t\n"
+        "from ramtorch.optim import _assist\n"
+        "_assist.supported = lambda device: True\n"
+        "print(t.train_both_ways('cpu'))\n"
+    )
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([pkg, here])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.strip().splitlines()[-3:]]
+    assert [row[0] for row in rows] == ["compact", "fp32-master", "bf16"]
+    for prec, same, runs in rows:
+        assert same == "True", f"{prec}: the weights differ"
+        assert int(runs) > 0, f"{prec}: the GPU thread ran no update"
+
+
+def test_gpu_updates_is_a_bool():
+    with pytest.raises(ValueError, match="gpu_updates"):
+        ramtorch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], gpu_updates="yes")
+
+
+@pytest.mark.gpu
+def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda():
+    for line in train_both_ways("cuda").splitlines():
+        prec, same, runs = line.split()
+        assert same == "True", f"{prec}: the weights differ"
+        assert int(runs) > 0, f"{prec}: the GPU ran no update"
