@@ -10,7 +10,8 @@ constants come from the Rust code (``_core.optim_constants``), products are not 
 correctly rounded ones, bf16 rounding and the random words of stochastic rounding are the Rust
 bit manipulations (``hash32`` of each element's index under keys from ``_core``), and an 8-bit
 state is encoded by the binary search over the map that the Rust table encoder is checked against
-on every float. A block's scale is the largest magnitude of its new values (NaN, and codes 0, if
+on every float. NaNs are the one exception: a NaN the arithmetic makes is positive with CUDA
+and negative on x86 (it is NaN in the same places). A block's scale is the largest magnitude of its new values (NaN, and codes 0, if
 one is not finite; 0 and the code of 0 if all are zero).
 
 Imported only where a step runs on a GPU (``_gpu_step``); ``TRITON_INTERPRET=1`` runs the kernel
@@ -90,8 +91,7 @@ def _encode(q, vmap):  # noqa: ANN001, ANN202 - Triton values
     """``quant::encode_by_search``: the code of the map value nearest ``q`` (ties up)."""
     c = tl.zeros(q.shape, tl.int32)
     for k in tl.static_range(7, -1, -1):
-        s: tl.constexpr = 1 << k
-        c += tl.where(q >= tl.load(vmap + c + s), s, 0)
+        c += tl.where(q >= tl.load(vmap + c + (1 << k)), 1 << k, 0)
     up = tl.minimum(c + 1, 255)
     mc = tl.load(vmap + c)
     mu = tl.load(vmap + up)
