@@ -11,8 +11,8 @@ correctly rounded ones, bf16 rounding and the random words of stochastic roundin
 bit manipulations (``hash32`` of each element's index under keys from ``_core``), and an 8-bit
 state is encoded by the binary search over the map that the Rust table encoder is checked against
 on every float. NaNs are the one exception: a NaN the arithmetic makes is positive with CUDA
-and negative on x86 (it is NaN in the same places). A block's scale is the largest magnitude of its new values (NaN, and codes 0, if
-one is not finite; 0 and the code of 0 if all are zero).
+and negative on x86 (it is NaN in the same places). A block's scale is the largest magnitude of
+its new values (NaN, and codes 0, if one is not finite; 0 and the code of 0 if all are zero).
 
 Imported only where a step runs on a GPU (``_gpu_step``); ``TRITON_INTERPRET=1`` runs the kernel
 on CPU tensors, which is how the CPU tests compare it with the Rust kernel."""
