@@ -261,9 +261,12 @@ def test_staged_steps_from_host_memory_equal_the_rust_kernel(monkeypatch: pytest
     assert stepper.up_bytes > 0 and stepper.down_bytes > 0
 
 
-def train_both_ways(device: str, precisions: tuple[str, ...] = ("compact", "fp32-master", "bf16")) -> str:
+def train_both_ways(
+    device: str, precisions: tuple[str, ...] = ("compact", "fp32-master", "bf16"), overlap: bool = True
+) -> str:
     """Trains a small offloaded model with ``gpu_updates`` off and on; returns one line per
-    precision: whether the weights are bitwise equal, and the updates the GPU ran. On the CPU the
+    precision: whether the weights are bitwise equal, and the updates the GPU ran (speculated in
+    backward and in ``step()``; only in ``step()`` with ``overlap=False``). On the CPU the
     caller makes ``_assist.supported`` true (Triton's interpreter runs the GPU kernel)."""
     lines = []
     for prec in precisions:
@@ -274,7 +277,9 @@ def train_both_ways(device: str, precisions: tuple[str, ...] = ("compact", "fp32
                 torch.nn.Linear(64, 96, dtype=BF16), torch.nn.GELU(), torch.nn.Linear(96, 64, dtype=BF16)
             )
             ramtorch.offload(m, device=device)
-            opt = ramtorch.optim.AdamW(m.parameters(), lr=1e-2, precision=prec, gpu_updates=gpu)
+            opt = ramtorch.optim.AdamW(
+                m.parameters(), lr=1e-2, precision=prec, gpu_updates=gpu, overlap=overlap
+            )
             torch.manual_seed(1)
             for _ in range(5):
                 for _ in range(2):  # two micro-batches a step
@@ -298,14 +303,15 @@ def test_gpu_updates_train_bitwise_as_the_cpu_in_the_interpreter():
         "from ramtorch.optim import _assist\n"
         "_assist.supported = lambda device: True\n"
         "print(t.train_both_ways('cpu'))\n"
+        "print(t.train_both_ways('cpu', overlap=False))\n"
     )
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([pkg, here])}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.strip().splitlines()[-3:]]
-    assert [row[0] for row in rows] == ["compact", "fp32-master", "bf16"]
+    rows = [line.split() for line in r.stdout.strip().splitlines()[-6:]]
+    assert [row[0] for row in rows] == ["compact", "fp32-master", "bf16"] * 2
     for prec, same, runs in rows:
         assert same == "True", f"{prec}: the weights differ"
         assert int(runs) > 0, f"{prec}: the GPU thread ran no update"
@@ -317,8 +323,9 @@ def test_gpu_updates_is_a_bool():
 
 
 @pytest.mark.gpu
-def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda():
-    for line in train_both_ways("cuda").splitlines():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda(overlap: bool):
+    for line in train_both_ways("cuda", overlap=overlap).splitlines():
         prec, same, runs = line.split()
         assert same == "True", f"{prec}: the weights differ"
         assert int(runs) > 0, f"{prec}: the GPU ran no update"

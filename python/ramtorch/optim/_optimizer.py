@@ -8,15 +8,16 @@ subclass it."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .. import _core, _engine
+from .. import _core, _engine, _log
 from .._units import format_bytes
-from . import _assist, _parallel, _speculation
+from . import _assist, _gpu_step, _parallel, _speculation
 from ._jobs import _Jobs
 from ._resident import ResidentStates
 from ._schedule import OverlapSchedule, UpdateMode, listen
@@ -456,11 +457,67 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             return _parallel.ALONE_NUMEL if ds is not None and p in ds else p.numel()
 
         if all(self.state.get(p) for p, _, _ in items):
-            _parallel.run(one, items, numel)
+            gpu = self._gpu_share(items, scale)
+            if gpu is None:
+                _parallel.run(one, items, numel)
+            else:
+                claims, thread = gpu
+                _parallel.run(
+                    lambda item: one(item) if claims[id(item[0])].take("cpu") else None, items, numel
+                )
+                thread.join()
         else:
             for item in items:
                 one(item)
         self.timings["in_step_updates"] += len(items)
+
+    def _gpu_share(
+        self, items: list[tuple[torch.nn.Parameter, dict[str, Any], int]], scale: float
+    ) -> tuple[dict[int, _assist.Claim], threading.Thread] | None:
+        """With ``gpu_updates=True``, starts a thread that runs ``step()``'s in-place updates on
+        the GPU beside the CPU's, from the end of ``items`` (the CPU takes them from the start):
+        each update is a claim that the first worker to take it runs, with the same bits. None
+        when the GPU takes no part (no CUDA engine, ZeRO, states on disk)."""
+        if self._assist is None or not self._assist.enabled or self._zero is not None:
+            return None
+        if self._disk_states is not None:
+            return None
+        device = next((e.device for e in _engine.engines() if _assist.supported(e.device)), None)
+        if device is None:
+            return None
+        claims = {id(p): _assist.Claim() for p, _, _ in items}
+        stepper = self._steppers.get(device)
+        if stepper is None:
+            stepper = self._steppers[device] = _gpu_step.DeviceStepper(device)
+
+        def work() -> None:
+            done, start = 0, time.perf_counter()
+            for p, group, _ in reversed(items):
+                grad = p.grad
+                if grad is None or not self._gpu_can_update(p, [grad]):
+                    continue
+                if not claims[id(p)].take("gpu"):
+                    continue  # the CPU has it
+                state = self.state[p]
+                try:
+                    args, kw = self._kernel_args(p, [grad], group, int(state["step"].item()) + 1, scale)
+                    for ev in stepper.step(*args, **kw):
+                        ev.synchronize()
+                except Exception as e:  # noqa: BLE001 - the CPU does it (and the rest) instead
+                    self._assist.enabled = False
+                    _log.logger.warning(
+                        "ramtorch.optim: an update on the GPU failed (%s); the CPU does them", e
+                    )
+                    self._update_host(p, grad, group, scale)
+                    continue
+                state["step"] += 1
+                done += 1
+            self.timings["gpu_updates"] += done
+            self.timings["gpu_seconds"] += time.perf_counter() - start
+
+        thread = threading.Thread(target=work, name="ramtorch-optim-gpu-step", daemon=True)
+        thread.start()
+        return claims, thread
 
     def _check_host_memory(self) -> None:
         """Before an update makes states in host RAM: a ``MemoryError`` that names the bytes when
