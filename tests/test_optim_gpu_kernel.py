@@ -295,13 +295,15 @@ def train_both_ways(
 
 
 def test_gpu_updates_train_bitwise_as_the_cpu_in_the_interpreter():
-    """``gpu_updates=True`` end to end on the CPU: the GPU thread claims updates (the kernel
-    interpreted), and every step equals the CPU-only run bit for bit."""
+    """``gpu_updates=True`` end to end on the CPU: the GPU thread runs the updates (the kernel
+    interpreted; the CPU leaves them all to it), and every step equals the CPU-only run bit for
+    bit."""
     pytest.importorskip("triton")
     code = (
         "import test_optim_gpu_kernel as t\n"
         "from ramtorch.optim import _assist\n"
         "_assist.supported = lambda device: True\n"
+        "_assist.GPU_ONLY = True\n"
         "print(t.train_both_ways('cpu'))\n"
         "print(t.train_both_ways('cpu', overlap=False))\n"
     )

@@ -31,18 +31,28 @@ import torch
 from .._log import logger
 from . import _jobs
 
+#: Tests set this: the CPU leaves every update the GPU can run to the GPU (which worker runs an
+#: update is otherwise a race, and a test of the GPU's share would depend on timing).
+GPU_ONLY = False
+
 
 class Claim:
-    """An update that either worker may run: the first :meth:`take` wins."""
+    """An update that either worker may run: the first :meth:`take` wins. ``gpu``: whether the
+    GPU can run it (else only the CPU takes it)."""
 
-    __slots__ = ("_lock", "by")
+    __slots__ = ("_lock", "by", "gpu")
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: bool = True) -> None:
         self._lock = threading.Lock()
         self.by: str | None = None
+        self.gpu = gpu
 
     def take(self, who: str) -> bool:
-        """Whether ``who`` now owns the update (it was not taken)."""
+        """Whether ``who`` (``"cpu"`` or ``"gpu"``) now owns the update (it was not taken)."""
+        if who == "gpu" and not self.gpu:
+            return False
+        if who == "cpu" and GPU_ONLY and self.gpu:
+            return False
         with self._lock:
             if self.by is not None:
                 return False

@@ -206,6 +206,9 @@ class DeviceStepper:
         self.device = device
         # On the CPU (Triton's interpreter, for tests) the same path runs without streams.
         self._streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(2)]
+        # Device buffers of each stream, by operand and dtype, kept for the next piece (the
+        # stream's order makes reuse safe; no allocation while a training step holds the memory).
+        self._bufs: list[dict[tuple[str, torch.dtype], torch.Tensor]] = [{}, {}]
         #: Bytes copied each way, for the statistics.
         self.up_bytes = 0
         self.down_bytes = 0
@@ -241,18 +244,28 @@ class DeviceStepper:
         for i, a in enumerate(range(0, n, PIECE)):
             b = min(n, a + PIECE)
             stream = self._streams[i % 2]
+            bufs = self._bufs[i % 2]
+
+            def buf(name: str, h: torch.Tensor, bufs: dict = bufs) -> torch.Tensor:
+                d = bufs.get((name, h.dtype))
+                if d is None or d.numel() < h.numel():
+                    d = bufs[(name, h.dtype)] = torch.empty(
+                        max(h.numel(), PIECE), dtype=h.dtype, device=self.device
+                    )
+                return d[: h.numel()]
+
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 tensors: dict[str, torch.Tensor] = {}
                 for name, t in ops.src.items():
                     h = ops.piece(t, name, a, b)
-                    d = torch.empty_like(h, device=self.device)
+                    d = buf(name, h)
                     d.copy_(h, non_blocking=True)
                     tensors[name] = _bits(d)
                     self.up_bytes += h.numel() * h.element_size()
                 gs = []
-                for gp in gparts:
+                for j, gp in enumerate(gparts):
                     h = gp[a:b]
-                    d = torch.empty_like(h, device=self.device)
+                    d = buf(f"grad{j}", h)
                     d.copy_(h, non_blocking=True)
                     gs.append(d)
                     self.up_bytes += h.numel() * h.element_size()
@@ -260,7 +273,7 @@ class DeviceStepper:
                 outs = []
                 for name, t in ops.dst.items():
                     h = ops.piece(t, name, a, b)
-                    d = torch.empty_like(h, device=self.device)
+                    d = buf(name, h)
                     tensors[name] = _bits(d)
                     outs.append((h, d))
                 k.launch(*modes, b - a, tensors, _consts(rule, hyper, offset + a), maps)

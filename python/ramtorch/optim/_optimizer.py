@@ -485,7 +485,10 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         device = next((e.device for e in _engine.engines() if _assist.supported(e.device)), None)
         if device is None:
             return None
-        claims = {id(p): _assist.Claim() for p, _, _ in items}
+        claims = {
+            id(p): _assist.Claim(p.grad is not None and self._gpu_can_update(p, [p.grad]))
+            for p, _, _ in items
+        }
         stepper = self._steppers.get(device)
         if stepper is None:
             stepper = self._steppers[device] = _gpu_step.DeviceStepper(device)
@@ -494,10 +497,8 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             done, start = 0, time.perf_counter()
             for p, group, _ in reversed(items):
                 grad = p.grad
-                if grad is None or not self._gpu_can_update(p, [grad]):
-                    continue
-                if not claims[id(p)].take("gpu"):
-                    continue  # the CPU has it
+                if grad is None or not claims[id(p)].take("gpu"):
+                    continue  # the CPU has it, or only the CPU can run it
                 state = self.state[p]
                 try:
                     args, kw = self._kernel_args(p, [grad], group, int(state["step"].item()) + 1, scale)
