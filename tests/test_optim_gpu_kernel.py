@@ -207,6 +207,17 @@ def compare_all(step_fn, sizes: tuple[int, ...], device: str = "cpu") -> int:  #
     return count
 
 
+def _interpreted(code: str) -> str:
+    """Runs ``code`` in a Python process whose Triton interprets kernels on CPU tensors (this
+    process's ramtorch and this directory on its path); returns its output."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([pkg, here])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
 def test_interpreted_kernel_equals_the_rust_kernel_bitwise():
     """Every format, in the interpreter, against ``_core.optim_step``."""
     pytest.importorskip("triton")
@@ -215,12 +226,8 @@ def test_interpreted_kernel_equals_the_rust_kernel_bitwise():
         "from ramtorch.optim._gpu_step import optim_step_here\n"
         "print(t.compare_all(optim_step_here, (1, 255, 700, 1300)))\n"
     )
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([pkg, here])}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert int(r.stdout.strip().splitlines()[-1]) == 4 * len(CASES)
+    out = _interpreted(code)
+    assert int(out.strip().splitlines()[-1]) == 4 * len(CASES)
 
 
 def test_the_kernel_refuses_what_it_does_not_implement():
@@ -307,12 +314,8 @@ def test_gpu_updates_train_bitwise_as_the_cpu_in_the_interpreter():
         "print(t.train_both_ways('cpu'))\n"
         "print(t.train_both_ways('cpu', overlap=False))\n"
     )
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([pkg, here])}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.strip().splitlines()[-6:]]
+    out = _interpreted(code)
+    rows = [line.split() for line in out.strip().splitlines()[-6:]]
     assert [row[0] for row in rows] == ["compact", "fp32-master", "bf16"] * 2
     for prec, same, runs in rows:
         assert same == "True", f"{prec}: the weights differ"

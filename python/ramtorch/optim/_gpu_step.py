@@ -168,6 +168,28 @@ def _check(n: int, param: torch.Tensor, grad: torch.Tensor, offset: int) -> None
         raise ValueError("optim_step on a GPU: the parameter must be contiguous")
 
 
+def _prepare(
+    rule: str,
+    hyper: dict[str, Any],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[torch.Tensor],
+    master: torch.Tensor | None,
+    comp: torch.Tensor | None,
+    scales: list[torch.Tensor] | None,
+    old: dict[str, Any] | None,
+) -> tuple[tuple[int, int, int], int, int, _Operands]:
+    """The kernel's modes, the element count, the first element's index and the operands of one
+    update, checked; ``NotImplementedError`` for operands the kernel does not implement."""
+    modes = layout(rule, param, grad, states, master, comp, scales)
+    if modes is None:
+        raise NotImplementedError(f"optim_step on a GPU: these operands of {rule} are not supported")
+    n = param.numel()
+    offset = int(hyper.get("index_offset", 0))
+    _check(n, param, grad, offset)
+    return modes, n, offset, _Operands(modes[0], param, grad, states, master, comp, scales, old)
+
+
 def optim_step_here(
     rule: str,
     hyper: dict[str, Any],
@@ -186,13 +208,7 @@ def optim_step_here(
 
     parts = grad if isinstance(grad, list) else [grad]
     g = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-    modes = layout(rule, param, g, states, master, comp, scales)
-    if modes is None:
-        raise NotImplementedError(f"optim_step on a GPU: these operands of {rule} are not supported")
-    n = param.numel()
-    offset = int(hyper.get("index_offset", 0))
-    _check(n, param, g, offset)
-    ops = _Operands(modes[0], param, g, states, master, comp, scales, old)
+    modes, n, offset, ops = _prepare(rule, hyper, param, g, states, master, comp, scales, old)
     tensors = {name: _bits(t) for name, t in (*ops.src.items(), *ops.dst.items())}
     tensors["grad"] = ops.grad[0]
     k.launch(*modes, n, tensors, _consts(rule, hyper, offset), _maps(param.device))
@@ -231,13 +247,7 @@ class DeviceStepper:
         from . import _gpu_kernel as k
 
         parts = [grad] if isinstance(grad, torch.Tensor) else list(grad)
-        modes = layout(rule, param, parts[0], states, master, comp, scales)
-        if modes is None:
-            raise NotImplementedError(f"optim_step on a GPU: these operands of {rule} are not supported")
-        n = param.numel()
-        offset = int(hyper.get("index_offset", 0))
-        _check(n, param, parts[0], offset)
-        ops = _Operands(modes[0], param, parts[0], states, master, comp, scales, old)
+        modes, n, offset, ops = _prepare(rule, hyper, param, parts[0], states, master, comp, scales, old)
         gparts = [p.detach().reshape(-1) for p in parts]
         maps = _maps(self.device)
         events = []
