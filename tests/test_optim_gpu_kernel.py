@@ -334,3 +334,26 @@ def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda(overlap: bool):
         prec, same, runs = line.split()
         assert same == "True", f"{prec}: the weights differ"
         assert int(runs) > 0, f"{prec}: the GPU ran no update"
+
+
+def test_a_forked_child_leaves_updates_to_the_cpu():
+    """After a fork the GPU thread is gone: the child's assist is off and waits for nothing."""
+    from ramtorch.optim import _assist
+
+    a = _assist.GpuAssist()
+    a.offer(lambda: None, [(_assist.Claim(), lambda: None)])  # starts the thread
+    a._running = 1  # as if the fork came while it ran an update
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        ok = not a.enabled and not a.busy()
+        if ok:
+            a.wait()  # returns at once (else it would wait for a thread that is not there)
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    a._running = 0
+    a.close(5)
+    assert got == b"1"

@@ -20,6 +20,7 @@ updates the parameter on the CPU) and turns the GPU's share off, with a warning.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import warnings
@@ -164,6 +165,22 @@ class GpuAssist:
 #: ``_jobs``): a daemon thread stopped inside a CUDA call while the interpreter finalizes can
 #: abort the process.
 _LIVE: weakref.WeakSet[GpuAssist] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child the GPU thread is not there (fork copies the calling thread only), its
+    lock may have been held, and CUDA cannot be used: the child's updates are the CPU's."""
+    for assist in list(_LIVE):
+        assist._cv = threading.Condition()
+        assist._offers = []
+        assist._running = 0
+        assist._thread = None
+        assist.enabled = False
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
