@@ -22,8 +22,10 @@ import torch
 
 from .. import _core
 
-#: Elements per piece (a multiple of the quantization block): at most about 44 bytes of device
-#: memory an element (fp32 master, fp32 moments and gradient, in and out), 370 MB a piece.
+#: Elements per piece (a multiple of the quantization block). Each of the two streams keeps a
+#: device buffer a piece long for every operand, in and out: 28 bytes an element with fp32
+#: masters, 14 in compact precision (2 more when the gradient comes in two parts); 235 and
+#: 117 MB a stream, outside ``gpu_budget``.
 PIECE = 1 << 23
 
 _BF16 = torch.bfloat16
@@ -143,9 +145,14 @@ class _Operands:
         """Elements ``[a, b)``'s part of operand ``name`` (its blocks' scales, for a scale)."""
         from . import _gpu_kernel as k
 
-        if name.endswith("s_in") or name.endswith("s_out"):
+        if _Operands.per_block(name):
             return t[a // k.BLOCK : -(-b // k.BLOCK)]
         return t[a:b]
+
+    @staticmethod
+    def per_block(name: str) -> bool:
+        """Whether operand ``name`` holds one value a quantization block (a scale)."""
+        return name in ("as_in", "as_out", "bs_in", "bs_out")
 
 
 def _consts(rule: str, hyper: dict[str, Any], offset: int) -> dict[str, Any]:
@@ -259,8 +266,9 @@ class DeviceStepper:
             def buf(name: str, h: torch.Tensor, bufs: dict = bufs) -> torch.Tensor:
                 d = bufs.get((name, h.dtype))
                 if d is None or d.numel() < h.numel():
+                    whole = PIECE // k.BLOCK if _Operands.per_block(name) else PIECE
                     d = bufs[(name, h.dtype)] = torch.empty(
-                        max(h.numel(), PIECE), dtype=h.dtype, device=self.device
+                        max(h.numel(), whole), dtype=h.dtype, device=self.device
                     )
                 return d[: h.numel()]
 
