@@ -110,7 +110,16 @@ def stats(model: _torch_nn.Module | None = None) -> dict[str, Any]:
 
 
 def _model_stats(model: _torch_nn.Module, streamer: Any) -> dict[str, Any]:
-    """One model's entry of :func:`stats`: its class name first, then its streamer's counters."""
+    """One model's entry of :func:`stats`: its class name first, then its streamer's counters (a
+    model offloaded over several devices: its devices, micro-batches, and each stage's)."""
+    pipe = getattr(model, "_ramtorch_pipeline", None)
+    if pipe is not None:
+        return {
+            "model": type(model).__name__,
+            "pipeline_devices": [str(d) for d in pipe.devices],
+            "micro_batches": pipe.micro_batches,
+            "stages": [s.stats() for s in pipe.streamers],
+        }
     return {"model": type(model).__name__, **streamer.stats()}
 
 

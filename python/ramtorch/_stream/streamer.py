@@ -176,6 +176,9 @@ class Streamer(Prefetcher, GradientHooks):
         # Modules of the model on which a parameter or a submodule was registered since the last
         # check (torch's registration hooks, :mod:`ramtorch._stream.added`).
         self.touched: set[nn.Module] = set()
+        #: This streamer's stage in a pipeline over several devices (``offload(devices=...)``:
+        #: one streamer per stage, see :mod:`.pipeline`), ``None`` for a model on one device.
+        self.stage: int | None = None
 
     # -- passes -------------------------------------------------------------------------------------
 
@@ -299,7 +302,7 @@ class Streamer(Prefetcher, GradientHooks):
         if PassState.BACKWARD not in self.state or torch._C._current_graph_task_id() != -1:
             return
         user = self.eng._user
-        if user is not None and user is not threading.current_thread():
+        if user is not None and user is not _engine.acting_thread():
             return  # another thread's training step: its backward may be running (its thread settles)
         with self.lock:
             self._release_backward()
@@ -954,6 +957,7 @@ class Streamer(Prefetcher, GradientHooks):
             "gathered_units": [u.name for u in gathered],
             "host_bytes": sum(u.nbytes for u in streamed + gathered if u.disk is None),
             "itinerary": [self.by_uid[k].name for k in self.fwd_itin],
+            **({} if self.stage is None else {"pipeline_stage": self.stage}),
             **self._compression(streamed),
             **self._disk_stats(streamed),
             **self.counters,
