@@ -661,26 +661,47 @@ def _offload_stages(
     activations over and relays the micro-batches (see :mod:`ramtorch._stream.pipeline`)."""
     # Containers (modules holding blocks, their own parameters resident) wrap the other units:
     # they stay on the first device, outside the split.
-    inner = [
-        units[i] for i in _disk.registration_order(model, [u.module for u in units]) if not units[i].container
-    ]
+    order = _disk.registration_order(model, [u.module for u in units])
+    inner = [units[i] for i in order if not units[i].container]
     cuts = _pipeline.split_stages([0 if u.gather else u.nbytes for u in inner], len(devices))
     stage_of = {u.uid: 0 for u in units}
     stage_of.update({u.uid: s for u, s in zip(inner, cuts)})
-    stages: list[list[_Unit]] = [[u for u in units if stage_of[u.uid] == s] for s in range(len(devices))]
-    # Parameters outside the streamed units (tied ones, adapters, a container's): on the device of
-    # the stage whose units hold them; those of no unit on the first.
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    stages = [[units[i] for i in order if stage_of[units[i].uid] == s] for s in range(len(devices))]
+    # Parameters outside the streamed units (tied ones, adapters, a container's) go to the device
+    # of the stage of each module that holds them (see _module_stage); a module that holds only
+    # such parameters (a tied embedding or head) gets the stage's hand-off hook as a unit does.
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
     home: dict[int, int] = {}
+    extra: dict[int, tuple[nn.Module, str, int]] = {}  # modules outside the units, hooked too
+    positions = {id(m): k for k, m in enumerate(model.modules())}
+    inside = {id(m): stage_of[u.uid] for u in inner for m in u.module.modules()}
+    above = {id(m) for u in inner for m in model.modules() if any(x is u.module for x in m.modules())}
+    starts = sorted((positions.get(id(u.module), 0), stage_of[u.uid]) for u in inner)
+    shared_ids = {id(p) for p in shared}
+    for mname, m in model.named_modules():
+        held = [p for p in m._parameters.values() if p is not None and id(p) in shared_ids]
+        if not held:
+            continue
+        if id(m) in inside:
+            stage = inside[id(m)]
+        elif id(m) in above:
+            stage = 0  # a container: its parameters are read around its blocks, from the first stage
+        else:  # outside every unit: the stage of the unit registered before it
+            stage = max((s for k, s in starts if k < positions[id(m)]), default=0)
+            extra[id(m)] = (m, mname, stage)
+        for p in held:
+            if home.setdefault(id(p), stage) != stage:
+                found = sorted({home[id(p)], stage})
+                raise ValueError(
+                    f"ramtorch.offload(devices=...): parameter {names.get(id(p), '?')!r} is used by "
+                    f"modules of stages {found} (tied weights across devices); a stage holds its "
+                    "parameters on its own device: untie it, or use fewer devices so that its users "
+                    "share a stage"
+                )
     for p in shared:
-        found = sorted({stage_of[u.uid] for u in inner if any(q is p for q in u.module.parameters())})
-        if len(found) > 1:
-            raise ValueError(
-                f"ramtorch.offload(devices=...): parameter {names.get(id(p), '?')!r} is used by units of "
-                f"stages {found} (tied weights across devices); a stage holds its parameters on its own "
-                "device: untie it, or use fewer devices so that its users share a stage"
-            )
-        home[id(p)] = found[0] if found else 0
+        home.setdefault(id(p), 0)
     # Buffers: those of a stage's units on its device, the others on the first.
     buffer_stage: dict[int, int] = {}
     for u in inner:
@@ -781,6 +802,10 @@ def _offload_stages(
             u.module.register_forward_pre_hook(
                 functools.partial(pipe.unit_pre, stage_of[u.uid], u.name), with_kwargs=True
             )
+        )
+    for m, mname, stage in extra.values():
+        streamers[stage].hook_handles.append(
+            m.register_forward_pre_hook(functools.partial(pipe.unit_pre, stage, mname), with_kwargs=True)
         )
     for st in streamers:
         for u in st.units:

@@ -1,0 +1,368 @@
+"""One model over several devices (``offload(model, devices=[...], micro_batches=n)``).
+
+Without GPUs, the stages run on the host device (``"cpu"`` may repeat in ``devices``: every stage
+streams through the host engine with a streamer of its own), which runs the split, the hand-off
+between stages, the stage passes and the relay's threads and turns as on GPUs. What the host
+cannot show, two devices computing at once, follows from the issue order, which is checked here
+against the schedule (:func:`relay`, a pure function tested exhaustively). The GPU test at the end
+checks two real devices against one (skipped with fewer than two GPUs)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import ramtorch
+import ramtorch.optim
+import torch
+from conftest import Net, tiny_llama_config
+from ramtorch import _offload
+from ramtorch._stream.pipeline import combine, relay, split_batch, split_stages
+from torch import nn
+
+# -- the split and the schedule --------------------------------------------------------------------
+
+
+def _cuts(n: int, stages: int) -> list[list[int]]:
+    """Every cut of ``n`` units into ``stages`` contiguous non-empty stages (stage of each unit)."""
+    out = []
+    for ends in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *ends, n]
+        out.append([s for s in range(stages) for _ in range(bounds[s], bounds[s + 1])])
+    return out
+
+
+def test_split_stages_is_the_best_contiguous_cut_for_every_small_case():
+    for n in range(1, 7):
+        for costs in itertools.product([0, 1, 2, 5], repeat=n):
+            for stages in range(1, n + 1):
+                got = split_stages(list(costs), stages)
+                assert got in _cuts(n, stages), (costs, stages, got)
+
+                def largest(cut: list[int], costs=costs, stages=stages) -> int:
+                    return max(sum(c for c, s in zip(costs, cut) if s == k) for k in range(stages))
+
+                best = min(largest(c) for c in _cuts(n, stages))
+                assert largest(got) == best, (costs, stages, got)
+
+
+def test_split_stages_balances_blocks_and_refuses_too_few_units():
+    assert split_stages([4, 4, 4, 4], 2) == [0, 0, 1, 1]
+    assert split_stages([10] + [1] * 10, 2) == [0] + [1] * 10
+    assert split_stages([1, 8, 8, 8, 8, 1], 2) == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="3 units cannot fill 4 stages"):
+        split_stages([1, 1, 1], 4)
+
+
+def test_relay_every_task_once_at_its_tick_for_every_small_case():
+    for stages in range(1, 6):
+        for micro in range(1, 7):
+            ticks = relay(stages, micro)
+            assert len(ticks) == stages + micro - 1
+            seen = [task for tick in ticks for task in tick]
+            assert sorted(seen) == [(s, t) for s in range(stages) for t in range(micro)]
+            for k, tick in enumerate(ticks):
+                assert all(s + t == k for s, t in tick)
+                assert len({s for s, _ in tick}) == len(tick)  # a stage runs one micro-batch a tick
+                assert [s for s, _ in tick] == sorted((s for s, _ in tick), reverse=True)  # oldest first
+
+
+def _expected_issue(stage_units: list[list[str]], micro: int) -> list[tuple[int, int, str]]:
+    """The order the host should issue unit forwards in: the relay's ticks, the tasks of a tick
+    taking turns one unit each (deepest stage first)."""
+    out = []
+    for tick in relay(len(stage_units), micro):
+        queues = [(s, t, list(stage_units[s])) for s, t in tick]
+        while any(q for _, _, q in queues):
+            for s, t, q in queues:
+                if q:
+                    out.append((s, t, q.pop(0)))
+    return out
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 2), (2, 4), (3, 3), (3, 1)])
+def test_issue_order_follows_the_relay(stages, micro):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)])
+    ramtorch.offload(model, devices=["cpu"] * stages, micro_batches=micro)
+    pipe = model._ramtorch_pipeline
+    stage_units = [[u.name for u in st.units] for st in pipe.streamers]
+    assert [len(x) for x in stage_units] == [6 // stages] * stages
+    pipe.issued = []
+    with torch.no_grad():
+        model(torch.randn(2 * micro, 6))
+    assert pipe.issued == _expected_issue(stage_units, micro)
+    if stages > 1 and micro > 1:
+        # The host alternates between stages: micro-batch 1's stage 0 runs between micro-batch 0's
+        # units of stage 1 (not after them, as a relay of whole stages would).
+        first = [k for k, (s, t, _) in enumerate(pipe.issued) if (s, t) == (1, 0)]
+        other = [k for k, (s, t, _) in enumerate(pipe.issued) if (s, t) == (0, 1)]
+        assert first[0] < other[0] < first[-1]
+
+
+# -- results equal plain torch and one device -----------------------------------------------------------
+
+
+def _train(model: nn.Module, opt_cls, xs: list[torch.Tensor]) -> tuple[list, list, dict]:
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    outs, grads = [], []
+    for x in xs:
+        y = model(x)
+        outs.append(y.detach().clone())
+        y.square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return outs, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("opt_cls", [ramtorch.optim.AdamW, torch.optim.AdamW], ids=["ramtorch", "torch"])
+def test_two_stages_train_bitwise_as_plain_torch_and_one_device(opt_cls):
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=4)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 8, generator=g) for _ in range(3)]
+    ref = _train(copy.deepcopy(plain), opt_cls, xs)
+    one = _train(ramtorch.offload(copy.deepcopy(plain), device="cpu"), opt_cls, xs)
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"])
+    stages = [[u.name for u in st.units] for st in model._ramtorch_pipeline.streamers]
+    assert stages == [["inp", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "out"]]
+    two = _train(model, opt_cls, xs)
+    for got in (one, two):
+        for a, b in zip(got[0], ref[0]):
+            assert torch.equal(a, b)
+        for ga, gb in zip(got[1], ref[1]):
+            assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+        assert all(torch.equal(got[2][k], ref[2][k]) for k in ref[2])
+
+
+@pytest.mark.parametrize("opt_cls", [ramtorch.optim.AdamW, torch.optim.AdamW], ids=["ramtorch", "torch"])
+def test_micro_batches_train_as_plain_torch(opt_cls):
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=4)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(6, 8, generator=g) for _ in range(3)]
+    ref = _train(copy.deepcopy(plain), opt_cls, xs)
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=3)
+    got = _train(model, opt_cls, xs)
+    for a, b in zip(got[0], ref[0]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    for ga, gb in zip(got[1], ref[1]):
+        assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(ga, gb))
+    assert all(torch.allclose(got[2][k], ref[2][k], atol=1e-5, rtol=1e-4) for k in ref[2])
+
+
+def test_micro_batches_forward_is_bitwise_the_micro_batches_forwards():
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=4)
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu", "cpu"], micro_batches=2)
+    x = torch.randn(7, 8)
+    with torch.no_grad():
+        got = model(x)
+        want = torch.cat([plain(x[:4]), plain(x[4:])])
+    assert torch.equal(got, want)
+
+
+def test_llama_micro_batches_loss_logits_and_gradients():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4))
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=2)
+    stages = [[u.name for u in st.units] for st in model._ramtorch_pipeline.streamers]
+    assert stages[0][0] == "model.embed_tokens" and stages[-1][-1] == "lm_head"
+    ids = torch.randint(0, plain.config.vocab_size, (4, 12))
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    ref = plain(input_ids=ids, labels=ids, use_cache=False)
+    assert torch.allclose(out.logits, ref.logits, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(out.loss, ref.loss, atol=1e-6, rtol=1e-5)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
+    with pytest.raises(ValueError, match="DynamicCache that differs between micro-batches.*use_cache=False"):
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True)
+
+
+def test_error_in_one_micro_batch_reaches_the_caller_and_the_model_runs_again():
+    class Fails(nn.Linear):
+        armed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.armed and bool((x > 1e3).any()):
+                raise ArithmeticError("a micro-batch's own error")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Fails(4, 4), nn.Linear(4, 4))
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=2)
+    model[2].armed = True
+    x = torch.randn(4, 4)
+    bad = x.clone()
+    bad[3] = 1e6  # micro-batch 1 fails in stage 1, while micro-batch 0 ran ahead
+    with pytest.raises(ArithmeticError, match="own error"):
+        model(bad).sum().backward()
+    y = model(x)
+    assert torch.allclose(y, plain(x), atol=1e-6)
+    y.sum().backward()
+    plain(x).sum().backward()
+    assert all(
+        torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(model.parameters(), plain.parameters())
+    )
+
+
+def test_grad_mode_and_autocast_reach_the_micro_batches():
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=2)
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=2)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert not model(x).requires_grad
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+        want = torch.cat([plain(x[:2]), plain(x[2:])])
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+
+
+# -- what is refused, by name --------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_named():
+    net = Net(d=8, layers=2)
+    with pytest.raises(ValueError, match="device= or devices="):
+        ramtorch.offload(net, device="cpu", devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"devices=\[\] names no device"):
+        ramtorch.offload(net, devices=[])
+    with pytest.raises(TypeError, match="devices must be a list"):
+        ramtorch.offload(net, devices="cpu")
+    with pytest.raises(ValueError, match="'tpu:0' is not a device"):
+        ramtorch.offload(net, devices=["cpu", "tpu:0"])
+    with pytest.raises(ValueError, match="micro_batches must be a positive int"):
+        ramtorch.offload(net, devices=["cpu", "cpu"], micro_batches=0)
+    with pytest.raises(ValueError, match="micro_batches must be a positive int"):
+        ramtorch.offload(net, devices=["cpu", "cpu"], micro_batches=True)
+    with pytest.raises(ValueError, match="micro_batches=2 needs devices"):
+        ramtorch.offload(net, micro_batches=2)
+    with pytest.raises(ValueError, match="does not support links, compress"):
+        ramtorch.offload(net, devices=["cpu", "cpu"], links=2, compress="fp8")
+    with pytest.raises(ValueError, match='gpu_budget="auto"'):
+        ramtorch.offload(net, devices=["cpu", "cpu"], gpu_budget="auto")
+    with pytest.raises(ValueError, match="4 units cannot fill 5 stages"):
+        ramtorch.offload(net, devices=["cpu"] * 5)
+    assert getattr(net, "_ramtorch_streamer", None) is None  # nothing was changed
+
+
+def test_repeated_or_mixed_cuda_devices_are_refused(monkeypatch):
+    # Devices as this machine would have them with GPUs: the check runs on the names.
+    monkeypatch.setattr(_offload._engine, "normalize_device", lambda d: torch.device(d))
+    net = Net(d=8, layers=2)
+    with pytest.raises(ValueError, match="name cuda:1 twice"):
+        ramtorch.offload(net, devices=["cuda:0", "cuda:1", "cuda:1"])
+    with pytest.raises(ValueError, match="mix the CPU and CUDA"):
+        ramtorch.offload(net, devices=["cuda:0", "cpu"])
+
+
+def test_batches_that_cannot_be_split_are_named():
+    model = ramtorch.offload(Net(d=8, layers=2), devices=["cpu", "cpu"], micro_batches=3)
+    with pytest.raises(ValueError, match="batch .2 on dim 0.* cannot be split into 3"):
+        model(torch.randn(2, 8))
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) + bias)
+
+    two = ramtorch.offload(Two(), devices=["cpu", "cpu"], micro_batches=2)
+    with pytest.raises(ValueError, match=r"argument bias has shape \(3, 4\) while the batch is 4"):
+        two(torch.randn(4, 4), bias=torch.randn(3, 4))
+    y = two(torch.randn(4, 4), bias=torch.randn(1, 4))  # a dim 0 of 1 is broadcast
+    assert y.shape == (4, 4)
+
+
+def test_outputs_that_cannot_be_joined_are_named():
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)).reshape(-1)
+
+    model = ramtorch.offload(Flat(), devices=["cpu", "cpu"], micro_batches=2)
+    with pytest.raises(ValueError, match=r"shape \(8,\) for a micro-batch of 2"):
+        model(torch.randn(4, 4))
+
+
+def test_tied_weights_across_stages_are_refused():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    with pytest.raises(ValueError, match="'emb.weight' is used by modules of stages \\[0, 1\\]"):
+        ramtorch.offload(Tied(), devices=["cpu", "cpu"])
+
+
+def test_split_and_join_helpers():
+    x, y = torch.arange(10).reshape(5, 2), torch.ones(1, 3)
+    parts, sizes = split_batch((x,), {"y": y, "n": 3}, 2)
+    assert sizes == [3, 2]
+    assert torch.equal(parts[0][0][0], x[:3]) and parts[1][1]["y"] is y and parts[1][1]["n"] == 3
+    joined = combine(
+        [{"a": torch.ones(3), "l": torch.tensor(1.0)}, {"a": torch.zeros(2), "l": torch.tensor(4.0)}], sizes
+    )
+    assert torch.equal(joined["a"], torch.tensor([1.0, 1, 1, 0, 0]))
+    assert torch.allclose(joined["l"], torch.tensor((3 * 1.0 + 2 * 4.0) / 5))
+
+
+# -- reporting ------------------------------------------------------------------------------------------
+
+
+def test_stats_show_each_stage():
+    model = ramtorch.offload(Net(d=8, layers=4), devices=["cpu", "cpu"], micro_batches=2)
+    model(torch.randn(4, 8))
+    s = ramtorch.stats(model)
+    assert s["pipeline_devices"] == ["cpu", "cpu"] and s["micro_batches"] == 2
+    assert [st["pipeline_stage"] for st in s["stages"]] == [0, 1]
+    assert [st["itinerary"] for st in s["stages"]] == [
+        ["inp", "blocks.0", "blocks.1"],
+        ["blocks.2", "blocks.3", "out"],
+    ]
+    assert [st["passes"] for st in s["stages"]] == [2, 2]  # one pass a micro-batch
+
+
+# -- two GPUs -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("micro", [1, 2])
+def test_two_gpus_train_as_one(micro):
+    torch.manual_seed(0)
+    plain = Net(d=64, layers=6)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 8, generator=g).to("cuda:0") for _ in range(3)]
+    one = _train(ramtorch.offload(copy.deepcopy(plain), device="cuda:0"), ramtorch.optim.AdamW, xs)
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cuda:0", "cuda:1"], micro_batches=micro)
+    assert [st.device.index for st in model._ramtorch_pipeline.streamers] == [0, 1]
+    two = _train(model, ramtorch.optim.AdamW, xs)
+    assert two[0][0].device == torch.device("cuda:1")  # outputs on the last device
+    for a, b in zip(two[0], one[0]):
+        assert torch.allclose(a.to(b.device), b, atol=1e-5, rtol=1e-4)
+    for ga, gb in zip(two[1], one[1]):
+        assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(ga, gb))
+    for k in one[2]:
+        assert torch.allclose(two[2][k].to(one[2][k].device), one[2][k], atol=1e-5, rtol=1e-4), k
