@@ -344,6 +344,25 @@ def test_stats_show_each_stage():
     assert [st["passes"] for st in s["stages"]] == [2, 2]  # one pass a micro-batch
 
 
+def test_plan_shows_the_stages_offload_cuts(capsys):
+    from ramtorch.__main__ import main
+    from ramtorch.plan import predict
+
+    with torch.device("meta"):
+        meta = Net(d=8, layers=4)
+    pred = predict(meta, None, 16, devices=2)
+    model = ramtorch.offload(Net(d=8, layers=4), devices=["cpu", "cpu"])
+    assert pred.stages == [[u.name for u in st.units] for st in model._ramtorch_pipeline.streamers]
+    assert pred.stage_bytes == [sum(u.nbytes for u in st.units) for st in model._ramtorch_pipeline.streamers]
+    assert "pipeline over 2 devices" in pred.summary() and "stage 1: 3 units" in pred.summary()
+    assert predict(meta, None, 16).stages == []
+    with pytest.raises(ValueError, match="devices must be a positive int"):
+        predict(meta, None, 16, devices=0)
+    assert main(["plan", "--model", "conftest:Net", "--devices", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline over 3 devices" in out and "stage 2:" in out
+
+
 # -- two GPUs -----------------------------------------------------------------------------------------------
 
 

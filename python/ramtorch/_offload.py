@@ -662,10 +662,10 @@ def _offload_stages(
     # Containers (modules holding blocks, their own parameters resident) wrap the other units:
     # they stay on the first device, outside the split.
     order = _disk.registration_order(model, [u.module for u in units])
-    inner = [units[i] for i in order if not units[i].container]
-    cuts = _pipeline.split_stages([0 if u.gather else u.nbytes for u in inner], len(devices))
+    cut = _pipeline.stage_units(model, units, len(devices))
+    inner = [u for members in cut for u in members]
     stage_of = {u.uid: 0 for u in units}
-    stage_of.update({u.uid: s for u, s in zip(inner, cuts)})
+    stage_of.update({u.uid: s for s, members in enumerate(cut) for u in members})
     stages = [[units[i] for i in order if stage_of[units[i].uid] == s] for s in range(len(devices))]
     # Parameters outside the streamed units (tied ones, adapters, a container's) go to the device
     # of the stage of each module that holds them (see _module_stage); a module that holds only

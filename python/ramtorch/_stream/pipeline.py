@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
-from .. import _engine
+from .. import _disk, _engine
+from .units import _Unit
 
 # -- the split and the schedule, as pure functions ----------------------------------------------
 
@@ -74,6 +75,17 @@ def split_stages(costs: Sequence[int], stages: int) -> list[int]:
             out[k] = s - 1
         i = j
     return out
+
+
+def stage_units(model: torch.nn.Module, units: Sequence[_Unit], stages: int) -> list[list[_Unit]]:
+    """The units of each stage, as ``offload(devices=...)`` cuts them: the units that hold
+    parameters, containers left out (they stay on the first device), in the order ``model``
+    registers their modules, cut by :func:`split_stages` on their bytes (an embedding streamed by
+    rows, ``gather``, costs nothing: it crosses no slot)."""
+    order = _disk.registration_order(model, [u.module for u in units])
+    inner = [units[i] for i in order if not units[i].container and units[i].params]
+    cuts = split_stages([0 if u.gather else u.nbytes for u in inner], stages)
+    return [[u for u, c in zip(inner, cuts) if c == s] for s in range(stages)]
 
 
 def relay(stages: int, micro_batches: int) -> list[list[tuple[int, int]]]:
