@@ -225,6 +225,20 @@ def test_grad_mode_and_autocast_reach_the_micro_batches():
     assert y.dtype == torch.bfloat16 and torch.equal(y, want)
 
 
+def test_compiled_pipeline_runs_eagerly_with_the_same_results():
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=2)
+    model = torch.compile(ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=2))
+    x = torch.randn(4, 8)
+    y = model(x)
+    assert torch.equal(y, torch.cat([plain(x[:2]), plain(x[2:])]))
+    y.sum().backward()
+    plain(x).sum().backward()
+    assert all(
+        torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(model.parameters(), plain.parameters())
+    )
+
+
 # -- what is refused, by name --------------------------------------------------------------------------
 
 

@@ -354,6 +354,10 @@ class _Sum:
         )
 
 
+#: Serialises the listeners' ``on_grads`` calls of every engine (see ``grads_complete``).
+_LISTENER_CALLS = threading.RLock()
+
+
 class DeviceEngine:
     """Slots, weight acquisition and gradient write-back for one compute device."""
 
@@ -879,8 +883,12 @@ class DeviceEngine:
         self._listeners.add(listener)
 
     def grads_complete(self, params: list[torch.nn.Parameter]) -> None:
-        for listener in list(self._listeners):
-            listener.on_grads(self, params)
+        # One listener call at a time across engines: the backwards of several devices run on
+        # autograd's threads, one a device (a model over several devices, offload(devices=...)),
+        # and an optimizer listening to both hands its jobs out from one state.
+        with _LISTENER_CALLS:
+            for listener in list(self._listeners):
+                listener.on_grads(self, params)
 
     def pending_gradient(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
         """Host tensors whose sum is ``param``'s gradient at the end of the running backward, as

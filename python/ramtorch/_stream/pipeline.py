@@ -35,6 +35,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from .. import _disk, _engine
+from .compiling import is_compiling, opaque, run_eagerly
 from .units import _Unit
 
 # -- the split and the schedule, as pure functions ----------------------------------------------
@@ -325,6 +326,8 @@ class Pipeline:
     def unit_pre(self, stage: int, name: str, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook of a unit of ``stage``: the stage's pass begins if the forward enters the
         stage now (the last stage's ends), after the relay's turn; its inputs go to its device."""
+        if is_compiling():
+            return opaque(Pipeline.unit_pre, self, stage, name, module, args, kwargs)
         f: _Flight | None = getattr(self._local, "flight", None)
         if f is not None and f.stage is not None:
             if stage != f.stage:
@@ -353,6 +356,8 @@ class Pipeline:
 
     def forward(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The model's forward: on the calling thread with one micro-batch, else relayed."""
+        if is_compiling():  # the stages' passes, threads and turns run eagerly, as the streamers do
+            return opaque(Pipeline.forward, self, inner, args, kwargs)
         if self.micro_batches == 1 or getattr(self._local, "flight", None) is not None:
             f = _Flight(0, args, kwargs, None)
             return self._fly_inline(f, inner)
@@ -446,3 +451,6 @@ class Pipeline:
                         c.resume(f)
             for th in threads:
                 th.join()
+
+
+run_eagerly(Pipeline.unit_pre, Pipeline.forward)
