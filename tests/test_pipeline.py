@@ -377,6 +377,51 @@ def test_plan_shows_the_stages_offload_cuts(capsys):
     assert "pipeline over 3 devices" in out and "stage 2:" in out
 
 
+def _bench(monkeypatch):
+    """``bench/pipeline.py`` as a module (its directory on the path, for ``benchlib``)."""
+    import importlib.util
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(here))
+    spec = importlib.util.spec_from_file_location("bench_pipeline", here / "pipeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--micro-batches", "2", "16"], r"--micro-batches \[16\]: each must be between 1 and --batch \(8\)"),
+        (["--gpus", "2"], r"--gpus \[2\] must include 1"),
+        (["--gpus", "1", "1"], "must be distinct"),
+        (["--batch", "0"], "--batch and --seq must be at least 1"),
+        (["--reps", "0"], "--reps must be at least 1"),
+        (["--layers", "1", "--smoke"], "--layers 1 cannot fill 2 stages"),
+        (["--phases", "decode"], "invalid choice: 'decode'"),
+    ],
+)
+def test_bench_arguments_are_checked(monkeypatch, capsys, argv, message):
+    bench = _bench(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--out", "x.json", *argv])
+    assert e.value.code == 2
+    assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_bench_arguments_defaults_and_gpu_count(monkeypatch, capsys):
+    bench = _bench(monkeypatch)
+    a = bench.parse_args(["--out", "x.json", "--smoke"])
+    assert (a.gpus, a.micro_batches, a.batch, a.seq, a.layers) == ([1, 2], [2, 4, 8], 8, 2048, 32)
+    assert a.phases == ["forward", "forward_backward", "step"] and a.budget is None
+    assert bench.parse_args(["--out", "x", "--smoke", "--budget", "24GiB"]).budget == "24GiB"
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--out", "x.json"])
+        assert "needs 2 CUDA devices" in capsys.readouterr().err
+
+
 # -- two GPUs -----------------------------------------------------------------------------------------------
 
 
