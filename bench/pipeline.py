@@ -301,10 +301,8 @@ def measure(
     if not train:
         return records
     model.train()
-    # (Made only for the step: an optimizer listening to the backward would change its timing.)
-    opt = (
-        ramtorch.optim.AdamW(model.parameters(), lr=1e-5, precision=a.precision) if "step" in train else None
-    )
+    # Made for the step phase only: an optimizer listening to the backward changes its timing.
+    opt: Any = None
 
     def step(update: bool) -> None:
         loss = model(input_ids=x, labels=x, use_cache=False).loss
@@ -322,6 +320,8 @@ def measure(
     if k == 1:
         one["loss"] = loss
     for phase in train:
+        if phase == "step":
+            opt = ramtorch.optim.AdamW(model.parameters(), lr=1e-5, precision=a.precision)
         secs = timed(lambda phase=phase: step(phase == "step"), a.reps, a.warmup)
         rec = _record(rec_base, phase, secs, a)
         if phase == train[0]:
