@@ -342,6 +342,23 @@ def test_split_and_join_helpers():
     assert torch.allclose(joined["l"], torch.tensor((3 * 1.0 + 2 * 4.0) / 5))
 
 
+def test_micro_batches_backward_fetches_each_unit_once():
+    # Each micro-batch's forward runs on a thread of its own, whose autograd nodes are numbered
+    # from its own start: the backward runs the nodes of a unit for every micro-batch together,
+    # while the unit's weights are fetched once, along the backward itinerary.
+    torch.manual_seed(0)
+    model = ramtorch.offload(Net(d=16, layers=4), devices=["cpu", "cpu"], micro_batches=2)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        y = model(x)
+        before = ramtorch.stats()["devices"]["cpu"]["claims"]
+        y.square().mean().backward()
+        assert ramtorch.stats()["devices"]["cpu"]["claims"] - before == 6  # one a unit, not one a micro-batch
+    for st in model._ramtorch_pipeline.streamers:
+        assert [st.by_uid[k].name for k in st.bwd_itin] == [u.name for u in st.units][::-1]
+        assert st.counters["prefetch_hits"] > 0
+
+
 # -- reporting ------------------------------------------------------------------------------------------
 
 
