@@ -342,21 +342,27 @@ def test_split_and_join_helpers():
     assert torch.allclose(joined["l"], torch.tensor((3 * 1.0 + 2 * 4.0) / 5))
 
 
-def test_micro_batches_backward_fetches_each_unit_once():
-    # Each micro-batch's forward runs on a thread of its own, whose autograd nodes are numbered
-    # from its own start: the backward runs the nodes of a unit for every micro-batch together,
-    # while the unit's weights are fetched once, along the backward itinerary.
+def test_last_stage_runs_the_micro_batches_backwards_one_after_the_other():
+    # GPipe's order: the last stage's backward runs micro-batch by micro-batch (newest first), so
+    # the first micro-batch's gradient reaches the stage before while the last stage runs the
+    # next; each run of the last stage's units is on its backward itinerary, and prefetched.
     torch.manual_seed(0)
-    model = ramtorch.offload(Net(d=16, layers=4), devices=["cpu", "cpu"], micro_batches=2)
-    x = torch.randn(4, 8)
-    for _ in range(3):
-        y = model(x)
-        before = ramtorch.stats()["devices"]["cpu"]["claims"]
-        y.square().mean().backward()
-        assert ramtorch.stats()["devices"]["cpu"]["claims"] - before == 6  # one a unit, not one a micro-batch
-    for st in model._ramtorch_pipeline.streamers:
-        assert [st.by_uid[k].name for k in st.bwd_itin] == [u.name for u in st.units][::-1]
-        assert st.counters["prefetch_hits"] > 0
+    plain = Net(d=16, layers=4)
+    for micro in (2, 3):
+        model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=micro)
+        x = torch.randn(6, 8)
+        for _ in range(3):
+            model(x).square().mean().backward()
+        last = model._ramtorch_pipeline.streamers[-1]
+        assert [last.by_uid[k].name for k in last.bwd_itin] == ["out", "blocks.3", "blocks.2"] * micro
+        assert last.counters["prefetch_hits"] > 0
+        for p in model.parameters():
+            p.grad = None
+        model(x).square().mean().backward()
+        plain.zero_grad()
+        plain(x).square().mean().backward()
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5)
 
 
 # -- reporting ------------------------------------------------------------------------------------------

@@ -785,6 +785,7 @@ def _offload_stages(
             model, members, devices[s], inflight, pl.slots, pl.slot_bytes, budget, pl.resident_bytes
         )
         st.stage = s
+        st.backward_per_forward = micro_batches > 1
         streamers.append(st)
     pipe = _pipeline.Pipeline(streamers, devices, micro_batches)
     first = streamers[0]

@@ -220,6 +220,43 @@ def to_device(tree: Any, device: torch.device) -> Any:
 # -- the relay at run time -----------------------------------------------------------------------
 
 
+class _After(torch.autograd.Function):
+    """``x`` as it is, whose backward must run before that of ``earlier`` (an ordering edge in the
+    graph, no gradient through it: autograd waits for every edge into a node, ``None`` or not)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *earlier: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.n = len(earlier)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        return (grad,) + (None,) * ctx.n
+
+
+def _after_previous(f: _Flight, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The backward in GPipe's order: micro-batch ``t`` entering the last stage makes the backward
+    of micro-batch ``t - 1``'s outputs wait for its own through the last stage (:class:`_After`
+    on its first input that requires grad). Without it, the join hands every output its gradient
+    at once, and each device's autograd thread would run a unit's backward for every
+    micro-batch before the next unit's (their threads number autograd's nodes alike): the first
+    gradient would reach the device before only at the end. With it, the last device runs the
+    micro-batches' backwards one after the other, newest first, each handing its gradient to
+    the device before as it ends, which computes it while the last device runs the next."""
+    prev = f.previous
+    if prev is None or not prev.done or prev.error is not None or not torch.is_grad_enabled():
+        return args, kwargs
+    earlier = [t for t in tree_flatten(prev.result)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not earlier:
+        return args, kwargs
+    flat, spec = tree_flatten((args, kwargs))
+    for i, t in enumerate(flat):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            flat[i] = _After.apply(t, *earlier)
+            return tree_unflatten(flat, spec)
+    return args, kwargs
+
+
 class PipelineAborted(RuntimeError):
     """Raised in a micro-batch's forward when another micro-batch's forward raised: it unwinds
     (the stages' passes end as on any error) and the first error reaches the caller."""
@@ -274,6 +311,8 @@ class _Flight:
         self.fresh = True
         self.done = False
         self.go = threading.Semaphore(0)
+        #: The flight of the micro-batch before (``None`` for the first, and on the calling thread).
+        self.previous: _Flight | None = None
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -350,7 +389,10 @@ class Pipeline:
             if self.issued is not None:
                 self.issued.append((stage, f.index, name))
         dev = self.devices[stage]
-        return to_device(args, dev), to_device(kwargs, dev)
+        args, kwargs = to_device(args, dev), to_device(kwargs, dev)
+        if f is not None and f.conductor is not None and stage == len(self.streamers) - 1 and stage > 0:
+            args, kwargs = _after_previous(f, args, kwargs)
+        return args, kwargs
 
     # -- the model's forward --------------------------------------------------------------------------
 
@@ -412,6 +454,8 @@ class Pipeline:
         take turns one unit each. Returns their outputs, in order."""
         c = _Conductor()
         flights = [_Flight(t, a, k, c) for t, (a, k) in enumerate(parts)]
+        for f, g in zip(flights[1:], flights):
+            f.previous = g
         ctx = _ThreadContext(self.devices)
         principal = _engine.acting_thread()
         threads = [

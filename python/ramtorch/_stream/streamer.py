@@ -179,6 +179,9 @@ class Streamer(Prefetcher, GradientHooks):
         #: This streamer's stage in a pipeline over several devices (``offload(devices=...)``:
         #: one streamer per stage, see :mod:`.pipeline`), ``None`` for a model on one device.
         self.stage: int | None = None
+        #: Whether the forwards of a unit in one step have backwards that run apart, each reaching
+        #: the unit anew (a pipeline stage's micro-batches, ``offload(micro_batches=...)``).
+        self.backward_per_forward = False
 
     # -- passes -------------------------------------------------------------------------------------
 
@@ -802,7 +805,7 @@ class Streamer(Prefetcher, GradientHooks):
     def _pre_backward_hook(self, u: _Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:
             with self.lock:
-                if u.phase is BackwardPhase.IDLE:
+                if u.phase is BackwardPhase.IDLE or (self.backward_per_forward and u.bwd is None):
                     self._begin_backward_locked(u)
 
         return hook
@@ -818,7 +821,10 @@ class Streamer(Prefetcher, GradientHooks):
 
     def _begin_backward_locked(self, u: _Unit) -> None:
         self._queue_backward_end()
-        first = u.phase is BackwardPhase.IDLE
+        # A unit whose backward for one forward ended is reached anew by another forward's, where
+        # each runs apart (a pipeline's micro-batches): the itinerary learns one entry each, and
+        # prefetches each.
+        first = u.phase is BackwardPhase.IDLE or (self.backward_per_forward and u.bwd is None)
         if first:
             u.phase = BackwardPhase.REACHED
         if first:
