@@ -212,6 +212,36 @@ def test_error_in_one_micro_batch_reaches_the_caller_and_the_model_runs_again():
     )
 
 
+def test_relays_from_two_threads_give_each_its_own_results():
+    import threading
+
+    torch.manual_seed(0)
+    plains = [Net(d=16, layers=4), Net(d=16, layers=4)]
+    models = [ramtorch.offload(copy.deepcopy(p), devices=["cpu", "cpu"], micro_batches=2) for p in plains]
+    xs = [torch.randn(4, 8), torch.randn(4, 8)]
+    got: list[list[torch.Tensor]] = [[], []]
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(5):
+                    got[k].append(models[k](xs[k]))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for k in range(2):
+        with torch.no_grad():
+            want = torch.cat([plains[k](xs[k][:2]), plains[k](xs[k][2:])])
+        assert all(torch.equal(y, want) for y in got[k])
+
+
 def test_grad_mode_and_autocast_reach_the_micro_batches():
     torch.manual_seed(0)
     plain = Net(d=16, layers=2)

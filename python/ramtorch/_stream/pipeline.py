@@ -220,6 +220,12 @@ def to_device(tree: Any, device: torch.device) -> Any:
 # -- the relay at run time -----------------------------------------------------------------------
 
 
+#: Held by the calling thread for the whole of a relay (see :meth:`Pipeline._relay`).
+_RELAYS = threading.Lock()
+#: ``active`` on the threads that run a micro-batch's forward.
+_IN_FLIGHT = threading.local()
+
+
 class _After(torch.autograd.Function):
     """``x`` as it is, whose backward must run before that of ``earlier`` (an ordering edge in the
     graph, no gradient through it: autograd waits for every edge into a node, ``None`` or not)."""
@@ -400,7 +406,8 @@ class Pipeline:
         """The model's forward: on the calling thread with one micro-batch, else relayed."""
         if is_compiling():  # the stages' passes, threads and turns run eagerly, as the streamers do
             return opaque(Pipeline.forward, self, inner, args, kwargs)
-        if self.micro_batches == 1 or getattr(self._local, "flight", None) is not None:
+        nested = getattr(self._local, "flight", None) is not None or getattr(_IN_FLIGHT, "active", False)
+        if self.micro_batches == 1 or nested:  # (a pipelined model called inside a micro-batch: whole)
             f = _Flight(0, args, kwargs, None)
             return self._fly_inline(f, inner)
         parts, sizes = split_batch(args, kwargs, self.micro_batches)
@@ -438,6 +445,7 @@ class Pipeline:
             if c.aborted:
                 return
             with _engine.acting_for(principal), ctx.entered():
+                _IN_FLIGHT.active = True
                 self._local.flight = f
                 try:
                     f.result = self._run(f, inner)
@@ -452,6 +460,12 @@ class Pipeline:
     def _relay(self, inner: Callable[..., Any], parts: list[tuple[tuple, dict]]) -> list[Any]:
         """Runs the micro-batches' forwards along :func:`relay`'s ticks; within a tick, the tasks
         take turns one unit each. Returns their outputs, in order."""
+        # One relay at a time in the process: a relay's micro-batches hold several devices' forward
+        # locks at once (one a stage), so two relays from two threads could each wait for the other.
+        with _RELAYS:
+            return self._relay_locked(inner, parts)
+
+    def _relay_locked(self, inner: Callable[..., Any], parts: list[tuple[tuple, dict]]) -> list[Any]:
         c = _Conductor()
         flights = [_Flight(t, a, k, c) for t, (a, k) in enumerate(parts)]
         for f, g in zip(flights[1:], flights):
