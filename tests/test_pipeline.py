@@ -242,6 +242,33 @@ def test_relays_from_two_threads_give_each_its_own_results():
         assert all(torch.equal(y, want) for y in got[k])
 
 
+def test_a_thread_acting_for_another_shares_its_forward_lock():
+    import threading
+
+    from ramtorch import _engine
+
+    lock = _engine.ForwardLock()
+    main = threading.current_thread()
+    lock.acquire("main")
+    seen = []
+
+    def delegate() -> None:
+        with _engine.acting_for(main):
+            seen.append(_engine.acting_thread() is main)
+            seen.append(lock.mine())
+            if lock.mine():  # (else the acquire would wait for the main thread, which joins this one)
+                lock.acquire("delegate")  # the caller's lock: taken at once
+                lock.release("delegate")
+        seen.append(_engine.acting_thread() is threading.current_thread())
+
+    t = threading.Thread(target=delegate)
+    t.start()
+    t.join()
+    assert seen == [True, True, True] and lock.mine()  # (the main thread's token is still held)
+    lock.release("main")
+    assert not lock.mine()
+
+
 def test_grad_mode_and_autocast_reach_the_micro_batches():
     torch.manual_seed(0)
     plain = Net(d=16, layers=2)
