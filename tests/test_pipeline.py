@@ -269,6 +269,34 @@ def test_a_thread_acting_for_another_shares_its_forward_lock():
     assert not lock.mine()
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_relay_of_several_calls_is_one_relay_with_each_call_s_results(micro):
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=4)
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=micro)
+    pipe = model._ramtorch_pipeline
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    pipe.issued = []
+    with torch.no_grad():
+        outs = ramtorch.relay(model, [xs[0], (xs[1],), ((), {"x": xs[2]})])
+        assert len(outs) == 3
+        for x, y in zip(xs, outs):
+            want = plain(x) if micro == 1 else torch.cat([plain(x[:2]), plain(x[2:])])
+            assert torch.equal(y, want)
+    stage_units = [[u.name for u in st.units] for st in pipe.streamers]
+    assert pipe.issued == _expected_issue(stage_units, 3 * micro)  # the calls' micro-batches in one relay
+
+
+def test_relay_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="not offloaded over several devices"):
+        ramtorch.relay(ramtorch.offload(Net(d=8, layers=2), device="cpu"), [torch.randn(2, 8)])
+    model = ramtorch.offload(Net(d=8, layers=2), devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="calls must be a list"):
+        ramtorch.relay(model, torch.randn(2, 8))
+    with pytest.raises(TypeError, match="call 1 is a str"):
+        ramtorch.relay(model, [torch.randn(2, 8), "x"])
+
+
 def test_grad_mode_and_autocast_reach_the_micro_batches():
     torch.manual_seed(0)
     plain = Net(d=16, layers=2)

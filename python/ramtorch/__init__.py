@@ -18,7 +18,7 @@ from torch import nn as _torch_nn
 from . import _core, _engine, _offload, distributed, nn, optim, plan
 from ._core import CudaError
 from ._keep import commit, resume
-from ._offload import offload, weights_unchanged
+from ._offload import offload, relay, weights_unchanged
 from ._stream import gather as _gather
 from ._trace import trace
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -41,6 +41,7 @@ __all__ = [
     "load_checkpoint",
     "nn",
     "offload",
+    "relay",
     "weights_unchanged",
     "optim",
     "plan",

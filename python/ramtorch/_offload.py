@@ -837,6 +837,7 @@ def _offload_stages(
         return pipe.forward(own_forward, args, kwargs)
 
     model.forward = forward  # type: ignore[method-assign]
+    model._ramtorch_own_forward = own_forward  # type: ignore[assignment]
     model._ramtorch_streamer = first  # type: ignore[assignment]
     model._ramtorch_pipeline = pipe  # type: ignore[assignment]
     if type(model)._apply is nn.Module._apply:
@@ -870,6 +871,56 @@ def stage_streamers(model: nn.Module) -> list[Streamer]:
         return list(pipe.streamers)
     streamer = getattr(model, "_ramtorch_streamer", None)
     return [] if streamer is None else [streamer]
+
+
+def relay(model: nn.Module, calls: Sequence[Any]) -> list[Any]:
+    """Runs several calls of a model offloaded over several devices (``offload(model,
+    devices=[...])``) as one relay: the micro-batches of each call (``micro_batches`` of them, or
+    the call whole) follow those of the call before, so while the last device computes one call,
+    the first already computes the next. For inference over independent batches (an evaluation
+    set, requests): a relay of ``m`` calls of ``n`` micro-batches over ``k`` devices is at most
+    ``k·m·n / (m·n + k − 1)`` times one device, where one call gets ``k·n / (n + k − 1)``.
+    ::
+
+        with torch.no_grad():
+            outs = ramtorch.relay(model, [{"input_ids": ids} for ids in batches])
+
+    ``calls``: one entry a call, a tuple of positional arguments, a dict of keyword arguments, a
+    ``(tuple, dict)`` pair, or a single tensor. Returns the outputs, one a call, as ``model(...)``
+    returns them (joined over micro-batches). The model's forward runs as in a call, without the
+    hooks on the model itself (those of its modules run). The calls must not depend on each other.
+    Raises ``ValueError`` for a model that is not offloaded over several devices."""
+    pipe = getattr(model, "_ramtorch_pipeline", None)
+    inner = model.__dict__.get("_ramtorch_own_forward")
+    if pipe is None or inner is None:
+        raise ValueError(
+            "ramtorch.relay: the model is not offloaded over several devices "
+            "(ramtorch.offload(model, devices=[...]))"
+        )
+    if isinstance(calls, (torch.Tensor, dict)) or not isinstance(calls, Sequence):
+        raise TypeError(
+            "ramtorch.relay: calls must be a list of calls (tuples, dicts or tensors), got "
+            f"{type(calls).__name__}"
+        )
+    normal: list[tuple[tuple, dict]] = []
+    for k, c in enumerate(calls):
+        if isinstance(c, torch.Tensor):
+            normal.append(((c,), {}))
+        elif isinstance(c, dict):
+            normal.append(((), dict(c)))
+        elif isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], tuple) and isinstance(c[1], dict):
+            normal.append((c[0], dict(c[1])))
+        elif isinstance(c, tuple):
+            normal.append((c, {}))
+        else:
+            raise TypeError(
+                f"ramtorch.relay: call {k} is a {type(c).__name__}; give a tuple of arguments, a dict "
+                "of keyword arguments, an (args, kwargs) pair or a tensor"
+            )
+    _check_loaded(model)
+    for _, kwargs in normal:
+        _check_kv_cache(kwargs)
+    return pipe.map(inner, normal)
 
 
 @contextlib.contextmanager
@@ -1438,8 +1489,8 @@ def detach_streamer(model: nn.Module) -> None:
         _added.unwatch(streamer)
         streamer.eng.remove_holder(streamer)
     model._ramtorch_streamer = None
-    if "_ramtorch_pipeline" in model.__dict__:
-        del model._ramtorch_pipeline
+    for name in ("_ramtorch_pipeline", "_ramtorch_own_forward"):
+        model.__dict__.pop(name, None)
     base = type(model).__dict__.get("_ramtorch_base_class")
     if base is not None:
         model.__class__ = base

@@ -410,9 +410,31 @@ class Pipeline:
         if self.micro_batches == 1 or nested:  # (a pipelined model called inside a micro-batch: whole)
             f = _Flight(0, args, kwargs, None)
             return self._fly_inline(f, inner)
-        parts, sizes = split_batch(args, kwargs, self.micro_batches)
-        outs = self._relay(inner, parts)
-        return combine(outs, sizes)
+        return self.map(inner, [(args, kwargs)])[0]
+
+    def map(self, inner: Callable[..., Any], calls: Sequence[tuple[tuple, dict]]) -> list[Any]:
+        """Several calls of the model's forward as one relay (``ramtorch.relay``): each call cut
+        into micro-batches (with ``micro_batches`` above 1), and the micro-batches of all calls
+        relayed one after the other, so that the stages overlap across calls as within one.
+        Returns each call's output, joined."""
+        if getattr(self._local, "flight", None) is not None or getattr(_IN_FLIGHT, "active", False):
+            return [self.forward(inner, a, k) for a, k in calls]
+        parts: list[tuple[tuple, dict]] = []
+        spans: list[tuple[int, list[int] | None]] = []  # each call's first part and its sizes
+        for args, kwargs in calls:
+            if self.micro_batches == 1:
+                spans.append((len(parts), None))
+                parts.append((args, kwargs))
+            else:
+                pieces, sizes = split_batch(args, kwargs, self.micro_batches)
+                spans.append((len(parts), sizes))
+                parts += pieces
+        firsts = {start for start, _ in spans}
+        outs = self._relay(inner, parts, firsts)
+        return [
+            outs[start] if sizes is None else combine(outs[start : start + len(sizes)], sizes)
+            for start, sizes in spans
+        ]
 
     def _run(self, f: _Flight, inner: Callable[..., Any]) -> Any:
         f.stage = 0
@@ -457,19 +479,27 @@ class Pipeline:
             f.done = True
             c.back.release()
 
-    def _relay(self, inner: Callable[..., Any], parts: list[tuple[tuple, dict]]) -> list[Any]:
+    def _relay(
+        self,
+        inner: Callable[..., Any],
+        parts: list[tuple[tuple, dict]],
+        firsts: set[int] | frozenset = frozenset(),
+    ) -> list[Any]:
         """Runs the micro-batches' forwards along :func:`relay`'s ticks; within a tick, the tasks
         take turns one unit each. Returns their outputs, in order."""
         # One relay at a time in the process: a relay's micro-batches hold several devices' forward
         # locks at once (one a stage), so two relays from two threads could each wait for the other.
         with _RELAYS:
-            return self._relay_locked(inner, parts)
+            return self._relay_locked(inner, parts, firsts)
 
-    def _relay_locked(self, inner: Callable[..., Any], parts: list[tuple[tuple, dict]]) -> list[Any]:
+    def _relay_locked(
+        self, inner: Callable[..., Any], parts: list[tuple[tuple, dict]], firsts: set[int] | frozenset
+    ) -> list[Any]:
         c = _Conductor()
         flights = [_Flight(t, a, k, c) for t, (a, k) in enumerate(parts)]
         for f, g in zip(flights[1:], flights):
-            f.previous = g
+            if f.index not in firsts:  # (the backward's order is kept within a call: see _After)
+                f.previous = g
         ctx = _ThreadContext(self.devices)
         principal = _engine.acting_thread()
         threads = [

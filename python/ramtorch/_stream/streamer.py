@@ -96,6 +96,12 @@ class Streamer(Prefetcher, GradientHooks):
     #: Whether the model's forward ends with ``end_pass`` (a free-standing layer's streamer has
     #: no pass around its units: ``shared.LayerStreamer``).
     pass_ends = True
+    #: This streamer's stage in a pipeline over several devices (``offload(devices=...)``: one
+    #: streamer a stage, see :mod:`.pipeline`), ``None`` for a model on one device.
+    stage: int | None = None
+    #: Whether the forwards of a unit in one step have backwards that run apart, each reaching the
+    #: unit anew (a pipeline stage's micro-batches, ``offload(micro_batches=...)``).
+    backward_per_forward = False
 
     def __init__(
         self,
@@ -176,12 +182,6 @@ class Streamer(Prefetcher, GradientHooks):
         # Modules of the model on which a parameter or a submodule was registered since the last
         # check (torch's registration hooks, :mod:`ramtorch._stream.added`).
         self.touched: set[nn.Module] = set()
-        #: This streamer's stage in a pipeline over several devices (``offload(devices=...)``:
-        #: one streamer per stage, see :mod:`.pipeline`), ``None`` for a model on one device.
-        self.stage: int | None = None
-        #: Whether the forwards of a unit in one step have backwards that run apart, each reaching
-        #: the unit anew (a pipeline stage's micro-batches, ``offload(micro_batches=...)``).
-        self.backward_per_forward = False
 
     # -- passes -------------------------------------------------------------------------------------
 
