@@ -5,7 +5,8 @@ the same global batch, inference and training; writes one JSON list (BENCH.md re
 ``"pipeline_gpus"``) and prints a table.
 
     python3 bench/pipeline.py --out $OUT/pipeline.json [--gpus 1 2] [--micro-batches 2 4 8]
-        [--batch 8] [--seq 2048] [--layers 32] [--budget none] [--phases forward forward_backward step]
+        [--batch 8] [--calls 1 4] [--seq 2048] [--layers 32] [--budget none]
+        [--phases forward forward_backward step]
         [--reps 3] [--warmup 1] [--precision fp32-master] [--no-resident] [--commit abc1234]
     python3 bench/pipeline.py --smoke --out /tmp/pipeline.json   # a tiny Llama on host stages
 
@@ -16,7 +17,9 @@ k > 1 is ``devices=["cuda:0", ..., "cuda:<k-1>"]`` at each ``--micro-batches``. 
 the ``gpu_budget`` of each device (``none``: every unit streams).
 
 Phases (each the median of ``--reps`` calls after ``--warmup``, every GPU synchronised after each):
-``forward`` (``eval()``, ``torch.no_grad()``, ``use_cache=False``), ``forward_backward`` (``train()``,
+``forward`` (``eval()``, ``torch.no_grad()``, ``use_cache=False``; for each of ``--calls``: that
+many calls of the batch, one after the other on one GPU, through ``ramtorch.relay`` on several,
+``seconds`` a call), ``forward_backward`` (``train()``,
 the model's own loss with ``labels=input_ids``, ``loss.backward()``, ``ramtorch.synchronize()``,
 gradients set to None after), ``step`` (the same with ``ramtorch.optim.AdamW(precision=...)``'s
 ``step()`` and ``zero_grad()``). ``tokens_per_second`` = batch x sequence / seconds; records of k
@@ -28,10 +31,11 @@ of micro-batched matmuls).
 Limits, per forward record, from what this run measures: ``link_seconds`` = the largest over the
 stages of (the stage's bytes streamed per pass x passes: one per micro-batch) / that GPU's pinned
 H2D bandwidth; ``compute_seconds`` = the resident forward on ``cuda:0`` (``--no-resident``: not
-measured) / k x (n + k - 1) / n (the relay's fill and drain: n micro-batches over k stages);
+measured) / k x (m + k - 1) / m (the relay's fill and drain: m = calls x n micro-batches over k
+stages);
 ``limit_seconds`` = the larger, ``ratio_to_limit`` = limit / measured. The relay of one call gives at
-most k n / (n + k - 1) of one GPU (1.78x for k = 2, n = 8): the figure is reported as
-``relay_bound``.
+most k n / (n + k - 1) of one GPU (1.78x for k = 2, n = 8), of ``calls`` calls k m / (m + k - 1):
+the figure is reported as ``relay_bound``.
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--micro-batches", nargs="+", type=int, default=[2, 4, 8], help="for pipelines of 2+ GPUs"
     )
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (the global batch)")
+    ap.add_argument(
+        "--calls",
+        nargs="+",
+        type=int,
+        default=[1, 4],
+        help="forward: calls relayed together (ramtorch.relay)",
+    )
     ap.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--layers", type=int, default=32, help="decoder layers (32: the full 8B shape)")
     ap.add_argument(
@@ -90,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--gpus must be distinct pipeline sizes of at least 1, got {a.gpus}")
     if 1 not in a.gpus:
         ap.error(f"--gpus {a.gpus} must include 1: every pipeline record is compared with one GPU's")
+    if any(c < 1 for c in a.calls):
+        ap.error(f"--calls must be at least 1, got {a.calls}")
     bad = [n for n in a.micro_batches if n < 1 or n > a.batch]
     if bad:
         ap.error(f"--micro-batches {bad}: each must be between 1 and --batch ({a.batch})")
@@ -277,26 +290,36 @@ def measure(
     records = []
     if "forward" in a.phases:
         model.eval()
-
-        def forward() -> torch.Tensor:
-            return model(input_ids=x, use_cache=False).logits
-
         with torch.no_grad():
-            first = forward()[:, -1].float().cpu()
-            secs = timed(forward, a.reps, a.warmup)
-        rec = _record(rec_base, "forward", secs, a)
-        if cuda:
-            gbps = base["h2d_gbps"]
-            link = max(b * n / (gbps[d] * 1e9) for d, b in enumerate(rec_base["stage_streamed_bytes"]))
-            compute = None if resident_fwd is None else resident_fwd / k * (n + k - 1) / n
-            limit = max(link, compute or 0.0)
-            rec.update(link_seconds=link, compute_seconds=compute, limit_seconds=limit)
-            rec["ratio_to_limit"] = limit / rec["seconds"]
-        if k == 1:
-            one["logits"] = first
-        else:
-            rec["logits_max_abs_diff_vs_one_gpu"] = float((first - one["logits"]).abs().max())
-        records.append(_compare(rec, one))
+            first = model(input_ids=x, use_cache=False).logits[:, -1].float().cpu()
+        for calls in a.calls:
+
+            def forward(calls: int = calls) -> object:
+                if calls == 1:
+                    return model(input_ids=x, use_cache=False).logits
+                if k == 1:  # one GPU: the calls one after the other
+                    return [model(input_ids=x, use_cache=False).logits for _ in range(calls)]
+                return ramtorch.relay(model, [{"input_ids": x, "use_cache": False}] * calls)
+
+            with torch.no_grad():
+                secs = timed(forward, a.reps, a.warmup)
+            rec = _record({**rec_base, "calls": calls}, "forward", [t / calls for t in secs], a)
+            if calls > 1 and k > 1:
+                rec["options"] += f", ramtorch.relay of {calls} calls"
+                rec["relay_bound"] = k * calls * n / (calls * n + k - 1)
+            if cuda:
+                gbps = base["h2d_gbps"]
+                link = max(b * n / (gbps[d] * 1e9) for d, b in enumerate(rec_base["stage_streamed_bytes"]))
+                m = calls * n
+                compute = None if resident_fwd is None else resident_fwd / k * (m + k - 1) / m
+                limit = max(link, compute or 0.0)
+                rec.update(link_seconds=link, compute_seconds=compute, limit_seconds=limit)
+                rec["ratio_to_limit"] = limit / rec["seconds"]
+            if k == 1:
+                one["logits"] = first
+            else:
+                rec["logits_max_abs_diff_vs_one_gpu"] = float((first - one["logits"]).abs().max())
+            records.append(_compare(rec, one))
     train = [p for p in ("forward_backward", "step") if p in a.phases]
     if not train:
         return records
@@ -350,7 +373,7 @@ def _record(base: dict[str, Any], phase: str, secs: list[float], a: argparse.Nam
 
 def _compare(rec: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
     """Records one GPU's seconds per phase, and the speedup of a pipeline over them."""
-    key = "seconds:" + rec["phase"]
+    key = f"seconds:{rec['phase']}:{rec.get('calls', 1)}"
     if rec["pipeline_gpus"] == 1:
         one[key] = rec["seconds"]
     elif key in one:
@@ -361,14 +384,15 @@ def _compare(rec: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
 
 def _table(records: list[dict[str, Any]]) -> str:
     lines = [
-        "| phase | GPUs | micro-batches | seconds | tokens/s | vs one GPU | limit ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| phase | GPUs | micro-batches | calls | seconds a call | tokens/s | vs one GPU | limit ratio |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         vs = r.get("speedup_vs_one_gpu")
         ratio = r.get("ratio_to_limit")
         lines.append(
-            f"| {r['phase']} | {r['pipeline_gpus']} | {r['micro_batches']} | {r['seconds']:.3f} | "
+            f"| {r['phase']} | {r['pipeline_gpus']} | {r['micro_batches']} | {r.get('calls', 1)} | "
+            f"{r['seconds']:.3f} | "
             f"{r['tokens_per_second']:.0f} | {'' if vs is None else f'{vs:.2f}x'} | "
             f"{'' if ratio is None else f'{ratio:.2f}'} |"
         )

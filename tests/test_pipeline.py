@@ -508,6 +508,7 @@ def _bench(monkeypatch):
         (["--reps", "0"], "--reps must be at least 1"),
         (["--layers", "1", "--smoke"], "--layers 1 cannot fill 2 stages"),
         (["--phases", "decode"], "invalid choice: 'decode'"),
+        (["--calls", "0"], "--calls must be at least 1"),
     ],
 )
 def test_bench_arguments_are_checked(monkeypatch, capsys, argv, message):
@@ -522,6 +523,7 @@ def test_bench_arguments_defaults_and_gpu_count(monkeypatch, capsys):
     bench = _bench(monkeypatch)
     a = bench.parse_args(["--out", "x.json", "--smoke"])
     assert (a.gpus, a.micro_batches, a.batch, a.seq, a.layers) == ([1, 2], [2, 4, 8], 8, 2048, 32)
+    assert a.calls == [1, 4]
     assert a.phases == ["forward", "forward_backward", "step"] and a.budget is None
     assert bench.parse_args(["--out", "x", "--smoke", "--budget", "24GiB"]).budget == "24GiB"
     if torch.cuda.device_count() < 2:
