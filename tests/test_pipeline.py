@@ -554,3 +554,32 @@ def test_two_gpus_train_as_one(micro):
         assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(ga, gb))
     for k in one[2]:
         assert torch.allclose(two[2][k].to(one[2][k].device), one[2][k], atol=1e-5, rtol=1e-4), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_llama_relay_and_training_match_one():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4)).to(torch.bfloat16)
+    one = ramtorch.offload(copy.deepcopy(plain), device="cuda:0")
+    two = ramtorch.offload(copy.deepcopy(plain), devices=["cuda:0", "cuda:1"], micro_batches=2)
+    ids = [torch.randint(0, plain.config.vocab_size, (4, 16), device="cuda:0") for _ in range(3)]
+    with torch.no_grad():
+        want = [one(input_ids=x, use_cache=False).logits for x in ids]
+        got = ramtorch.relay(two, [{"input_ids": x, "use_cache": False} for x in ids])
+    for g, w in zip(got, want):
+        assert g.device == torch.device("cuda:1")
+        assert torch.allclose(g.float().cpu(), w.float().cpu(), atol=2e-2, rtol=2e-2)
+    opts = [ramtorch.optim.AdamW(m.parameters(), lr=1e-3) for m in (one, two)]
+    for x in ids[:2]:
+        losses = []
+        for m, opt in zip((one, two), opts):
+            loss = m(input_ids=x, labels=x, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        assert abs(losses[0] - losses[1]) < 2e-2
+    for (name, p), q in zip(two.named_parameters(), one.parameters()):
+        assert torch.allclose(p.float().cpu(), q.float().cpu(), atol=2e-2, rtol=2e-2), name
