@@ -415,6 +415,21 @@ def test_tied_weights_across_stages_are_refused():
         ramtorch.offload(Tied(), devices=["cpu", "cpu"])
 
 
+def test_a_tensor_handed_to_every_unit_of_a_stage_crosses_once():
+    from ramtorch._stream.pipeline import to_device
+
+    meta = torch.device("meta")  # (another device than the CPU's, on any machine)
+    table, x = torch.randn(3, 4), torch.randn(2, 4)
+    moved: dict = {}
+    a = to_device(((x,), {"table": table}), meta, moved)
+    b = to_device(((x,), {"table": table}), meta, moved)
+    assert a[1]["table"].device == meta and b[1]["table"] is a[1]["table"] and b[0][0] is a[0][0]
+    table.add_(1)  # written: moved again
+    c = to_device({"table": table}, meta, moved)
+    assert c["table"] is not a[1]["table"]
+    assert to_device({"table": table}, meta)["table"] is not c["table"]  # no cache: every time
+
+
 def test_split_and_join_helpers():
     x, y = torch.arange(10).reshape(5, 2), torch.ones(1, 3)
     parts, sizes = split_batch((x,), {"y": y, "n": 3}, 2)

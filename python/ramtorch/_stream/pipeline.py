@@ -205,14 +205,23 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def to_device(tree: Any, device: torch.device) -> Any:
+def to_device(tree: Any, device: torch.device, moved: dict[int, Any] | None = None) -> Any:
     """``tree`` with every tensor elsewhere than ``device`` moved there (differentiably: the
-    gradient goes back to where the tensor came from)."""
+    gradient goes back to where the tensor came from). ``moved`` keeps the copies made (by the
+    source tensor's id, with the tensor and its version): a tensor handed to every unit of a stage
+    (a rotary table, a mask) crosses once, as long as it is not written."""
 
     def move(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.device != device:
-            return t.to(device, non_blocking=t.device.type == "cuda" and device.type == "cuda")
-        return t
+        if not isinstance(t, torch.Tensor) or t.device == device:
+            return t
+        if moved is not None:
+            hit = moved.get(id(t))
+            if hit is not None and hit[0] is t and hit[1] == t._version:
+                return hit[2]
+        y = t.to(device, non_blocking=t.device.type == "cuda" and device.type == "cuda")
+        if moved is not None:
+            moved[id(t)] = (t, t._version, y)
+        return y
 
     return tree_map(move, tree)
 
@@ -316,6 +325,8 @@ class _Flight:
         # the task (its entry into the stage, or the start of the forward).
         self.fresh = True
         self.done = False
+        #: Tensors moved to the current stage's device (see :func:`to_device`).
+        self.moved: dict[int, Any] = {}
         self.go = threading.Semaphore(0)
         #: The flight of the micro-batch before (``None`` for the first, and on the calling thread).
         self.previous: _Flight | None = None
@@ -384,6 +395,7 @@ class Pipeline:
                         "micro_batches=1"
                     )
                 old, f.stage = f.stage, None
+                f.moved = {}
                 self.streamers[old].end_pass()
                 f.turn(stage)
                 f.stage = stage
@@ -395,7 +407,8 @@ class Pipeline:
             if self.issued is not None:
                 self.issued.append((stage, f.index, name))
         dev = self.devices[stage]
-        args, kwargs = to_device(args, dev), to_device(kwargs, dev)
+        moved = None if f is None else f.moved
+        args, kwargs = to_device(args, dev, moved), to_device(kwargs, dev, moved)
         if f is not None and f.conductor is not None and stage == len(self.streamers) - 1 and stage > 0:
             args, kwargs = _after_previous(f, args, kwargs)
         return args, kwargs
