@@ -305,8 +305,10 @@ def offload(
             ``s + t``: while the last device computes one micro-batch, the first computes the
             next), and the outputs joined: tensors concatenated on dim 0, 0-dim tensors (a mean
             loss) averaged, weighted by the micro-batches' sizes. ``loss.backward()`` then runs
-            the backward of every micro-batch, each device's on a thread of torch's autograd
-            engine (GPipe's schedule). Each micro-batch streams each stage's weights again. A
+            GPipe's schedule: the last device runs the micro-batches' backwards one after the
+            other, each device's on a thread of torch's autograd engine, so the device before
+            computes one while the last runs the next. Each micro-batch streams each stage's
+            weights again. :func:`ramtorch.relay` relays several independent calls as one. A
             batch smaller than ``micro_batches``, a tensor argument with another dim 0, or an
             output that cannot be joined (a KV cache: ``use_cache=False``) is a ``ValueError``.
             Default 1: the batch goes through whole.
