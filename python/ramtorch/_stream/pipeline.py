@@ -454,6 +454,17 @@ class Pipeline:
         try:
             self.streamers[0].begin_pass()
             return inner(*f.args, **f.kwargs)
+        except Exception:
+            raise
+        except BaseException:
+            # Ctrl-C skipped the units' forward hooks: the stage's pass stays open, as a model's on
+            # one device does, and its next pass cleans up as after an interrupt. What this
+            # thread pushed (saved-tensor hooks) is undone now, on this thread: the next forward
+            # begins with another stage (or on another thread).
+            if f.stage is not None:
+                self.streamers[f.stage].end_interrupted_forwards()
+                f.stage = None
+            raise
         finally:
             stage, f.stage = f.stage, None
             if stage is not None:

@@ -277,6 +277,18 @@ class Streamer(Prefetcher, GradientHooks):
             if self.fwd_itin:
                 self._prefetch_along(self.fwd_itin, 0, None)
 
+    def end_interrupted_forwards(self) -> None:
+        """Undoes the forwards of this streamer's units left open by an exception that skipped
+        their forward hooks (Ctrl-C), on the thread that ran them, whose saved-tensor hooks they
+        pushed: a pipeline's micro-batch runs on a thread of its own, and the next pass (which
+        sees the pass interrupted and does the rest) begins on another."""
+        with self.lock:
+            for u in reversed(self.streamed):
+                while u.fwd:
+                    self._end_forward(u, *u.fwd.pop()[:5])
+                self._undo_gathers(u)
+            self._pop_saved_tensor_hooks()
+
     def _refuse_ddp(self) -> None:
         """This model's forward runs inside a DDP forward with grad (see :func:`refuse_ddp`):
         refused when a streamed weight trains."""
