@@ -185,6 +185,18 @@ def test_llama_micro_batches_loss_logits_and_gradients():
             model(input_ids=ids, use_cache=True)
 
 
+def test_generate_over_two_stages_equals_plain():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4)).eval()
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"])
+    ids = torch.randint(0, plain.config.vocab_size, (2, 5))
+    mask = torch.ones_like(ids)
+    want = plain.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("error", [ArithmeticError, KeyboardInterrupt])
 @pytest.mark.parametrize("micro", [1, 2])
 def test_error_in_one_micro_batch_reaches_the_caller_and_the_model_runs_again(error, micro):
