@@ -7,7 +7,7 @@ the same global batch, inference and training; writes one JSON list (BENCH.md re
     python3 bench/pipeline.py --out $OUT/pipeline.json [--gpus 1 2] [--micro-batches 2 4 8]
         [--batch 8] [--calls 1 4] [--seq 2048] [--layers 32] [--budget none]
         [--phases forward forward_backward step]
-        [--reps 3] [--warmup 1] [--precision fp32-master] [--no-resident] [--commit abc1234]
+        [--reps 3] [--warmup 1] [--precision fp32-master] [--recompute] [--no-resident] [--commit abc1234]
     python3 bench/pipeline.py --smoke --out /tmp/pipeline.json   # a tiny Llama on host stages
 
 Each configuration builds the model afresh from the same seed (initialised on ``cuda:0``, then
@@ -19,11 +19,12 @@ the ``gpu_budget`` of each device (``none``: every unit streams).
 Phases (each the median of ``--reps`` calls after ``--warmup``, every GPU synchronised after each):
 ``forward`` (``eval()``, ``torch.no_grad()``, ``use_cache=False``; for each of ``--calls``: that
 many calls of the batch, one after the other on one GPU, through ``ramtorch.relay`` on several,
-``seconds`` a call), ``forward_backward`` (``train()``,
-the model's own loss with ``labels=input_ids``, ``loss.backward()``, ``ramtorch.synchronize()``,
-gradients set to None after), ``step`` (the same with ``ramtorch.optim.AdamW(precision=...)``'s
-``step()`` and ``zero_grad()``). ``tokens_per_second`` = batch x sequence / seconds; records of k
-GPUs carry ``speedup_vs_one_gpu`` (the one-GPU record's seconds over theirs, same phase) and
+``seconds`` a call), ``forward_backward`` (``train()``, the model's own loss with
+``labels=input_ids``, ``loss.backward()``, ``ramtorch.synchronize()``, gradients set to None
+after), ``step`` (the same with ``ramtorch.optim.AdamW(precision=...)``'s ``step()`` and
+``zero_grad()``). A step at B=8 of 2048 tokens keeps about 70 GB of activations on one GPU:
+``--recompute`` (``offload(recompute=True)``, for both) keeps them within an 80 GB card.
+``tokens_per_second`` = batch x sequence / seconds; records of k GPUs carry ``speedup_vs_one_gpu`` (the one-GPU record's seconds over theirs, same phase) and
 ``loss_vs_one_gpu`` / ``logits_max_abs_diff_vs_one_gpu`` (the first training forward's loss and
 the first inference forward's last-position logits against one GPU's: equal up to the rounding
 of micro-batched matmuls).
@@ -89,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--precision", choices=PRECISIONS, default="fp32-master", help="ramtorch.optim.AdamW's")
     ap.add_argument(
         "--no-resident", action="store_true", help="skip the resident forward (the compute floor)"
+    )
+    ap.add_argument(
+        "--recompute", action="store_true", help="offload(recompute=True): activations recomputed in backward"
     )
     ap.add_argument("--smoke", action="store_true", help="a tiny Llama on host stages (no GPU), one rep")
     ap.add_argument("--commit", default=None)
@@ -276,11 +280,13 @@ def measure(
     log(f"{k} GPU(s), micro_batches={n}: building")
     model = build(cfg, "cuda:0" if cuda else "cpu")
     if k == 1:
-        ramtorch.offload(model, gpu_budget=a.budget, device=devices[0])
+        ramtorch.offload(model, gpu_budget=a.budget, device=devices[0], recompute=a.recompute)
     else:
-        ramtorch.offload(model, gpu_budget=a.budget, devices=devices, micro_batches=n)
+        ramtorch.offload(model, gpu_budget=a.budget, devices=devices, micro_batches=n, recompute=a.recompute)
     x = ids.to(devices[0])
     rec_base = {**base, "pipeline_gpus": k, "micro_batches": n, "gpus": k if cuda else 0}
+    if a.recompute:
+        rec_base["recompute"] = True
     if k > 1:
         rec_base["options"] = f"devices={devices}, micro_batches={n}"
         rec_base["relay_bound"] = k * n / (n + k - 1)
