@@ -24,7 +24,8 @@ many calls of the batch, one after the other on one GPU, through ``ramtorch.rela
 after), ``step`` (the same with ``ramtorch.optim.AdamW(precision=...)``'s ``step()`` and
 ``zero_grad()``). A step at B=8 of 2048 tokens keeps about 70 GB of activations on one GPU:
 ``--recompute`` (``offload(recompute=True)``, for both) keeps them within an 80 GB card.
-``tokens_per_second`` = batch x sequence / seconds; records of k GPUs carry ``speedup_vs_one_gpu`` (the one-GPU record's seconds over theirs, same phase) and
+``tokens_per_second`` = batch x sequence / seconds; records of k GPUs carry
+``speedup_vs_one_gpu`` (the one-GPU record's seconds over theirs, same phase and calls) and
 ``loss_vs_one_gpu`` / ``logits_max_abs_diff_vs_one_gpu`` (the first training forward's loss and
 the first inference forward's last-position logits against one GPU's: equal up to the rounding
 of micro-batched matmuls).
