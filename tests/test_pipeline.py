@@ -528,6 +528,18 @@ def test_stats_show_each_stage():
     assert [st["passes"] for st in s["stages"]] == [2, 2]  # one pass a micro-batch
 
 
+def test_weights_unchanged_covers_every_stage():
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=4)
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=2)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), ramtorch.weights_unchanged(model):
+        assert all(st.unchanged == 1 for st in model._ramtorch_pipeline.streamers)
+        for _ in range(2):
+            assert torch.equal(model(x), torch.cat([plain(x[:2]), plain(x[2:])]))
+    assert all(st.unchanged == 0 for st in model._ramtorch_pipeline.streamers)
+
+
 def test_plan_shows_the_stages_offload_cuts(capsys):
     from ramtorch.__main__ import main
     from ramtorch.plan import predict
