@@ -477,7 +477,7 @@ def test_a_tensor_handed_to_every_unit_of_a_stage_crosses_once():
     assert to_device({"table": table}, meta)["table"] is not c["table"]  # no cache: every time
 
 
-def test_split_and_join_helpers():
+def test_split_batch_and_combine():
     x, y = torch.arange(10).reshape(5, 2), torch.ones(1, 3)
     parts, sizes = split_batch((x,), {"y": y, "n": 3}, 2)
     assert sizes == [3, 2]
