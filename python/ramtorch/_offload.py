@@ -670,8 +670,10 @@ def _offload_stages(
     stage_of.update({u.uid: s for s, members in enumerate(cut) for u in members})
     stages = [[units[i] for i in order if stage_of[units[i].uid] == s] for s in range(len(devices))]
     # Parameters outside the streamed units (tied ones, adapters, a container's) go to the device
-    # of the stage of each module that holds them (see _module_stage); a module that holds only
-    # such parameters (a tied embedding or head) gets the stage's hand-off hook as a unit does.
+    # of the stage of each module that holds them: the unit's it is in, the first for a module
+    # above units (a container), else the stage of the unit registered before it. A module that
+    # holds only such parameters (a tied embedding or head) gets the stage's hand-off hook as a
+    # unit does.
     names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
@@ -679,7 +681,8 @@ def _offload_stages(
     extra: dict[int, tuple[nn.Module, str, int]] = {}  # modules outside the units, hooked too
     positions = {id(m): k for k, m in enumerate(model.modules())}
     inside = {id(m): stage_of[u.uid] for u in inner for m in u.module.modules()}
-    above = {id(m) for u in inner for m in model.modules() if any(x is u.module for x in m.modules())}
+    unit_ids = {id(u.module) for u in inner}
+    above = {id(m) for m in model.modules() if any(id(x) in unit_ids for x in m.modules() if x is not m)}
     starts = sorted((positions.get(id(u.module), 0), stage_of[u.uid]) for u in inner)
     shared_ids = {id(p) for p in shared}
     for mname, m in model.named_modules():
