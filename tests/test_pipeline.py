@@ -334,6 +334,20 @@ def test_relay_of_several_calls_is_one_relay_with_each_call_s_results(micro):
     assert pipe.issued == _expected_issue(stage_units, 3 * micro)  # the calls' micro-batches in one relay
 
 
+def test_relay_of_calls_with_gradients():
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=4)
+    model = ramtorch.offload(copy.deepcopy(plain), devices=["cpu", "cpu"], micro_batches=2)
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    outs = ramtorch.relay(model, [(x,) for x in xs])
+    sum(y.square().mean() for y in outs).backward()
+    sum(plain(x).square().mean() for x in xs).backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5)
+    last = model._ramtorch_pipeline.streamers[-1]
+    assert len(last.bwd_itin) >= 2 * len(last.units)  # a call's micro-batches one after the other
+
+
 def test_relay_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="not offloaded over several devices"):
         ramtorch.relay(ramtorch.offload(Net(d=8, layers=2), device="cpu"), [torch.randn(2, 8)])
