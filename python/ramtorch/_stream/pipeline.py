@@ -21,7 +21,15 @@ own device's engine, activations moved to a stage's device as they enter it, and
 - **Training**: the micro-batches' outputs are joined (:func:`combine`), so ``loss.backward()``
   runs one backward over all of them (GPipe's schedule: every forward, then the backward); torch's
   autograd engine runs the backward of each device on a thread of its own, each starting as soon
-  as the gradient of its stage's output arrives.
+  as the gradient of its stage's output arrives. An ordering edge (:class:`_After`) makes the last
+  stage run the micro-batches' backwards one after the other, newest first, so the device before
+  gets the first gradient early.
+- **Several calls** (:meth:`Pipeline.map`, ``ramtorch.relay``): the micro-batches of independent
+  calls relayed as one sequence, so the stages overlap across calls too.
+- **Errors**: a micro-batch's error is raised in the caller, after the other micro-batches'
+  forwards unwound (:class:`PipelineAborted` at their next turn); one that skips the units' forward
+  hooks (Ctrl-C) undoes the cut unit's forward on its own thread and leaves its stage's pass open,
+  for the next pass to clean up as after an interrupt.
 """
 
 from __future__ import annotations
@@ -43,9 +51,8 @@ from .units import _Unit
 
 def split_stages(costs: Sequence[int], stages: int) -> list[int]:
     """The stage of each unit: ``costs`` (one a unit, in the order the units run) cut into
-    ``stages`` contiguous, non-empty stages whose largest total cost is the smallest possible;
-    among such cuts, the one whose stages end earliest. Raises ``ValueError`` with fewer units
-    than stages."""
+    ``stages`` contiguous, non-empty stages whose largest total cost is the smallest possible
+    (ties give the later stages more units). Raises ``ValueError`` with fewer units than stages."""
     n = len(costs)
     if stages < 1:
         raise ValueError(f"pipeline: {stages} stages; at least one is needed")
