@@ -18,7 +18,7 @@ from torch import nn as _torch_nn
 from . import _core, _engine, _offload, distributed, nn, optim, plan
 from ._core import CudaError
 from ._keep import commit, resume
-from ._offload import offload, weights_unchanged
+from ._offload import offload, relay, weights_unchanged
 from ._stream import gather as _gather
 from ._trace import trace
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -41,6 +41,7 @@ __all__ = [
     "load_checkpoint",
     "nn",
     "offload",
+    "relay",
     "weights_unchanged",
     "optim",
     "plan",
@@ -110,7 +111,16 @@ def stats(model: _torch_nn.Module | None = None) -> dict[str, Any]:
 
 
 def _model_stats(model: _torch_nn.Module, streamer: Any) -> dict[str, Any]:
-    """One model's entry of :func:`stats`: its class name first, then its streamer's counters."""
+    """One model's entry of :func:`stats`: its class name first, then its streamer's counters (a
+    model offloaded over several devices: its devices, micro-batches, and each stage's)."""
+    pipe = getattr(model, "_ramtorch_pipeline", None)
+    if pipe is not None:
+        return {
+            "model": type(model).__name__,
+            "pipeline_devices": [str(d) for d in pipe.devices],
+            "micro_batches": pipe.micro_batches,
+            "stages": [s.stats() for s in pipe.streamers],
+        }
     return {"model": type(model).__name__, **streamer.stats()}
 
 

@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--batch", type=int, default=1, help="--context: sequences decoded together")
     p.add_argument("--page-tokens", type=int, default=256, help="--context: HostCache's page_tokens")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="show the stages that offload(devices=[...]) cuts the model into over this many devices",
+    )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     a = ap.parse_args(argv)
     try:
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             host_memory=a.host_memory,
             host_budget=a.host_budget,
             optimizer_on_disk=a.optimizer_on_disk,
+            devices=a.devices,
         )
         kv = None
         if a.context is not None:

@@ -8,6 +8,7 @@ module only passes torch's current stream to it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -235,6 +236,32 @@ class Layout:
         return [None if s is None else slot[s[0] : s[1]].view(s[2]).view(s[3]) for s in self._spans]
 
 
+#: Threads that run a forward on behalf of another (``_stream.pipeline``: the micro-batches of one
+#: call, each on a thread of its own, taking turns): thread -> the thread they act for.
+_ACTING_FOR: weakref.WeakKeyDictionary[threading.Thread, threading.Thread] = weakref.WeakKeyDictionary()
+
+
+def acting_thread() -> threading.Thread:
+    """The thread whose forward or training step the calling thread runs: itself, or the thread
+    it acts for (:func:`acting_for`). The forwards lock and the engine's training-step owner
+    (:class:`ForwardLock`, :meth:`DeviceEngine._check_thread`) count threads this way."""
+    me = threading.current_thread()
+    return _ACTING_FOR.get(me, me)
+
+
+@contextlib.contextmanager
+def acting_for(principal: threading.Thread) -> Iterator[None]:
+    """The calling thread acts for ``principal`` while the block runs: the two count as one for the
+    forwards lock and the training step. The caller makes sure that they never run the streaming
+    layer at the same time (``_stream.pipeline`` hands one turn at a time)."""
+    me = threading.current_thread()
+    _ACTING_FOR[me] = acting_thread() if principal is me else _ACTING_FOR.get(principal, principal)
+    try:
+        yield
+    finally:
+        _ACTING_FOR.pop(me, None)
+
+
 class ForwardLock:
     """Serialises the forwards that stream weights on one device, across threads.
 
@@ -258,7 +285,7 @@ class ForwardLock:
     def acquire(self, token: Hashable) -> None:
         """Adds ``token`` for the calling thread, waiting while another live thread holds the
         lock."""
-        me = threading.current_thread()
+        me = acting_thread()
         with self._cv:
             while self._owner is not None and self._owner is not me:
                 if not self._owner.is_alive():
@@ -273,7 +300,7 @@ class ForwardLock:
         """Drops ``token`` of the calling thread (nothing if it does not hold it); the lock is free
         once the thread holds no token."""
         with self._cv:
-            if self._owner is not threading.current_thread():
+            if self._owner is not acting_thread():
                 return
             self._tokens.discard(token)
             if not self._tokens:
@@ -282,7 +309,7 @@ class ForwardLock:
 
     def mine(self) -> bool:
         """Whether the calling thread holds the lock."""
-        return self._owner is threading.current_thread()
+        return self._owner is acting_thread()
 
 
 #: The engine's bound on copies in flight per lane.
@@ -325,6 +352,10 @@ class _Sum:
             and grad._version == self.version
             and self.dev is not None
         )
+
+
+#: Serialises the listeners' ``on_grads`` calls of every engine (see ``grads_complete``).
+_LISTENER_CALLS = threading.RLock()
 
 
 class DeviceEngine:
@@ -786,7 +817,7 @@ class DeviceEngine:
     def _check_thread(self, claim: bool) -> None:
         """Raises if another (live) thread has a training step in progress on this engine; with
         ``claim``, the calling thread's training step begins."""
-        me = threading.current_thread()
+        me = acting_thread()
         with self._user_lock:
             user = self._user
             if user is not None and user is not me and user.is_alive():
@@ -814,7 +845,7 @@ class DeviceEngine:
         training step): raises if another thread's training step is in progress."""
         if torch._C._current_graph_task_id() != -1:
             return False  # a recomputation inside backward
-        user, me = self._user, threading.current_thread()
+        user, me = self._user, acting_thread()
         if claim and user is not me:
             self._check_thread(claim)
         elif user is not None and user is not me and (self._pending or self._grad_sources):
@@ -852,8 +883,12 @@ class DeviceEngine:
         self._listeners.add(listener)
 
     def grads_complete(self, params: list[torch.nn.Parameter]) -> None:
-        for listener in list(self._listeners):
-            listener.on_grads(self, params)
+        # One listener call at a time across engines: the backwards of several devices run on
+        # autograd's threads, one a device (a model over several devices, offload(devices=...)),
+        # and an optimizer listening to both hands its jobs out from one state.
+        with _LISTENER_CALLS:
+            for listener in list(self._listeners):
+                listener.on_grads(self, params)
 
     def pending_gradient(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
         """Host tensors whose sum is ``param``'s gradient at the end of the running backward, as

@@ -28,6 +28,7 @@ from ._log import logger
 from ._stream import added as _added
 from ._stream import decoding as _decoding
 from ._stream import gather as _gather
+from ._stream import pipeline as _pipeline
 from ._stream.functions import _READY_BATCH as _READY_BATCH
 from ._stream.functions import _WALK_LIMIT as _WALK_LIMIT
 from ._stream.functions import _Fetch as _Fetch
@@ -165,6 +166,8 @@ def offload(
     optimizer_on_disk: bool = False,
     keep: bool = False,
     links: str | int | Sequence[str | torch.device | int] | None = None,
+    devices: Sequence[torch.device | str | int] | None = None,
+    micro_batches: int = 1,
 ) -> nn.Module:
     """Keeps ``model``'s parameters in host RAM and streams them to ``device`` unit by unit.
 
@@ -284,6 +287,31 @@ def offload(
             ``link_own_down_bytes``, ``link_relay_down_bytes`` for gradients). On the
             host device (``device="cpu"``), an int ``n`` gives ``n`` links through host stand-ins,
             which runs the same split and relay logic without a GPU.
+        devices: several devices for one model, in place of ``device`` (a pipeline): the units,
+            in the order the model registers them, are cut into one contiguous stage a device,
+            balanced by bytes (an embedding streamed by rows counts nothing); each stage streams
+            its units over its own device's link and engine, with ``gpu_budget`` (and
+            ``max_inflight``) per device. A unit's tensor inputs are moved to its stage's device
+            (the gradient goes back through autograd), so outputs are on the last device; inputs
+            go on the first (``model.device`` for transformers models). Tied parameters must be
+            used by one stage only, and code outside the units that mixes two stages' tensors
+            (a skip connection across stages) is not supported. On the host device ``"cpu"`` may
+            repeat: stages on the host engine, as the tests run them. Not with ``links``,
+            ``compress``, ``host_budget``, ``disk``, ``optimizer_on_disk``, ``keep`` or
+            ``gpu_budget="auto"``.
+        micro_batches: with ``devices``, each forward's batch is cut into this many
+            micro-batches on dim 0 (every tensor argument whose dim 0 is the batch; a dim 0 of 1
+            is broadcast), relayed through the stages (micro-batch ``t`` in stage ``s`` at tick
+            ``s + t``: while the last device computes one micro-batch, the first computes the
+            next), and the outputs joined: tensors concatenated on dim 0, 0-dim tensors (a mean
+            loss) averaged, weighted by the micro-batches' sizes. ``loss.backward()`` then runs
+            GPipe's schedule: the last device runs the micro-batches' backwards one after the
+            other, each device's on a thread of torch's autograd engine, so the device before
+            computes one while the last runs the next. Each micro-batch streams each stage's
+            weights again. :func:`ramtorch.relay` relays several independent calls as one. A
+            batch smaller than ``micro_batches``, a tensor argument with another dim 0, or an
+            output that cannot be joined (a KV cache: ``use_cache=False``) is a ``ValueError``.
+            Default 1: the batch goes through whole.
 
     Parameters shared by several units (tied weights), parameters of modules that contain other
     units, buffers, and a unit's trainable parameters when the rest of it is frozen and they hold
@@ -319,6 +347,20 @@ def offload(
     if getattr(model, "_ramtorch_streamer", None) is not None:
         raise RuntimeError("ramtorch.offload: this model is already offloaded")
     inflight = _config.max_inflight(max_inflight)
+    stage_devices = _stage_devices(
+        devices,
+        micro_batches,
+        device=device,
+        links=links,
+        compress=compress,
+        host_budget=host_budget,
+        disk=disk,
+        optimizer_on_disk=optimizer_on_disk,
+        keep=keep,
+        gpu_budget=gpu_budget,
+    )
+    if stage_devices is not None:
+        device = stage_devices[0]
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = _engine.normalize_device(device)
@@ -379,6 +421,11 @@ def offload(
     if gather_rows is not None and not isinstance(gather_rows, bool):
         raise TypeError(f"ramtorch.offload: gather_rows must be a bool or None, got {gather_rows!r}")
     _gather.choose(units, gather_rows)
+    if stage_devices is not None:
+        return _offload_stages(
+            model, units, shared, stage_devices, micro_batches, budget, gather_rows, inflight,
+            progress, recompute, meta_names,
+        )  # fmt: skip
     buffers = [b for b in model.buffers()]
     fixed = sum(_arena._nbytes(t.shape, t.dtype) for t in stream_tensors(shared)[0])
     fixed += sum(_arena._nbytes(b.shape, b.dtype) for b in buffers)
@@ -540,6 +587,347 @@ def offload(
     return model
 
 
+def _stage_devices(
+    devices: Sequence[torch.device | str | int] | None, micro_batches: int, **given: Any
+) -> list[torch.device] | None:
+    """``offload(devices=...)`` checked before anything is moved: the devices normalised, or
+    ``None`` without ``devices``. Raises, naming what is wrong, for an empty list, an unknown or
+    repeated device (``"cpu"`` may repeat: stages on the host engine), a mix of CPU and CUDA,
+    ``micro_batches`` that is not a positive int (or above 1 without ``devices``), and the options
+    a pipeline does not support."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"ramtorch.offload: micro_batches must be a positive int, got {micro_batches!r}")
+    if devices is None:
+        if micro_batches != 1:
+            raise ValueError(
+                f"ramtorch.offload: micro_batches={micro_batches} needs devices=[...], the devices the "
+                "micro-batches are relayed through"
+            )
+        return None
+    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, Sequence):
+        raise TypeError(
+            "ramtorch.offload: devices must be a list of devices (e.g. ['cuda:0', 'cuda:1']), "
+            f"got {devices!r}"
+        )
+    if not devices:
+        raise ValueError("ramtorch.offload: devices=[] names no device")
+    if given.pop("device") is not None:
+        raise ValueError("ramtorch.offload: give device= or devices=, not both")
+    refused = {
+        "links": given["links"] is not None,
+        "compress": given["compress"] is not None,
+        "host_budget": given["host_budget"] is not None,
+        "disk": given["disk"] is not None,
+        "optimizer_on_disk": bool(given["optimizer_on_disk"]),
+        "keep": bool(given["keep"]),
+        'gpu_budget="auto"': str(given["gpu_budget"]).strip().lower() == "auto",
+    }
+    named = [k for k, v in refused.items() if v]
+    if named:
+        raise ValueError(
+            f"ramtorch.offload: devices= (a pipeline over several devices) does not support "
+            f"{', '.join(named)} yet; offload to one device for those"
+        )
+    out = []
+    for d in devices:
+        try:
+            out.append(_engine.normalize_device(d))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"ramtorch.offload: devices entry {d!r} is not a device here: {e}") from None
+    kinds = {d.type for d in out}
+    if len(kinds) > 1:
+        raise ValueError(f"ramtorch.offload: devices {[str(d) for d in out]} mix the CPU and CUDA devices")
+    seen: set[torch.device] = set()
+    for d in out:
+        if d.type == "cuda" and d in seen:
+            raise ValueError(f"ramtorch.offload: devices {[str(d) for d in out]} name {d} twice")
+        seen.add(d)
+    return out
+
+
+def _offload_stages(
+    model: nn.Module,
+    units: list[_Unit],
+    shared: list[nn.Parameter],
+    devices: list[torch.device],
+    micro_batches: int,
+    budget: int | None,
+    gather_rows: bool | None,
+    inflight: int,
+    progress: bool | None,
+    recompute: bool | Callable[[str], bool],
+    meta_names: list[str],
+) -> nn.Module:
+    """:func:`offload` with ``devices``: the units cut into stages, each planned, packed and
+    streamed on its own device by a streamer of its own; a :class:`_pipeline.Pipeline` hands the
+    activations over and relays the micro-batches (see :mod:`ramtorch._stream.pipeline`)."""
+    # Containers (modules holding blocks, their own parameters resident) wrap the other units:
+    # they stay on the first device, outside the split.
+    order = _disk.registration_order(model, [u.module for u in units])
+    cut = _pipeline.stage_units(model, units, len(devices))
+    inner = [u for members in cut for u in members]
+    stage_of = {u.uid: 0 for u in units}
+    stage_of.update({u.uid: s for s, members in enumerate(cut) for u in members})
+    stages = [[units[i] for i in order if stage_of[units[i].uid] == s] for s in range(len(devices))]
+    # Parameters outside the streamed units (tied ones, adapters, a container's) go to the device
+    # of the stage of each module that holds them: the unit's it is in, the first for a module
+    # above units (a container), else the stage of the unit registered before it. A module that
+    # holds only such parameters (a tied embedding or head) gets the stage's hand-off hook as a
+    # unit does.
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    home: dict[int, int] = {}
+    extra: dict[int, tuple[nn.Module, str, int]] = {}  # modules outside the units, hooked too
+    positions = {id(m): k for k, m in enumerate(model.modules())}
+    inside = {id(m): stage_of[u.uid] for u in inner for m in u.module.modules()}
+    unit_ids = {id(u.module) for u in inner}
+    above = {id(m) for m in model.modules() if any(id(x) in unit_ids for x in m.modules() if x is not m)}
+    starts = sorted((positions.get(id(u.module), 0), stage_of[u.uid]) for u in inner)
+    shared_ids = {id(p) for p in shared}
+    for mname, m in model.named_modules():
+        held = [p for p in m._parameters.values() if p is not None and id(p) in shared_ids]
+        if not held:
+            continue
+        if id(m) in inside:
+            stage = inside[id(m)]
+        elif id(m) in above:
+            stage = 0  # a container: its parameters are read around its blocks, from the first stage
+        else:  # outside every unit: the stage of the unit registered before it
+            stage = max((s for k, s in starts if k < positions[id(m)]), default=0)
+            extra[id(m)] = (m, mname, stage)
+        for p in held:
+            if home.setdefault(id(p), stage) != stage:
+                found = sorted({home[id(p)], stage})
+                raise ValueError(
+                    f"ramtorch.offload(devices=...): parameter {names.get(id(p), '?')!r} is used by "
+                    f"modules of stages {found} (tied weights across devices); a stage holds its "
+                    "parameters on its own device: untie it, or use fewer devices so that its users "
+                    "share a stage"
+                )
+    for p in shared:
+        home.setdefault(id(p), 0)
+    # Buffers: those of a stage's units on its device, the others on the first.
+    buffer_stage: dict[int, int] = {}
+    for u in inner:
+        for b in u.module.buffers():
+            buffer_stage[id(b)] = stage_of[u.uid]
+    plans = []
+    resident_ids: set[int] = set()
+    for s, members in enumerate(stages):
+        fixed = sum(
+            _arena._nbytes(t.shape, t.dtype)
+            for t in stream_tensors([p for p in shared if home[id(p)] == s])[0]
+        )
+        fixed += sum(
+            _arena._nbytes(b.shape, b.dtype) for b in model.buffers() if buffer_stage.get(id(b), 0) == s
+        )
+        planned = [u for u in members if not u.gather]
+        try:
+            pl = plan(
+                [u.nbytes for u in planned],
+                [k for k, u in enumerate(planned) if u.container],
+                budget,
+                inflight,
+                fixed,
+            )
+        except ValueError as e:
+            raise ValueError(f"ramtorch.offload: stage {s} on {devices[s]}: {e}") from None
+        spread = spread_resident(
+            [u.nbytes for u in planned], set(pl.resident), {k for k, u in enumerate(planned) if u.container}
+        )
+        resident_ids.update(planned[k].uid for k in spread)
+        if budget is not None and gather_rows is None:
+            for u in _gather.keep_resident(members, budget - pl.resident_bytes - pl.slots * pl.slot_bytes):
+                resident_ids.add(u.uid)
+                pl.resident_bytes += u.nbytes
+        plans.append(pl)
+    _warn_strides(units, resident_ids)
+    total = sum(u.nbytes for u in units)
+    bar = None
+    if progress if progress is not None else total > _GIB:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="ramtorch.offload", leave=False)
+    with torch.no_grad():
+        for p in shared:
+            _move(p, devices[home[id(p)]])
+        _deltas_to_base_weights(model, {id(p) for p in shared})
+        computed = _place_buffers(model, devices[0])
+        for u in inner:
+            s = stage_of[u.uid]
+            if s:
+                for m in u.module.modules():
+                    for bname, b in m._buffers.items():
+                        if b is not None:
+                            m._buffers[bname] = b.to(devices[s])
+        for u in units:
+            if u.uid in resident_ids:
+                u.resident = True
+                for p in u.params:
+                    _move(p, devices[stage_of[u.uid]])
+            else:
+                u.pack()
+            if bar is not None:
+                bar.update(u.nbytes)
+    if bar is not None:
+        bar.close()
+    if meta_names:
+        sd = model.state_dict(keep_vars=True)
+        model._ramtorch_unwritten = {  # type: ignore[assignment]
+            n: (sd[n], sd[n]._version) for n in meta_names if n in sd and n not in computed
+        }
+    for s, (members, pl) in enumerate(zip(stages, plans)):
+        _report_plan(model, members, pl, budget, devices[s], f"pipeline stage {s} of {len(devices)}")
+    if recompute:
+        wants = recompute if callable(recompute) else (lambda name: True)
+        for u in units:
+            if not u.resident and not u.gather and wants(u.name):
+                _checkpoint_forward(u.module)
+    streamers = []
+    for s, (members, pl) in enumerate(zip(stages, plans)):
+        st = Streamer(
+            model, members, devices[s], inflight, pl.slots, pl.slot_bytes, budget, pl.resident_bytes
+        )
+        st.stage = s
+        st.backward_per_forward = micro_batches > 1
+        streamers.append(st)
+    pipe = _pipeline.Pipeline(streamers, devices, micro_batches)
+    first = streamers[0]
+    handles = first.hook_handles
+    handles.append(
+        model.register_forward_pre_hook(
+            lambda m, a, k: _check_kv_cache(k) or _check_loaded(m), with_kwargs=True
+        )
+    )
+    for u in inner:
+        # The hand-off first: the stage's pass begins, and the inputs reach its device, before
+        # the unit's streamer takes its weights.
+        st = streamers[stage_of[u.uid]]
+        st.hook_handles.append(
+            u.module.register_forward_pre_hook(
+                functools.partial(pipe.unit_pre, stage_of[u.uid], u.name), with_kwargs=True
+            )
+        )
+    for m, mname, stage in extra.values():
+        streamers[stage].hook_handles.append(
+            m.register_forward_pre_hook(functools.partial(pipe.unit_pre, stage, mname), with_kwargs=True)
+        )
+    for st in streamers:
+        for u in st.units:
+            if u.resident:
+                continue
+            u.module._ramtorch_unit = u  # type: ignore[assignment]
+            st.hook_handles.append(
+                u.module.register_forward_pre_hook(functools.partial(st.pre_forward, u), with_kwargs=True)
+            )
+            st.hook_handles.append(
+                u.module.register_forward_hook(
+                    functools.partial(st.post_forward, u), with_kwargs=True, always_call=True
+                )
+            )
+    params = [p for u in units for p in u.params]
+
+    def settle(*_: Any) -> None:
+        # A pipelined optimizer step may still be writing the weights that state_dict() hands out.
+        for st in streamers:
+            st.settle_interrupted()
+        _engine.wait_updates(params)
+
+    handles.append(model.register_state_dict_pre_hook(settle))
+    own_forward = model.forward
+
+    @functools.wraps(own_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return pipe.forward(own_forward, args, kwargs)
+
+    model.forward = forward  # type: ignore[method-assign]
+    model._ramtorch_own_forward = own_forward  # type: ignore[assignment]
+    model._ramtorch_streamer = first  # type: ignore[assignment]
+    model._ramtorch_pipeline = pipe  # type: ignore[assignment]
+    if type(model)._apply is nn.Module._apply:
+        model._apply = _guarded_apply(model, first)  # type: ignore[method-assign]
+    for st in streamers:
+        for u in st.units:
+            m = u.module
+            if u.resident or m is model or type(m)._apply is not nn.Module._apply or "_apply" in m.__dict__:
+                continue
+            m._apply = _guarded_unit_apply(m, u.name, st)  # type: ignore[method-assign]
+    cls = type(model)
+    if not hasattr(cls, "__deepcopy__"):
+        model.__deepcopy__ = _refuse_copy  # type: ignore[method-assign]
+    pickling = (cls.__reduce_ex__, cls.__reduce__, cls.__getstate__)
+    if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
+        model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
+    _report_compute_device(model)
+    _span_generate()
+    _added.watch(model, first)
+    for st in streamers:
+        _STREAMERS.add(st)
+        st.eng.add_holder(st)
+    return model
+
+
+def stage_streamers(model: nn.Module) -> list[Streamer]:
+    """The streamers of an offloaded model: one a stage with ``devices``, else its one (``[]``
+    for a model that is not offloaded)."""
+    pipe = getattr(model, "_ramtorch_pipeline", None)
+    if pipe is not None:
+        return list(pipe.streamers)
+    streamer = getattr(model, "_ramtorch_streamer", None)
+    return [] if streamer is None else [streamer]
+
+
+def relay(model: nn.Module, calls: Sequence[Any]) -> list[Any]:
+    """Runs several calls of a model offloaded over several devices (``offload(model,
+    devices=[...])``) as one relay: the micro-batches of each call (``micro_batches`` of them, or
+    the call whole) follow those of the call before, so while the last device computes one call,
+    the first already computes the next. For inference over independent batches (an evaluation
+    set, requests): a relay of ``m`` calls of ``n`` micro-batches over ``k`` devices is at most
+    ``k·m·n / (m·n + k − 1)`` times one device, where one call gets ``k·n / (n + k − 1)``.
+    ::
+
+        with torch.no_grad():
+            outs = ramtorch.relay(model, [{"input_ids": ids} for ids in batches])
+
+    ``calls``: one entry a call, a tuple of positional arguments, a dict of keyword arguments, a
+    ``(tuple, dict)`` pair, or a single tensor. Returns the outputs, one a call, as ``model(...)``
+    returns them (joined over micro-batches). The model's forward runs as in a call, without the
+    hooks on the model itself (those of its modules run). The calls must not depend on each other.
+    Raises ``ValueError`` for a model that is not offloaded over several devices."""
+    pipe = getattr(model, "_ramtorch_pipeline", None)
+    inner = model.__dict__.get("_ramtorch_own_forward")
+    if pipe is None or inner is None:
+        raise ValueError(
+            "ramtorch.relay: the model is not offloaded over several devices "
+            "(ramtorch.offload(model, devices=[...]))"
+        )
+    if isinstance(calls, (torch.Tensor, dict)) or not isinstance(calls, Sequence):
+        raise TypeError(
+            "ramtorch.relay: calls must be a list of calls (tuples, dicts or tensors), got "
+            f"{type(calls).__name__}"
+        )
+    normal: list[tuple[tuple, dict]] = []
+    for k, c in enumerate(calls):
+        if isinstance(c, torch.Tensor):
+            normal.append(((c,), {}))
+        elif isinstance(c, dict):
+            normal.append(((), dict(c)))
+        elif isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], tuple) and isinstance(c[1], dict):
+            normal.append((c[0], dict(c[1])))
+        elif isinstance(c, tuple):
+            normal.append((c, {}))
+        else:
+            raise TypeError(
+                f"ramtorch.relay: call {k} is a {type(c).__name__}; give a tuple of arguments, a dict "
+                "of keyword arguments, an (args, kwargs) pair or a tensor"
+            )
+    _check_loaded(model)
+    for _, kwargs in normal:
+        _check_kv_cache(kwargs)
+    return pipe.map(inner, normal)
+
+
 @contextlib.contextmanager
 def weights_unchanged(model: nn.Module) -> Iterator[nn.Module]:
     """A block in which ``model``'s weights are not edited between forward passes in a way torch
@@ -577,13 +965,16 @@ def weights_unchanged(model: nn.Module) -> Iterator[nn.Module]:
         raise ValueError(
             "ramtorch.weights_unchanged: the model is not offloaded (call ramtorch.offload first)"
         )
-    with streamer.lock:
-        streamer.unchanged += 1
+    every = stage_streamers(model)
+    for st in every:
+        with st.lock:
+            st.unchanged += 1
     try:
         yield model
     finally:
-        with streamer.lock:
-            streamer.unchanged -= 1
+        for st in every:
+            with st.lock:
+                st.unchanged -= 1
 
 
 class _DeltaOnBaseDevice:
@@ -1083,24 +1474,28 @@ def _guarded_unit_apply(module: nn.Module, name: str, streamer: Streamer) -> Any
 
 def detach_streamer(model: nn.Module) -> None:
     """Removes ``model``'s streaming hooks (its parameters stay where they are)."""
-    streamer = getattr(model, "_ramtorch_streamer", None)
-    if streamer is None:
+    every = stage_streamers(model)
+    if not every:
         return
-    streamer.eng.synchronize()
-    for name in ("_apply", "__deepcopy__", "__reduce_ex__"):
-        model.__dict__.pop(name, None)
-    for u in streamer.units:
-        if getattr(u.module.__dict__.get("_apply"), "_ramtorch_guard", False):
-            del u.module.__dict__["_apply"]
-    for h in streamer.hook_handles:
-        h.remove()
-    for u in streamer.units:
-        if getattr(u.module, "_ramtorch_unit", None) is u:
-            del u.module._ramtorch_unit
-    _STREAMERS.discard(streamer)
-    _added.unwatch(streamer)
-    streamer.eng.remove_holder(streamer)
+    for name in ("_apply", "__deepcopy__", "__reduce_ex__", "forward"):
+        if name != "forward" or getattr(model, "_ramtorch_pipeline", None) is not None:
+            model.__dict__.pop(name, None)
+    for streamer in every:
+        streamer.eng.synchronize()
+        for u in streamer.units:
+            if getattr(u.module.__dict__.get("_apply"), "_ramtorch_guard", False):
+                del u.module.__dict__["_apply"]
+        for h in streamer.hook_handles:
+            h.remove()
+        for u in streamer.units:
+            if getattr(u.module, "_ramtorch_unit", None) is u:
+                del u.module._ramtorch_unit
+        _STREAMERS.discard(streamer)
+        _added.unwatch(streamer)
+        streamer.eng.remove_holder(streamer)
     model._ramtorch_streamer = None
+    for name in ("_ramtorch_pipeline", "_ramtorch_own_forward"):
+        model.__dict__.pop(name, None)
     base = type(model).__dict__.get("_ramtorch_base_class")
     if base is not None:
         model.__class__ = base

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import _config, _disk, _kv_sizes
 from ._stream import gather as _gather
+from ._stream import pipeline as _pipeline
 from ._stream import placement
 from ._stream import units as _stream_units
 from ._units import format_bytes, parse_bytes
@@ -249,6 +250,11 @@ class Prediction:
     #: (``ramtorch._disk.STATES_IN_FLIGHT`` times the largest piece, about ``PIECE_BYTES`` or
     #: less).
     disk_state_staging_bytes: int = 0
+    #: ``offload(devices=[...])`` over this many devices: the units of each stage (names, in the
+    #: model's order) and their bytes, as offload cuts them (empty for one device). The rest of
+    #: the prediction is for the whole model on one device.
+    stages: list[list[str]] = field(default_factory=list)
+    stage_bytes: list[int] = field(default_factory=list)
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -292,6 +298,14 @@ class Prediction:
         if resident:
             shown = ", ".join(resident[:12]) + (" ..." if len(resident) > 12 else "")
             lines.append(f"resident: {shown}")
+        if self.stages:
+            lines.append(
+                f"pipeline over {len(self.stages)} devices (offload(devices=...), cut by bytes; the "
+                "figures above are for the whole model on one device):"
+            )
+            for k, (names, nbytes) in enumerate(zip(self.stages, self.stage_bytes)):
+                span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+                lines.append(f"  stage {k}: {len(names)} units, {format_bytes(nbytes)}: {span}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -390,6 +404,7 @@ def predict(
     host_memory: int | str | None = None,
     host_budget: int | str | None = None,
     optimizer_on_disk: bool = False,
+    devices: int = 1,
 ) -> Prediction:
     """The plan :func:`ramtorch.offload` would make for ``model``, its predicted times and its
     host memory in training with ``ramtorch.optim.AdamW(precision=precision, states=states)``.
@@ -401,7 +416,10 @@ def predict(
     (twice a training step, and written back once) at the ceilings' disk speeds.
     ``optimizer_on_disk``: the optimizer states of the streamed units live on disk (not in host
     RAM), read and written once a step, in ``step()`` after the backward, and the host budget
-    holds the streamed units' gradients before their weights."""
+    holds the streamed units' gradients before their weights. ``devices``: the stage split that
+    ``offload(devices=[...])`` makes over that many devices (``Prediction.stages``)."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive int, got {devices!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if states not in STATES:
@@ -424,6 +442,7 @@ def predict(
     # planned, then the tables kept resident in what the budget leaves, else copied by the rows
     # a pass reads.
     _gather.choose(units, None)
+    cut = _pipeline.stage_units(model, units, devices) if devices > 1 else []
     sizes = [u.nbytes for u in units]
     planned = [k for k, u in enumerate(units) if not u.gather]
     hint = None
@@ -537,6 +556,8 @@ def predict(
         step_seconds = max(step_seconds, fb_end + state_io + disk_writes)
     on_device = [p for k in resident for p in units[k].params] + [p for p in shared if p.requires_grad]
     return Prediction(
+        stages=[[u.name for u in members] for members in cut],
+        stage_bytes=[sum(u.nbytes for u in members) for members in cut],
         budget=parse_bytes(budget, "gpu_budget"),
         slots=pl.slots,
         slot_bytes=pl.slot_bytes,

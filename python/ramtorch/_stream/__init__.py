@@ -56,6 +56,8 @@ Files, one concept each:
 - :mod:`.decoding`: decoding spans (a ``generate()`` call), whose passes take each other's copies;
 - :mod:`.added`: parameters added to an offloaded model after ``offload`` (in no unit), found
   through torch's registration hooks and refused by name at the next forward.
+- :mod:`.pipeline`: one model over several devices (``offload(devices=...)``): the stage cut, the
+  hand-off of activations between stages, and the relay of micro-batches, one streamer a stage.
 
 This layer imports only the engine layer (``_engine``, ``_arena``, ``_core``, ``_config``,
 ``_units``); features (``ramtorch.offload``, ``ramtorch.nn``, ``ramtorch.plan``, ``ramtorch.trace``)

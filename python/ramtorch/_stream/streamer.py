@@ -96,6 +96,12 @@ class Streamer(Prefetcher, GradientHooks):
     #: Whether the model's forward ends with ``end_pass`` (a free-standing layer's streamer has
     #: no pass around its units: ``shared.LayerStreamer``).
     pass_ends = True
+    #: This streamer's stage in a pipeline over several devices (``offload(devices=...)``: one
+    #: streamer a stage, see :mod:`.pipeline`), ``None`` for a model on one device.
+    stage: int | None = None
+    #: Whether the forwards of a unit in one step have backwards that run apart, each reaching the
+    #: unit anew (a pipeline stage's micro-batches, ``offload(micro_batches=...)``).
+    backward_per_forward = False
 
     def __init__(
         self,
@@ -271,6 +277,18 @@ class Streamer(Prefetcher, GradientHooks):
             if self.fwd_itin:
                 self._prefetch_along(self.fwd_itin, 0, None)
 
+    def end_interrupted_forwards(self) -> None:
+        """Undoes the forwards of this streamer's units left open by an exception that skipped
+        their forward hooks (Ctrl-C), on the thread that ran them, whose saved-tensor hooks they
+        pushed: a pipeline's micro-batch runs on a thread of its own, and the next pass (which
+        sees the pass interrupted and does the rest) begins on another."""
+        with self.lock:
+            for u in reversed(self.streamed):
+                while u.fwd:
+                    self._end_forward(u, *u.fwd.pop()[:5])
+                self._undo_gathers(u)
+            self._pop_saved_tensor_hooks()
+
     def _refuse_ddp(self) -> None:
         """This model's forward runs inside a DDP forward with grad (see :func:`refuse_ddp`):
         refused when a streamed weight trains."""
@@ -299,7 +317,7 @@ class Streamer(Prefetcher, GradientHooks):
         if PassState.BACKWARD not in self.state or torch._C._current_graph_task_id() != -1:
             return
         user = self.eng._user
-        if user is not None and user is not threading.current_thread():
+        if user is not None and user is not _engine.acting_thread():
             return  # another thread's training step: its backward may be running (its thread settles)
         with self.lock:
             self._release_backward()
@@ -799,7 +817,7 @@ class Streamer(Prefetcher, GradientHooks):
     def _pre_backward_hook(self, u: _Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:
             with self.lock:
-                if u.phase is BackwardPhase.IDLE:
+                if u.phase is BackwardPhase.IDLE or (self.backward_per_forward and u.bwd is None):
                     self._begin_backward_locked(u)
 
         return hook
@@ -815,7 +833,10 @@ class Streamer(Prefetcher, GradientHooks):
 
     def _begin_backward_locked(self, u: _Unit) -> None:
         self._queue_backward_end()
-        first = u.phase is BackwardPhase.IDLE
+        # A unit whose backward for one forward ended is reached anew by another forward's, where
+        # each runs apart (a pipeline's micro-batches): the itinerary learns one entry each, and
+        # prefetches each.
+        first = u.phase is BackwardPhase.IDLE or (self.backward_per_forward and u.bwd is None)
         if first:
             u.phase = BackwardPhase.REACHED
         if first:
@@ -954,6 +975,7 @@ class Streamer(Prefetcher, GradientHooks):
             "gathered_units": [u.name for u in gathered],
             "host_bytes": sum(u.nbytes for u in streamed + gathered if u.disk is None),
             "itinerary": [self.by_uid[k].name for k in self.fwd_itin],
+            **({} if self.stage is None else {"pipeline_stage": self.stage}),
             **self._compression(streamed),
             **self._disk_stats(streamed),
             **self.counters,
