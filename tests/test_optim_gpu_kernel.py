@@ -357,3 +357,66 @@ def test_a_forked_child_leaves_updates_to_the_cpu():
     a._running = 0
     a.close(5)
     assert got == b"1"
+
+
+def _tiny(gpu: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 24, dtype=BF16), torch.nn.Linear(24, 8, dtype=BF16))
+    ramtorch.offload(m, device="cpu")
+    return m, ramtorch.optim.AdamW(
+        m.parameters(), lr=1e-2, precision="compact", overlap=False, gpu_updates=gpu
+    )
+
+
+def _steps(m: torch.nn.Module, opt: torch.optim.Optimizer, n: int = 3) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    for _ in range(n):
+        m(torch.randn(4, 16, dtype=BF16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().view(torch.int16).clone() for p in m.parameters()]
+
+
+def test_a_failed_gpu_update_falls_back_to_the_cpu(monkeypatch: pytest.MonkeyPatch):
+    """The GPU's update raises: the CPU makes it (the same bits), and the GPU takes no more."""
+    from ramtorch.optim import _assist, _gpu_step
+
+    want = _steps(*_tiny(False))
+    monkeypatch.setattr(_assist, "supported", lambda device: True)
+    monkeypatch.setattr(_assist, "GPU_ONLY", True)
+
+    def boom(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_gpu_step.DeviceStepper, "step", boom)
+    m, opt = _tiny(True)
+    got = _steps(m, opt)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not opt._assist.enabled and opt.timings["gpu_updates"] == 0
+
+
+def test_an_update_the_gpu_thread_cannot_make_raises_in_step(monkeypatch: pytest.MonkeyPatch):
+    """An error of an update on the GPU's thread (its fallback failing too) reaches ``step()``."""
+    import threading
+
+    from ramtorch.optim import _assist, _gpu_step, _state
+
+    monkeypatch.setattr(_assist, "supported", lambda device: True)
+    monkeypatch.setattr(_assist, "GPU_ONLY", True)
+    monkeypatch.setattr(
+        _gpu_step.DeviceStepper, "step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("gpu"))
+    )
+    original = _state.HostStates._update_host
+
+    def update(self, p, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if threading.current_thread().name == "ramtorch-optim-gpu-step":
+            raise ValueError("the fallback failed")
+        return original(self, p, *args, **kwargs)
+
+    monkeypatch.setattr(_state.HostStates, "_update_host", update)
+    m, opt = _tiny(True)
+    m(torch.randn(4, 16, dtype=BF16)).float().square().mean().backward()
+    opt.step()  # the first step makes the states (every update in turn, on the CPU)
+    m(torch.randn(4, 16, dtype=BF16)).float().square().mean().backward()
+    with pytest.raises(ValueError, match="the fallback failed"):
+        opt.step()

@@ -461,11 +461,13 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             if gpu is None:
                 _parallel.run(one, items, numel)
             else:
-                claims, thread = gpu
+                claims, thread, errors = gpu
                 _parallel.run(
                     lambda item: one(item) if claims[id(item[0])].take("cpu") else None, items, numel
                 )
                 thread.join()
+                if errors:
+                    raise errors[0]
         else:
             for item in items:
                 one(item)
@@ -473,11 +475,13 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
 
     def _gpu_share(
         self, items: list[tuple[torch.nn.Parameter, dict[str, Any], int]], scale: float
-    ) -> tuple[dict[int, _assist.Claim], threading.Thread] | None:
+    ) -> tuple[dict[int, _assist.Claim], threading.Thread, list[BaseException]] | None:
         """With ``gpu_updates=True``, starts a thread that runs ``step()``'s in-place updates on
         the GPU beside the CPU's, from the end of ``items`` (the CPU takes them from the start):
-        each update is a claim that the first worker to take it runs, with the same bits. None
-        when the GPU takes no part (no CUDA engine, ZeRO, states on disk)."""
+        each update is a claim that the first worker to take it runs, with the same bits. Returns
+        the claims, the thread and the list where it leaves the error of an update it could not
+        make (raised by ``step()`` once the thread has ended); None when the GPU takes no part
+        (no CUDA engine, ZeRO, states on disk)."""
         if self._assist is None or not self._assist.enabled or self._zero is not None:
             return None
         if self._disk_states is not None:
@@ -493,7 +497,15 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         if stepper is None:
             stepper = self._steppers[device] = _gpu_step.DeviceStepper(device)
 
+        errors: list[BaseException] = []
+
         def work() -> None:
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 - step() raises it once the thread has ended
+                errors.append(e)
+
+        def run() -> None:
             done, start = 0, time.perf_counter()
             for p, group, _ in reversed(items):
                 grad = p.grad
@@ -518,7 +530,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
 
         thread = threading.Thread(target=work, name="ramtorch-optim-gpu-step", daemon=True)
         thread.start()
-        return claims, thread
+        return claims, thread, errors
 
     def _check_host_memory(self) -> None:
         """Before an update makes states in host RAM: a ``MemoryError`` that names the bytes when
