@@ -554,25 +554,7 @@ def offload(
         )
     )
     model._ramtorch_streamer = streamer  # type: ignore[assignment]
-    if type(model)._apply is nn.Module._apply:
-        model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
-    for u in units:
-        # Streamed units' modules (resident ones are plain modules on the device, which copy and
-        # pickle as such; a streamed unit's module holds its unit).
-        m = u.module
-        if u.resident or m is model or type(m)._apply is not nn.Module._apply or "_apply" in m.__dict__:
-            continue
-        m._apply = _guarded_unit_apply(m, u.name, streamer)  # type: ignore[method-assign]
-    # Copies would share (deepcopy: fail on) the engine, the hooks and the units of this model;
-    # a class that says how to copy or pickle itself (ramtorch.nn's layers) keeps its way.
-    cls = type(model)
-    if not hasattr(cls, "__deepcopy__"):
-        model.__deepcopy__ = _refuse_copy  # type: ignore[method-assign]
-    pickling = (cls.__reduce_ex__, cls.__reduce__, cls.__getstate__)
-    if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
-        model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
-    _report_compute_device(model)
-    _span_generate()
+    _guard(model, streamer, [(streamer, units)])
     kept = None if store is None else store.kept
     if kept is not None:
         if kept.opened:  # the store is the model: what lies outside it, from the last commit
@@ -585,6 +567,32 @@ def offload(
     _STREAMERS.add(streamer)
     streamer.eng.add_holder(streamer)
     return model
+
+
+def _guard(model: nn.Module, streamer: Streamer, units: list[tuple[Streamer, list[_Unit]]]) -> None:
+    """What every offloaded model gets once its streamers run (``units``: each streamer with its
+    units): ``.to()``/``.cuda()`` guarded on the model (through ``streamer``) and on each
+    streamed unit's module, copies and pickling refused, the compute device reported."""
+    if type(model)._apply is nn.Module._apply:
+        model._apply = _guarded_apply(model, streamer)  # type: ignore[method-assign]
+    for st, members in units:
+        for u in members:
+            # Streamed units' modules (resident ones are plain modules on the device, which copy
+            # and pickle as such; a streamed unit's module holds its unit).
+            m = u.module
+            if u.resident or m is model or type(m)._apply is not nn.Module._apply or "_apply" in m.__dict__:
+                continue
+            m._apply = _guarded_unit_apply(m, u.name, st)  # type: ignore[method-assign]
+    # Copies would share (deepcopy: fail on) the engine, the hooks and the units of this model;
+    # a class that says how to copy or pickle itself (ramtorch.nn's layers) keeps its way.
+    cls = type(model)
+    if not hasattr(cls, "__deepcopy__"):
+        model.__deepcopy__ = _refuse_copy  # type: ignore[method-assign]
+    pickling = (cls.__reduce_ex__, cls.__reduce__, cls.__getstate__)
+    if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
+        model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
+    _report_compute_device(model)
+    _span_generate()
 
 
 def _stage_devices(
@@ -845,22 +853,7 @@ def _offload_stages(
     model._ramtorch_own_forward = own_forward  # type: ignore[assignment]
     model._ramtorch_streamer = first  # type: ignore[assignment]
     model._ramtorch_pipeline = pipe  # type: ignore[assignment]
-    if type(model)._apply is nn.Module._apply:
-        model._apply = _guarded_apply(model, first)  # type: ignore[method-assign]
-    for st in streamers:
-        for u in st.units:
-            m = u.module
-            if u.resident or m is model or type(m)._apply is not nn.Module._apply or "_apply" in m.__dict__:
-                continue
-            m._apply = _guarded_unit_apply(m, u.name, st)  # type: ignore[method-assign]
-    cls = type(model)
-    if not hasattr(cls, "__deepcopy__"):
-        model.__deepcopy__ = _refuse_copy  # type: ignore[method-assign]
-    pickling = (cls.__reduce_ex__, cls.__reduce__, cls.__getstate__)
-    if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
-        model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
-    _report_compute_device(model)
-    _span_generate()
+    _guard(model, first, [(st, st.units) for st in streamers])
     _added.watch(model, first)
     for st in streamers:
         _STREAMERS.add(st)
