@@ -52,7 +52,7 @@ import time
 from typing import Any
 
 import torch
-from benchlib import budget_arg, git_commit, jsonable, rss
+from benchlib import budget_arg, git_commit, jsonable, llama_config, rss
 
 PHASES = ("forward", "forward_backward", "step")
 PRECISIONS = ("fp32-master", "bf16", "compact")
@@ -124,28 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def config(a: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig
-
-    kw: dict[str, Any] = dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=a.layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=max(8192, a.seq),
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    """The 8B shape (benchlib's Llama config), or a tiny one with ``--smoke``."""
     if a.smoke:
-        kw.update(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-        )
-    return LlamaConfig(**kw)
+        return llama_config(64, 128, a.layers, 4, 2, 256, max(8192, a.seq))
+    return llama_config(4096, 14336, a.layers, 32, 8, 128256, max(8192, a.seq))
 
 
 def build(cfg: Any, device: str) -> torch.nn.Module:
