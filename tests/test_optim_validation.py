@@ -316,3 +316,21 @@ def test_states_that_cannot_fit_in_host_memory_are_refused_before_they_are_made(
     monkeypatch.setattr(_speculation, "_meminfo", lambda: (2 * gib, 64 * gib))  # room for them
     opt.step()
     assert opt.state[p] and not torch.equal(p.detach(), before)
+
+
+def test_pooled_arena_memory_is_given_back_before_states_are_refused(monkeypatch):
+    """Memory the arena keeps pooled (an earlier optimizer's states) counts as taken for the OS:
+    before refusing new states, the first step gives the pool back and looks again."""
+    from ramtorch import _core
+    from ramtorch.optim import _speculation
+
+    p = nn.Parameter(torch.randn(64, 1024).to(torch.bfloat16))
+    p.grad = torch.randn(64, 1024).to(torch.bfloat16)
+    opt = ropt.AdamW([p], lr=1e-3)
+    gib = 1 << 30
+    freed = []
+    monkeypatch.setattr(_core, "arena_empty_cache", lambda: freed.append(True))
+    # 1000 bytes free until the pool is given back, then room for the states.
+    monkeypatch.setattr(_speculation, "_meminfo", lambda: ((2 if freed else 1) * gib + 1000, 64 * gib))
+    opt.step()
+    assert freed and opt.state[p]

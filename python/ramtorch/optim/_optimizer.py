@@ -553,6 +553,12 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             return
         available = info[0] - _STATE_MARGIN
         if need > available:
+            # The arena keeps freed memory pooled (an earlier optimizer's states, dropped buffers),
+            # which the OS counts as taken: given back, it may be enough.
+            _core.arena_empty_cache()
+            info = _speculation._meminfo() or info
+            available = info[0] - _STATE_MARGIN
+        if need > available:
             raise MemoryError(
                 f"{type(self).__name__}: the optimizer states of {count:.3g} parameters "
                 f"(precision={self.precision!r}) need {format_bytes(need)} of host memory, but "
