@@ -269,11 +269,15 @@ def test_staged_steps_from_host_memory_equal_the_rust_kernel(monkeypatch: pytest
 
 
 def train_both_ways(
-    device: str, precisions: tuple[str, ...] = ("compact", "fp32-master", "bf16"), overlap: bool = True
+    device: str,
+    precisions: tuple[str, ...] = ("compact", "fp32-master", "bf16"),
+    overlap: bool = True,
+    states: str = "device",
 ) -> str:
     """Trains a small offloaded model with ``gpu_updates`` off and on; returns one line per
     precision: whether the weights are bitwise equal, and the updates the GPU ran (speculated in
-    backward and in ``step()``; only in ``step()`` with ``overlap=False``). On the CPU the
+    backward and in ``step()``; only in ``step()`` with ``overlap=False``). ``states="host"``:
+    the model is not offloaded, its states live in host RAM (``_resident``). On the CPU the
     caller makes ``_assist.supported`` true (Triton's interpreter runs the GPU kernel)."""
     lines = []
     for prec in precisions:
@@ -283,9 +287,12 @@ def train_both_ways(
             m = torch.nn.Sequential(
                 torch.nn.Linear(64, 96, dtype=BF16), torch.nn.GELU(), torch.nn.Linear(96, 64, dtype=BF16)
             )
-            ramtorch.offload(m, device=device)
+            if states == "host":  # the weights stay where they are, their states in host RAM
+                m.to(device)
+            else:
+                ramtorch.offload(m, device=device)
             opt = ramtorch.optim.AdamW(
-                m.parameters(), lr=1e-2, precision=prec, gpu_updates=gpu, overlap=overlap
+                m.parameters(), lr=1e-2, precision=prec, gpu_updates=gpu, overlap=overlap, states=states
             )
             torch.manual_seed(1)
             for _ in range(5):
@@ -313,10 +320,12 @@ def test_gpu_updates_train_bitwise_as_the_cpu_in_the_interpreter():
         "_assist.GPU_ONLY = True\n"
         "print(t.train_both_ways('cpu'))\n"
         "print(t.train_both_ways('cpu', overlap=False))\n"
+        "print(t.train_both_ways('cpu', states='host'))\n"
+        "print(t.train_both_ways('cpu', overlap=False, states='host'))\n"
     )
     out = _interpreted(code)
-    rows = [line.split() for line in out.strip().splitlines()[-6:]]
-    assert [row[0] for row in rows] == ["compact", "fp32-master", "bf16"] * 2
+    rows = [line.split() for line in out.strip().splitlines()[-12:]]
+    assert [row[0] for row in rows] == ["compact", "fp32-master", "bf16"] * 4
     for prec, same, runs in rows:
         assert same == "True", f"{prec}: the weights differ"
         assert int(runs) > 0, f"{prec}: the GPU thread ran no update"
@@ -328,9 +337,10 @@ def test_gpu_updates_is_a_bool():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("states", ["device", "host"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda(overlap: bool):
-    for line in train_both_ways("cuda", overlap=overlap).splitlines():
+def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda(overlap: bool, states: str):
+    for line in train_both_ways("cuda", overlap=overlap, states=states).splitlines():
         prec, same, runs = line.split()
         assert same == "True", f"{prec}: the weights differ"
         assert int(runs) > 0, f"{prec}: the GPU ran no update"

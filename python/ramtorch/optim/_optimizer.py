@@ -17,7 +17,7 @@ import torch
 
 from .. import _core, _engine, _log
 from .._units import format_bytes
-from . import _assist, _gpu_step, _parallel, _speculation
+from . import _assist, _parallel, _speculation
 from ._jobs import _Jobs
 from ._resident import ResidentStates
 from ._schedule import OverlapSchedule, UpdateMode, listen
@@ -493,9 +493,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             id(p): _assist.Claim(p.grad is not None and self._gpu_can_update(p, [p.grad]))
             for p, _, _ in items
         }
-        stepper = self._steppers.get(device)
-        if stepper is None:
-            stepper = self._steppers[device] = _gpu_step.DeviceStepper(device)
+        stepper = self._stepper(device)
 
         errors: list[BaseException] = []
 

@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 
-from .. import _arena, _engine
+from .. import _arena, _engine, _log
+from . import _assist
 from ._jobs import _Jobs
 from ._schedule import UpdateMode
 from ._speculation import Shadows, Speculation, freeze_group, same_group
@@ -118,6 +119,11 @@ class _Slot:
         )
 
 
+#: ``step()``'s share of the GPU (``_resident_gpu_share``): the claims, the thread, the error it
+#: left, the parameters it updated.
+_GpuShare = tuple[dict[int, Any], threading.Thread, list[BaseException], list[torch.nn.Parameter]]
+
+
 @dataclass(eq=False)
 class _Spec(Speculation):
     """A speculative update of a parameter with host states, and whether its job has begun."""
@@ -156,6 +162,7 @@ class ResidentStates(torch.optim.Optimizer):
     _jobs: _Jobs
     _shadows: Shadows
     _spec_closed: bool
+    _assist: _assist.GpuAssist | None
     _accumulating: int
     _stepped: bool
     _backwards: int
@@ -359,10 +366,49 @@ class ResidentStates(torch.optim.Optimizer):
         grad = slot.grad if slot.host_copy is not None else p.grad
         event = slot.got_event
         assert grad is not None
+        claim = None
+        assist = self._assist
+        if (
+            assist is not None
+            and assist.enabled
+            and _assist.supported(p.device)
+            and self._gpu_can_update(p, [grad])
+        ):
+            claim = _assist.Claim()
+            assist.offer(
+                lambda: event.synchronize() if event is not None else None,
+                [(claim, lambda: self._resident_gpu_job(p, slot, spec, shadow, grad))],
+            )
         self._jobs.submit(
-            lambda: self._resident_job(p, slot, spec, shadow, grad, event),
+            lambda: self._resident_job(p, slot, spec, shadow, grad, event, claim),
             event.query if event is not None else None,
         )
+
+    def _resident_gpu_job(
+        self, p: torch.Tensor, slot: _Slot, spec: _Spec, shadow: dict[str, torch.Tensor], grad: torch.Tensor
+    ) -> None:
+        """:meth:`_resident_job`'s update on the GPU thread (``gpu_updates``, ``_assist``): the
+        same arguments and bits, staged through the device (its gradient copy has landed)."""
+        with self._rlock:
+            if spec.cancelled or self._spec_closed:
+                spec.finished.set()
+                return
+            spec.running = True
+        try:
+            if slot.upload is not None:
+                slot.upload.synchronize()  # the spare weight was the source of an earlier copy
+            t = time.perf_counter()
+            args, kw = self._kernel_args(p, [grad], spec.hyper, spec.step, 1.0, shadow, weight=slot.host_copy)
+            for ev in self._stepper(p.device).step(*args, **kw):
+                ev.synchronize()
+            spec.done = True
+            self.timings["gpu_seconds"] += time.perf_counter() - t
+            self.timings["gpu_updates"] += 1
+            self.timings["speculated_updates"] += 1
+        finally:
+            with self._rlock:
+                spec.running = False
+            spec.finished.set()
 
     def _resident_job(
         self,
@@ -372,7 +418,10 @@ class ResidentStates(torch.optim.Optimizer):
         shadow: dict[str, torch.Tensor],
         grad: torch.Tensor,
         event: Any,
+        claim: _assist.Claim | None = None,
     ) -> None:
+        if claim is not None and not claim.take("cpu"):
+            return  # the GPU thread runs it (and marks it finished)
         with self._rlock:
             if spec.cancelled or self._spec_closed:
                 spec.finished.set()
@@ -465,7 +514,12 @@ class ResidentStates(torch.optim.Optimizer):
             slot = self._slot(p)
             if not slot.holds(p.grad):
                 self._fetch(p, slot)
+        gpu = self._resident_gpu_share(params, groups, scale)
+        claims = gpu[0] if gpu is not None else {}
         for p in params:
+            claim = claims.get(id(p))
+            if claim is not None and not claim.take("cpu"):
+                continue  # the GPU thread updates it (uploaded below)
             slot = self._slots[id(p)]
             grad = slot.host_grad()
             if slot.upload is not None:
@@ -477,6 +531,75 @@ class ResidentStates(torch.optim.Optimizer):
                 self._update_host(p, grad, groups[id(p)], scale, weight=slot.host_copy)
             self.timings["in_step_updates"] += 1
             self._upload(p, slot)
+        if gpu is not None:
+            _, thread, errors, done = gpu
+            thread.join()
+            if errors:
+                raise errors[0]
+            for p in reversed(done):  # the GPU took them from the end: in forward order now
+                self.timings["in_step_updates"] += 1
+                self._upload(p, self._slots[id(p)])
+
+    def _resident_gpu_share(
+        self, params: list[torch.nn.Parameter], groups: dict[int, dict[str, Any]], scale: float
+    ) -> (
+        tuple[dict[int, _assist.Claim], threading.Thread, list[BaseException], list[torch.nn.Parameter]]
+        | None
+    ):
+        """With ``gpu_updates=True``: a thread that makes ``step()``'s updates of ``params`` (in
+        the next forward's order) on the GPU from the end, while the caller makes them from the
+        start, each a claim that the first worker runs; it leaves the parameters it updated (for
+        the caller to copy to their device once it has ended) and the error of one it could not."""
+        assist = self._assist
+        if assist is None or not assist.enabled:
+            return None
+        devices = {p.device for p in params if _assist.supported(p.device)}
+        if len(devices) != 1:
+            return None
+        slots = {id(p): self._slots[id(p)] for p in params}
+        claims = {}
+        for p in params:
+            slot = slots[id(p)]
+            grad = slot.grad if slot.host_copy is not None else (slot.got[0] if slot.got else None)
+            claims[id(p)] = _assist.Claim(grad is not None and self._gpu_can_update(p, [grad]))
+        stepper = self._stepper(next(iter(devices)))
+        errors: list[BaseException] = []
+        done: list[torch.nn.Parameter] = []
+
+        def work() -> None:
+            try:
+                for p in reversed(params):
+                    if not claims[id(p)].take("gpu"):
+                        continue
+                    slot = slots[id(p)]
+                    grad = slot.host_grad()
+                    if slot.upload is not None:
+                        slot.upload.synchronize()
+                    self._refresh(p, slot)
+                    state = self.state[p]
+                    group = groups[id(p)]
+                    args, kw = self._kernel_args(
+                        p, [grad], group, int(state["step"].item()) + 1, scale, weight=slot.host_copy
+                    )
+                    try:
+                        for ev in stepper.step(*args, **kw):
+                            ev.synchronize()
+                    except Exception as e:  # noqa: BLE001 - the CPU does it (and the rest) instead
+                        assist.enabled = False
+                        _log.logger.warning(
+                            "ramtorch.optim: an update on the GPU failed (%s); the CPU does them", e
+                        )
+                        self._update_host(p, grad, group, scale, weight=slot.host_copy)
+                    else:
+                        state["step"] += 1
+                        self.timings["gpu_updates"] += 1
+                    done.append(p)
+            except BaseException as e:  # noqa: BLE001 - step() raises it once the thread has ended
+                errors.append(e)
+
+        thread = threading.Thread(target=work, name="ramtorch-optim-gpu-step", daemon=True)
+        thread.start()
+        return claims, thread, errors, done
 
     def _upload(self, p: torch.Tensor, slot: _Slot) -> None:
         """Starts the copy of ``p``'s new weight from its host copy to the device."""

@@ -6,6 +6,7 @@ hear of the gradients of every engine, present and future (``listen``)."""
 from __future__ import annotations
 
 import enum
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -35,6 +36,9 @@ class UpdateMode(enum.Enum):
     #: As OVERLAP, but they run on past ``backward()`` and ``step()`` into the next forward.
     PIPELINE = "pipeline"
 
+
+#: Guards the making of an optimizer's GPU stagers (``OverlapSchedule._stepper``).
+_STEPPERS_LOCK = threading.Lock()
 
 #: Optimizers that update during backward: every engine reports its gradients to them.
 _LISTENING: Any = weakref.WeakSet()
@@ -309,6 +313,14 @@ class OverlapSchedule(torch.optim.Optimizer):
             _gpu_step.layout(rule, dst, grad[0], states, kw["master"], kw["comp"], kw["scales"]) is not None
         )
 
+    def _stepper(self, device: torch.device) -> _gpu_step.DeviceStepper:
+        """The GPU updates' stager of ``device`` (made on first use, by whichever thread)."""
+        with _STEPPERS_LOCK:
+            stepper = self._steppers.get(device)
+            if stepper is None:
+                stepper = self._steppers[device] = _gpu_step.DeviceStepper(device)
+            return stepper
+
     def _group_of(self, p: torch.nn.Parameter) -> dict[str, Any]:
         entry = self._param_ids().get(id(p))
         if entry is None:
@@ -330,9 +342,7 @@ class OverlapSchedule(torch.optim.Optimizer):
         def run() -> None:
             if self._spec_closed or self._spec.get(id(p)) is not spec:
                 return
-            stepper = self._steppers.get(device)
-            if stepper is None:
-                stepper = self._steppers[device] = _gpu_step.DeviceStepper(device)
+            stepper = self._stepper(device)
             t = time.perf_counter()
             args, kw = self._kernel_args(p, list(parts), spec.hyper, spec.step, 1.0, shadow)
             for ev in stepper.step(*args, **kw):
