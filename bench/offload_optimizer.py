@@ -15,6 +15,8 @@ Systems (``--systems``, comma-separated; all by default):
   waits for its own weights only).
 - ``ramtorch-host-bf16``: ``states="host", precision="bf16"`` (bf16 moments, stochastic rounding:
   the state format torchao's offload keeps for bf16 weights).
+- ``ramtorch-host-gpu``, ``ramtorch-host-bf16-gpu``: ``ramtorch-host`` and ``ramtorch-host-bf16``
+  with ``gpu_updates=True`` (the GPU makes a share of the updates beside the CPU, same bits).
 - ``torchao``: ``torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True)``.
 - ``torchao-offload-gradients``: the same with ``offload_gradients=True``.
 - ``resident``: everything on the GPU, ``torch.optim.AdamW(fused=True)`` on the bf16 weights (the
@@ -44,6 +46,8 @@ SYSTEMS = (
     "ramtorch-host",
     "ramtorch-host-forward",
     "ramtorch-host-bf16",
+    "ramtorch-host-gpu",
+    "ramtorch-host-bf16-gpu",
     "torchao",
     "torchao-offload-gradients",
     "resident",
@@ -97,8 +101,9 @@ def make_optimizer(system: str, model: Any, lr: float) -> tuple[Any, dict[str, A
                 "system": "ramtorch",
                 "optimizer": "ramtorch.optim.AdamW(fp32 master on the GPU, resident weights)",
             }
-        precision = "bf16" if system == "ramtorch-host-bf16" else "fp32-master"
-        opt = ropt.AdamW(params, lr=lr, states="host", precision=precision)
+        precision = "bf16" if system.startswith("ramtorch-host-bf16") else "fp32-master"
+        gpu_updates = system.endswith("-gpu")
+        opt = ropt.AdamW(params, lr=lr, states="host", precision=precision, gpu_updates=gpu_updates)
         fields: dict[str, Any] = {"system": "ramtorch"}
         state = "bf16 moments, stochastic rounding" if precision == "bf16" else "fp32 master"
         fields["optimizer"] = f"ramtorch.optim.AdamW({state}, offload, resident weights)"
@@ -107,6 +112,8 @@ def make_optimizer(system: str, model: Any, lr: float) -> tuple[Any, dict[str, A
             fields["options"] = {"upload_wait": "forward"}
         if precision != "fp32-master":
             fields["options"] = {**fields.get("options", {}), "precision": precision}
+        if gpu_updates:
+            fields["options"] = {**fields.get("options", {}), "gpu_updates": True}
         return opt, fields
     if system.startswith("torchao"):
         from torchao.optim import CPUOffloadOptimizer
