@@ -230,6 +230,22 @@ def test_interpreted_kernel_equals_the_rust_kernel_bitwise():
     assert int(out.strip().splitlines()[-1]) == 4 * len(CASES)
 
 
+def test_staged_pieces_equal_the_rust_kernel_in_the_interpreter():
+    """The staged path cut into pieces of 1024 elements (each piece its own index offset, its
+    own blocks' scales, its own buffers), on the CPU: the same bits as one call."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch, test_optim_gpu_kernel as t\n"
+        "from ramtorch.optim import _gpu_step\n"
+        "_gpu_step.PIECE = 1024\n"
+        "s = _gpu_step.DeviceStepper(torch.device('cpu'))\n"
+        "print(t.compare_all(lambda *a, **k: s.step(*a, **k), (1, 700, 2100)))\n"
+        "print(s.up_bytes > 0 and s.down_bytes > 0)\n"
+    )
+    out = _interpreted(code).strip().splitlines()
+    assert int(out[-2]) == 4 * len(CASES) and out[-1] == "True"
+
+
 def test_the_kernel_refuses_what_it_does_not_implement():
     from ramtorch.optim._gpu_step import layout
 
