@@ -446,3 +446,26 @@ def test_an_update_the_gpu_thread_cannot_make_raises_in_step(monkeypatch: pytest
     m(torch.randn(4, 16, dtype=BF16)).float().square().mean().backward()
     with pytest.raises(ValueError, match="the fallback failed"):
         opt.step()
+
+
+def test_no_update_of_a_dropped_offer_starts():
+    """``step()`` drops the offers before it waits: an update whose offer the GPU thread had
+    already taken (it was waiting for the gradients) does not start after that."""
+    import threading
+
+    from ramtorch.optim import _assist
+
+    a = _assist.GpuAssist()
+    gate, entered, ran = threading.Event(), threading.Event(), []
+
+    def wait() -> None:
+        entered.set()
+        gate.wait()
+
+    claim = _assist.Claim()
+    a.offer(wait, [(claim, lambda: ran.append(1))])
+    entered.wait()  # the thread holds the offer and waits for its gradients
+    a.drop_offers()
+    gate.set()
+    a.close(None)  # joins the thread, which ends once it has passed the offer
+    assert ran == [] and claim.by is None  # left to the CPU worker

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -66,15 +65,14 @@ class GpuAssist:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        #: Offered units, oldest first: (wait for the gradients, [(claim, run), ...]).
-        self._offers: list[tuple[Callable[[], None], list[tuple[Claim, Callable[[], None]]]]] = []
+        #: Offered units, oldest first: (generation, wait for the gradients, [(claim, run), ...]).
+        self._offers: list[tuple[int, Callable[[], None], list[tuple[Claim, Callable[[], None]]]]] = []
+        #: Moves on at each :meth:`drop_offers`: no update of an older offer starts after it.
+        self._gen = 0
         self._running = 0
         self._thread: threading.Thread | None = None
         self._closing = False
         self.enabled = True
-        #: Updates run on the GPU, and the seconds the thread spent running them.
-        self.updates = 0
-        self.seconds = 0.0
 
     def offer(self, wait: Callable[[], None], items: list[tuple[Claim, Callable[[], None]]]) -> None:
         """Offers a unit's updates: ``wait()`` returns once its gradients have landed (raises if
@@ -87,7 +85,7 @@ class GpuAssist:
                 self._thread = threading.Thread(target=self._work, name="ramtorch-optim-gpu", daemon=True)
                 self._thread.start()
                 _LIVE.add(self)
-            self._offers.append((wait, items))
+            self._offers.append((self._gen, wait, items))
             self._cv.notify_all()
 
     def _work(self) -> None:
@@ -97,8 +95,8 @@ class GpuAssist:
                     self._cv.wait()
                 if not self._offers:
                     return
-                wait, items = self._offers.pop(0)
-            if not self.enabled or all(c.by is not None for c, _ in items):
+                gen, wait, items = self._offers.pop(0)
+            if not self.enabled or gen != self._gen or all(c.by is not None for c, _ in items):
                 continue
             try:
                 wait()
@@ -108,13 +106,13 @@ class GpuAssist:
                 if not self.enabled:
                     break
                 with self._cv:
+                    if gen != self._gen:
+                        break  # step() has begun: the rest is the CPU's, or step()'s
                     if not claim.take("gpu"):
                         continue
                     self._running += 1
-                start = time.perf_counter()
                 try:
                     run()
-                    self.updates += 1
                 except Exception as e:  # noqa: BLE001 - the update stays undone: step() runs it
                     self.enabled = False
                     logger.warning(
@@ -127,7 +125,6 @@ class GpuAssist:
                         stacklevel=1,
                     )
                 finally:
-                    self.seconds += time.perf_counter() - start
                     with self._cv:
                         self._running -= 1
                         self._cv.notify_all()
@@ -145,10 +142,12 @@ class GpuAssist:
                 self._cv.wait()
 
     def drop_offers(self) -> None:
-        """Forgets the offered units (``step()`` has begun: what is not running stays with the
-        CPU worker or with ``step()``)."""
+        """Forgets the offered units: no update of theirs starts after this returns (``step()``
+        has begun: what is not running stays with the CPU worker or with ``step()``, which then
+        waits for what is)."""
         with self._cv:
             self._offers.clear()
+            self._gen += 1
 
     def close(self, timeout: float | None = None) -> None:
         """Ends the thread after the update it is running (waiting at most ``timeout`` seconds)."""

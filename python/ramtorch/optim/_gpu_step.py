@@ -232,6 +232,9 @@ class DeviceStepper:
         # Device buffers of each stream, by operand and dtype, kept for the next piece (the
         # stream's order makes reuse safe; no allocation while a training step holds the memory).
         self._bufs: list[dict[tuple[str, torch.dtype], torch.Tensor]] = [{}, {}]
+        # One step at a time issues its work (several threads may share a stager): the buffers
+        # are then used in stream order.
+        self._lock = threading.Lock()
         #: Bytes copied each way, for the statistics.
         self.up_bytes = 0
         self.down_bytes = 0
@@ -251,6 +254,21 @@ class DeviceStepper:
     ) -> list[torch.cuda.Event]:
         """As :func:`optim_step_here` for host tensors; returns the events after which the
         destinations hold the results (the caller waits on them before reading)."""
+        with self._lock:
+            return self._step(rule, hyper, param, grad, states, master, comp, scales, old)
+
+    def _step(
+        self,
+        rule: str,
+        hyper: dict[str, Any],
+        param: torch.Tensor,
+        grad: torch.Tensor | list[torch.Tensor],
+        states: list[torch.Tensor],
+        master: torch.Tensor | None,
+        comp: torch.Tensor | None,
+        scales: list[torch.Tensor] | None,
+        old: dict[str, Any] | None,
+    ) -> list[torch.cuda.Event]:
         from . import _gpu_kernel as k
 
         parts = [grad] if isinstance(grad, torch.Tensor) else list(grad)

@@ -310,9 +310,9 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             # (cheaper than out of place, and the wait is over sooner).
             self._spec_closed = True
             try:
-                self.drain()
                 if self._assist is not None:
-                    self._assist.drop_offers()
+                    self._assist.drop_offers()  # then the drain waits for what the GPU runs
+                self.drain()
             finally:
                 self._spec_closed = False
         rspec = self._close_resident()  # speculations of parameters with host states (_resident)
