@@ -469,3 +469,26 @@ def test_no_update_of_a_dropped_offer_starts():
     gate.set()
     a.close(None)  # joins the thread, which ends once it has passed the offer
     assert ran == [] and claim.by is None  # left to the CPU worker
+
+
+def test_an_optimizer_with_gpu_updates_is_freed():
+    """The GPU thread holds no reference to its optimizer between units: deleting the optimizer
+    frees it (and its states) after updates ran on the GPU thread."""
+    pytest.importorskip("triton")
+    code = (
+        "import gc, weakref, torch, ramtorch\n"
+        "from ramtorch.optim import _assist\n"
+        "_assist.supported = lambda device: True\n"
+        "_assist.GPU_ONLY = True\n"
+        "m = torch.nn.Linear(64, 64, dtype=torch.bfloat16)\n"
+        "ramtorch.offload(m, device='cpu')\n"
+        "opt = ramtorch.optim.AdamW(m.parameters(), precision='compact', gpu_updates=True)\n"
+        "for _ in range(3):\n"
+        "    m(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()\n"
+        "    opt.step(); opt.zero_grad()\n"
+        "print(opt.timings['gpu_updates'])\n"
+        "r = weakref.ref(opt); del opt; gc.collect()\n"
+        "print(r() is None)\n"
+    )
+    out = _interpreted(code).strip().splitlines()
+    assert int(out[-2]) > 0 and out[-1] == "True"

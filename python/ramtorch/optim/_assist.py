@@ -13,9 +13,12 @@ units' first, from the end of each unit's list, so that they meet. Both compute 
 
 The GPU thread waits for a unit's gradient copies like the CPU worker, runs each update it
 claimed through a ``_gpu_step.DeviceStepper`` on the unit's device, and marks the speculation
-done once its results are in the shadow (an event it waits for). ``step()``'s drain waits for an
-update the GPU thread is running. A failure there leaves the speculation undone (``step()``
-updates the parameter on the CPU) and turns the GPU's share off, with a warning."""
+done once its results are in the shadow (an event it waits for). ``step()`` drops the offers
+(no update of theirs starts after that) and its drain waits for an update the GPU thread is
+running. A failure there leaves the speculation undone (``step()`` updates the parameter on the
+CPU) and turns the GPU's share off, with a warning. ``step()``'s own in-place updates are shared
+the same way, by a thread of its own that it joins (``_HostOptimizer._gpu_share``,
+``ResidentStates._resident_gpu_share`` for ``states="host"``)."""
 
 from __future__ import annotations
 
@@ -95,40 +98,45 @@ class GpuAssist:
                     self._cv.wait()
                 if not self._offers:
                     return
-                gen, wait, items = self._offers.pop(0)
-            if not self.enabled or gen != self._gen or all(c.by is not None for c, _ in items):
-                continue
+                offer = self._offers.pop(0)
+            self._run_offer(*offer)
+            offer = None  # it holds the optimizer: not while this thread waits for the next
+
+    def _run_offer(
+        self, gen: int, wait: Callable[[], None], items: list[tuple[Claim, Callable[[], None]]]
+    ) -> None:
+        """Runs the updates of one offered unit that the GPU claims, last first."""
+        if not self.enabled or gen != self._gen or all(c.by is not None for c, _ in items):
+            return
+        try:
+            wait()
+        except BaseException:  # noqa: BLE001 - the copies failed: the CPU job meets the error
+            return
+        for claim, run in reversed(items):
+            if not self.enabled:
+                return
+            with self._cv:
+                if gen != self._gen:
+                    return  # step() has begun: the rest is the CPU's, or step()'s
+                if not claim.take("gpu"):
+                    continue
+                self._running += 1
             try:
-                wait()
-            except BaseException:  # noqa: BLE001 - the copies failed: the CPU job meets the error
-                continue
-            for claim, run in reversed(items):
-                if not self.enabled:
-                    break
+                run()
+            except Exception as e:  # noqa: BLE001 - the update stays undone: step() runs it
+                self.enabled = False
+                logger.warning(
+                    "ramtorch.optim: an update on the GPU failed (%s); the CPU does them all now", e
+                )
+                warnings.warn(
+                    f"ramtorch.optim: an update on the GPU failed ({e}); updates run on the CPU from now on",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            finally:
                 with self._cv:
-                    if gen != self._gen:
-                        break  # step() has begun: the rest is the CPU's, or step()'s
-                    if not claim.take("gpu"):
-                        continue
-                    self._running += 1
-                try:
-                    run()
-                except Exception as e:  # noqa: BLE001 - the update stays undone: step() runs it
-                    self.enabled = False
-                    logger.warning(
-                        "ramtorch.optim: an update on the GPU failed (%s); the CPU does them all now", e
-                    )
-                    warnings.warn(
-                        f"ramtorch.optim: an update on the GPU failed ({e}); updates run on the CPU "
-                        "from now on",
-                        RuntimeWarning,
-                        stacklevel=1,
-                    )
-                finally:
-                    with self._cv:
-                        self._running -= 1
-                        self._cv.notify_all()
-            del wait, items  # they hold the optimizer: not past this unit
+                    self._running -= 1
+                    self._cv.notify_all()
 
     def busy(self) -> bool:
         """Whether an update is running on the GPU thread."""
