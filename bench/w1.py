@@ -215,9 +215,12 @@ def fused_adamw_works(params: list[torch.Tensor]) -> bool:
         p.grad = None
 
 
-def make_optimizer(system: str, kind: str, params: list[torch.Tensor]) -> tuple[object, str, int]:
+def make_optimizer(
+    system: str, kind: str, params: list[torch.Tensor], gpu_updates: bool = False
+) -> tuple[object, str, int]:
     """The optimizer of phase ``step`` and the host bytes one step of it moves (AdamW: read
-    weight, gradient and both moments, write weight and moments; plus the fp32 master)."""
+    weight, gradient and both moments, write weight and moments; plus the fp32 master).
+    ``gpu_updates``: ramtorch's AdamW with ``gpu_updates=True``."""
     n = sum(p.numel() for p in params)
     host = [p for p in params if p.device.type == "cpu"]
     nh = sum(p.numel() for p in host)
@@ -229,16 +232,20 @@ def make_optimizer(system: str, kind: str, params: list[torch.Tensor]) -> tuple[
         overlap: bool | str = "backward" if kind.endswith("-backward") else True
         tail = ", pipelined" if pipe else ", committed in backward" if overlap == "backward" else ""
         if kind.startswith("rust-bf16"):
-            opt = ropt.AdamW(params, lr=1e-5, precision="bf16", pipeline=pipe, overlap=overlap)
+            opt = ropt.AdamW(
+                params, lr=1e-5, precision="bf16", pipeline=pipe, overlap=overlap, gpu_updates=gpu_updates
+            )
             return opt, f"ramtorch.optim.AdamW(bf16{tail})", 14 * nh
         if kind.startswith("rust-compact"):
             # Read: weight 2 + compensation 2 + moments 1 + 1 + gradient 2 + scales 8/256;
             # written: weight, compensation, moments and scales again (14.06 bytes a parameter).
-            opt = ropt.AdamW(params, lr=1e-5, precision="compact", pipeline=pipe, overlap=overlap)
+            opt = ropt.AdamW(
+                params, lr=1e-5, precision="compact", pipeline=pipe, overlap=overlap, gpu_updates=gpu_updates
+            )
             mode = tail or ", speculative"
             name = f"ramtorch.optim.AdamW(8-bit moments, bf16+compensation{mode})"
             return opt, name, round((14 + 16 / 256) * nh)
-        opt = ropt.AdamW(params, lr=1e-5, pipeline=pipe, overlap=overlap)
+        opt = ropt.AdamW(params, lr=1e-5, pipeline=pipe, overlap=overlap, gpu_updates=gpu_updates)
         return opt, f"ramtorch.optim.AdamW(fp32 master{tail})", 28 * nh
     if system == "resident":
         return torch.optim.AdamW(params, lr=1e-5, fused=True), "torch.optim.AdamW(fused, GPU)", 0
@@ -337,6 +344,12 @@ def main() -> None:
         "overlap='backward'; -pipeline: pipeline=True) or torch's fused",
     )
     ap.add_argument(
+        "--gpu-updates",
+        action="store_true",
+        help="phase 'step' of ramtorch: ramtorch.optim.AdamW(gpu_updates=True), the GPU making a share of "
+        "the updates",
+    )
+    ap.add_argument(
         "--trace",
         default=None,
         help="ramtorch, phase step: after the timed steps, run two more under ramtorch.trace(TRACE) "
@@ -374,10 +387,12 @@ def main() -> None:
     extra["setup_seconds"] = time.perf_counter() - t0  # build, copy to host, wrap
     params = list(model.parameters())
     opt, opt_name, opt_bytes = (
-        make_optimizer(a.system, a.optimizer, params) if "step" in phases else (None, "", 0)
+        make_optimizer(a.system, a.optimizer, params, a.gpu_updates) if "step" in phases else (None, "", 0)
     )
     if opt is not None:
         extra.update(optimizer=opt_name, optimizer_host_bytes=opt_bytes)
+        if a.gpu_updates:
+            extra["options"] = {**extra.get("options", {}), "gpu_updates": True}
 
     call: Callable[[torch.Tensor], torch.Tensor] = model
     if a.compile:
