@@ -437,25 +437,9 @@ def offload(
     )
     # Tables streamed by rows take no slot: the other units are planned first, and a table stays
     # resident only in what the budget has left after them (gather.keep_resident).
-    planned = [u for u in units if not u.gather]
-    try:
-        pl = plan(
-            [u.nbytes for u in planned],
-            [k for k, u in enumerate(planned) if u.container],
-            budget,
-            inflight,
-            fixed,
-        )
-    except ValueError as e:
-        raise ValueError(f"ramtorch.offload: {e}" + (f"; {hint}" if hint else "")) from None
-    spread = spread_resident(
-        [u.nbytes for u in planned], set(pl.resident), {k for k, u in enumerate(planned) if u.container}
+    pl, resident_ids = _plan_units(
+        units, budget, inflight, fixed, gather_rows, "ramtorch.offload: ", f"; {hint}" if hint else ""
     )
-    resident_ids = {planned[k].uid for k in spread}
-    if budget is not None and gather_rows is None:
-        for u in _gather.keep_resident(units, budget - pl.resident_bytes - pl.slots * pl.slot_bytes):
-            resident_ids.add(u.uid)
-            pl.resident_bytes += u.nbytes
 
     if not isinstance(optimizer_on_disk, bool):
         raise TypeError(f"ramtorch.offload: optimizer_on_disk must be a bool, got {optimizer_on_disk!r}")
@@ -567,6 +551,34 @@ def offload(
     _STREAMERS.add(streamer)
     streamer.eng.add_holder(streamer)
     return model
+
+
+def _plan_units(
+    units: list[_Unit],
+    budget: int | None,
+    inflight: int,
+    fixed: int,
+    gather_rows: bool | None,
+    prefix: str,
+    suffix: str = "",
+) -> tuple[Any, set[int]]:
+    """The plan of one device's ``units`` and the ids of those kept resident: the units planned
+    for slots (tables streamed by rows take none: they stay resident only in what the budget has
+    left after the others, ``gather.keep_resident``), the resident ones spread along the model. A
+    budget that cannot hold them raises a ``ValueError`` between ``prefix`` and ``suffix``."""
+    planned = [u for u in units if not u.gather]
+    containers = {k for k, u in enumerate(planned) if u.container}
+    try:
+        pl = plan([u.nbytes for u in planned], sorted(containers), budget, inflight, fixed)
+    except ValueError as e:
+        raise ValueError(f"{prefix}{e}{suffix}") from None
+    spread = spread_resident([u.nbytes for u in planned], set(pl.resident), containers)
+    resident_ids = {planned[k].uid for k in spread}
+    if budget is not None and gather_rows is None:
+        for u in _gather.keep_resident(units, budget - pl.resident_bytes - pl.slots * pl.slot_bytes):
+            resident_ids.add(u.uid)
+            pl.resident_bytes += u.nbytes
+    return pl, resident_ids
 
 
 def _guard(model: nn.Module, streamer: Streamer, units: list[tuple[Streamer, list[_Unit]]]) -> None:
@@ -730,25 +742,10 @@ def _offload_stages(
         fixed += sum(
             _arena._nbytes(b.shape, b.dtype) for b in model.buffers() if buffer_stage.get(id(b), 0) == s
         )
-        planned = [u for u in members if not u.gather]
-        try:
-            pl = plan(
-                [u.nbytes for u in planned],
-                [k for k, u in enumerate(planned) if u.container],
-                budget,
-                inflight,
-                fixed,
-            )
-        except ValueError as e:
-            raise ValueError(f"ramtorch.offload: stage {s} on {devices[s]}: {e}") from None
-        spread = spread_resident(
-            [u.nbytes for u in planned], set(pl.resident), {k for k, u in enumerate(planned) if u.container}
+        pl, ids = _plan_units(
+            members, budget, inflight, fixed, gather_rows, f"ramtorch.offload: stage {s} on {devices[s]}: "
         )
-        resident_ids.update(planned[k].uid for k in spread)
-        if budget is not None and gather_rows is None:
-            for u in _gather.keep_resident(members, budget - pl.resident_bytes - pl.slots * pl.slot_bytes):
-                resident_ids.add(u.uid)
-                pl.resident_bytes += u.nbytes
+        resident_ids.update(ids)
         plans.append(pl)
     _warn_strides(units, resident_ids)
     total = sum(u.nbytes for u in units)

@@ -255,20 +255,11 @@ class DeviceStepper:
         """As :func:`optim_step_here` for host tensors; returns the events after which the
         destinations hold the results (the caller waits on them before reading)."""
         with self._lock:
-            return self._step(rule, hyper, param, grad, states, master, comp, scales, old)
+            return self._issue(rule, hyper, param, grad, states, master, comp, scales, old)
 
-    def _step(
-        self,
-        rule: str,
-        hyper: dict[str, Any],
-        param: torch.Tensor,
-        grad: torch.Tensor | list[torch.Tensor],
-        states: list[torch.Tensor],
-        master: torch.Tensor | None,
-        comp: torch.Tensor | None,
-        scales: list[torch.Tensor] | None,
-        old: dict[str, Any] | None,
-    ) -> list[torch.cuda.Event]:
+    def _issue(self, *args: Any) -> list[torch.cuda.Event]:
+        """:meth:`step`'s work, issued while its lock is held (arguments as :meth:`step`'s)."""
+        rule, hyper, param, grad, states, master, comp, scales, old = args
         from . import _gpu_kernel as k
 
         parts = [grad] if isinstance(grad, torch.Tensor) else list(grad)

@@ -388,13 +388,10 @@ class ResidentStates(torch.optim.Optimizer):
         self, p: torch.Tensor, slot: _Slot, spec: _Spec, shadow: dict[str, torch.Tensor], grad: torch.Tensor
     ) -> None:
         """:meth:`_resident_job`'s update on the GPU thread (``gpu_updates``, ``_assist``): the
-        same arguments and bits, staged through the device (its gradient copy has landed)."""
-        with self._rlock:
-            if spec.cancelled or self._spec_closed:
-                spec.finished.set()
-                return
-            spec.running = True
-        try:
+        same arguments and bits, staged through the device (its gradient copy has landed). An
+        error reaches the GPU thread, which leaves the rest to the CPU."""
+
+        def update() -> None:
             if slot.upload is not None:
                 slot.upload.synchronize()  # the spare weight was the source of an earlier copy
             t = time.perf_counter()
@@ -405,6 +402,20 @@ class ResidentStates(torch.optim.Optimizer):
             self.timings["gpu_seconds"] += time.perf_counter() - t
             self.timings["gpu_updates"] += 1
             self.timings["speculated_updates"] += 1
+
+        self._run_spec(spec, update)
+
+    def _run_spec(self, spec: _Spec, update: Callable[[], None]) -> None:
+        """Runs a speculative ``update`` under the speculations' protocol with ``step()``: not if
+        ``step()`` has begun or cancelled it; marked running meanwhile (``step()`` waits for a
+        running one) and finished after."""
+        with self._rlock:
+            if spec.cancelled or self._spec_closed:
+                spec.finished.set()
+                return
+            spec.running = True
+        try:
+            update()
         finally:
             with self._rlock:
                 spec.running = False
@@ -422,29 +433,24 @@ class ResidentStates(torch.optim.Optimizer):
     ) -> None:
         if claim is not None and not claim.take("cpu"):
             return  # the GPU thread runs it (and marks it finished)
-        with self._rlock:
-            if spec.cancelled or self._spec_closed:
-                spec.finished.set()
-                return
-            spec.running = True
-        try:
-            if event is not None:
-                event.synchronize()
-            if slot.upload is not None:
-                # The spare weight was the source of an earlier copy to the device.
-                slot.upload.synchronize()
-            t = time.perf_counter()
-            self._update_host_into(p, grad, spec.hyper, spec.step, shadow, weight=slot.host_copy)
-            spec.done = True
-            self.timings["in_backward_seconds"] += time.perf_counter() - t
-            self.timings["in_backward_updates"] += 1
-            self.timings["speculated_updates"] += 1
-        except Exception:  # noqa: BLE001, S110 - never committed: step() updates it and meets the error
-            pass
-        finally:
-            with self._rlock:
-                spec.running = False
-            spec.finished.set()
+
+        def update() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()
+                if slot.upload is not None:
+                    # The spare weight was the source of an earlier copy to the device.
+                    slot.upload.synchronize()
+                t = time.perf_counter()
+                self._update_host_into(p, grad, spec.hyper, spec.step, shadow, weight=slot.host_copy)
+                spec.done = True
+                self.timings["in_backward_seconds"] += time.perf_counter() - t
+                self.timings["in_backward_updates"] += 1
+                self.timings["speculated_updates"] += 1
+            except Exception:  # noqa: BLE001, S110 - never committed: step() updates it and meets the error
+                pass
+
+        self._run_spec(spec, update)
 
     # -- in step() -----------------------------------------------------------------------------------
 
