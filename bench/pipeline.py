@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 from benchlib import budget_arg, git_commit, jsonable, llama_config, rss
+from w2 import build as build_llama
 
 PHASES = ("forward", "forward_backward", "step")
 PRECISIONS = ("fp32-master", "bf16", "compact")
@@ -131,18 +132,10 @@ def config(a: argparse.Namespace) -> Any:
 
 
 def build(cfg: Any, device: str) -> torch.nn.Module:
-    """LlamaForCausalLM, random bf16 weights from seed 0, made on ``device`` and moved to host RAM."""
-    from transformers import LlamaForCausalLM
-
+    """LlamaForCausalLM, random bf16 weights from seed 0, made on ``device`` (``w2.build``) and
+    moved to host RAM."""
     torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    return model.to("cpu")
+    return build_llama(cfg, device).to("cpu")
 
 
 def free() -> None:
