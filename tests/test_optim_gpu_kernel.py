@@ -362,6 +362,40 @@ def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda(overlap: bool, states: str
         assert int(runs) > 0, f"{prec}: the GPU ran no update"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["compact", "fp32-master", "bf16"])
+def test_resident_weights_updated_in_place_then_by_the_cpu(monkeypatch: pytest.MonkeyPatch, precision: str):
+    """``states="host"``: ``step()``'s GPU share updates the weights where they are (their host
+    copies get the new ones), then the CPU alone takes over from those host copies; every step
+    equals a CPU-only run bit for bit."""
+    from ramtorch.optim import _assist
+
+    def run(gpu: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.Linear(64, 96, dtype=BF16), torch.nn.Linear(96, 64, dtype=BF16)
+        ).cuda()
+        opt = ramtorch.optim.AdamW(
+            m.parameters(), lr=1e-2, precision=precision, gpu_updates=gpu, overlap=False, states="host"
+        )
+        torch.manual_seed(1)
+        for i in range(6):
+            if gpu and i == 3:
+                opt._assist.enabled = False  # the CPU from here on, reading the host copies
+            m(torch.randn(8, 64, dtype=BF16, device="cuda")).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().cpu().view(torch.int16).clone() for p in m.parameters()], opt.timings[
+            "gpu_updates"
+        ]
+
+    monkeypatch.setattr(_assist, "GPU_ONLY", True)
+    want, _ = run(False)
+    got, runs = run(True)
+    assert runs >= 2 * 4  # the GPU made every update of steps 2 and 3 (the first makes the states)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_a_forked_child_leaves_updates_to_the_cpu():
     """After a fork the GPU thread is gone: the child's assist is off and waits for nothing."""
     from ramtorch.optim import _assist

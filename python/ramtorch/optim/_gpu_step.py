@@ -251,20 +251,46 @@ class DeviceStepper:
         comp: torch.Tensor | None = None,
         scales: list[torch.Tensor] | None = None,
         old: dict[str, Any] | None = None,
+        here: tuple[torch.Tensor, ...] = (),
+        mirror: torch.Tensor | None = None,
+        after: torch.cuda.Event | None = None,
     ) -> list[torch.cuda.Event]:
         """As :func:`optim_step_here` for host tensors; returns the events after which the
-        destinations hold the results (the caller waits on them before reading)."""
+        destinations hold the results (the caller waits on them before reading).
+
+        ``here``: operands on this device (a resident weight, its gradient), which the kernel
+        reads and writes where they are, nothing staged; ``after`` is then the event after which
+        they may be read. ``mirror``: a host tensor that also receives the new weight (the host
+        copy of a weight written on the device)."""
         with self._lock:
-            return self._issue(rule, hyper, param, grad, states, master, comp, scales, old)
+            return self._issue(
+                rule, hyper, param, grad, states, master, comp, scales, old, here, mirror, after
+            )
 
     def _issue(self, *args: Any) -> list[torch.cuda.Event]:
         """:meth:`step`'s work, issued while its lock is held (arguments as :meth:`step`'s)."""
-        rule, hyper, param, grad, states, master, comp, scales, old = args
+        rule, hyper, param, grad, states, master, comp, scales, old, here, mirror, after = args
         from . import _gpu_kernel as k
 
         parts = [grad] if isinstance(grad, torch.Tensor) else list(grad)
         modes, n, offset, ops = _prepare(rule, hyper, param, parts[0], states, master, comp, scales, old)
         gparts = [p.detach().reshape(-1) for p in parts]
+        resident = {(t.device, t.data_ptr()) for t in here}
+        for t in here:
+            if t.device != self.device:
+                raise ValueError(f"optim_step on {self.device}: an operand to use in place is on {t.device}")
+        in_place = lambda t: (t.device, t.data_ptr()) in resident  # noqa: E731 - a view's start is its own
+        if mirror is not None:
+            if mirror.numel() != n or not mirror.is_contiguous():
+                raise ValueError("optim_step on a GPU: the mirror must be contiguous, the parameter's size")
+            weight = ops.dst["w_out" if "w_out" in ops.dst else "p_out"]
+            if not in_place(weight):
+                raise ValueError("optim_step on a GPU: a mirror is for a weight written in place")
+            mirror = (mirror.detach().reshape(-1), weight)
+        if after is not None:
+            for stream in self._streams:
+                if stream is not None:
+                    stream.wait_event(after)
         maps = _maps(self.device)
         events = []
         for i, a in enumerate(range(0, n, PIECE)):
@@ -285,6 +311,9 @@ class DeviceStepper:
                 tensors: dict[str, torch.Tensor] = {}
                 for name, t in ops.src.items():
                     h = ops.piece(t, name, a, b)
+                    if in_place(t):
+                        tensors[name] = _bits(h)
+                        continue
                     d = buf(name, h)
                     d.copy_(h, non_blocking=True)
                     tensors[name] = _bits(d)
@@ -292,6 +321,9 @@ class DeviceStepper:
                 gs = []
                 for j, gp in enumerate(gparts):
                     h = gp[a:b]
+                    if in_place(gp):
+                        gs.append(h)
+                        continue
                     d = buf(f"grad{j}", h)
                     d.copy_(h, non_blocking=True)
                     gs.append(d)
@@ -300,6 +332,9 @@ class DeviceStepper:
                 outs = []
                 for name, t in ops.dst.items():
                     h = ops.piece(t, name, a, b)
+                    if in_place(t):
+                        tensors[name] = _bits(h)
+                        continue
                     d = buf(name, h)
                     tensors[name] = _bits(d)
                     outs.append((h, d))
@@ -307,6 +342,9 @@ class DeviceStepper:
                 for h, d in outs:
                     h.copy_(d, non_blocking=True)
                     self.down_bytes += h.numel() * h.element_size()
+                if mirror is not None:
+                    mirror[0][a:b].copy_(mirror[1][a:b], non_blocking=True)
+                    self.down_bytes += (b - a) * mirror[0].element_size()
                 if stream is not None:
                     ev = torch.cuda.Event()
                     ev.record(stream)

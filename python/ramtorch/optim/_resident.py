@@ -542,35 +542,60 @@ class ResidentStates(torch.optim.Optimizer):
             thread.join()
             if errors:
                 raise errors[0]
-            for p in reversed(done):  # the GPU took them from the end: in forward order now
+            for p, event in reversed(done):  # the GPU took them from the end: in forward order now
                 self.timings["in_step_updates"] += 1
-                self._upload(p, self._slots[id(p)])
+                if event is None:
+                    self._upload(p, self._slots[id(p)])
+                else:
+                    self._written_in_place(p, self._slots[id(p)], event)
 
     def _resident_gpu_share(
         self, params: list[torch.nn.Parameter], groups: dict[int, dict[str, Any]], scale: float
     ) -> (
-        tuple[dict[int, _assist.Claim], threading.Thread, list[BaseException], list[torch.nn.Parameter]]
+        tuple[
+            dict[int, _assist.Claim],
+            threading.Thread,
+            list[BaseException],
+            list[tuple[torch.nn.Parameter, Any]],
+        ]
         | None
     ):
         """With ``gpu_updates=True``: a thread that makes ``step()``'s updates of ``params`` (in
         the next forward's order) on the GPU from the end, while the caller makes them from the
-        start, each a claim that the first worker runs; it leaves the parameters it updated (for
-        the caller to copy to their device once it has ended) and the error of one it could not."""
+        start, each a claim that the first worker runs. It leaves the parameters it updated, for
+        the caller to copy to their device once it has ended, with the event of each one it wrote
+        in place instead (and the error of one it could not update).
+
+        A weight on the GPU with its gradient there is updated in place (:meth:`_in_place`):
+        only its states and master cross the link, each way, and the host copy of the weight
+        gets the new one. Others are staged from their host copies as the CPU's updates are."""
         assist = self._assist
         if assist is None or not assist.enabled:
             return None
         devices = {p.device for p in params if _assist.supported(p.device)}
         if len(devices) != 1:
             return None
+        device = next(iter(devices))
         slots = {id(p): self._slots[id(p)] for p in params}
         claims = {}
+        in_place = {}
         for p in params:
             slot = slots[id(p)]
-            grad = slot.grad if slot.host_copy is not None else (slot.got[0] if slot.got else None)
+            in_place[id(p)] = self._in_place(p)
+            if in_place[id(p)]:
+                grad = p.grad
+            elif slot.host_copy is not None:
+                grad = slot.grad
+            else:
+                grad = slot.got[0] if slot.got else None
             claims[id(p)] = _assist.Claim(grad is not None and self._gpu_can_update(p, [grad]))
-        stepper = self._stepper(next(iter(devices)))
+        stepper = self._stepper(device)
+        after = None
+        if device.type == "cuda":  # the gradients and weights read in place are computed
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(device))
         errors: list[BaseException] = []
-        done: list[torch.nn.Parameter] = []
+        done: list[tuple[torch.nn.Parameter, Any]] = []
 
         def work() -> None:
             try:
@@ -578,34 +603,74 @@ class ResidentStates(torch.optim.Optimizer):
                     if not claims[id(p)].take("gpu"):
                         continue
                     slot = slots[id(p)]
-                    grad = slot.host_grad()
+                    here = in_place[id(p)]
                     if slot.upload is not None:
-                        slot.upload.synchronize()
-                    self._refresh(p, slot)
+                        slot.upload.synchronize()  # the host copy is a copy's source, or is written
+                    if here:
+                        grad: torch.Tensor = p.grad  # type: ignore[assignment]
+                        weight = None
+                    else:
+                        grad = slot.host_grad()
+                        self._refresh(p, slot)
+                        weight = slot.host_copy
                     state = self.state[p]
                     group = groups[id(p)]
                     args, kw = self._kernel_args(
-                        p, [grad], group, int(state["step"].item()) + 1, scale, weight=slot.host_copy
+                        p, [grad], group, int(state["step"].item()) + 1, scale, weight=weight
                     )
+                    if here:
+                        kw.update(here=(p, grad), mirror=slot.host_copy, after=after)
+                    last = None
                     try:
                         for ev in stepper.step(*args, **kw):
                             ev.synchronize()
+                            last = ev
                     except Exception as e:  # noqa: BLE001 - the CPU does it (and the rest) instead
                         assist.enabled = False
                         _log.logger.warning(
                             "ramtorch.optim: an update on the GPU failed (%s); the CPU does them", e
                         )
+                        if here:  # the host copy of the gradient: step() started it
+                            grad = slot.host_grad()
+                            self._refresh(p, slot)
                         self._update_host(p, grad, group, scale, weight=slot.host_copy)
+                        here = False
                     else:
                         state["step"] += 1
                         self.timings["gpu_updates"] += 1
-                    done.append(p)
+                    done.append((p, last if here else None))
             except BaseException as e:  # noqa: BLE001 - step() raises it once the thread has ended
                 errors.append(e)
 
         thread = threading.Thread(target=work, name="ramtorch-optim-gpu-step", daemon=True)
         thread.start()
         return claims, thread, errors, done
+
+    def _in_place(self, p: torch.Tensor) -> bool:
+        """Whether ``step()``'s GPU share updates ``p`` where it is (a weight on a GPU, its dense
+        gradient beside it in its dtype): its weight and gradient do not cross the link."""
+        g = p.grad
+        return (
+            g is not None
+            and g.device == p.device
+            and g.dtype == p.dtype
+            and g.layout == torch.strided
+            and g.is_contiguous()
+            and p.is_contiguous()
+        )
+
+    def _written_in_place(self, p: torch.Tensor, slot: _Slot, event: Any) -> None:
+        """``p`` was updated where it is by the GPU share (its host copy too, if it has one):
+        what follows waits for ``event`` as it waits for a copy of a new weight."""
+        if p.device.type == "cuda" and event is not None:
+            torch.autograd.graph.increment_version(p)  # as the copy of a new weight does
+            stream = self._stream(p.device, "h2d")
+            if p.device not in self._upload_devices:
+                stream.wait_stream(torch.cuda.current_stream(p.device))
+                self._upload_devices.add(p.device)
+            stream.wait_event(event)
+            self._uploads[id(p)] = (p, event)
+        slot.version = p._version
 
     def _upload(self, p: torch.Tensor, slot: _Slot) -> None:
         """Starts the copy of ``p``'s new weight from its host copy to the device."""

@@ -300,9 +300,13 @@ class OverlapSchedule(torch.optim.Optimizer):
             spans.add(spans.WORKER, "speculative update", t, end, done, eng.device)
 
     def _gpu_can_update(self, p: torch.nn.Parameter, parts: list[torch.Tensor]) -> bool:
-        """Whether the GPU kernel computes ``p``'s update from these gradient parts (host
-        tensors of one float dtype, contiguous; states in a format the kernel has)."""
-        if any(g.device.type != "cpu" or not g.is_contiguous() or g.dtype != parts[0].dtype for g in parts):
+        """Whether the GPU kernel computes ``p``'s update from these gradient parts (tensors of
+        one float dtype, contiguous, in host memory or beside ``p`` on its GPU; states in a format
+        the kernel has)."""
+        where = parts[0].device
+        if where.type != "cpu" and where != p.device:
+            return False
+        if any(g.device != where or not g.is_contiguous() or g.dtype != parts[0].dtype for g in parts):
             return False
         try:
             args, kw = self._kernel_args(p, list(parts), self._group_of(p), 1, 1.0)
