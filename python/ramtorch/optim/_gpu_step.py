@@ -346,7 +346,9 @@ class DeviceStepper:
                     mirror[0][a:b].copy_(mirror[1][a:b], non_blocking=True)
                     self.down_bytes += (b - a) * mirror[0].element_size()
                 if stream is not None:
-                    ev = torch.cuda.Event()
+                    ev = torch.cuda.Event(
+                        blocking=True
+                    )  # a waiting thread sleeps: the CPU updates want every core
                     ev.record(stream)
                     events.append(ev)
         self.updates += 1
