@@ -4,6 +4,10 @@ both at once (each taking half the tensors), for tensors of an 8B decoder's MLP 
 
     python3 bench/gpu_updates.py --precision compact --tensors 8 --reps 3
 
+``--resident``: the weights and gradients are on the GPU (``states="host"``): the GPU updates
+them in place and only the states (and master) cross the link, plus the new weight into its host
+copy; the CPU updates the host copies from host copies of the gradients, as the optimizer does.
+
 Prints one JSON record per way; ``params_per_second`` is the figure to compare, and
 ``link_gbps`` the bytes the GPU path moved over its seconds.
 """
@@ -23,7 +27,7 @@ from ramtorch import _arena, _core
 from ramtorch.optim import _gpu_step
 
 
-def make(n: int, precision: str, seed: int) -> dict:
+def make(n: int, precision: str, seed: int, resident: bool = False) -> dict:
     """One tensor's operands in page-locked arena memory, as the optimizer holds them."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, generator=g) * 0.02
@@ -47,6 +51,8 @@ def make(n: int, precision: str, seed: int) -> dict:
         ops["states"] = [host(torch.zeros(n)) for _ in range(2)]
     else:
         ops["states"] = [host(torch.zeros(n, dtype=torch.bfloat16)) for _ in range(2)]
+    if resident:
+        ops["dparam"], ops["dgrad"] = ops["param"].cuda(), ops["grad"].cuda()
     return ops
 
 
@@ -76,15 +82,21 @@ def cpu(ops: dict, step: int) -> None:
 
 
 def gpu(stepper: _gpu_step.DeviceStepper, ops: dict, step: int) -> None:
+    kw = {}
+    param, grad = ops["param"], ops["grad"]
+    if "dparam" in ops:  # in place on the device, the host copy mirrored
+        param, grad = ops["dparam"], ops["dgrad"]
+        kw = {"here": (param, grad), "mirror": ops["param"]}
     events = stepper.step(
         "adamw",
         {**HYPER, "step": step},
-        ops["param"],
-        [ops["grad"]],
+        param,
+        [grad],
         ops["states"],
         master=ops["master"],
         comp=ops["comp"],
         scales=ops["scales"],
+        **kw,
     )
     for ev in events:
         ev.synchronize()
@@ -96,13 +108,15 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=4096 * 14336, help="elements a tensor")
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--resident", action="store_true", help="weights and gradients on the GPU")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args()
-    tensors = [make(a.numel, a.precision, k) for k in range(a.tensors)]
+    tensors = [make(a.numel, a.precision, k, a.resident) for k in range(a.tensors)]
     stepper = _gpu_step.DeviceStepper(torch.device("cuda"))
     common = {
         "bench": "gpu_updates",
         "precision": a.precision,
+        "resident": a.resident,
         "numel": a.numel,
         "tensors": a.tensors,
         "device": torch.cuda.get_device_name(),
