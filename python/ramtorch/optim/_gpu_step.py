@@ -226,6 +226,8 @@ class DeviceStepper:
     computes, and copies the results down into the host tensors, on two side streams."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # as tensors name it
         self.device = device
         # On the CPU (Triton's interpreter, for tests) the same path runs without streams.
         self._streams = [torch.cuda.Stream(device) if device.type == "cuda" else None for _ in range(2)]
