@@ -131,7 +131,16 @@ def _store_state(dst, scales, vmap, x, r, offs, rows, mask, row_ok, MODE: tl.con
         tl.store(scales + rows, scale, mask=row_ok)
 
 
-@triton.jit
+#: Arguments Triton must not specialize on: the kernel is bound by the link, not by how it loads,
+#: and a key or a pointer that happened to be a multiple of 16 would compile another variant (a
+#: stall of a second or so in the middle of a training step).
+_NO_SPECIALIZE = (
+    *("p_in", "c_in", "p_out", "c_out", "w_out", "grad", "a_in", "as_in", "a_out", "as_out"),
+    *("b_in", "bs_in", "b_out", "bs_out", "smap", "umap", "n", "lo", "k0", "k1", "k2", "k3"),
+)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _adamw_kernel(
     p_in,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     c_in,  # noqa: ANN001 - a Triton kernel's pointer or scalar
