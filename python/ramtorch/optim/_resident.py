@@ -42,6 +42,7 @@ spare buffers. The device keeps the weight and its gradient only.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import weakref
@@ -597,6 +598,18 @@ class ResidentStates(torch.optim.Optimizer):
         errors: list[BaseException] = []
         done: list[tuple[torch.nn.Parameter, Any]] = []
 
+        # Updates issued and not yet waited for: the next is issued before the last is waited
+        # for, so that the link does not idle between two parameters.
+        pending: collections.deque[tuple[torch.nn.Parameter, list[Any], bool]] = collections.deque()
+
+        def finish() -> None:
+            p, events, here = pending.popleft()
+            for ev in events:
+                ev.synchronize()
+            self.state[p]["step"] += 1
+            self.timings["gpu_updates"] += 1
+            done.append((p, events[-1] if here and events else None))
+
         def work() -> None:
             try:
                 for p in reversed(params):
@@ -620,25 +633,26 @@ class ResidentStates(torch.optim.Optimizer):
                     )
                     if here:
                         kw.update(here=(p, grad), mirror=slot.host_copy, after=after)
-                    last = None
                     try:
-                        for ev in stepper.step(*args, **kw):
-                            ev.synchronize()
-                            last = ev
+                        events = stepper.step(*args, **kw)
                     except Exception as e:  # noqa: BLE001 - the CPU does it (and the rest) instead
                         assist.enabled = False
                         _log.logger.warning(
                             "ramtorch.optim: an update on the GPU failed (%s); the CPU does them", e
                         )
+                        while pending:
+                            finish()
                         if here:  # the host copy of the gradient: step() started it
                             grad = slot.host_grad()
                             self._refresh(p, slot)
                         self._update_host(p, grad, group, scale, weight=slot.host_copy)
-                        here = False
-                    else:
-                        state["step"] += 1
-                        self.timings["gpu_updates"] += 1
-                    done.append((p, last if here else None))
+                        done.append((p, None))
+                        continue
+                    pending.append((p, events, here))
+                    if len(pending) > 1:
+                        finish()
+                while pending:
+                    finish()
             except BaseException as e:  # noqa: BLE001 - step() raises it once the thread has ended
                 errors.append(e)
 
