@@ -115,26 +115,31 @@ def minilm_config(**overrides: object) -> object:
 def run_minilm(precision: str, args: argparse.Namespace) -> dict[str, object]:
     """A MiniLM-shaped BERT (``transformers.BertConfig``: 6 layers, hidden 384, 12 heads, FFN
     1536, vocabulary 30522; random initialisation) with bf16 weights, fine-tuned for sequence
-    classification on a synthetic task: a sequence of token ids drawn from the first 2000 is
-    labelled by the sign of a fixed random weighting of its tokens (a bag-of-words rule the model
-    can learn from scratch). Returns its record."""
+    classification on a synthetic task: a sequence of token ids drawn from the first
+    ``--task-vocab`` is labelled by the sign of a fixed random weighting of its tokens (a
+    bag-of-words rule the model can learn from scratch: the fewer ids, the more often each one's
+    embedding is trained). The learning rate (``--minilm-lr``) warms up linearly over the first
+    tenth of the steps. Returns its record."""
     from transformers import BertForSequenceClassification
 
     device = torch.device("cpu")
     torch.manual_seed(args.seed)
     model = BertForSequenceClassification(minilm_config(num_labels=2)).to(torch.bfloat16)
     ramtorch.offload(model, device=device)
-    opt = ramtorch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, precision=precision)
-    rule = torch.randn(2000, generator=torch.Generator().manual_seed(7))
+    opt = ramtorch.optim.AdamW(model.parameters(), lr=args.minilm_lr, weight_decay=0.01, precision=precision)
+    rule = torch.randn(args.task_vocab, generator=torch.Generator().manual_seed(7))
+    warmup = max(1, args.steps // 10)
 
     def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.randint(0, 2000, (args.batch, args.seq), generator=gen)
+        ids = torch.randint(0, args.task_vocab, (args.batch, args.seq), generator=gen)
         return ids, (rule[ids].sum(1) > 0).long()
 
     gen = torch.Generator().manual_seed(args.seed)
     losses: list[float] = []
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = args.minilm_lr * min(1.0, (step + 1) / warmup)
         ids, y = batch(gen)
         loss = F.cross_entropy(model(input_ids=ids).logits.float(), y)
         losses.append(loss.item())
@@ -163,6 +168,10 @@ def run_minilm(precision: str, args: argparse.Namespace) -> dict[str, object]:
         "params": params,
         "weights": "bfloat16",
         "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "task_vocab": args.task_vocab,
+        "lr": args.minilm_lr,
         "final_train_loss": sum(losses[-LAST:]) / min(LAST, len(losses)),
         "held_out_loss": sum(held_out) / len(held_out),
         "held_out_accuracy": correct / total,
@@ -240,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workload", choices=["bytelm", "minilm"], default="bytelm")
+    p.add_argument("--task-vocab", type=int, default=2000, help="minilm: the ids its sequences draw from")
+    p.add_argument("--minilm-lr", type=float, default=1e-4, help="minilm: the peak learning rate")
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     args = p.parse_args(argv)
     data = demo.load_corpus(ROOT)[0] if args.workload == "bytelm" else torch.empty(0)
