@@ -385,9 +385,8 @@ def test_resident_weights_updated_in_place_then_by_the_cpu(monkeypatch: pytest.M
             m(torch.randn(8, 64, dtype=BF16, device="cuda")).float().square().mean().backward()
             opt.step()
             opt.zero_grad()
-        return [p.detach().cpu().view(torch.int16).clone() for p in m.parameters()], opt.timings[
-            "gpu_updates"
-        ]
+        weights = [p.detach().cpu().view(torch.int16).clone() for p in m.parameters()]
+        return weights, opt.timings["gpu_updates"]
 
     monkeypatch.setattr(_assist, "GPU_ONLY", True)
     want, _ = run(False)

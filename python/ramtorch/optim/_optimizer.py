@@ -20,7 +20,7 @@ from .._units import format_bytes
 from . import _assist, _parallel, _speculation
 from ._jobs import _Jobs
 from ._resident import ResidentStates
-from ._schedule import OverlapSchedule, UpdateMode, listen
+from ._schedule import OverlapSchedule, Timings, UpdateMode, listen
 from ._speculation import AutoChoice, Shadows, same_group, same_value
 from ._state import _DTYPES, _PRECISIONS, HostStates, _is_host
 from ._zero import Zero
@@ -132,20 +132,22 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         if self._mode is not UpdateMode.IN_STEP:
             listen(self)
         #: Seconds and tensor updates of the Rust kernels, during backward and in ``step()``.
-        self.timings = {
-            "in_backward_seconds": 0.0,
-            "in_backward_updates": 0,
-            "in_step_seconds": 0.0,
-            "in_step_updates": 0,
-            # Speculative updates computed during backward, committed by step(), and computed but
-            # then updated again in step() (their inputs had changed, or the step clipped).
-            "speculated_updates": 0,
-            "committed_updates": 0,
-            "recomputed_updates": 0,
-            # Speculative updates computed on the GPU (gpu_updates=True), and their seconds.
-            "gpu_updates": 0,
-            "gpu_seconds": 0.0,
-        }
+        self.timings = Timings(
+            {
+                "in_backward_seconds": 0.0,
+                "in_backward_updates": 0,
+                "in_step_seconds": 0.0,
+                "in_step_updates": 0,
+                # Speculative updates computed during backward, committed by step(), and computed but
+                # then updated again in step() (their inputs had changed, or the step clipped).
+                "speculated_updates": 0,
+                "committed_updates": 0,
+                "recomputed_updates": 0,
+                # Speculative updates computed on the GPU (gpu_updates=True), and their seconds.
+                "gpu_updates": 0,
+                "gpu_seconds": 0.0,
+            }
+        )
 
     # -- user API ----------------------------------------------------------------------------------
 
@@ -428,7 +430,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
                     # engine (which keys device copies on version counters) that p changed.
                     torch.autograd.graph.increment_version(p)
         end = time.perf_counter()
-        self.timings["in_step_seconds"] += end - t
+        self.timings.add("in_step_seconds", end - t)
         self._choose(bool(spec) or bool(rspec), self.timings["in_step_updates"] - host_updates, end)
         if self._zero is not None:
             self._zero.publish(self.param_groups)
@@ -471,7 +473,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         else:
             for item in items:
                 one(item)
-        self.timings["in_step_updates"] += len(items)
+        self.timings.add("in_step_updates", len(items))
 
     def _gpu_share(
         self, items: list[tuple[torch.nn.Parameter, dict[str, Any], int]], scale: float
@@ -523,8 +525,8 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
                     continue
                 state["step"] += 1
                 done += 1
-            self.timings["gpu_updates"] += done
-            self.timings["gpu_seconds"] += time.perf_counter() - start
+            self.timings.add("gpu_updates", done)
+            self.timings.add("gpu_seconds", time.perf_counter() - start)
 
         thread = threading.Thread(target=work, name="ramtorch-optim-gpu-step", daemon=True)
         thread.start()

@@ -55,7 +55,7 @@ import torch
 from .. import _arena, _engine, _log
 from . import _assist
 from ._jobs import _Jobs
-from ._schedule import UpdateMode
+from ._schedule import Timings, UpdateMode
 from ._speculation import Shadows, Speculation, freeze_group, same_group
 from ._state import _DTYPES
 
@@ -169,7 +169,7 @@ class ResidentStates(torch.optim.Optimizer):
     _backwards: int
     _micro: int
     _last_backward: int
-    timings: dict[str, Any]
+    timings: Timings
     _host_keys: Callable[[], tuple[str, ...]]
     _owns: Callable[[torch.Tensor], bool]
     _param_ids: Callable[[], dict[int, tuple[torch.nn.Parameter, dict[str, Any]]]]
@@ -400,9 +400,9 @@ class ResidentStates(torch.optim.Optimizer):
             for ev in self._stepper(p.device).step(*args, **kw):
                 ev.synchronize()
             spec.done = True
-            self.timings["gpu_seconds"] += time.perf_counter() - t
-            self.timings["gpu_updates"] += 1
-            self.timings["speculated_updates"] += 1
+            self.timings.add("gpu_seconds", time.perf_counter() - t)
+            self.timings.add("gpu_updates", 1)
+            self.timings.add("speculated_updates", 1)
 
         self._run_spec(spec, update)
 
@@ -445,9 +445,9 @@ class ResidentStates(torch.optim.Optimizer):
                 t = time.perf_counter()
                 self._update_host_into(p, grad, spec.hyper, spec.step, shadow, weight=slot.host_copy)
                 spec.done = True
-                self.timings["in_backward_seconds"] += time.perf_counter() - t
-                self.timings["in_backward_updates"] += 1
-                self.timings["speculated_updates"] += 1
+                self.timings.add("in_backward_seconds", time.perf_counter() - t)
+                self.timings.add("in_backward_updates", 1)
+                self.timings.add("speculated_updates", 1)
             except Exception:  # noqa: BLE001, S110 - never committed: step() updates it and meets the error
                 pass
 
@@ -490,7 +490,7 @@ class ResidentStates(torch.optim.Optimizer):
             valid = s.holds(p, state, scale) and slot.key == _key(p) and same_group(s.hyper, group)
             if not valid:
                 if s.done:
-                    self.timings["recomputed_updates"] += 1
+                    self.timings.add("recomputed_updates", 1)
                 continue
             assert state is not None
             new = self._shadows.swap(pid, state, keys)
@@ -503,7 +503,7 @@ class ResidentStates(torch.optim.Optimizer):
             chosen.append(p)
         for p in self._forward_order(chosen):
             self._upload(p, self._slots[id(p)])
-        self.timings["committed_updates"] += len(committed)
+        self.timings.add("committed_updates", len(committed))
         return committed
 
     def _update_resident(self, work: list[tuple[torch.nn.Parameter, dict[str, Any]]], scale: float) -> None:
@@ -536,7 +536,7 @@ class ResidentStates(torch.optim.Optimizer):
                 self._update_host(p, grad, groups[id(p)], scale)
             else:
                 self._update_host(p, grad, groups[id(p)], scale, weight=slot.host_copy)
-            self.timings["in_step_updates"] += 1
+            self.timings.add("in_step_updates", 1)
             self._upload(p, slot)
         if gpu is not None:
             _, thread, errors, done = gpu
@@ -544,7 +544,7 @@ class ResidentStates(torch.optim.Optimizer):
             if errors:
                 raise errors[0]
             for p, event in reversed(done):  # the GPU took them from the end: in forward order now
-                self.timings["in_step_updates"] += 1
+                self.timings.add("in_step_updates", 1)
                 if event is None:
                     self._upload(p, self._slots[id(p)])
                 else:
@@ -607,7 +607,7 @@ class ResidentStates(torch.optim.Optimizer):
             for ev in events:
                 ev.synchronize()
             self.state[p]["step"] += 1
-            self.timings["gpu_updates"] += 1
+            self.timings.add("gpu_updates", 1)
             done.append((p, events[-1] if here and events else None))
 
         def work() -> None:

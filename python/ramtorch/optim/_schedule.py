@@ -22,6 +22,21 @@ from ._speculation import Shadows, Speculation, freeze_group, same_group
 from ._state import _is_host
 
 
+class Timings(dict):
+    """``timings``: counters and seconds of the optimizer's updates, a dict to read. The CPU's
+    job threads, the GPU's thread and ``step()`` add to them at once: :meth:`add` holds a lock,
+    so that no count is lost."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+
+    def add(self, key: str, value: float) -> None:
+        """Adds ``value`` to counter ``key``."""
+        with self._lock:
+            self[key] += value
+
+
 class UpdateMode(enum.Enum):
     """Where an optimizer's updates of host parameters run."""
 
@@ -96,7 +111,7 @@ class OverlapSchedule(torch.optim.Optimizer):
     _auto: Any
     _state_names: tuple[str, ...]
     _host_keys: Callable[[], tuple[str, ...]]  # HostStates: every state tensor of a parameter
-    timings: dict[str, Any]
+    timings: Timings
 
     @property
     def overlap(self) -> bool:
@@ -292,9 +307,9 @@ class OverlapSchedule(torch.optim.Optimizer):
 
         _parallel.run(one, work, lambda item: item[0].numel())
         end = time.perf_counter()
-        self.timings["in_backward_seconds"] += end - t
-        self.timings["in_backward_updates"] += len(done)
-        self.timings["speculated_updates"] += len(done)
+        self.timings.add("in_backward_seconds", end - t)
+        self.timings.add("in_backward_updates", len(done))
+        self.timings.add("speculated_updates", len(done))
         if spans is not None and done:
             spans.add(spans.WORKER, "wait for gradients of", begin, t, done, eng.device)
             spans.add(spans.WORKER, "speculative update", t, end, done, eng.device)
@@ -352,9 +367,9 @@ class OverlapSchedule(torch.optim.Optimizer):
             for ev in stepper.step(*args, **kw):
                 ev.synchronize()
             spec.done = True
-            self.timings["gpu_seconds"] += time.perf_counter() - t
-            self.timings["gpu_updates"] += 1
-            self.timings["speculated_updates"] += 1
+            self.timings.add("gpu_seconds", time.perf_counter() - t)
+            self.timings.add("gpu_updates", 1)
+            self.timings.add("speculated_updates", 1)
 
         return run
 
@@ -380,7 +395,7 @@ class OverlapSchedule(torch.optim.Optimizer):
             valid = s.holds(p, state, scale) and same[key]
             if not valid:
                 if s.done:
-                    self.timings["recomputed_updates"] += 1
+                    self.timings.add("recomputed_updates", 1)
                 continue
             assert state is not None
             copies.append((p, self._shadows.swap(pid, state, self._host_keys())))
@@ -389,7 +404,7 @@ class OverlapSchedule(torch.optim.Optimizer):
         # The new weights into the parameters, small ones side by side (torch's copy of a tensor
         # of fewer than 32k elements runs on one core).
         _parallel.run(lambda pn: pn[0].copy_(pn[1]), copies, lambda pn: pn[0].numel())
-        self.timings["committed_updates"] += len(committed)
+        self.timings.add("committed_updates", len(committed))
         return committed
 
     def _run_job(
@@ -426,8 +441,8 @@ class OverlapSchedule(torch.optim.Optimizer):
                     continue
             self._update_host(p, grad, group, 1.0)
         end = time.perf_counter()
-        self.timings["in_backward_seconds"] += end - t
-        self.timings["in_backward_updates"] += len(work)
+        self.timings.add("in_backward_seconds", end - t)
+        self.timings.add("in_backward_updates", len(work))
         if spans is not None:
             params = [w[0] for w in work]
             spans.add(spans.WORKER, "wait for gradients of", begin, t, params, eng.device)
