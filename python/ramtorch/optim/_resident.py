@@ -568,8 +568,9 @@ class ResidentStates(torch.optim.Optimizer):
         in place instead (and the error of one it could not update).
 
         A weight on the GPU with its gradient there is updated in place (:meth:`_in_place`):
-        only its states and master cross the link, each way, and the host copy of the weight
-        gets the new one. Others are staged from their host copies as the CPU's updates are."""
+        only its states and master cross the link, each way, and (without a master, whose
+        update makes the host copy anew) the host copy of the weight gets the new one. Others
+        are staged from their host copies as the CPU's updates are."""
         assist = self._assist
         if assist is None or not assist.enabled:
             return None
@@ -632,7 +633,10 @@ class ResidentStates(torch.optim.Optimizer):
                         p, [grad], group, int(state["step"].item()) + 1, scale, weight=weight
                     )
                     if here:
-                        kw.update(here=(p, grad), mirror=slot.host_copy, after=after)
+                        # With a master the host copy of the weight is only ever written (each
+                        # update makes it from the master): it need not get this one.
+                        mirror = None if kw["master"] is not None else slot.host_copy
+                        kw.update(here=(p, grad), mirror=mirror, after=after)
                     try:
                         events = stepper.step(*args, **kw)
                     except Exception as e:  # noqa: BLE001 - the CPU does it (and the rest) instead
