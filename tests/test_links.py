@@ -177,3 +177,35 @@ def test_two_links_into_one_gpu_equal_one_link(fresh_engines):
         assert torch.equal(p.grad, q.grad)
     s = ramtorch.stats()["devices"]["cuda:0"]
     assert s["links"] == 2 and s["link_own_bytes"] > 0 and s["link_relay_bytes"][0] > 0
+
+
+def test_copies_are_split_by_the_paths_shares(fresh_engines, monkeypatch):
+    """Paths measured at 3:1 (the measurement replaced: the host device has none to measure)
+    carry each copy's bytes 3:1, in and out, and the results equal one link's bit for bit."""
+    widths = [2048, 2048, 2048]
+    one = _train(_stack(widths, torch.float32, 1), widths, torch.float32, None)
+    monkeypatch.setattr(_engine, "link_shares", lambda device, relays: [3.0, 1.0])
+    many = _train(_stack(widths, torch.float32, 1), widths, torch.float32, 2)
+    assert len(one) == len(many) and all(torch.equal(a, b) for a, b in zip(one, many))
+    s = ramtorch.stats()["devices"]["cpu"]
+    assert s["link_shares"] == [3.0, 1.0]
+    for own, relay in (
+        (s["link_own_bytes"], s["link_relay_bytes"][0]),
+        (s["link_own_down_bytes"], s["link_relay_down_bytes"][0]),
+    ):
+        assert abs(own / (own + relay) - 0.75) < 0.02, (own, relay)
+
+
+def test_link_shares_are_equal_on_the_host_device_and_where_unmeasured(monkeypatch):
+    """The host device's paths are not measured; on CUDA a measurement that fails leaves the
+    split equal, with a warning naming the device."""
+    assert _engine.link_shares(torch.device("cpu"), (1,)) is None
+
+    def fails(device, relays):  # noqa: ANN001, ANN202
+        raise RuntimeError("no peer")
+
+    monkeypatch.setattr(_engine, "measure_link_shares", fails)
+    with pytest.warns(UserWarning, match="cuda:0 could not be measured"):
+        assert _engine.link_shares(torch.device("cuda", 0), (1,)) is None
+    monkeypatch.setattr(_engine, "measure_link_shares", lambda device, relays: [5e10, 0.0])
+    assert _engine.link_shares(torch.device("cuda", 0), (1,)) is None  # a path that moved nothing

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 import time
@@ -368,8 +369,13 @@ class DeviceEngine:
         self.asked_relays = relays
         self.relays = relays
         kind, index = ("cuda", device.index) if device.type == "cuda" else ("cpu", 0)
+        #: How each copy is split between the paths, own link first (bytes per second measured
+        #: on CUDA, see :func:`measure_link_shares`; equal on the host device).
+        self.link_shares: list[float] | None = link_shares(device, relays) if relays else None
         try:
-            self._core = _core.Engine(kind, index, relays=list(relays) if relays else None)
+            self._core = _core.Engine(
+                kind, index, relays=list(relays) if relays else None, shares=self.link_shares
+            )
         except (RuntimeError, ValueError) as e:
             if not relays:
                 raise
@@ -380,6 +386,7 @@ class DeviceEngine:
                 stacklevel=4,
             )
             self.relays = ()
+            self.link_shares = None
             self._core = _core.Engine(kind, index)
         self._slots: list[torch.Tensor] = []
         self._slot_bytes = 0
@@ -948,6 +955,8 @@ class DeviceEngine:
             s["link_own_down_bytes"] = links["own_down_bytes"]
             s["link_relay_down_bytes"] = list(links["relay_down_bytes"])
             s["link_direct"] = list(links["direct"])
+            if self.link_shares is not None:
+                s["link_shares"] = list(self.link_shares)
         return s
 
 
@@ -980,6 +989,64 @@ def _links_text(relays: tuple[int, ...]) -> str:
     if not relays:
         return "its own link only"
     return f"its own link and {len(relays)} peer(s) ({', '.join(map(str, relays))})"
+
+
+#: Bytes each path's probe copies (see :func:`measure_link_shares`).
+_PROBE_BYTES = 256 << 20
+
+
+def measure_link_shares(device: torch.device, relays: tuple[int, ...]) -> list[float]:
+    """The bandwidth of each path into CUDA ``device`` in bytes per second, its own link first:
+    page-locked host memory copied to ``device``, then for each relay the slower of its two legs
+    (host to the relay, relay to ``device`` over the peer link). Each is the best of three
+    copies of 256 MiB timed by CUDA events."""
+
+    def best(copy: Callable[[], None], on: torch.device) -> float:
+        copy()  # the first copy pays for setup
+        rates = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            stream = torch.cuda.current_stream(on)
+            start.record(stream)
+            copy()
+            end.record(stream)
+            end.synchronize()
+            rates.append(_PROBE_BYTES / (start.elapsed_time(end) / 1e3))
+        return max(rates)
+
+    host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    own = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=device)
+    shares = [best(lambda: own.copy_(host, non_blocking=True), device)]
+    for r in relays:
+        peer_dev = torch.device("cuda", r)
+        peer = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=peer_dev)
+        with torch.cuda.device(peer_dev):
+            up = best(lambda peer=peer: peer.copy_(host, non_blocking=True), peer_dev)
+        with torch.cuda.device(device):
+            across = best(lambda peer=peer: own.copy_(peer, non_blocking=True), device)
+        shares.append(min(up, across))
+        del peer
+    return shares
+
+
+def link_shares(device: torch.device, relays: tuple[int, ...]) -> list[float] | None:
+    """How copies into ``device`` are split between its own link and ``relays``: measured on
+    CUDA (:func:`measure_link_shares`), equal (None) on the host device or where the measurement
+    fails (with a warning)."""
+    if device.type != "cuda":
+        return None
+    try:
+        shares = measure_link_shares(device, relays)
+    except (RuntimeError, ValueError, ZeroDivisionError) as e:
+        warnings.warn(
+            f"links: the paths into {device} could not be measured ({e}); copies are split equally",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
+    if not all(math.isfinite(x) and x > 0 for x in shares):
+        return None
+    return shares
 
 
 def configure_links(device: torch.device, links: object) -> tuple[int, ...] | None:

@@ -276,7 +276,8 @@ def offload(
         links: more links into ``device`` than its own (several GPUs of one host): each copy of
             at least 4 MiB is split between ``device``'s own link and relays through peer GPUs
             (host → peer, then peer → ``device`` over NVLink), in pieces of up to 64 MiB through
-            two staging buffers on each peer (128 MiB of its memory), equal shares. ``"auto"``:
+            two staging buffers on each peer (128 MiB of its memory), each path's share its
+            bandwidth measured when the device's engine is made (``link_shares``). ``"auto"``:
             every other GPU that reaches ``device`` directly; or a list of devices. Gradients
             leave by every link the same way (``device`` → peer → host), on lanes of their own.
             Outputs and gradients are bitwise those of one link. A peer without direct
