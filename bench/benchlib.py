@@ -252,6 +252,7 @@ def ramtorch_fields(before: dict, after: dict, reps: int, phase: str, weight_byt
             out["link_relays"] = d1.get("link_relays")
             out["link_own_bytes"] = d1.get("link_own_bytes")
             out["link_relay_bytes"] = d1.get("link_relay_bytes")
+            out["link_shares"] = d1.get("link_shares")  # each path's measured bytes per second
             out.setdefault("options", {})["links"] = d1.get("link_relays")
         d0 = devs0.get(name, {})
         for k in ("h2d_bytes", "reused_bytes", "d2h_bytes", "stall_seconds"):
