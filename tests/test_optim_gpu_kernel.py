@@ -287,7 +287,7 @@ def test_staged_steps_from_host_memory_equal_the_rust_kernel(monkeypatch: pytest
 def train_both_ways(
     device: str,
     precisions: tuple[str, ...] = ("compact", "fp32-master", "bf16"),
-    overlap: bool = True,
+    overlap: bool | str = True,
     states: str = "device",
 ) -> str:
     """Trains a small offloaded model with ``gpu_updates`` off and on; returns one line per
@@ -338,10 +338,11 @@ def test_gpu_updates_train_bitwise_as_the_cpu_in_the_interpreter():
         "print(t.train_both_ways('cpu', overlap=False))\n"
         "print(t.train_both_ways('cpu', states='host'))\n"
         "print(t.train_both_ways('cpu', overlap=False, states='host'))\n"
+        "print(t.train_both_ways('cpu', overlap='backward', states='host'))\n"
     )
     out = _interpreted(code)
-    rows = [line.split() for line in out.strip().splitlines()[-12:]]
-    assert [row[0] for row in rows] == ["compact", "fp32-master", "bf16"] * 4
+    rows = [line.split() for line in out.strip().splitlines()[-15:]]
+    assert [row[0] for row in rows] == ["compact", "fp32-master", "bf16"] * 5
     for prec, same, runs in rows:
         assert same == "True", f"{prec}: the weights differ"
         assert int(runs) > 0, f"{prec}: the GPU thread ran no update"
@@ -354,8 +355,8 @@ def test_gpu_updates_is_a_bool():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("states", ["device", "host"])
-@pytest.mark.parametrize("overlap", [True, False])
-def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda(overlap: bool, states: str):
+@pytest.mark.parametrize("overlap", [True, False, "backward"])
+def test_gpu_updates_train_bitwise_as_the_cpu_on_cuda(overlap: bool | str, states: str):
     for line in train_both_ways("cuda", overlap=overlap, states=states).splitlines():
         prec, same, runs = line.split()
         assert same == "True", f"{prec}: the weights differ"

@@ -149,6 +149,48 @@ def test_bf16_weights_update_as_host_parameters_do(precision, schedule, copies):
             assert master.dtype == torch.float32 and torch.equal(master.to(torch.bfloat16), p.detach())
 
 
+@pytest.mark.parametrize(
+    "mode", [{"overlap": "backward"}, {"pipeline": True}], ids=["overlap-backward", "pipeline"]
+)
+@pytest.mark.parametrize("precision", ["fp32-master", "bf16", "compact"])
+def test_updates_committed_during_backward_equal_updates_in_step(mode, precision, copies):
+    """``overlap="backward"`` and ``pipeline=True``: each parameter is updated in place as its
+    gradient lands (no spare buffers), its new weight copied back; the same bits, weights and
+    states, as every update in ``step()``, and ``step()`` makes none of them again."""
+    a = _model(dtype=torch.bfloat16)
+    b = copy.deepcopy(a)
+    kw = dict(lr=1e-2, weight_decay=0.1, precision=precision, states="host")
+    o_a = ropt.AdamW(a.parameters(), overlap=False, **kw)
+    o_b = ropt.AdamW(b.parameters(), **mode, **kw)
+    _train([(a, o_a), (b, o_b)], STEPS)
+    _assert_bitwise(a, b)
+    _assert_same_states(o_a, o_b)
+    n = len(list(b.parameters()))
+    assert o_b.timings["in_backward_updates"] == n * (STEPS - 1)  # all but the first step's
+    assert o_b.timings["in_step_updates"] == n
+    assert o_b.speculation_bytes == 0
+
+
+def test_updates_committed_during_backward_refuse_what_they_cannot_honour():
+    """A learning rate changed, or a gradient clipped, between backward and ``step()`` after the
+    updates used them: ``step()`` raises, naming what changed."""
+    m = _model()
+    opt = ropt.AdamW(m.parameters(), lr=1e-2, states="host", overlap="backward")
+    x = torch.randn(5, 8)
+    _loss(m, x).backward()
+    opt.step()  # the first step learns the schedule: its updates run in step()
+    opt.zero_grad()
+    _loss(m, x).backward()
+    opt.param_groups[0]["lr"] = 5e-3
+    with pytest.raises(RuntimeError, match=r"hyperparameters \(lr\)"):
+        opt.step()
+    opt.zero_grad()
+    _loss(m, x).backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-4)
+    with pytest.raises(RuntimeError, match="gradient was changed"):
+        opt.step()
+
+
 def test_nothing_changes_before_step():
     model = _model()
     opt = _ours(model)

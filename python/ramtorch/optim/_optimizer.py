@@ -317,8 +317,14 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
                 self.drain()
             finally:
                 self._spec_closed = False
+        if self._roverlap and self._mode is UpdateMode.PIPELINE:
+            # Weights on a GPU updated during backward: their copies must be queued before the
+            # compute stream waits for them (step()'s end), so step() waits for their updates.
+            self._wait_updates()
+            self._raise_failed()
         rspec = self._close_resident()  # speculations of parameters with host states (_resident)
         done, self._done = self._done, {}
+        self._close_overlap(done)  # and those updated during backward (overlap="backward")
         done_hyper, self._done_hyper = self._done_hyper, {}
         spec, self._spec = self._spec, {}
         late, self._late = self._late, set()

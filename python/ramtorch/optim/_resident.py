@@ -170,6 +170,10 @@ class ResidentStates(torch.optim.Optimizer):
     _micro: int
     _last_backward: int
     timings: Timings
+    _done: dict[int, tuple[torch.Tensor | None, int]]
+    _done_hyper: dict[int, dict[str, Any]]
+    _late: set[int]
+    _error: BaseException | None
     _host_keys: Callable[[], tuple[str, ...]]
     _owns: Callable[[torch.Tensor], bool]
     _param_ids: Callable[[], dict[int, tuple[torch.nn.Parameter, dict[str, Any]]]]
@@ -197,6 +201,9 @@ class ResidentStates(torch.optim.Optimizer):
         self._side: dict[tuple[int | None, str], Any] = {}
         self._rfrozen: dict[int, dict[str, Any]] = {}
         self._upload_wait = "step"
+        # overlap="backward"/pipeline=True: id(param) -> [whether its update committed during
+        # backward has been made] (step() makes those that were not).
+        self._roverlap: dict[int, list[bool]] = {}
 
     # -- user API ----------------------------------------------------------------------------------
 
@@ -273,7 +280,9 @@ class ResidentStates(torch.optim.Optimizer):
             return
         slot = self._slot(p)
         self._fetch(p, slot)
-        if self._mode is not UpdateMode.IN_STEP:
+        if self._mode in (UpdateMode.OVERLAP, UpdateMode.PIPELINE):
+            self._overlap_resident(p, slot)
+        elif self._mode is not UpdateMode.IN_STEP:
             self._speculate_resident(p, slot)
 
     def _count_backward(self) -> None:
@@ -384,6 +393,156 @@ class ResidentStates(torch.optim.Optimizer):
             lambda: self._resident_job(p, slot, spec, shadow, grad, event, claim),
             event.query if event is not None else None,
         )
+
+    def _overlap_resident(self, p: torch.Tensor, slot: _Slot) -> None:
+        """``overlap="backward"`` (and ``pipeline=True``): ``p``'s update is committed now, in
+        place, as its gradient has landed: no spare buffers. The CPU updates the host copy and
+        copies the new weight back; with ``gpu_updates`` the GPU may update the weight where it
+        is instead. Either waits for what backward has queued so far (the last readers of ``p``
+        and its gradient). ``step()`` waits for both, checks that the gradient and the
+        hyperparameters are still those used, and updates the rest."""
+        entry = self._param_ids().get(id(p))
+        state = self.state.get(p)
+        if entry is None or not state or "step" not in state:
+            return  # a first update makes the states: in step()
+        group = entry[1]
+        pid, g = id(p), p.grad
+        assert g is not None
+        if pid in self._done:
+            self._late.add(pid)  # updated during an earlier backward of this step: step() raises
+            return
+        self._done[pid] = (g, g._version)
+        if id(group) not in self._done_hyper:  # step() checks that they still hold then
+            self._done_hyper[id(group)] = freeze_group(group)
+        hyper = self._done_hyper[id(group)]
+        self._refresh(p, slot)
+        used = None
+        if p.device.type == "cuda":
+            used = torch.cuda.Event()
+            used.record(torch.cuda.current_stream(p.device))
+        step_value = state["step"]
+        step = int(step_value.item() if isinstance(step_value, torch.Tensor) else step_value) + 1
+        grad = slot.grad if slot.host_copy is not None else g
+        event = slot.got_event
+        assert grad is not None
+        made = self._roverlap[pid] = [False]
+        claim = None
+        assist = self._assist
+        if (
+            assist is not None
+            and assist.enabled
+            and _assist.supported(p.device)
+            and self._in_place(p)
+            and self._gpu_can_update(p, [g])
+        ):
+            claim = _assist.Claim()
+            assist.offer(
+                lambda: None,
+                [(claim, lambda: self._overlap_gpu_job(p, slot, hyper, step, g, used, made, (grad, event)))],
+            )
+        self._jobs.submit(
+            lambda: self._overlap_cpu_job(p, slot, hyper, grad, event, used, claim, made),
+            event.query if event is not None else None,
+        )
+
+    def _overlap_cpu_job(
+        self,
+        p: torch.Tensor,
+        slot: _Slot,
+        hyper: dict[str, Any],
+        grad: torch.Tensor,
+        event: Any,
+        used: Any,
+        claim: _assist.Claim | None,
+        made: list[bool],
+    ) -> None:
+        """:meth:`_overlap_resident`'s update on a CPU worker: the host copy (or a parameter in
+        host memory) in place, then the new weight's copy to the device."""
+        if claim is not None and not claim.take("cpu"):
+            return  # the GPU thread makes it (or, dropped by step(), step() does)
+        try:
+            if event is not None:
+                event.synchronize()
+            if slot.upload is not None:
+                slot.upload.synchronize()  # the host copy was the source of an earlier copy
+            t = time.perf_counter()
+            self._update_host(p, grad, hyper, 1.0, weight=slot.host_copy)
+            self.timings.add("in_backward_seconds", time.perf_counter() - t)
+            self.timings.add("in_backward_updates", 1)
+            self._upload_after(p, slot, used)
+            made[0] = True
+        except BaseException as e:  # noqa: BLE001 - step() raises it
+            self._error = e
+
+    def _overlap_gpu_job(
+        self,
+        p: torch.Tensor,
+        slot: _Slot,
+        hyper: dict[str, Any],
+        step: int,
+        grad: torch.Tensor,
+        used: Any,
+        made: list[bool],
+        host: tuple[torch.Tensor, Any],
+    ) -> None:
+        """:meth:`_overlap_resident`'s update on the GPU thread: the weight where it is, from its
+        gradient there (as ``step()``'s GPU share does), after ``used``. If the GPU fails, the
+        CPU makes it here from ``host`` (the host copy of the gradient and its copy's event), and
+        the GPU takes no more."""
+        t = time.perf_counter()
+        try:
+            args, kw = self._kernel_args(p, [grad], hyper, step, 1.0)
+            mirror = None if kw["master"] is not None else slot.host_copy
+            kw.update(here=(p, grad), mirror=mirror, after=used)
+            events = self._stepper(p.device).step(*args, **kw)
+            for ev in events:
+                ev.synchronize()
+        except Exception as e:  # noqa: BLE001 - the CPU makes it instead
+            assert self._assist is not None
+            self._assist.enabled = False
+            _log.logger.warning("ramtorch.optim: an update on the GPU failed (%s); the CPU does them", e)
+            self._overlap_cpu_job(p, slot, hyper, host[0], host[1], used, None, made)
+            return
+        try:
+            self.state[p]["step"] += 1
+            self.timings.add("gpu_seconds", time.perf_counter() - t)
+            self.timings.add("gpu_updates", 1)
+            self.timings.add("in_backward_updates", 1)
+            with self._rlock:
+                self._written_in_place(p, slot, events[-1] if events else None, used)
+            made[0] = True
+        except BaseException as e:  # noqa: BLE001 - step() raises it
+            self._error = e
+
+    def _close_overlap(self, done: dict[int, Any]) -> None:
+        """In ``step()``, once the updates of this backward have ended: a parameter whose update
+        committed during backward was not made (an offer to the GPU that ``step()`` dropped) is
+        left out of ``done``, for ``step()`` to update."""
+        made, self._roverlap = self._roverlap, {}
+        for pid, flag in made.items():
+            if not flag[0]:
+                done.pop(pid, None)
+
+    def _upload_after(self, p: torch.Tensor, slot: _Slot, used: Any) -> None:
+        """From a worker: the copy of ``p``'s new weight from its host copy to the device, after
+        ``used`` (the backward's last readers of ``p``)."""
+        if slot.host_copy is None:
+            return
+        with self._rlock, torch.no_grad():  # a worker thread records autograd by default
+            if p.device.type == "cuda":
+                stream = self._stream(p.device, "h2d")
+                if used is not None:
+                    stream.wait_event(used)
+                self._upload_devices.add(p.device)
+                with torch.cuda.stream(stream):
+                    p.copy_(slot.host_copy, non_blocking=True)
+                    event = torch.cuda.Event(blocking=True)
+                    event.record(stream)
+                slot.upload = event
+                self._uploads[id(p)] = (p, event)
+            else:
+                p.copy_(slot.host_copy)
+            slot.version = p._version
 
     def _resident_gpu_job(
         self, p: torch.Tensor, slot: _Slot, spec: _Spec, shadow: dict[str, torch.Tensor], grad: torch.Tensor
@@ -677,15 +836,18 @@ class ResidentStates(torch.optim.Optimizer):
             and p.is_contiguous()
         )
 
-    def _written_in_place(self, p: torch.Tensor, slot: _Slot, event: Any) -> None:
-        """``p`` was updated where it is by the GPU share (its host copy too, if it has one):
-        what follows waits for ``event`` as it waits for a copy of a new weight."""
+    def _written_in_place(self, p: torch.Tensor, slot: _Slot, event: Any, used: Any = None) -> None:
+        """``p`` was updated where it is by the GPU (its host copy too, if it has one): what
+        follows waits for ``event`` as it waits for a copy of a new weight. ``used``: the event
+        that the update waited for (from a worker; else the caller's stream is waited for)."""
         if p.device.type == "cuda" and event is not None:
             torch.autograd.graph.increment_version(p)  # as the copy of a new weight does
             stream = self._stream(p.device, "h2d")
-            if p.device not in self._upload_devices:
+            if used is not None:
+                stream.wait_event(used)
+            elif p.device not in self._upload_devices:
                 stream.wait_stream(torch.cuda.current_stream(p.device))
-                self._upload_devices.add(p.device)
+            self._upload_devices.add(p.device)
             stream.wait_event(event)
             self._uploads[id(p)] = (p, event)
         slot.version = p._version
