@@ -17,6 +17,9 @@ Systems (``--systems``, comma-separated; all by default):
   the state format torchao's offload keeps for bf16 weights).
 - ``ramtorch-host-gpu``, ``ramtorch-host-bf16-gpu``: ``ramtorch-host`` and ``ramtorch-host-bf16``
   with ``gpu_updates=True`` (the GPU makes a share of the updates beside the CPU, same bits).
+- ``...-overlap`` (``ramtorch-host-overlap``, ``ramtorch-host-bf16-overlap``,
+  ``ramtorch-host-bf16-gpu-overlap``): the same with ``overlap="backward"`` (each update
+  committed in place during backward; an option that changes the semantics).
 - ``torchao``: ``torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True)``.
 - ``torchao-offload-gradients``: the same with ``offload_gradients=True``.
 - ``resident``: everything on the GPU, ``torch.optim.AdamW(fused=True)`` on the bf16 weights (the
@@ -48,6 +51,9 @@ SYSTEMS = (
     "ramtorch-host-bf16",
     "ramtorch-host-gpu",
     "ramtorch-host-bf16-gpu",
+    "ramtorch-host-overlap",
+    "ramtorch-host-bf16-overlap",
+    "ramtorch-host-bf16-gpu-overlap",
     "torchao",
     "torchao-offload-gradients",
     "resident",
@@ -102,8 +108,11 @@ def make_optimizer(system: str, model: Any, lr: float) -> tuple[Any, dict[str, A
                 "optimizer": "ramtorch.optim.AdamW(fp32 master on the GPU, resident weights)",
             }
         precision = "bf16" if system.startswith("ramtorch-host-bf16") else "fp32-master"
-        gpu_updates = system.endswith("-gpu")
-        opt = ropt.AdamW(params, lr=lr, states="host", precision=precision, gpu_updates=gpu_updates)
+        gpu_updates = "-gpu" in system
+        overlap: bool | str = "backward" if system.endswith("-overlap") else True
+        opt = ropt.AdamW(
+            params, lr=lr, states="host", precision=precision, gpu_updates=gpu_updates, overlap=overlap
+        )
         fields: dict[str, Any] = {"system": "ramtorch"}
         state = "bf16 moments, stochastic rounding" if precision == "bf16" else "fp32 master"
         fields["optimizer"] = f"ramtorch.optim.AdamW({state}, offload, resident weights)"
@@ -114,6 +123,8 @@ def make_optimizer(system: str, model: Any, lr: float) -> tuple[Any, dict[str, A
             fields["options"] = {**fields.get("options", {}), "precision": precision}
         if gpu_updates:
             fields["options"] = {**fields.get("options", {}), "gpu_updates": True}
+        if overlap == "backward":
+            fields["options"] = {**fields.get("options", {}), "overlap": "backward"}
         return opt, fields
     if system.startswith("torchao"):
         from torchao.optim import CPUOffloadOptimizer
