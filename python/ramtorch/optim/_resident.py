@@ -491,6 +491,8 @@ class ResidentStates(torch.optim.Optimizer):
         the GPU takes no more."""
         t = time.perf_counter()
         try:
+            if slot.upload is not None:
+                slot.upload.synchronize()  # the host copy, which the mirror writes, was a copy's source
             args, kw = self._kernel_args(p, [grad], hyper, step, 1.0)
             mirror = None if kw["master"] is not None else slot.host_copy
             kw.update(here=(p, grad), mirror=mirror, after=used)
