@@ -167,8 +167,10 @@ class AdamW(_Rule):
             backward produces it, the update is computed on a CPU thread during the rest of
             backward (committed by ``step()``: nothing changes before it, as in the default
             mode) and ``step()`` copies the new weights back (``opt.upload_wait`` says what
-            waits for them). The GPU then holds only the weights and their gradients. Not with
-            ZeRO (``shard()``).
+            waits for them). With ``overlap="backward"`` or ``pipeline`` each update is instead
+            made in place during backward and its weight copied back then (``step()`` waits for
+            them all). The GPU then holds only the weights and their gradients. Not with ZeRO
+            (``shard()``).
 
     ``torch.optim.AdamW``'s ``amsgrad``, ``fused``, ``foreach``, ``capturable`` and
     ``differentiable`` are accepted at the values that ask for nothing more (``False``, or
