@@ -171,6 +171,12 @@ class AdamW(_Rule):
             made in place during backward and its weight copied back then (``step()`` waits for
             them all). The GPU then holds only the weights and their gradients. Not with ZeRO
             (``shard()``).
+        gpu_updates: ``True``: the GPU makes a share of AdamW's updates beside the CPU's cores,
+            with the same bits (a Triton port of the Rust kernel). Each update goes to whichever
+            worker is free: host parameters' operands cross the link in pieces, and a weight on
+            the GPU (``states="host"``) is updated where it is, only its states crossing. States
+            and spare buffers are then page-locked, and the GPU keeps up to 470 MB of staging
+            buffers outside ``gpu_budget``. ``False`` (default): the CPU makes every update.
 
     ``torch.optim.AdamW``'s ``amsgrad``, ``fused``, ``foreach``, ``capturable`` and
     ``differentiable`` are accepted at the values that ask for nothing more (``False``, or
