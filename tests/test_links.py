@@ -177,6 +177,8 @@ def test_two_links_into_one_gpu_equal_one_link(fresh_engines):
         assert torch.equal(p.grad, q.grad)
     s = ramtorch.stats()["devices"]["cuda:0"]
     assert s["links"] == 2 and s["link_own_bytes"] > 0 and s["link_relay_bytes"][0] > 0
+    # Each path's share is its measured bandwidth (bytes per second: a PCIe link's is 1e10-1e11).
+    assert len(s["link_shares"]) == 2 and all(1e9 < x < 1e12 for x in s["link_shares"])
 
 
 def test_copies_are_split_by_the_paths_shares(fresh_engines, monkeypatch):
