@@ -197,7 +197,8 @@ class ResidentStates(torch.optim.Optimizer):
         self._order: dict[int, int] = {}  # id(param) -> when its gradient came (last backward)
         self._uploads: dict[int, Any] = {}  # id(param) -> its copy's event, not yet waited for
         self._upload_hook: Any = None
-        self._upload_devices: set[torch.device] = set()
+        self._upload_devices: set[torch.device] = set()  # new weights copied to them this step
+        self._caller_waited: set[torch.device] = set()  # their copies waited for step()'s stream
         self._side: dict[tuple[int | None, str], Any] = {}
         self._rfrozen: dict[int, dict[str, Any]] = {}
         self._upload_wait = "step"
@@ -528,23 +529,8 @@ class ResidentStates(torch.optim.Optimizer):
     def _upload_after(self, p: torch.Tensor, slot: _Slot, used: Any) -> None:
         """From a worker: the copy of ``p``'s new weight from its host copy to the device, after
         ``used`` (the backward's last readers of ``p``)."""
-        if slot.host_copy is None:
-            return
         with self._rlock, torch.no_grad():  # a worker thread records autograd by default
-            if p.device.type == "cuda":
-                stream = self._stream(p.device, "h2d")
-                if used is not None:
-                    stream.wait_event(used)
-                self._upload_devices.add(p.device)
-                with torch.cuda.stream(stream):
-                    p.copy_(slot.host_copy, non_blocking=True)
-                    event = torch.cuda.Event(blocking=True)
-                    event.record(stream)
-                slot.upload = event
-                self._uploads[id(p)] = (p, event)
-            else:
-                p.copy_(slot.host_copy)
-            slot.version = p._version
+            self._upload(p, slot, used)
 
     def _resident_gpu_job(
         self, p: torch.Tensor, slot: _Slot, spec: _Spec, shadow: dict[str, torch.Tensor], grad: torch.Tensor
@@ -844,26 +830,32 @@ class ResidentStates(torch.optim.Optimizer):
         that the update waited for (from a worker; else the caller's stream is waited for)."""
         if p.device.type == "cuda" and event is not None:
             torch.autograd.graph.increment_version(p)  # as the copy of a new weight does
-            stream = self._stream(p.device, "h2d")
-            if used is not None:
-                stream.wait_event(used)
-            elif p.device not in self._upload_devices:
-                stream.wait_stream(torch.cuda.current_stream(p.device))
-            self._upload_devices.add(p.device)
+            stream = self._h2d_after(p.device, used)
             stream.wait_event(event)
             self._uploads[id(p)] = (p, event)
         slot.version = p._version
 
-    def _upload(self, p: torch.Tensor, slot: _Slot) -> None:
-        """Starts the copy of ``p``'s new weight from its host copy to the device."""
+    def _h2d_after(self, device: torch.device, used: Any) -> Any:
+        """The side stream that writes new weights into ``device``, made to wait for ``used`` (an
+        event after the last readers of a weight, from a worker) or, without it, for everything
+        queued on the caller's stream so far (once a step: the backward may still read them)."""
+        stream = self._stream(device, "h2d")
+        if used is not None:
+            stream.wait_event(used)
+        elif device not in self._caller_waited:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._caller_waited.add(device)
+        self._upload_devices.add(device)
+        return stream
+
+    def _upload(self, p: torch.Tensor, slot: _Slot, used: Any = None) -> None:
+        """Starts the copy of ``p``'s new weight from its host copy to the device, after
+        ``used`` (an event after the last readers of ``p``) or, without it, after everything
+        queued on the caller's stream so far."""
         if slot.host_copy is None:
             return
         if p.device.type == "cuda":
-            stream = self._stream(p.device, "h2d")
-            if p.device not in self._upload_devices:
-                # After everything queued on the compute stream (the backward may still read p).
-                stream.wait_stream(torch.cuda.current_stream(p.device))
-                self._upload_devices.add(p.device)
+            stream = self._h2d_after(p.device, used)
             with torch.cuda.stream(stream):
                 p.copy_(slot.host_copy, non_blocking=True)
                 event = torch.cuda.Event(blocking=True)
@@ -882,6 +874,7 @@ class ResidentStates(torch.optim.Optimizer):
             slot.got = None
             slot.got_event = None
         devices, self._upload_devices = self._upload_devices, set()
+        self._caller_waited.clear()
         if self._upload_wait == "step":
             for device in devices:
                 torch.cuda.current_stream(device).wait_stream(self._stream(device, "h2d"))
