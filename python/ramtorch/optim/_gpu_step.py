@@ -348,9 +348,8 @@ class DeviceStepper:
                     mirror[0][a:b].copy_(mirror[1][a:b], non_blocking=True)
                     self.down_bytes += (b - a) * mirror[0].element_size()
                 if stream is not None:
-                    ev = torch.cuda.Event(
-                        blocking=True
-                    )  # a waiting thread sleeps: the CPU updates want every core
+                    # Blocking: a waiting thread sleeps (the CPU's updates want every core).
+                    ev = torch.cuda.Event(blocking=True)
                     ev.record(stream)
                     events.append(ev)
         self.updates += 1
