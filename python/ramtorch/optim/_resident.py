@@ -377,23 +377,40 @@ class ResidentStates(torch.optim.Optimizer):
         grad = slot.grad if slot.host_copy is not None else p.grad
         event = slot.got_event
         assert grad is not None
+        self._queue_update(
+            p,
+            grad,
+            event,
+            lambda: event.synchronize() if event is not None else None,
+            lambda: self._resident_gpu_job(p, slot, spec, shadow, grad),
+            lambda claim: self._resident_job(p, slot, spec, shadow, grad, event, claim),
+        )
+
+    def _queue_update(
+        self,
+        p: torch.Tensor,
+        gpu_grad: torch.Tensor | None,
+        event: Any,
+        gpu_wait: Callable[[], None],
+        gpu_job: Callable[[], None],
+        cpu_job: Callable[[_assist.Claim | None], None],
+    ) -> None:
+        """Queues one update of ``p``: offered to the GPU thread (``gpu_updates``, where the GPU
+        kernel takes ``p`` with ``gpu_grad``; None: not offered) and submitted to the CPU worker,
+        which starts it once ``event`` (its gradient's copy) has completed. The first worker to
+        take the claim makes it."""
         claim = None
         assist = self._assist
         if (
-            assist is not None
+            gpu_grad is not None
+            and assist is not None
             and assist.enabled
             and _assist.supported(p.device)
-            and self._gpu_can_update(p, [grad])
+            and self._gpu_can_update(p, [gpu_grad])
         ):
             claim = _assist.Claim()
-            assist.offer(
-                lambda: event.synchronize() if event is not None else None,
-                [(claim, lambda: self._resident_gpu_job(p, slot, spec, shadow, grad))],
-            )
-        self._jobs.submit(
-            lambda: self._resident_job(p, slot, spec, shadow, grad, event, claim),
-            event.query if event is not None else None,
-        )
+            assist.offer(gpu_wait, [(claim, gpu_job)])
+        self._jobs.submit(lambda: cpu_job(claim), event.query if event is not None else None)
 
     def _overlap_resident(self, p: torch.Tensor, slot: _Slot) -> None:
         """``overlap="backward"`` (and ``pipeline=True``): ``p``'s update is committed now, in
@@ -427,23 +444,13 @@ class ResidentStates(torch.optim.Optimizer):
         event = slot.got_event
         assert grad is not None
         made = self._roverlap[pid] = [False]
-        claim = None
-        assist = self._assist
-        if (
-            assist is not None
-            and assist.enabled
-            and _assist.supported(p.device)
-            and self._in_place(p)
-            and self._gpu_can_update(p, [g])
-        ):
-            claim = _assist.Claim()
-            assist.offer(
-                lambda: None,
-                [(claim, lambda: self._overlap_gpu_job(p, slot, hyper, step, g, used, made, (grad, event)))],
-            )
-        self._jobs.submit(
-            lambda: self._overlap_cpu_job(p, slot, hyper, grad, event, used, claim, made),
-            event.query if event is not None else None,
+        self._queue_update(
+            p,
+            g if self._in_place(p) else None,
+            event,
+            lambda: None,
+            lambda: self._overlap_gpu_job(p, slot, hyper, step, g, used, made, (grad, event)),
+            lambda claim: self._overlap_cpu_job(p, slot, hyper, grad, event, used, claim, made),
         )
 
     def _overlap_cpu_job(
