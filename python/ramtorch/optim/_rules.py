@@ -176,7 +176,9 @@ class AdamW(_Rule):
             worker is free: host parameters' operands cross the link in pieces, and a weight on
             the GPU (``states="host"``) is updated where it is, only its states crossing. States
             and spare buffers are then page-locked, and the GPU keeps up to 470 MB of staging
-            buffers outside ``gpu_budget``. ``False`` (default): the CPU makes every update.
+            buffers outside ``gpu_budget``. Streamed units' updates committed during backward
+            (``overlap="backward"``, ``pipeline``) stay the CPU's. ``False`` (default): the CPU
+            makes every update.
 
     ``torch.optim.AdamW``'s ``amsgrad``, ``fused``, ``foreach``, ``capturable`` and
     ``differentiable`` are accepted at the values that ask for nothing more (``False``, or
