@@ -144,6 +144,10 @@ struct Slot<E> {
     ptr: u64,
     free: E,
     ready: E,
+    /// Events recorded after prefixes of the last copy into the slot, with each prefix's end in
+    /// bytes (the first `nparts` are that copy's; the rest are kept for reuse).
+    parts: Vec<(usize, E)>,
+    nparts: usize,
     held: bool,
     owner: Option<u64>,
     used: u64,
@@ -313,6 +317,8 @@ impl<D: Device> Engine<D> {
                 ptr,
                 free: self.dev.new_event()?,
                 ready: self.dev.new_event()?,
+                parts: Vec::new(),
+                nparts: 0,
                 held: false,
                 owner: None,
                 used: 0,
@@ -489,7 +495,7 @@ impl<D: Device> Engine<D> {
     ) -> Result<(usize, u64)> {
         // SAFETY: forwarded from the caller's contract.
         let (index, ptr, _) =
-            unsafe { self.prefetch_inner(None, src, n, max_inflight, &[], 0, None)? };
+            unsafe { self.prefetch_inner(None, src, n, max_inflight, &[], 0, None, &[])? };
         self.claim_or_release(index, ptr, compute)
     }
 
@@ -512,6 +518,7 @@ impl<D: Device> Engine<D> {
                 &[],
                 0,
                 Some(src.lease()),
+                &[],
             )?
         };
         self.claim_or_release(index, ptr, compute)
@@ -589,7 +596,7 @@ impl<D: Device> Engine<D> {
         tag: u64,
     ) -> Result<(usize, u64, bool)> {
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.prefetch_inner(key, src, n, max_inflight, keep, tag, None) }
+        unsafe { self.prefetch_inner(key, src, n, max_inflight, keep, tag, None, &[]) }
     }
 
     /// [`Engine::prefetch`] of the bytes of `src`, which the engine keeps alive (its lease) until
@@ -602,6 +609,22 @@ impl<D: Device> Engine<D> {
         keep: &[u64],
         tag: u64,
     ) -> Result<(usize, u64, bool)> {
+        self.prefetch_parts(key, src, max_inflight, keep, tag, &[])
+    }
+
+    /// [`Engine::prefetch_slice`] whose copy goes in pieces ending at the byte offsets `parts`
+    /// (strictly increasing, each inside the copy), an event after each: [`Engine::claim_part`]
+    /// then waits for a prefix of the copy only, and the compute that reads the first bytes
+    /// starts before the last have landed.
+    pub fn prefetch_parts(
+        &self,
+        key: Option<u64>,
+        src: &HostSlice,
+        max_inflight: usize,
+        keep: &[u64],
+        tag: u64,
+        parts: &[usize],
+    ) -> Result<(usize, u64, bool)> {
         // SAFETY: the slice's lease keeps its bytes readable until the copy retires (it travels
         // with the copy's event in the queue).
         unsafe {
@@ -613,6 +636,7 @@ impl<D: Device> Engine<D> {
                 keep,
                 tag,
                 Some(src.lease()),
+                parts,
             )
         }
     }
@@ -631,8 +655,20 @@ impl<D: Device> Engine<D> {
         keep: &[u64],
         tag: u64,
         hold: Option<Lease>,
+        parts: &[usize],
     ) -> Result<(usize, u64, bool)> {
         let max_inflight = validate_max_inflight(max_inflight)?;
+        if let Some(w) = parts.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(Error::InvalidArgument(format!(
+                "copy parts must end at increasing offsets, got {} then {}",
+                w[0], w[1]
+            )));
+        }
+        if let Some(&end) = parts.iter().find(|&&end| end == 0 || end >= n) {
+            return Err(Error::InvalidArgument(format!(
+                "a copy part ends at byte {end}, outside the copy's 1..{n}"
+            )));
+        }
         let mut guard = self.lock()?;
         let s = &mut *guard;
         if n > s.slot_bytes {
@@ -687,10 +723,41 @@ impl<D: Device> Engine<D> {
         };
         self.dev.wait(Lane::Transfer, &s.slots[index].free)?;
         let t0 = self.span_start(s, Lane::Transfer)?;
-        if n > 0 {
-            // SAFETY: the caller keeps `src` readable; the slot holds `slot_bytes >= n` bytes and is
-            // not rewritten before its free event, which orders this copy after earlier readers.
-            unsafe { self.dev.copy_to_device(Lane::Transfer, slot_ptr, src, n)? };
+        s.slots[index].nparts = 0; // the last copy's parts no longer describe the slot
+        while s.slots[index].parts.len() < parts.len() {
+            let ev = self.dev.new_event()?;
+            s.slots[index].parts.push((0, ev));
+        }
+        let slot = &mut s.slots[index];
+        let issued = (|| {
+            let mut at = 0;
+            for (k, &end) in parts.iter().chain(std::iter::once(&n)).enumerate() {
+                if end > at {
+                    // SAFETY: the caller keeps `src..src+n` readable and `at < end <= n` (checked
+                    // above); the slot holds `slot_bytes >= n` bytes and is not rewritten before
+                    // its free event, which orders this copy after earlier readers.
+                    unsafe {
+                        self.dev.copy_to_device(
+                            Lane::Transfer,
+                            slot_ptr + at as u64,
+                            src.add(at),
+                            end - at,
+                        )?
+                    };
+                }
+                if let Some(part) = slot.parts.get_mut(k).filter(|_| k < parts.len()) {
+                    part.0 = end;
+                    self.dev.record(&part.1, Lane::Transfer)?;
+                }
+                at = end;
+            }
+            slot.nparts = parts.len();
+            Ok(())
+        })();
+        if let Err(e) = issued {
+            // Some pieces may be queued: their memory is kept (as for an untracked copy below).
+            std::mem::forget(hold);
+            return Err(e);
         }
         let recorded = (|| {
             self.span_end(s, t0, Lane::Transfer, Kind::H2d, tag, n as u64)?;
@@ -731,6 +798,40 @@ impl<D: Device> Engine<D> {
         self.dev.wait(lane, &s.slots[index].ready)?;
         self.span_end(s, t0, lane, Kind::Wait, tag, 0)?;
         s.stats.claims += 1;
+        Ok(())
+    }
+
+    /// Makes the compute lane `compute` wait for the first `upto` bytes of the copy into held
+    /// slot `index`: for the first part of that copy that covers them (see
+    /// [`Engine::prefetch_parts`]), else for the whole copy. Call [`Engine::claim`] before the
+    /// slot's other bytes are read.
+    pub fn claim_part(
+        &self,
+        index: usize,
+        compute: ComputeStream,
+        upto: usize,
+        tag: u64,
+    ) -> Result<()> {
+        let mut guard = self.lock()?;
+        let s = &mut *guard;
+        match s.slots.get(index) {
+            Some(x) if x.held => {}
+            Some(_) => {
+                return Err(Error::InvalidArgument(format!(
+                    "device slot {index} is not held"
+                )))
+            }
+            None => return Err(Error::InvalidArgument(format!("no device slot {index}"))),
+        }
+        let lane = Lane::Compute(compute);
+        let t0 = self.span_start(s, lane)?;
+        let slot = &s.slots[index];
+        let event = slot.parts[..slot.nparts]
+            .iter()
+            .find(|(end, _)| *end >= upto)
+            .map_or(&slot.ready, |(_, ev)| ev);
+        self.dev.wait(lane, event)?;
+        self.span_end(s, t0, lane, Kind::Wait, tag, 0)?;
         Ok(())
     }
 

@@ -376,3 +376,191 @@ fn markers_wait_for_the_copies_queued_before_them() {
     e.release(i, S).expect("release");
     e.synchronize().expect("sync");
 }
+
+// ---- a copy in parts: each part's event, and claims that wait for a prefix only ----
+
+/// A device that logs its copies (offset into the slot, length), the events recorded after
+/// them, and the events the compute lane waits for; events are numbered as recorded.
+#[derive(Default)]
+struct Log {
+    ops: Mutex<Vec<String>>,
+    next: AtomicUsize,
+}
+
+struct Logging(Arc<Log>, u64);
+
+impl Device for Logging {
+    type Event = Arc<AtomicUsize>;
+    fn new_event(&self) -> ramtorch_core::Result<Arc<AtomicUsize>> {
+        Ok(Arc::new(AtomicUsize::new(usize::MAX)))
+    }
+    fn record(&self, ev: &Arc<AtomicUsize>, lane: Lane) -> ramtorch_core::Result<()> {
+        if lane == Lane::Transfer {
+            let n = self.0.next.fetch_add(1, Ordering::SeqCst);
+            ev.store(n, Ordering::SeqCst);
+            self.0.ops.lock().expect("lock").push(format!("record {n}"));
+        }
+        Ok(())
+    }
+    fn wait(&self, lane: Lane, ev: &Arc<AtomicUsize>) -> ramtorch_core::Result<()> {
+        if lane != Lane::Transfer {
+            let n = ev.load(Ordering::SeqCst);
+            self.0.ops.lock().expect("lock").push(format!("wait {n}"));
+        }
+        Ok(())
+    }
+    fn synchronize(&self, _: &Arc<AtomicUsize>) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    fn is_complete(&self, _: &Arc<AtomicUsize>) -> ramtorch_core::Result<bool> {
+        Ok(true)
+    }
+    fn synchronize_lane(&self, _: Lane) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    unsafe fn copy_to_device(
+        &self,
+        _: Lane,
+        dst: u64,
+        _: *const u8,
+        n: usize,
+    ) -> ramtorch_core::Result<()> {
+        let at = dst - self.1;
+        self.0
+            .ops
+            .lock()
+            .expect("lock")
+            .push(format!("copy {at}+{n}"));
+        Ok(())
+    }
+    unsafe fn copy_to_host(
+        &self,
+        _: Lane,
+        _: *mut u8,
+        _: u64,
+        _: usize,
+    ) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    fn lane_handle(&self, _: Lane) -> u64 {
+        0
+    }
+    fn name(&self) -> String {
+        "logging".into()
+    }
+}
+
+#[test]
+fn a_copy_in_parts_lets_a_claim_wait_for_a_prefix_only() {
+    let log = Arc::new(Log::default());
+    let e = Engine::new(Logging(log.clone(), 0x1000));
+    // SAFETY: the logging device never touches memory.
+    unsafe { e.set_slots(&[0x1000], 100) }.expect("slots");
+    let arena = Arena::new(None);
+    let r = arena.alloc(100, false).expect("alloc");
+    let src = r.slice(0, 100).expect("slice");
+    let (slot, _, copied) = e
+        .prefetch_parts(Some(7), &src, 2, &[], 0, &[30, 60])
+        .expect("prefetch");
+    assert!(copied);
+    for upto in [1, 30, 31, 60, 61, 100, 1000] {
+        e.claim_part(slot, S, upto, 0).expect("claim part");
+    }
+    e.claim(slot, S, 0).expect("claim");
+    let ops = std::mem::take(&mut *log.ops.lock().expect("lock"));
+    // Three pieces, an event after each of the first two; a prefix waits for the first part
+    // that covers it, and a prefix past the last part for the whole copy (the event recorded
+    // last), as a claim does.
+    let copies: Vec<&str> = ops
+        .iter()
+        .filter(|o| o.starts_with("copy"))
+        .map(|o| o.as_str())
+        .collect();
+    assert_eq!(copies, ["copy 0+30", "copy 30+30", "copy 60+40"]);
+    let after = |c: &str| {
+        let i = ops.iter().position(|o| o == c).expect("copied");
+        ops[i + 1].replace("record", "wait")
+    };
+    let (p0, p1) = (after("copy 0+30"), after("copy 30+30"));
+    let whole = ops
+        .iter()
+        .rfind(|o| o.starts_with("record"))
+        .expect("recorded")
+        .replace("record", "wait");
+    let waits: Vec<String> = ops
+        .iter()
+        .filter(|o| o.starts_with("wait"))
+        .cloned()
+        .collect();
+    assert_eq!(
+        waits,
+        [p0.as_str(), &p0, &p1, &p1, &whole, &whole, &whole, &whole]
+    );
+    // Reused without a copy: the parts still describe the slot's bytes.
+    e.release(slot, S).expect("release");
+    let (again, _, copied) = e
+        .prefetch_parts(Some(7), &src, 2, &[], 0, &[])
+        .expect("reuse");
+    assert!(!copied);
+    e.claim_part(again, S, 10, 0).expect("claim part");
+    assert_eq!(log.ops.lock().expect("lock").as_slice(), [p0]);
+    // A new copy without parts: a claim of a prefix waits for the whole copy.
+    e.release(again, S).expect("release");
+    e.invalidate().expect("invalidate");
+    log.ops.lock().expect("lock").clear();
+    let (slot, _, _) = e
+        .prefetch_parts(Some(7), &src, 2, &[], 0, &[])
+        .expect("copy");
+    e.claim_part(slot, S, 10, 0).expect("claim part");
+    let ops = std::mem::take(&mut *log.ops.lock().expect("lock"));
+    let whole = ops
+        .iter()
+        .rfind(|o| o.starts_with("record"))
+        .expect("recorded")
+        .replace("record", "wait");
+    assert_eq!(ops.iter().filter(|o| o.starts_with("copy")).count(), 1);
+    assert_eq!(ops.last(), Some(&whole));
+    e.release(slot, S).expect("release");
+}
+
+#[test]
+fn copy_parts_out_of_order_or_outside_the_copy_are_errors() {
+    let (e, _mem) = host_engine(2, 64);
+    let arena = Arena::new(None);
+    let r = arena.alloc(64, false).expect("alloc");
+    let src = r.slice(0, 64).expect("slice");
+    for parts in [&[20usize, 20][..], &[30, 10], &[0], &[64], &[10, 100]] {
+        let err = e
+            .prefetch_parts(None, &src, 2, &[], 0, parts)
+            .expect_err("bad parts");
+        assert!(matches!(err, Error::InvalidArgument(_)), "{parts:?}: {err}");
+    }
+    // Nothing was taken: both slots are free.
+    for _ in 0..2 {
+        e.prefetch_parts(None, &src, 2, &[], 0, &[])
+            .expect("prefetch");
+    }
+    let held = e.claim_part(5, S, 1, 0).expect_err("no such slot");
+    assert!(held.to_string().contains("no device slot 5"), "{held}");
+    e.synchronize().expect("sync");
+}
+
+#[test]
+fn a_copy_in_parts_on_the_host_device_puts_every_byte_in_place() {
+    let (e, mem) = host_engine(1, 256);
+    let arena = Arena::new(None);
+    let r = arena.alloc(200, false).expect("alloc");
+    // SAFETY: the region is writable and owned here.
+    unsafe {
+        std::ptr::copy_nonoverlapping((0..200u8).collect::<Vec<_>>().as_ptr(), r.as_ptr(), 200)
+    };
+    let src = r.slice(0, 200).expect("slice");
+    let (slot, _, _) = e
+        .prefetch_parts(None, &src, 2, &[], 0, &[1, 77, 199])
+        .expect("prefetch");
+    e.claim_part(slot, S, 77, 0).expect("claim part");
+    e.claim(slot, S, 0).expect("claim");
+    assert_eq!(&mem[slot][..200], (0..200u8).collect::<Vec<_>>().as_slice());
+    e.release(slot, S).expect("release");
+    e.synchronize().expect("sync");
+}

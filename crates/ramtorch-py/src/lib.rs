@@ -468,8 +468,9 @@ impl Engine {
     /// Issues the copy of a unit into a free slot (held until `release`) without making any
     /// stream wait for it; returns `(slot, device address, copied)`. With a `key`, a slot still
     /// holding that key is reused without a copy; eviction spares the keys in `keep`.
-    /// `src` is as for `acquire`.
-    #[pyo3(signature = (key, src, nbytes, max_inflight, keep, tag = 0))]
+    /// `src` is as for `acquire`. With `parts` (increasing byte offsets inside the copy) the copy
+    /// goes in pieces ending there, each with an event that `claim_part` waits for.
+    #[pyo3(signature = (key, src, nbytes, max_inflight, keep, tag = 0, parts = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn prefetch(
         &self,
@@ -480,6 +481,7 @@ impl Engine {
         max_inflight: usize,
         keep: Vec<u64>,
         tag: u64,
+        parts: Vec<usize>,
     ) -> PyResult<(usize, u64, bool)> {
         let op = "prefetch";
         let src = guard(op, || {
@@ -489,7 +491,7 @@ impl Engine {
         py.detach(|| {
             guard(
                 op,
-                || with_engine!(self, e => e.prefetch_slice(key, &src, max_inflight, &keep, tag)),
+                || with_engine!(self, e => e.prefetch_parts(key, &src, max_inflight, &keep, tag, &parts)),
             )
         })
     }
@@ -531,6 +533,25 @@ impl Engine {
             guard(
                 "claim",
                 || with_engine!(self, e => e.claim(slot, ComputeStream::from_raw(stream), tag)),
+            )
+        })
+    }
+
+    /// Makes `stream` wait for the first `upto` bytes of the copy into held slot `slot` (the
+    /// part of a `prefetch` with `parts` that covers them, else the whole copy).
+    #[pyo3(signature = (slot, stream, upto, tag = 0))]
+    fn claim_part(
+        &self,
+        py: Python<'_>,
+        slot: usize,
+        stream: u64,
+        upto: usize,
+        tag: u64,
+    ) -> PyResult<()> {
+        py.detach(|| {
+            guard(
+                "claim_part",
+                || with_engine!(self, e => e.claim_part(slot, ComputeStream::from_raw(stream), upto, tag)),
             )
         })
     }
