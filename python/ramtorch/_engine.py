@@ -533,10 +533,12 @@ class DeviceEngine:
         keep: list[int],
         tag: int,
         owner: int = 0,
+        parts: Sequence[int] = (),
     ) -> tuple[int, bool]:
         """Issues the copy of ``flat`` into a slot held from now on, for ``owner`` (the id of its
         holder, see :meth:`reconcile`); returns ``(slot, copied)``. A slot still holding ``key``
-        is reused without a copy."""
+        is reused without a copy. ``parts``: byte offsets where the copy is cut, an event after
+        each part (see :meth:`claim_part`)."""
         with self._lock:
             self._ensure_slots()
             settled = not self._unsettled
@@ -545,7 +547,9 @@ class DeviceEngine:
             # copies are in flight.
             rng = _profile.begin("ramtorch.copy_to_device") if _profile.active() else None
             try:
-                index, _, copied = self._core.prefetch(key, flat.data_ptr(), nbytes, max_inflight, keep, tag)
+                index, _, copied = self._core.prefetch(
+                    key, flat.data_ptr(), nbytes, max_inflight, keep, tag, list(parts)
+                )
             except (_core.SlotsExhausted, ValueError):
                 self._unsettled = not settled  # refused: nothing was taken
                 raise
@@ -564,6 +568,11 @@ class DeviceEngine:
         else:
             self._core.claim(index, self._stream(), tag)
         return self._slots[index]
+
+    def claim_part(self, index: int, upto: int, tag: int = 0) -> None:
+        """Makes the current stream wait for the first ``upto`` bytes of the copy into slot
+        ``index`` only (the part that covers them, when the copy was cut; else all of it)."""
+        self._core.claim_part(index, self._stream(), upto, tag)
 
     def slot(self, index: int) -> torch.Tensor:
         return self._slots[index]

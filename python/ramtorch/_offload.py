@@ -29,6 +29,7 @@ from ._stream import added as _added
 from ._stream import decoding as _decoding
 from ._stream import gather as _gather
 from ._stream import pipeline as _pipeline
+from ._stream import rows as _rows
 from ._stream.functions import _READY_BATCH as _READY_BATCH
 from ._stream.functions import _WALK_LIMIT as _WALK_LIMIT
 from ._stream.functions import _Fetch as _Fetch
@@ -521,6 +522,8 @@ def offload(
         if u.resident:
             continue
         u.module._ramtorch_unit = u  # type: ignore[assignment]
+        if u.nbytes >= _rows.MIN_BYTES:
+            _rows.adopt(u.module)  # a large Linear: computed by blocks of rows as they land
         # Partials, not lambdas: the hooks' frames are the streamer's methods, which
         # torch.compile runs as they are (ramtorch._stream.compiling).
         handles.append(
@@ -1481,6 +1484,7 @@ def detach_streamer(model: nn.Module) -> None:
         for u in streamer.units:
             if getattr(u.module, "_ramtorch_unit", None) is u:
                 del u.module._ramtorch_unit
+            _rows.release(u.module)
         _STREAMERS.discard(streamer)
         _added.unwatch(streamer)
         streamer.eng.remove_holder(streamer)

@@ -21,6 +21,7 @@ import torch
 
 from .. import _codec, _core, _disk, _engine
 from .._units import format_bytes
+from . import rows
 from .units import _packed_bytes, _Unit
 
 
@@ -117,16 +118,21 @@ class Prefetcher:
             )
         src, nbytes = self._source(u, True)  # type: ignore[misc]
         try:
-            slot, _ = self.eng.prefetch(key, src, nbytes, self.max_inflight, keep, u.tag, id(self))
+            slot, _ = self.eng.prefetch(
+                key, src, nbytes, self.max_inflight, keep, u.tag, id(self), rows.copy_parts(u)
+            )
         except _core.SlotsExhausted:
             # The device's slots are shared with other models and layers: ask every holder of a
             # speculative prefetch to give it back, then try once more.
             self.eng.reclaim()
-            slot, _ = self.eng.prefetch(key, src, nbytes, self.max_inflight, keep, u.tag, id(self))
+            slot, _ = self.eng.prefetch(
+                key, src, nbytes, self.max_inflight, keep, u.tag, id(self), rows.copy_parts(u)
+            )
         return slot
 
-    def _take(self, u: _Unit, keep: list[int]) -> int:
-        """A claimed slot holding ``u``'s current weights."""
+    def _take(self, u: _Unit, keep: list[int], claim: bool = True) -> int:
+        """A claimed slot holding ``u``'s current weights (``claim=False``: not claimed, where the
+        unit streams raw; the caller waits for its copy, :mod:`.rows`)."""
         # A pipelined optimizer step may still be writing these weights.
         _engine.wait_updates(u.params)
         if not u.is_home():
@@ -150,7 +156,8 @@ class Prefetcher:
         self.held += 1
         self.decoded.pop(slot, None)
         if enc is None:
-            self.eng.claim(slot, u.tag)
+            if claim:
+                self.eng.claim(slot, u.tag)
             return slot
         buf = self.eng.slot(slot)
         if buf.is_cuda:
@@ -310,7 +317,9 @@ class Prefetcher:
                     break  # its extent is still being read: copied when it is there
                 src, nbytes = got
                 key = u.key()
-                slot, _ = self.eng.prefetch(key, src, nbytes, self.max_inflight, keep, u.tag, id(self))
+                slot, _ = self.eng.prefetch(
+                    key, src, nbytes, self.max_inflight, keep, u.tag, id(self), rows.copy_parts(u)
+                )
             except (_core.SlotsExhausted, ValueError):
                 break  # speculative: never worth an error (nor a key an interrupt left held)
             self.ahead[u.uid] = (slot, key)

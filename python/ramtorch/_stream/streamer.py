@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _disk, _engine, _profile
 from .._units import format_bytes
-from . import added, decoding, gather
+from . import added, decoding, gather, rows
 from .compiling import is_compiling, opaque, run_eagerly
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
@@ -153,6 +153,8 @@ class Streamer(Prefetcher, GradientHooks):
             "gathered_bytes": 0,
             # Bytes decoded on the device from units streamed encoded (offload(compress=...)).
             "decoded_bytes": 0,
+            # Forwards of a large Linear computed by blocks of rows as its copy landed (.rows).
+            "forwards_by_rows": 0,
             # Disk units' extents read ahead along the itinerary, and read when needed (not read
             # ahead: the first pass, a pass off the itinerary, weights changed since the read).
             "disk_reads_ahead": 0,
@@ -369,11 +371,13 @@ class Streamer(Prefetcher, GradientHooks):
 
     # -- forward --------------------------------------------------------------------------------
 
-    def pre_forward(self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward(
+        self, u: _Unit, module: nn.Module, args: tuple, kwargs: dict, traced: bool = False
+    ) -> tuple[tuple, dict]:
         if is_compiling():
             # Under torch.compile the hooks run as in eager mode (see .compiling); so do the
-            # other entry points of this layer.
-            return opaque(Streamer.pre_forward, self, u, module, args, kwargs)
+            # other entry points of this layer. (``traced``: the forward may be a graph.)
+            return opaque(Streamer.pre_forward, self, u, module, args, kwargs, True)
         _engine.check_fork()
         # Inside backward this is a recomputation (activation checkpointing): the unit's backward
         # slot serves it, and stays held until the unit's backward is done.
@@ -392,6 +396,9 @@ class Streamer(Prefetcher, GradientHooks):
             if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
                 args = (args[0].to(self.device), *args[1:])  # indices on the CPU, whole table
         rng = _profile.begin(f"ramtorch.forward {u.name}") if _profile.active() else None
+        # A large Linear computed by blocks of rows as they land (.rows): its copy is waited for
+        # part by part in its forward, not here.
+        blocks = None if recompute or traced else rows.by_rows(u, module, args, kwargs, self.device)
         with self.lock:
             if recompute:
                 if u.bwd is None:
@@ -410,7 +417,7 @@ class Streamer(Prefetcher, GradientHooks):
                         u.pack()
                     u.forget_copies()
                     itin, pos = [], 0
-                slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)])
+                slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)], claim=blocks is None)
                 own = True
                 if itin:
                     self._prefetch_along(itin, pos, u)
@@ -421,6 +428,20 @@ class Streamer(Prefetcher, GradientHooks):
             assert u.layout is not None
             buf = self.weights_buffer(slot)
             views = _device_views(u, buf)
+            if blocks is not None and rows.blocks_of(u) is not blocks:
+                self.eng.claim(slot, u.tag)  # packed anew by _take: cut anew at its next copy
+                blocks = None
+            if blocks is not None and own:
+                eng = self.eng
+                rows.arm(
+                    module,
+                    (
+                        lambda upto: eng.claim_part(slot, upto, u.tag),
+                        lambda: eng.claim(slot, u.tag),
+                        blocks,
+                    ),
+                )
+                self.counters["forwards_by_rows"] += 1
         self.eng.mark(u.tag, MARK_FWD_BEGIN)
         grad = torch.is_grad_enabled()
         # Reentrant activation checkpointing (``use_reentrant=True``) runs the unit's forward
@@ -655,6 +676,8 @@ class Streamer(Prefetcher, GradientHooks):
             self.eng.forwards.release((self._pass_token, u.uid))  # (a unit run on its own)
 
     def _post_forward(self, u: _Unit, output: Any) -> Any:
+        if type(u.module) is rows.RowsLinear:
+            rows.settle(u.module)  # a forward that did not take the copy by parts: all of it now
         if u.gathers:
             entry = u.gathers.pop()
             if entry is not None:

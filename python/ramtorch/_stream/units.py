@@ -473,6 +473,9 @@ class _Unit:
         # forward that took the whole table through a slot).
         self.gather = False
         self.gathers: list[Any] = []
+        # A large nn.Linear copied and computed by blocks of rows (.rows): (the layout they were
+        # cut for, the blocks or None), made at its first copy.
+        self.rows: tuple[Any, Any] | None = None
         # A table read in place (.gather.reads_in_place): (its memory's address, numel, dtype)
         # and its device view (None: the memory is not mapped), made at its first such lookup.
         self.mapped: tuple[tuple[int, int, torch.dtype], torch.Tensor | None] | None = None

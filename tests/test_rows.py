@@ -1,0 +1,233 @@
+"""A large ``nn.Linear`` (an LM head) copied in parts and computed by blocks of rows as they land
+(``ramtorch._stream.rows``): against plain torch (outputs, gradients, optimizer steps), on the
+CPU's host device and on a GPU, with the cases that must take the whole copy instead. The
+thresholds are lowered so that small heads qualify."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ramtorch
+import torch
+from ramtorch import _offload
+from ramtorch._stream import rows
+from torch import nn
+
+VOCAB, WIDTH = 200, 32
+
+
+@pytest.fixture(autouse=True)
+def small_heads(monkeypatch):
+    monkeypatch.setattr(rows, "MIN_BYTES", 1 << 12)
+    monkeypatch.setattr(rows, "MIN_PART_BYTES", 1 << 10)
+    monkeypatch.setattr(rows, "ROW_ALIGN", 8)
+
+
+def model(dtype: torch.dtype = torch.float32, bias: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, WIDTH, dtype=dtype), nn.GELU(), nn.Linear(WIDTH, VOCAB, bias=bias, dtype=dtype)
+    )
+
+
+def by_rows(m: nn.Module) -> int:
+    return ramtorch.stats(m)["forwards_by_rows"]
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(6, 16), (3, 5, 16)], ids=["2d", "3d"])
+def test_by_rows_trains_as_torch(device, dtype, bias, shape):
+    ref, ours = model(dtype, bias).to(device), model(dtype, bias)
+    ramtorch.offload(ours, device=device)
+    assert type(ours[2]) is rows.RowsLinear and isinstance(ours[2], nn.Linear)
+    assert repr(ours[2]) == repr(ref[2]) and list(ours.state_dict()) == list(ref.state_dict())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    steps = 3
+    for _ in range(steps):
+        x = torch.randn(*shape, generator=gen).to(device, dtype)
+        y_ref, y = ref(x), ours(x)
+        assert y.shape == y_ref.shape and y.is_contiguous()
+        torch.testing.assert_close(y, y_ref, **tol(dtype))
+        w = torch.randn(y.shape, generator=gen).to(device, dtype)
+        (y_ref * w).sum().backward()
+        (y * w).sum().backward()
+        for a, b in zip(ref.parameters(), ours.parameters()):
+            torch.testing.assert_close(b.grad.to(a.device), a.grad, **tol(dtype))
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.detach().to(a.device), a.detach(), **tol(dtype))
+    # A bias packed after the weight would hold every block back: such a head goes whole.
+    cut = rows.blocks_of(ours[2]._ramtorch_unit) is not None
+    assert cut == (not bias or _bias_first(ours[2]._ramtorch_unit))
+    assert by_rows(ours) == (steps if cut else 0)
+
+
+def _bias_first(u) -> bool:
+    off = {e.name: u.layout.entries[e.index][0] for e in u.entries}
+    return off["bias"] < off["weight"]
+
+
+def test_blocks_cover_the_rows_and_parts_end_inside_the_copy():
+    ours = model()
+    ramtorch.offload(ours, device="cpu")
+    ours(torch.randn(2, 16))
+    u = ours[2]._ramtorch_unit
+    b = rows.blocks_of(u)
+    assert b is not None and len(b.blocks) > 1
+    assert b.blocks[0][0] == 0 and b.blocks[-1][1] == VOCAB
+    assert all(p[1] == q[0] for p, q in zip(b.blocks, b.blocks[1:]))
+    assert all(r0 % rows.ROW_ALIGN == 0 for r0, _, _ in b.blocks)
+    assert b.parts == sorted(set(b.parts)) and 0 < b.parts[0] and b.parts[-1] < u.layout.nbytes
+    row_bytes = WIDTH * 4
+    w0 = u.layout.entries[0][0]
+    assert [upto for _, _, upto in b.blocks] == [w0 + r1 * row_bytes for _, r1, _ in b.blocks]
+
+
+def test_a_bias_after_the_weight_is_waited_for_by_every_block():
+    ours = model(bias=True)
+    ramtorch.offload(ours, device="cpu")
+    ours(torch.randn(2, 16))
+    u = ours[2]._ramtorch_unit
+    b = rows.blocks_of(u)
+    if _bias_first(u):
+        assert b is not None and b.blocks[0][2] < u.layout.nbytes  # the first block waits less
+    else:
+        assert b is None or all(upto == u.layout.nbytes for _, _, upto in b.blocks)
+
+
+def test_small_linears_and_other_modules_go_whole(monkeypatch):
+    ours = model()
+    ramtorch.offload(ours, device="cpu")
+    assert type(ours[0]) is nn.Linear  # under the threshold: left as it is
+    ours(torch.randn(2, 16))
+    assert by_rows(ours) == 1
+    rows.release(ours[2])  # a Linear of one block goes whole
+    ours[2].__class__ = rows.RowsLinear
+    monkeypatch.setattr(rows, "MIN_PART_BYTES", 1 << 20)
+    ours[2]._ramtorch_unit.rows = None
+    ours(torch.randn(2, 16))
+    assert rows.blocks_of(ours[2]._ramtorch_unit) is None
+    assert by_rows(ours) == 1
+
+
+@pytest.mark.parametrize(
+    "case", ["deterministic", "autocast", "hook", "kwargs", "other-dtype", "compile", "no-grad"]
+)
+def test_what_is_not_cut_waits_for_the_whole_copy_and_matches(case, monkeypatch):
+    ref, ours = model(), model()
+    ramtorch.offload(ours, device="cpu")
+    x = torch.randn(4, 16)
+    call = ours
+    expect = 0
+    if case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    elif case == "hook":
+        ours[2].register_forward_pre_hook(lambda m, a: None)
+    elif case == "kwargs":
+        ours[2].forward  # noqa: B018 - the class's forward
+        call = lambda x: ours[2](input=ours[1](ours[0](x)))  # noqa: E731
+        ref_call = lambda x: ref[2](input=ref[1](ref[0](x)))  # noqa: E731
+    elif case == "other-dtype":
+        ours[2].register_forward_pre_hook(lambda m, a: None)  # (so the cast input is accepted)
+    elif case == "compile":
+        call = torch.compile(ours, backend="eager")
+    elif case == "no-grad":
+        expect = 1  # no grad is no reason to go whole
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
+        with torch.no_grad() if case == "no-grad" else torch.enable_grad():
+            y_ref = (ref_call if case == "kwargs" else ref)(x)
+            y = call(x)
+    if case == "deterministic":
+        assert torch.equal(y, y_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    if case == "compile":
+        # The hooks may run eagerly and cut the copy, but the traced forward waits for all of it
+        # before its product (settle): the cut is never taken.
+        assert ours[2].__dict__.get("_ramtorch_armed") is None
+    else:
+        assert by_rows(ours) == expect
+
+
+def test_the_class_is_restored_when_streaming_ends():
+    ours = model()
+    ramtorch.offload(ours, device="cpu")
+    assert type(ours[2]) is rows.RowsLinear
+    ours(torch.randn(2, 16))
+    _offload.detach_streamer(ours)
+    assert type(ours[2]) is nn.Linear and "_ramtorch_armed" not in ours[2].__dict__
+
+
+def test_a_forward_that_fails_leaves_the_slot_waited_for_and_the_model_usable():
+    ref, ours = model(), model()
+    ramtorch.offload(ours, device="cpu")
+    with pytest.raises(RuntimeError):
+        ours(torch.randn(2, 17))  # the first layer refuses the width
+    with pytest.raises(RuntimeError):
+        ours[2](torch.randn(2, WIDTH + 1))  # the head refuses it (not cut: wrong width)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
+    assert "_ramtorch_armed" not in ours[2].__dict__ or ours[2].__dict__["_ramtorch_armed"] is None
+
+
+def test_a_head_run_twice_in_a_pass_and_accumulating_gradients():
+    """A Linear called twice in one forward (a tied or shared head), its gradients accumulating
+    over two backwards."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(16, WIDTH)
+            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+            self.back = nn.Linear(VOCAB, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.back(self.head(self.inp(x))))
+
+    ref, ours = Twice(), copy.deepcopy(Twice())
+    ramtorch.offload(ours, device="cpu")
+    for _ in range(2):
+        x = torch.randn(5, 16)
+        ref(x).square().mean().backward()
+        ours(x).square().mean().backward()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+    assert by_rows(ours) >= 4
+
+
+@pytest.mark.gpu
+def test_a_large_head_by_rows_on_cuda(monkeypatch):
+    """At the real thresholds: a 128 MiB bf16 head is cut, its logits and gradients are torch's
+    (to bf16's rounding), and the forward took it by parts."""
+    monkeypatch.setattr(rows, "MIN_BYTES", 64 << 20)
+    monkeypatch.setattr(rows, "MIN_PART_BYTES", 16 << 20)
+    monkeypatch.setattr(rows, "ROW_ALIGN", 64)
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 65536, bias=False)).to(torch.bfloat16)  # noqa: E731
+    ref = make().cuda()
+    torch.manual_seed(0)
+    ours = make()
+    ramtorch.offload(ours, device="cuda")
+    u = ours[1]._ramtorch_unit
+    for _ in range(2):
+        x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
+        y_ref, y = ref(x), ours(x)
+        torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+        y_ref.float().square().mean().backward()
+        y.float().square().mean().backward()
+    torch.cuda.synchronize()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad.cuda().float(), a.grad.float(), rtol=5e-2, atol=1e-3)
+    assert len(rows.blocks_of(u).blocks) == 8
+    assert by_rows(ours) == 2
