@@ -538,11 +538,24 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             continue
         model.train(phase != "forward")
         before, fn = phase_fns(model, x, offloaded=True)[phase]
+        cut = ramtorch.stats(model).get("forwards_by_rows", 0)
         r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
+        r["forwards_by_rows"] = ramtorch.stats(model).get("forwards_by_rows", 0) - cut
         for p in model.parameters():
             p.grad = None
         records.append({**common, **extra, "phase": phase, "system": "ramtorch", **r})
         log(name, phase, "ramtorch", r["seconds"])
+    if a.whole_head and "forward" in a.phases:
+        # The A/B of the default: the same forward with no Linear computed by blocks of rows.
+        import ramtorch._stream.rows as stream_rows
+
+        stream_rows.by_rows = lambda *args, **kw: None
+        model.train(False)
+        before, fn = phase_fns(model, x, offloaded=True)["forward"]
+        r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
+        opts = {**common.get("options", {}), "head": "whole"}
+        records.append({**common, **extra, "phase": "forward", "system": "ramtorch", "options": opts, **r})
+        log(name, "forward (head whole)", "ramtorch", r["seconds"])
     return records
 
 
@@ -696,6 +709,8 @@ def child_args(a: argparse.Namespace, name: str) -> list[str]:
         out.append("--smoke")
     if a.host_gather:
         out.append("--host-gather")
+    if a.whole_head:
+        out.append("--whole-head")
     return out
 
 
@@ -774,6 +789,12 @@ def main() -> None:
         action="store_true",
         help="an A/B: embedding lookups without gradient gather rows on the host (the default reads "
         "the table in place on the GPU); records carry options",
+    )
+    ap.add_argument(
+        "--whole-head",
+        action="store_true",
+        help="an A/B: the forward again with no Linear computed by blocks of rows as its copy "
+        "lands (the default cuts the LM head); records carry options",
     )
     ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD, else unknown")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, 1 rep: checks the script")
