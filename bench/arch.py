@@ -538,24 +538,32 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             continue
         model.train(phase != "forward")
         before, fn = phase_fns(model, x, offloaded=True)[phase]
-        cut = ramtorch.stats(model).get("forwards_by_rows", 0)
+        counted = ("forwards_by_rows", "forwards_by_parts")
+        cut = {k: ramtorch.stats(model).get(k, 0) for k in counted}
         r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
-        r["forwards_by_rows"] = ramtorch.stats(model).get("forwards_by_rows", 0) - cut
+        r.update({k: ramtorch.stats(model).get(k, 0) - cut[k] for k in counted})
         for p in model.parameters():
             p.grad = None
         records.append({**common, **extra, "phase": phase, "system": "ramtorch", **r})
         log(name, phase, "ramtorch", r["seconds"])
-    if a.whole_head and "forward" in a.phases:
-        # The A/B of the default: the same forward with no Linear computed by blocks of rows.
+    if (a.whole_head or a.whole_units) and "forward" in a.phases:
+        # The A/B of the default: the same forward with no Linear computed by blocks of rows
+        # (--whole-head) and no unit computed by parts (--whole-units) as its copy lands.
+        import ramtorch._stream.parts as stream_parts
         import ramtorch._stream.rows as stream_rows
 
-        stream_rows.by_rows = lambda *args, **kw: None
+        opts = dict(common.get("options", {}))
+        if a.whole_head:
+            stream_rows.by_rows = lambda *args, **kw: None
+            opts["head"] = "whole"
+        if a.whole_units:
+            stream_parts.by_parts = lambda *args, **kw: None
+            opts["units"] = "whole"
         model.train(False)
         before, fn = phase_fns(model, x, offloaded=True)["forward"]
         r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
-        opts = {**common.get("options", {}), "head": "whole"}
         records.append({**common, **extra, "phase": "forward", "system": "ramtorch", "options": opts, **r})
-        log(name, "forward (head whole)", "ramtorch", r["seconds"])
+        log(name, f"forward ({', '.join(f'{k} {v}' for k, v in opts.items())})", "ramtorch", r["seconds"])
     return records
 
 
@@ -711,6 +719,8 @@ def child_args(a: argparse.Namespace, name: str) -> list[str]:
         out.append("--host-gather")
     if a.whole_head:
         out.append("--whole-head")
+    if a.whole_units:
+        out.append("--whole-units")
     return out
 
 
@@ -795,6 +805,12 @@ def main() -> None:
         action="store_true",
         help="an A/B: the forward again with no Linear computed by blocks of rows as its copy "
         "lands (the default cuts the LM head); records carry options",
+    )
+    ap.add_argument(
+        "--whole-units",
+        action="store_true",
+        help="an A/B: the forward again with no large unit of torch's layers computed by parts "
+        "as its copy lands (the default cuts them: a ResNet's stages); records carry options",
     )
     ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD, else unknown")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, 1 rep: checks the script")

@@ -28,6 +28,7 @@ from ._log import logger
 from ._stream import added as _added
 from ._stream import decoding as _decoding
 from ._stream import gather as _gather
+from ._stream import parts as _parts
 from ._stream import pipeline as _pipeline
 from ._stream import rows as _rows
 from ._stream.functions import _READY_BATCH as _READY_BATCH
@@ -524,6 +525,12 @@ def offload(
         u.module._ramtorch_unit = u  # type: ignore[assignment]
         if u.nbytes >= _rows.MIN_BYTES:
             _rows.adopt(u.module)  # a large Linear: computed by blocks of rows as they land
+        plan = _parts.plan_of(u)
+        for owner in [] if plan is None else plan.owners:
+            # A large unit of torch's layers: each layer waits for its own part of the copy.
+            pre, post = streamer.part_pre_forward, streamer.part_post_forward
+            handles.append(owner.register_forward_pre_hook(functools.partial(pre, u)))
+            handles.append(owner.register_forward_hook(functools.partial(post, u), always_call=True))
         # Partials, not lambdas: the hooks' frames are the streamer's methods, which
         # torch.compile runs as they are (ramtorch._stream.compiling).
         handles.append(

@@ -21,8 +21,13 @@ import torch
 
 from .. import _codec, _core, _disk, _engine
 from .._units import format_bytes
-from . import rows
+from . import parts, rows
 from .units import _packed_bytes, _Unit
+
+
+def _copy_parts(u: _Unit) -> list[int]:
+    """Where ``u``'s copy is cut, for a unit computed as its copy lands (.rows, .parts)."""
+    return rows.copy_parts(u) or parts.copy_parts(u)
 
 
 class Prefetcher:
@@ -119,14 +124,14 @@ class Prefetcher:
         src, nbytes = self._source(u, True)  # type: ignore[misc]
         try:
             slot, _ = self.eng.prefetch(
-                key, src, nbytes, self.max_inflight, keep, u.tag, id(self), rows.copy_parts(u)
+                key, src, nbytes, self.max_inflight, keep, u.tag, id(self), _copy_parts(u)
             )
         except _core.SlotsExhausted:
             # The device's slots are shared with other models and layers: ask every holder of a
             # speculative prefetch to give it back, then try once more.
             self.eng.reclaim()
             slot, _ = self.eng.prefetch(
-                key, src, nbytes, self.max_inflight, keep, u.tag, id(self), rows.copy_parts(u)
+                key, src, nbytes, self.max_inflight, keep, u.tag, id(self), _copy_parts(u)
             )
         return slot
 
@@ -318,7 +323,7 @@ class Prefetcher:
                 src, nbytes = got
                 key = u.key()
                 slot, _ = self.eng.prefetch(
-                    key, src, nbytes, self.max_inflight, keep, u.tag, id(self), rows.copy_parts(u)
+                    key, src, nbytes, self.max_inflight, keep, u.tag, id(self), _copy_parts(u)
                 )
             except (_core.SlotsExhausted, ValueError):
                 break  # speculative: never worth an error (nor a key an interrupt left held)

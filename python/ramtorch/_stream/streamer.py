@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _disk, _engine, _profile
 from .._units import format_bytes
-from . import added, decoding, gather, rows
+from . import added, decoding, gather, parts, rows
 from .compiling import is_compiling, opaque, run_eagerly
 from .functions import GradientHooks, _Fetch, _leaves, _PostBackward
 from .itinerary import Prefetcher
@@ -155,6 +155,8 @@ class Streamer(Prefetcher, GradientHooks):
             "decoded_bytes": 0,
             # Forwards of a large Linear computed by blocks of rows as its copy landed (.rows).
             "forwards_by_rows": 0,
+            # Forwards of a large unit of torch's layers computed by parts as they landed.
+            "forwards_by_parts": 0,
             # Disk units' extents read ahead along the itinerary, and read when needed (not read
             # ahead: the first pass, a pass off the itinerary, weights changed since the read).
             "disk_reads_ahead": 0,
@@ -399,6 +401,9 @@ class Streamer(Prefetcher, GradientHooks):
         # A large Linear computed by blocks of rows as they land (.rows): its copy is waited for
         # part by part in its forward, not here.
         blocks = None if recompute or traced else rows.by_rows(u, module, args, kwargs, self.device)
+        # A large unit of torch's layers computed by parts as they land (.parts): each layer's
+        # forward waits for its own part (its first forward in a mode waits for all and watches).
+        cut = None if recompute or traced or blocks is not None else parts.by_parts(u, module)
         with self.lock:
             if recompute:
                 if u.bwd is None:
@@ -417,7 +422,8 @@ class Streamer(Prefetcher, GradientHooks):
                         u.pack()
                     u.forget_copies()
                     itin, pos = [], 0
-                slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)], claim=blocks is None)
+                whole = blocks is None and (cut is None or cut[1])
+                slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)], claim=whole)
                 own = True
                 if itin:
                     self._prefetch_along(itin, pos, u)
@@ -431,6 +437,13 @@ class Streamer(Prefetcher, GradientHooks):
             if blocks is not None and rows.blocks_of(u) is not blocks:
                 self.eng.claim(slot, u.tag)  # packed anew by _take: cut anew at its next copy
                 blocks = None
+            if cut is not None and parts.plan_of(u) is not cut[0]:
+                if not cut[1]:
+                    self.eng.claim(slot, u.tag)  # (as above)
+                cut = None
+            if cut is not None and not cut[1]:
+                u.parts_armed = (slot, cut[0])
+                self.counters["forwards_by_parts"] += 1
             if blocks is not None and own:
                 eng = self.eng
                 rows.arm(
@@ -472,6 +485,12 @@ class Streamer(Prefetcher, GradientHooks):
         before = [e.owner._parameters[e.name] for e in u.entries]
         for e in u.entries:
             e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
+        if cut is not None and cut[1]:
+            weights: dict[int, set[int]] = {}
+            for e in u.entries:
+                weights.setdefault(id(dev[e.index]), set()).add(id(e.owner))
+            u.parts_probe = parts.Probe(weights)
+            u.parts_probe.__enter__()
         addr = buf.untyped_storage().data_ptr()
         ctx = None
         if grad and not recompute:
@@ -675,9 +694,39 @@ class Streamer(Prefetcher, GradientHooks):
         finally:
             self.eng.forwards.release((self._pass_token, u.uid))  # (a unit run on its own)
 
+    def part_pre_forward(self, u: _Unit, module: nn.Module, args: tuple) -> None:
+        """A layer of a unit computed by parts (.parts): waits for the part that holds its
+        weights (on a traced forward too, as a graph break), or, in a probe, enters it."""
+        if is_compiling():
+            return opaque(Streamer.part_pre_forward, self, u, module, args)
+        probe = u.parts_probe
+        if probe is not None:
+            probe.stack.append(id(module))
+        armed = u.parts_armed
+        if armed is not None:
+            self.eng.claim_part(armed[0], armed[1].upto[id(module)], u.tag)
+        return None
+
+    def part_post_forward(self, u: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
+        if is_compiling():
+            return opaque(Streamer.part_post_forward, self, u, module, args, output)
+        probe = u.parts_probe
+        if probe is not None and probe.stack:
+            probe.stack.pop()
+        return None
+
     def _post_forward(self, u: _Unit, output: Any) -> Any:
         if type(u.module) is rows.RowsLinear:
             rows.settle(u.module)  # a forward that did not take the copy by parts: all of it now
+        probe, u.parts_probe = u.parts_probe, None
+        if probe is not None:
+            probe.__exit__(None, None, None)
+            plan = parts.plan_of(u)
+            if plan is not None:
+                plan.probed[bool(getattr(u.module, "training", False))] = probe.clean
+        armed, u.parts_armed = u.parts_armed, None
+        if armed is not None:
+            self.eng.claim(armed[0], u.tag)  # what follows may read any of the unit's bytes
         if u.gathers:
             entry = u.gathers.pop()
             if entry is not None:
@@ -1041,7 +1090,14 @@ class Streamer(Prefetcher, GradientHooks):
         }
 
 
-run_eagerly(Streamer.begin_pass, Streamer.end_pass, Streamer.pre_forward, Streamer.post_forward)
+run_eagerly(
+    Streamer.begin_pass,
+    Streamer.end_pass,
+    Streamer.pre_forward,
+    Streamer.post_forward,
+    Streamer.part_pre_forward,
+    Streamer.part_post_forward,
+)
 
 _STREAMERS: weakref.WeakSet[Streamer] = weakref.WeakSet()
 

@@ -1,0 +1,174 @@
+"""A large unit computed by parts as its copy lands.
+
+A unit's compute waits for its whole copy. When one unit holds most of a model's bytes (a ResNet's
+third stage: 78% of them), the compute waits that long with nothing to do, and what follows the
+last byte is that unit's whole compute. So a unit of at least ``MIN_BYTES`` made of torch's own
+layers (:data:`TRUSTED`, with their own forwards) is copied in parts, cut at its layers'
+boundaries in the order its bytes lie (the engine's ``prefetch(parts=...)``, an event after each
+part), and each layer's forward waits only for the part that holds its weights (``claim_part``,
+from a pre-hook on the layer). The first layers compute while the last ones cross. What each layer
+computes is unchanged: the same op on the same bytes.
+
+This holds only if nothing reads a layer's weights outside that layer's forward: a module around
+the layers that calls ``F.conv2d(x, self.conv.weight)`` would read bytes that have not landed. So
+the first forward of the unit in each mode (training, evaluation) waits for the whole copy and
+watches, through a ``TorchFunctionMode``, which module each op that takes one of the unit's
+weights runs in; only a unit whose weights were each read inside their own layer is cut, from its
+next forward on. Not cut either: a forward inside another torch function mode, a recomputation, a
+unit whose layers carry other forward pre-hooks (they may read the weights before ours waits),
+and a process that has compiled anything with ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+if TYPE_CHECKING:
+    from .units import _Unit
+
+#: A unit of at least this many bytes is copied and computed by parts.
+MIN_BYTES = 64 << 20
+#: Each part holds at least this many bytes (several layers where they are small).
+MIN_PART_BYTES = 16 << 20
+#: Layers whose forward reads their own parameters and nothing else's (exactly these classes, or
+#: subclasses that keep their forward).
+TRUSTED: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LayerNorm,
+    nn.GroupNorm,
+)
+
+
+class Plan:
+    """How a unit is cut: the byte offsets where its copy's parts end (all but the last), what
+    each layer's forward waits for (by ``id`` of the layer), and per mode whether its first
+    forward found every weight read inside its own layer."""
+
+    __slots__ = ("parts", "upto", "owners", "probed")
+
+    def __init__(self, parts: list[int], upto: dict[int, int], owners: list[nn.Module]) -> None:
+        self.parts = parts
+        self.upto = upto
+        self.owners = owners
+        self.probed: dict[bool, bool] = {}
+
+
+def _trusted(m: nn.Module) -> bool:
+    return any(isinstance(m, base) and type(m).forward is base.forward for base in TRUSTED)
+
+
+def plan_of(u: _Unit) -> Plan | None:
+    """``u``'s cut (kept while its layout is), or ``None`` where it goes whole."""
+    layout = u.layout
+    if layout is None:
+        return None
+    cached = u.parts
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    found = _cut(u)
+    u.parts = (layout, found)
+    return found
+
+
+def _cut(u: _Unit) -> Plan | None:
+    layout = u.layout
+    assert layout is not None
+    nbytes = layout.nbytes
+    if u.tree is not None or u.codec is not None or u.gather or nbytes < MIN_BYTES:
+        return None
+    ends: dict[int, int] = {}
+    owners: dict[int, nn.Module] = {}
+    for e in u.entries:
+        entry = layout.entries[e.index]
+        if entry is None or not _trusted(e.owner):
+            return None
+        off, shape, dtype = entry
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        key = id(e.owner)
+        owners[key] = e.owner
+        ends[key] = max(ends.get(key, 0), off + n)
+    if len(owners) < 2:
+        return None
+    parts: list[int] = []
+    start = 0
+    for end in sorted(set(ends.values())):
+        if end - start >= MIN_PART_BYTES and end < nbytes:
+            parts.append(end)
+            start = end
+    if not parts:
+        return None
+    upto = {k: next((p for p in parts if p >= end), nbytes) for k, end in ends.items()}
+    return Plan(parts, upto, list(owners.values()))
+
+
+def copy_parts(u: _Unit) -> list[int]:
+    """Byte offsets where ``u``'s copy is cut into parts (none for a unit that goes whole)."""
+    p = plan_of(u)
+    return [] if p is None else p.parts
+
+
+def _compiled_anything() -> bool:
+    """Whether this process has compiled a frame with ``torch.compile`` (whose graphs may read a
+    unit's weights without running the layers' hooks in between)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and utils.counters["frames"].get("total", 0) > 0
+
+
+def _hooks_are_ours(m: nn.Module, pre: int, post: int) -> bool:
+    return len(m._forward_pre_hooks) == pre and len(m._forward_hooks) == post
+
+
+def by_parts(u: _Unit, module: nn.Module) -> tuple[Plan, bool] | None:
+    """``(plan, probe)`` when ``u``'s forward now runs by parts (``probe``: this forward waits
+    for the whole copy and watches which module reads each weight), else ``None``."""
+    p = plan_of(u)
+    if p is None or u.fwd or _compiled_anything() or torch._C._is_torch_function_mode_enabled():
+        return None
+    hooks = nn.modules.module
+    if hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
+        return None
+    if not _hooks_are_ours(module, 1, 1) or not all(_hooks_are_ours(m, 1, 1) for m in p.owners):
+        return None
+    mode = bool(getattr(module, "training", False))
+    seen = p.probed.get(mode)
+    if seen is False:
+        return None
+    return p, seen is None
+
+
+class Probe(TorchFunctionMode):
+    """Watches a unit's first forward in a mode: each op given one of the unit's weights must run
+    inside that weight's layer (the innermost layer of the unit whose forward is running)."""
+
+    def __init__(self, weights: dict[int, set[int]]) -> None:
+        super().__init__()
+        self.weights = weights  # id of a weight tensor -> ids of the layers that own it
+        self.stack: list[int] = []  # ids of the unit's layers whose forward is running
+        self.clean = True
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.clean:
+            for t in tree_flatten((args, kwargs))[0]:
+                owners = self.weights.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if owners is not None and (not self.stack or self.stack[-1] not in owners):
+                    self.clean = False
+                    break
+        return func(*args, **kwargs)

@@ -1,0 +1,235 @@
+"""A large unit of torch's layers copied in parts and computed layer by layer as they land
+(``ramtorch._stream.parts``): bitwise plain torch (each layer computes the same op on the same
+bytes), on the CPU's host device and on a GPU; the probe that keeps a unit whole when a module
+reads another's weights; the cases that go whole. The thresholds are lowered so that small units
+qualify."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ramtorch
+import torch
+import torch.nn.functional as F
+from ramtorch._stream import parts
+from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def small_units(monkeypatch):
+    monkeypatch.setattr(parts, "MIN_BYTES", 1 << 14)
+    monkeypatch.setattr(parts, "MIN_PART_BYTES", 1 << 12)
+
+
+class Stage(nn.Module):
+    """A stage of convolutional blocks (a unit: the model repeats it)."""
+
+    def __init__(self, c: int, blocks: int = 3, direct: bool = False) -> None:
+        super().__init__()
+        self.direct = direct
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c, 1))
+            for _ in range(blocks)
+        )
+        self.out = nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        if self.direct:  # reads a layer's weight outside that layer's forward
+            return F.linear(x.transpose(1, 3), self.out.weight).transpose(1, 3)
+        return self.out(x.transpose(1, 3)).transpose(1, 3)
+
+
+class Net(nn.Module):
+    def __init__(self, direct: bool = False, stages: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stages = nn.ModuleList(Stage(32, direct=direct) for _ in range(stages))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for s in self.stages:
+            x = s(x)
+        return x
+
+
+def cut(m: nn.Module) -> int:
+    return ramtorch.stats(m)["forwards_by_parts"]
+
+
+def units(m: nn.Module) -> list:
+    return m._ramtorch_streamer.units
+
+
+def run_both(ref: nn.Module, ours: nn.Module, device: str, steps: int = 3) -> None:
+    """Forwards in both modes, backwards and SGD steps: bitwise equal."""
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for train in (True, False, True):
+        ref.train(train)
+        ours.train(train)
+        for _ in range(steps):
+            x = torch.randn(2, 32, 6, 6, generator=gen).to(device)
+            y_ref, y = ref(x), ours(x)
+            assert torch.equal(y, y_ref)
+            if train:
+                y_ref.square().mean().backward()
+                y.square().mean().backward()
+                for a, b in zip(ref.parameters(), ours.parameters()):
+                    assert (a.grad is None) == (b.grad is None)
+                    assert a.grad is None or torch.equal(b.grad.to(a.device), a.grad)
+                opt_ref.step()
+                opt.step()
+                opt_ref.zero_grad()
+                opt.zero_grad()
+    for a, b in zip(ref.buffers(), ours.buffers()):
+        assert torch.equal(b.to(a.device), a)  # batch norm statistics
+
+
+def test_by_parts_is_bitwise_torch(device):
+    ref, ours = Net().to(device), Net()
+    ramtorch.offload(ours, device=device)
+    plans = [parts.plan_of(u) for u in units(ours)]
+    assert all(p is not None and len(p.parts) >= 2 for p in plans)
+    run_both(ref, ours, device)
+    # The first forward in each mode of each unit waits for all and watches; the others are cut.
+    assert cut(ours) == 3 * (3 + 3 + 3) - 3 * 2
+    assert all(p.probed == {True: True, False: True} for p in plans)
+
+
+def test_parts_follow_the_layers_and_each_layer_waits_for_its_own():
+    ours = Net()
+    ramtorch.offload(ours, device="cpu")
+    u = units(ours)[0]
+    p = parts.plan_of(u)
+    assert p.parts == sorted(set(p.parts)) and p.parts[-1] < u.layout.nbytes
+    for e in u.entries:
+        off, shape, dtype = u.layout.entries[e.index]
+        end = off + torch.Size(shape).numel() * dtype.itemsize
+        upto = p.upto[id(e.owner)]
+        assert upto >= end  # the part it waits for holds its bytes
+        assert upto == u.layout.nbytes or upto in p.parts
+
+
+def test_a_module_that_reads_a_layers_weight_itself_keeps_its_unit_whole():
+    ref, ours = Net(direct=True), Net(direct=True)
+    ramtorch.offload(ours, device="cpu")
+    run_both(ref, ours, "cpu")
+    assert cut(ours) == 0
+    assert all(parts.plan_of(u).probed == {True: False, False: False} for u in units(ours))
+
+
+@pytest.mark.parametrize("case", ["user-hook", "function-mode"])
+def test_what_is_not_cut_goes_whole_and_matches(case):
+    ref, ours = Net(), Net()
+    ramtorch.offload(ours, device="cpu")
+    if case == "user-hook":
+        for s in ours.stages:
+            s.blocks[1][0].register_forward_pre_hook(lambda m, a: None)
+    x = torch.randn(2, 32, 6, 6)
+    for _ in range(3):
+        if case == "function-mode":
+
+            class Noop(torch.overrides.TorchFunctionMode):
+                def __torch_function__(self, func, types, args=(), kwargs=None):
+                    return func(*args, **(kwargs or {}))
+
+            with Noop():
+                y = ours(x)
+        else:
+            y = ours(x)
+        assert torch.equal(y, ref(x))
+    assert cut(ours) == 0
+
+
+def test_a_process_that_compiled_goes_whole():
+    """Once anything was compiled (in a process of its own: the state is the process's), a graph
+    might read a unit's weights without its layers' hooks in between: no unit is cut."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ramtorch, test_parts as t\n"
+        "from ramtorch._stream import parts\n"
+        "parts.MIN_BYTES, parts.MIN_PART_BYTES = 1 << 14, 1 << 12\n"
+        "torch.compile(lambda v: v + 1, backend='eager')(torch.ones(1))\n"
+        "ref, ours = t.Net(), t.Net()\n"
+        "ramtorch.offload(ours, device='cpu')\n"
+        "x = torch.randn(2, 32, 6, 6)\n"
+        "same = all(torch.equal(ours(x), ref(x)) for _ in range(3))\n"
+        "print(same, t.cut(ours))\n"
+    )
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([pkg, os.path.dirname(os.path.abspath(__file__))])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "0"]
+
+
+def test_units_of_other_layers_are_not_cut():
+    class Mine(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), Mine(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    m = nn.Sequential(*[Block() for _ in range(3)])
+    ramtorch.offload(m, device="cpu")
+    assert all(parts.plan_of(u) is None for u in units(m))
+
+
+def test_a_resnet_stage_is_cut():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[16, 32, 64, 128], layer_type="bottleneck", depths=[2, 2, 4, 2]
+    )
+    torch.manual_seed(0)
+    ref = transformers.ResNetModel(cfg)
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    for train in (True, False):
+        ref.train(train)
+        ours.train(train)
+        for _ in range(2):
+            x = torch.randn(2, 3, 32, 32)
+            assert torch.equal(ours(x).last_hidden_state, ref(x).last_hidden_state)
+    assert cut(ours) > 0
+
+
+@pytest.mark.gpu
+def test_by_parts_on_cuda_at_the_real_thresholds(monkeypatch):
+    """Stages of 72 MiB at the default thresholds: cut, bitwise the resident model."""
+    monkeypatch.setattr(parts, "MIN_BYTES", 64 << 20)
+    monkeypatch.setattr(parts, "MIN_PART_BYTES", 16 << 20)
+
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.stages = nn.ModuleList(Stage(1024, blocks=2) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for s in self.stages:
+                x = s(x)
+            return x
+
+    ref = Big().cuda()
+    ours = Big()
+    ramtorch.offload(ours, device="cuda")
+    assert all(parts.plan_of(u) is not None for u in units(ours))
+    for train in (True, False, False):
+        ref.train(train)
+        ours.train(train)
+        x = torch.randn(2, 1024, 4, 4, device="cuda")
+        with torch.no_grad():
+            assert torch.equal(ours(x), ref(x))
+    assert cut(ours) == 3
