@@ -20,6 +20,9 @@ from torch import nn
 def small_units(monkeypatch):
     monkeypatch.setattr(parts, "MIN_BYTES", 1 << 14)
     monkeypatch.setattr(parts, "MIN_PART_BYTES", 1 << 12)
+    # Other tests of this process compile: this state is the process's (tested in a process of
+    # its own below).
+    monkeypatch.setattr(parts, "_compiled_anything", lambda: False)
 
 
 class Stage(nn.Module):
