@@ -1,8 +1,8 @@
 """A large unit of torch's layers copied in parts and computed layer by layer as they land
 (``ramtorch._stream.parts``): bitwise plain torch (each layer computes the same op on the same
-bytes), on the CPU's host device and on a GPU; the probe that keeps a unit whole when a module
-reads another's weights; the cases that go whole. The thresholds are lowered so that small units
-qualify."""
+bytes), on the CPU's host device (whose copies run on a thread of their own) and on a GPU; the
+guard that waits for the whole copy when a module reads another's weights; the cases that go
+whole. The thresholds are lowered so that small units qualify."""
 
 from __future__ import annotations
 
@@ -97,9 +97,8 @@ def test_by_parts_is_bitwise_torch(device):
     plans = [parts.plan_of(u) for u in units(ours)]
     assert all(p is not None and len(p.parts) >= 2 for p in plans)
     run_both(ref, ours, device)
-    # The first forward in each mode of each unit waits for all and watches; the others are cut.
-    assert cut(ours) == 3 * (3 + 3 + 3) - 3 * 2
-    assert all(p.probed == {True: True, False: True} for p in plans)
+    assert cut(ours) == 3 * (3 + 3 + 3)
+    assert all(p.refused == set() for p in plans)
 
 
 def test_parts_follow_the_layers_and_each_layer_waits_for_its_own():
@@ -116,12 +115,42 @@ def test_parts_follow_the_layers_and_each_layer_waits_for_its_own():
         assert upto == u.layout.nbytes or upto in p.parts
 
 
-def test_a_module_that_reads_a_layers_weight_itself_keeps_its_unit_whole():
+def test_a_module_that_reads_a_layers_weight_itself_waits_for_all_then_goes_whole():
+    """The guard sees the read outside the layer and waits for the whole copy before it (the
+    results are torch's); the unit is not cut again in that mode."""
     ref, ours = Net(direct=True), Net(direct=True)
     ramtorch.offload(ours, device="cpu")
     run_both(ref, ours, "cpu")
-    assert cut(ours) == 0
-    assert all(parts.plan_of(u).probed == {True: False, False: False} for u in units(ours))
+    assert cut(ours) == 3 * 2  # the first forward of each unit in each mode
+    assert all(parts.plan_of(u).refused == {True, False} for u in units(ours))
+
+
+def test_the_guard_waits_for_the_whole_copy_before_the_read(monkeypatch):
+    """The read outside the layer (``F.linear`` on ``self.out.weight``) waits for the whole copy
+    inside the op, before its kernel: the engine's whole claim comes between the call's start and
+    its end, in the first forward (cut) of each unit."""
+    from ramtorch import _engine
+
+    log: list[str] = []
+    claim, linear = _engine.DeviceEngine.claim, F.linear
+    monkeypatch.setattr(
+        _engine.DeviceEngine, "claim", lambda self, i, tag=0: log.append("claim") or claim(self, i, tag)
+    )
+
+    def logged(*args, **kwargs):
+        log.append("read")
+        out = linear(*args, **kwargs)
+        log.append("done")
+        return out
+
+    monkeypatch.setattr(F, "linear", logged)
+    ours = Net(direct=True)
+    ramtorch.offload(ours, device="cpu")
+    ours(torch.randn(2, 32, 6, 6))
+    reads = [i for i, x in enumerate(log) if x == "read"]
+    assert len(reads) == 3
+    for i in reads:
+        assert log[i : i + 3] == ["read", "claim", "done"]
 
 
 @pytest.mark.parametrize("case", ["user-hook", "function-mode"])

@@ -11,12 +11,13 @@ computes is unchanged: the same op on the same bytes.
 
 This holds only if nothing reads a layer's weights outside that layer's forward: a module around
 the layers that calls ``F.conv2d(x, self.conv.weight)`` would read bytes that have not landed. So
-the first forward of the unit in each mode (training, evaluation) waits for the whole copy and
-watches, through a ``TorchFunctionMode``, which module each op that takes one of the unit's
-weights runs in; only a unit whose weights were each read inside their own layer is cut, from its
-next forward on. Not cut either: a forward inside another torch function mode, a recomputation, a
-unit whose layers carry other forward pre-hooks (they may read the weights before ours waits),
-and a process that has compiled anything with ``torch.compile``.
+a forward by parts runs under a ``TorchFunctionMode`` (:class:`Guard`) that sees each op given one
+of the unit's weights: one that does not run inside that weight's layer first waits for the whole
+copy, and the unit is not cut again in that mode (training, evaluation). Not cut either: a
+forward inside another torch function mode, a recomputation, a unit whose layers carry other
+forward hooks or a forward of their own (they may read the weights before ours waits), and a
+process that has compiled anything with ``torch.compile`` (a graph may read the weights without
+the layers' hooks in between).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 if TYPE_CHECKING:
     from .units import _Unit
@@ -56,16 +56,16 @@ TRUSTED: tuple[type[nn.Module], ...] = (
 
 class Plan:
     """How a unit is cut: the byte offsets where its copy's parts end (all but the last), what
-    each layer's forward waits for (by ``id`` of the layer), and per mode whether its first
-    forward found every weight read inside its own layer."""
+    each layer's forward waits for (by ``id`` of the layer), and the modes (training or not) in
+    which a forward read a weight outside its layer (never cut again)."""
 
-    __slots__ = ("parts", "upto", "owners", "probed")
+    __slots__ = ("parts", "upto", "owners", "refused")
 
     def __init__(self, parts: list[int], upto: dict[int, int], owners: list[nn.Module]) -> None:
         self.parts = parts
         self.upto = upto
         self.owners = owners
-        self.probed: dict[bool, bool] = {}
+        self.refused: set[bool] = set()
 
 
 def _trusted(m: nn.Module) -> bool:
@@ -131,44 +131,56 @@ def _compiled_anything() -> bool:
     return utils is not None and utils.counters["frames"].get("total", 0) > 0
 
 
-def _hooks_are_ours(m: nn.Module, pre: int, post: int) -> bool:
-    return len(m._forward_pre_hooks) == pre and len(m._forward_hooks) == post
+def _hooks_are_ours(m: nn.Module) -> bool:
+    return len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1 and "forward" not in m.__dict__
 
 
-def by_parts(u: _Unit, module: nn.Module) -> tuple[Plan, bool] | None:
-    """``(plan, probe)`` when ``u``'s forward now runs by parts (``probe``: this forward waits
-    for the whole copy and watches which module reads each weight), else ``None``."""
+def by_parts(u: _Unit, module: nn.Module) -> Plan | None:
+    """``u``'s plan when its forward now runs by parts, else ``None``."""
     p = plan_of(u)
     if p is None or u.fwd or _compiled_anything() or torch._C._is_torch_function_mode_enabled():
+        return None
+    if bool(getattr(module, "training", False)) in p.refused:
         return None
     hooks = nn.modules.module
     if hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
         return None
-    if not _hooks_are_ours(module, 1, 1) or not all(_hooks_are_ours(m, 1, 1) for m in p.owners):
+    if not _hooks_are_ours(module) or not all(_hooks_are_ours(m) for m in p.owners):
         return None
-    mode = bool(getattr(module, "training", False))
-    seen = p.probed.get(mode)
-    if seen is False:
-        return None
-    return p, seen is None
+    return p
 
 
-class Probe(TorchFunctionMode):
-    """Watches a unit's first forward in a mode: each op given one of the unit's weights must run
-    inside that weight's layer (the innermost layer of the unit whose forward is running)."""
+def _tensors(x: Any) -> Any:
+    """The tensors in an op's arguments (inside lists, tuples and dicts)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
 
-    def __init__(self, weights: dict[int, set[int]]) -> None:
+
+class Guard(TorchFunctionMode):
+    """Runs over a forward by parts: an op given one of the unit's weights outside that weight's
+    layer (the innermost of the unit's layers whose forward is running) waits for the whole copy
+    first (``whole()``), once."""
+
+    def __init__(self, weights: dict[int, set[int]], whole: Any) -> None:
         super().__init__()
         self.weights = weights  # id of a weight tensor -> ids of the layers that own it
         self.stack: list[int] = []  # ids of the unit's layers whose forward is running
+        self.whole = whole
         self.clean = True
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.clean:
-            for t in tree_flatten((args, kwargs))[0]:
-                owners = self.weights.get(id(t)) if isinstance(t, torch.Tensor) else None
+            for t in _tensors((args, kwargs)):
+                owners = self.weights.get(id(t))
                 if owners is not None and (not self.stack or self.stack[-1] not in owners):
                     self.clean = False
+                    self.whole()
                     break
         return func(*args, **kwargs)

@@ -478,7 +478,7 @@ class _Unit:
         self.rows: tuple[Any, Any] | None = None
         # A large unit of torch's layers copied and computed by parts (.parts): (the layout it was
         # cut for, its plan or None); the running forward's (slot, plan) while it goes by parts,
-        # and the probe of its first forward in a mode.
+        # and its guard.
         self.parts: tuple[Any, Any] | None = None
         self.parts_armed: tuple[int, Any] | None = None
         self.parts_probe: Any = None
