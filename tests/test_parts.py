@@ -97,8 +97,9 @@ def test_by_parts_is_bitwise_torch(device):
     plans = [parts.plan_of(u) for u in units(ours)]
     assert all(p is not None and len(p.parts) >= 2 for p in plans)
     run_both(ref, ours, device)
-    assert cut(ours) == 3 * (3 + 3 + 3)
-    assert all(p.refused == set() for p in plans)
+    # The first forward in each mode of each unit waits for all and is watched; the others are cut.
+    assert cut(ours) == 3 * (3 + 3 + 3) - 3 * 2
+    assert all(p.refused == set() and p.watched == {True, False} for p in plans)
 
 
 def test_parts_follow_the_layers_and_each_layer_waits_for_its_own():
@@ -115,42 +116,45 @@ def test_parts_follow_the_layers_and_each_layer_waits_for_its_own():
         assert upto == u.layout.nbytes or upto in p.parts
 
 
-def test_a_module_that_reads_a_layers_weight_itself_waits_for_all_then_goes_whole():
-    """The guard sees the read outside the layer and waits for the whole copy before it (the
-    results are torch's); the unit is not cut again in that mode."""
+def test_a_module_that_reads_a_layers_weight_itself_keeps_its_unit_whole():
+    """The watched first forward sees the read outside the layer: the unit is never cut in that
+    mode (and the results are torch's)."""
     ref, ours = Net(direct=True), Net(direct=True)
     ramtorch.offload(ours, device="cpu")
     run_both(ref, ours, "cpu")
-    assert cut(ours) == 3 * 2  # the first forward of each unit in each mode
+    assert cut(ours) == 0
     assert all(parts.plan_of(u).refused == {True, False} for u in units(ours))
 
 
-def test_the_guard_waits_for_the_whole_copy_before_the_read(monkeypatch):
-    """The read outside the layer (``F.linear`` on ``self.out.weight``) waits for the whole copy
-    inside the op, before its kernel: the engine's whole claim comes between the call's start and
-    its end, in the first forward (cut) of each unit."""
+def test_a_watched_forward_waits_for_the_whole_copy_first(monkeypatch):
+    """The first forward in a mode claims the whole copy before the unit's layers run; the next
+    one waits part by part (more than one wait, each for a prefix)."""
     from ramtorch import _engine
 
     log: list[str] = []
-    claim, linear = _engine.DeviceEngine.claim, F.linear
+    claim, part = _engine.DeviceEngine.claim, _engine.DeviceEngine.claim_part
     monkeypatch.setattr(
-        _engine.DeviceEngine, "claim", lambda self, i, tag=0: log.append("claim") or claim(self, i, tag)
+        _engine.DeviceEngine, "claim", lambda self, i, tag=0: log.append("whole") or claim(self, i, tag)
     )
-
-    def logged(*args, **kwargs):
-        log.append("read")
-        out = linear(*args, **kwargs)
-        log.append("done")
-        return out
-
-    monkeypatch.setattr(F, "linear", logged)
-    ours = Net(direct=True)
+    monkeypatch.setattr(
+        _engine.DeviceEngine,
+        "claim_part",
+        lambda self, i, upto, tag=0: log.append(f"part {upto}") or part(self, i, upto, tag),
+    )
+    ours = Net(stages=1)
     ramtorch.offload(ours, device="cpu")
-    ours(torch.randn(2, 32, 6, 6))
-    reads = [i for i, x in enumerate(log) if x == "read"]
-    assert len(reads) == 3
-    for i in reads:
-        assert log[i : i + 3] == ["read", "claim", "done"]
+    x = torch.randn(2, 32, 6, 6)
+    ours(x)
+    assert log[0] == "whole" and not any(x.startswith("part") for x in log)
+    log.clear()
+    ours(x)
+    # Per unit, waits for growing prefixes, then the whole copy at the end of its forward (what
+    # follows may read any byte).
+    assert log[-1] == "whole" and log[0].startswith("part")
+    for run in " ".join(log).split("whole"):
+        waits = [int(w) for w in run.split("part")[1:]]
+        assert waits == sorted(set(waits))
+    assert sum(x.startswith("part") for x in log) >= 2
 
 
 @pytest.mark.parametrize("case", ["user-hook", "function-mode"])

@@ -11,9 +11,11 @@ computes is unchanged: the same op on the same bytes.
 
 This holds only if nothing reads a layer's weights outside that layer's forward: a module around
 the layers that calls ``F.conv2d(x, self.conv.weight)`` would read bytes that have not landed. So
-a forward by parts runs under a ``TorchFunctionMode`` (:class:`Guard`) that sees each op given one
-of the unit's weights: one that does not run inside that weight's layer first waits for the whole
-copy, and the unit is not cut again in that mode (training, evaluation). Not cut either: a
+the first forward of the unit in each mode (training, evaluation) waits for the whole copy and
+runs under a ``TorchFunctionMode`` (:class:`Guard`) that sees each op given one of the unit's
+weights; the unit is cut from its next forward in that mode on only if each such op ran inside
+that weight's layer. (Watching every forward costs the host a Python call per op, which made a
+ResNet's pass slower than the whole copy.) Not cut either: a
 forward inside another torch function mode, a recomputation, a unit whose layers carry other
 forward hooks or a forward of their own (they may read the weights before ours waits), and a
 process that has compiled anything with ``torch.compile`` (a graph may read the weights without
@@ -59,13 +61,14 @@ class Plan:
     each layer's forward waits for (by ``id`` of the layer), and the modes (training or not) in
     which a forward read a weight outside its layer (never cut again)."""
 
-    __slots__ = ("parts", "upto", "owners", "refused")
+    __slots__ = ("parts", "upto", "owners", "refused", "watched")
 
     def __init__(self, parts: list[int], upto: dict[int, int], owners: list[nn.Module]) -> None:
         self.parts = parts
         self.upto = upto
         self.owners = owners
         self.refused: set[bool] = set()
+        self.watched: set[bool] = set()  # modes whose first forward was watched and clean
 
 
 def _trusted(m: nn.Module) -> bool:
@@ -135,19 +138,21 @@ def _hooks_are_ours(m: nn.Module) -> bool:
     return len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1 and "forward" not in m.__dict__
 
 
-def by_parts(u: _Unit, module: nn.Module) -> Plan | None:
-    """``u``'s plan when its forward now runs by parts, else ``None``."""
+def by_parts(u: _Unit, module: nn.Module) -> tuple[Plan, bool] | None:
+    """``(plan, watch)`` when ``u``'s forward now runs by parts (``watch``: this forward waits for
+    the whole copy and is watched), else ``None``."""
     p = plan_of(u)
     if p is None or u.fwd or _compiled_anything() or torch._C._is_torch_function_mode_enabled():
         return None
-    if bool(getattr(module, "training", False)) in p.refused:
+    mode = bool(getattr(module, "training", False))
+    if mode in p.refused:
         return None
     hooks = nn.modules.module
     if hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
         return None
     if not _hooks_are_ours(module) or not all(_hooks_are_ours(m) for m in p.owners):
         return None
-    return p
+    return p, mode not in p.watched
 
 
 def _tensors(x: Any) -> Any:
@@ -163,15 +168,14 @@ def _tensors(x: Any) -> Any:
 
 
 class Guard(TorchFunctionMode):
-    """Runs over a forward by parts: an op given one of the unit's weights outside that weight's
-    layer (the innermost of the unit's layers whose forward is running) waits for the whole copy
-    first (``whole()``), once."""
+    """Watches a unit's first forward in a mode: whether each op given one of the unit's weights
+    runs inside that weight's layer (the innermost of the unit's layers whose forward is
+    running)."""
 
-    def __init__(self, weights: dict[int, set[int]], whole: Any) -> None:
+    def __init__(self, weights: dict[int, set[int]]) -> None:
         super().__init__()
         self.weights = weights  # id of a weight tensor -> ids of the layers that own it
         self.stack: list[int] = []  # ids of the unit's layers whose forward is running
-        self.whole = whole
         self.clean = True
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -181,6 +185,5 @@ class Guard(TorchFunctionMode):
                 owners = self.weights.get(id(t))
                 if owners is not None and (not self.stack or self.stack[-1] not in owners):
                     self.clean = False
-                    self.whole()
                     break
         return func(*args, **kwargs)

@@ -402,7 +402,7 @@ class Streamer(Prefetcher, GradientHooks):
         # part by part in its forward, not here.
         blocks = None if recompute or traced else rows.by_rows(u, module, args, kwargs, self.device)
         # A large unit of torch's layers computed by parts as they land (.parts): each layer's
-        # forward waits for its own part, under a guard against reads outside the layers.
+        # forward waits for its own part (its first forward in a mode waits for all, watched).
         cut = None if recompute or traced or blocks is not None else parts.by_parts(u, module)
         with self.lock:
             if recompute:
@@ -422,7 +422,7 @@ class Streamer(Prefetcher, GradientHooks):
                         u.pack()
                     u.forget_copies()
                     itin, pos = [], 0
-                whole = blocks is None and cut is None
+                whole = blocks is None and (cut is None or cut[1])
                 slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)], claim=whole)
                 own = True
                 if itin:
@@ -437,11 +437,12 @@ class Streamer(Prefetcher, GradientHooks):
             if blocks is not None and rows.blocks_of(u) is not blocks:
                 self.eng.claim(slot, u.tag)  # packed anew by _take: cut anew at its next copy
                 blocks = None
-            if cut is not None and parts.plan_of(u) is not cut:
-                self.eng.claim(slot, u.tag)  # (as above)
+            if cut is not None and parts.plan_of(u) is not cut[0]:
+                if not cut[1]:
+                    self.eng.claim(slot, u.tag)  # (as above)
                 cut = None
-            if cut is not None:
-                u.parts_armed = (slot, cut)
+            if cut is not None and not cut[1]:
+                u.parts_armed = [slot, cut[0], 0]  # (the bytes waited for so far)
                 self.counters["forwards_by_parts"] += 1
             if blocks is not None and own:
                 eng = self.eng
@@ -484,11 +485,11 @@ class Streamer(Prefetcher, GradientHooks):
         before = [e.owner._parameters[e.name] for e in u.entries]
         for e in u.entries:
             e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
-        if cut is not None:
+        if cut is not None and cut[1]:
             weights: dict[int, set[int]] = {}
             for e in u.entries:
                 weights.setdefault(id(dev[e.index]), set()).add(id(e.owner))
-            u.parts_probe = parts.Guard(weights, lambda: self._whole_copy(u))
+            u.parts_probe = parts.Guard(weights)
             u.parts_probe.__enter__()
         addr = buf.untyped_storage().data_ptr()
         ctx = None
@@ -703,14 +704,11 @@ class Streamer(Prefetcher, GradientHooks):
             probe.stack.append(id(module))
         armed = u.parts_armed
         if armed is not None:
-            self.eng.claim_part(armed[0], armed[1].upto[id(module)], u.tag)
+            upto = armed[1].upto[id(module)]
+            if upto > armed[2]:
+                self.eng.claim_part(armed[0], upto, u.tag)
+                armed[2] = upto
         return None
-
-    def _whole_copy(self, u: _Unit) -> None:
-        """A forward by parts read a weight outside its layer: the whole copy first (.parts)."""
-        armed, u.parts_armed = u.parts_armed, None
-        if armed is not None:
-            self.eng.claim(armed[0], u.tag)
 
     def part_post_forward(self, u: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
         if is_compiling():
@@ -727,8 +725,9 @@ class Streamer(Prefetcher, GradientHooks):
         if guard is not None:
             guard.__exit__(None, None, None)
             plan = parts.plan_of(u)
-            if plan is not None and not guard.clean:
-                plan.refused.add(bool(getattr(u.module, "training", False)))
+            if plan is not None:
+                mode = bool(getattr(u.module, "training", False))
+                (plan.watched if guard.clean else plan.refused).add(mode)
         armed, u.parts_armed = u.parts_armed, None
         if armed is not None:
             self.eng.claim(armed[0], u.tag)  # what follows may read any of the unit's bytes

@@ -477,10 +477,10 @@ class _Unit:
         # cut for, the blocks or None), made at its first copy.
         self.rows: tuple[Any, Any] | None = None
         # A large unit of torch's layers copied and computed by parts (.parts): (the layout it was
-        # cut for, its plan or None); the running forward's (slot, plan) while it goes by parts,
-        # and its guard.
+        # cut for, its plan or None); the running forward's [slot, plan, bytes waited for] while
+        # it goes by parts, and the guard that watches its first forward in a mode.
         self.parts: tuple[Any, Any] | None = None
-        self.parts_armed: tuple[int, Any] | None = None
+        self.parts_armed: list[Any] | None = None
         self.parts_probe: Any = None
         # A table read in place (.gather.reads_in_place): (its memory's address, numel, dtype)
         # and its device view (None: the memory is not mapped), made at its first such lookup.
