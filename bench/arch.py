@@ -810,7 +810,8 @@ def main() -> None:
         "--whole-units",
         action="store_true",
         help="an A/B: the forward again with no large unit of torch's layers computed by parts "
-        "as its copy lands (the default cuts them: a ResNet's stages); records carry options",
+        "as its copy lands (cut where RAMTORCH_UNIT_PARTS_MIN_BYTES is set: a ResNet's stages); "
+        "records carry options",
     )
     ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD, else unknown")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, 1 rep: checks the script")

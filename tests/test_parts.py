@@ -102,6 +102,23 @@ def test_by_parts_is_bitwise_torch(device):
     assert all(p.refused == set() and p.watched == {True, False} for p in plans)
 
 
+def test_off_unless_the_environment_turns_it_on(monkeypatch):
+    monkeypatch.setattr(parts, "MIN_BYTES", None)
+    monkeypatch.delenv("RAMTORCH_UNIT_PARTS_MIN_BYTES", raising=False)
+    ours = Net()
+    ramtorch.offload(ours, device="cpu")
+    assert all(parts.plan_of(u) is None for u in units(ours))
+    ours(torch.randn(2, 32, 6, 6))
+    assert cut(ours) == 0
+    monkeypatch.setenv("RAMTORCH_UNIT_PARTS_MIN_BYTES", "16KiB")
+    on = Net()
+    ramtorch.offload(on, device="cpu")
+    assert all(parts.plan_of(u) is not None for u in units(on))
+    monkeypatch.setenv("RAMTORCH_UNIT_PARTS_MIN_BYTES", "lots")
+    with pytest.raises(ValueError, match="RAMTORCH_UNIT_PARTS_MIN_BYTES"):
+        ramtorch.offload(Net(), device="cpu")
+
+
 def test_parts_follow_the_layers_and_each_layer_waits_for_its_own():
     ours = Net()
     ramtorch.offload(ours, device="cpu")
