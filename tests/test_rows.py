@@ -115,7 +115,7 @@ def test_small_linears_and_other_modules_go_whole(monkeypatch):
     rows.release(ours[2])  # a Linear of one block goes whole
     ours[2].__class__ = rows.RowsLinear
     monkeypatch.setattr(rows, "MIN_PART_BYTES", 1 << 20)
-    ours[2]._ramtorch_unit.rows = None
+    ours[2]._ramtorch_unit._per_layout.clear()
     ours(torch.randn(2, 16))
     assert rows.blocks_of(ours[2]._ramtorch_unit) is None
     assert by_rows(ours) == 1

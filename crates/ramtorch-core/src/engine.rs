@@ -782,23 +782,7 @@ impl<D: Device> Engine<D> {
 
     /// Makes the compute lane `compute` wait (on the device) for the copy into held slot `index`.
     pub fn claim(&self, index: usize, compute: ComputeStream, tag: u64) -> Result<()> {
-        let mut guard = self.lock()?;
-        let s = &mut *guard;
-        match s.slots.get(index) {
-            Some(x) if x.held => {}
-            Some(_) => {
-                return Err(Error::InvalidArgument(format!(
-                    "device slot {index} is not held"
-                )))
-            }
-            None => return Err(Error::InvalidArgument(format!("no device slot {index}"))),
-        }
-        let lane = Lane::Compute(compute);
-        let t0 = self.span_start(s, lane)?;
-        self.dev.wait(lane, &s.slots[index].ready)?;
-        self.span_end(s, t0, lane, Kind::Wait, tag, 0)?;
-        s.stats.claims += 1;
-        Ok(())
+        self.claim_upto(index, compute, None, tag)
     }
 
     /// Makes the compute lane `compute` wait for the first `upto` bytes of the copy into held
@@ -810,6 +794,18 @@ impl<D: Device> Engine<D> {
         index: usize,
         compute: ComputeStream,
         upto: usize,
+        tag: u64,
+    ) -> Result<()> {
+        self.claim_upto(index, compute, Some(upto), tag)
+    }
+
+    /// [`Engine::claim`] (`upto` None: the whole copy, counted in the stats) and
+    /// [`Engine::claim_part`].
+    fn claim_upto(
+        &self,
+        index: usize,
+        compute: ComputeStream,
+        upto: Option<usize>,
         tag: u64,
     ) -> Result<()> {
         let mut guard = self.lock()?;
@@ -826,12 +822,17 @@ impl<D: Device> Engine<D> {
         let lane = Lane::Compute(compute);
         let t0 = self.span_start(s, lane)?;
         let slot = &s.slots[index];
-        let event = slot.parts[..slot.nparts]
-            .iter()
-            .find(|(end, _)| *end >= upto)
-            .map_or(&slot.ready, |(_, ev)| ev);
-        self.dev.wait(lane, event)?;
+        let part = upto.and_then(|upto| {
+            slot.parts[..slot.nparts]
+                .iter()
+                .find(|(end, _)| *end >= upto)
+        });
+        self.dev
+            .wait(lane, part.map_or(&slot.ready, |(_, ev)| ev))?;
         self.span_end(s, t0, lane, Kind::Wait, tag, 0)?;
+        if upto.is_none() {
+            s.stats.claims += 1;
+        }
         Ok(())
     }
 

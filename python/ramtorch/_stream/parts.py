@@ -85,15 +85,7 @@ def _trusted(m: nn.Module) -> bool:
 
 def plan_of(u: _Unit) -> Plan | None:
     """``u``'s cut (kept while its layout is), or ``None`` where it goes whole."""
-    layout = u.layout
-    if layout is None:
-        return None
-    cached = u.parts
-    if cached is not None and cached[0] is layout:
-        return cached[1]
-    found = _cut(u)
-    u.parts = (layout, found)
-    return found
+    return u.per_layout("parts", _cut)
 
 
 def _cut(u: _Unit) -> Plan | None:

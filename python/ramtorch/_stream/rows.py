@@ -61,15 +61,9 @@ class Blocks:
 
 def blocks_of(u: _Unit) -> Blocks | None:
     """``u``'s blocks (kept while its layout is), or ``None`` where it does not go by rows."""
-    layout = u.layout
-    if layout is None or type(u.module) is not RowsLinear:
+    if type(u.module) is not RowsLinear:
         return None
-    cached = getattr(u, "rows", None)
-    if cached is not None and cached[0] is layout:
-        return cached[1]
-    found = _cut(u)
-    u.rows = (layout, found)
-    return found
+    return u.per_layout("rows", _cut)
 
 
 def _cut(u: _Unit) -> Blocks | None:

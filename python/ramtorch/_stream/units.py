@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -473,13 +473,12 @@ class _Unit:
         # forward that took the whole table through a slot).
         self.gather = False
         self.gathers: list[Any] = []
-        # A large nn.Linear copied and computed by blocks of rows (.rows): (the layout they were
-        # cut for, the blocks or None), made at its first copy.
-        self.rows: tuple[Any, Any] | None = None
-        # A large unit of torch's layers copied and computed by parts (.parts): (the layout it was
-        # cut for, its plan or None); the running forward's [slot, plan, bytes waited for] while
-        # it goes by parts, and the guard that watches its first forward in a mode.
-        self.parts: tuple[Any, Any] | None = None
+        # What is worked out from its layout, by name (see per_layout): how a large Linear is cut
+        # into blocks of rows (.rows), how a large unit of torch's layers is cut into parts
+        # (.parts).
+        self._per_layout: dict[str, tuple[Any, Any]] = {}
+        # The running forward's [slot, plan, bytes waited for] while it goes by parts (.parts),
+        # and the guard that watches its first forward in a mode.
         self.parts_armed: list[Any] | None = None
         self.parts_probe: Any = None
         # A table read in place (.gather.reads_in_place): (its memory's address, numel, dtype)
@@ -533,6 +532,19 @@ class _Unit:
         # whose gradients are all delivered, not yet handed to the optimizers.
         self.delivered = [0] * len(self.params)
         self.ready: list[nn.Parameter] = []
+
+    def per_layout(self, name: str, make: Callable[[_Unit], Any]) -> Any:
+        """``make(self)``, kept under ``name`` while the unit's layout is the one it was made for
+        (``None`` before the unit is packed)."""
+        layout = self.layout
+        if layout is None:
+            return None
+        kept = self._per_layout.get(name)
+        if kept is not None and kept[0] is layout:
+            return kept[1]
+        value = make(self)
+        self._per_layout[name] = (layout, value)
+        return value
 
     def take(self, entries: Sequence[tuple[nn.Module, str, nn.Parameter]]) -> None:
         """The unit's parameters are ``entries`` (``(owner, name, parameter)``; one held under two
