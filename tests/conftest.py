@@ -1,8 +1,8 @@
 """Shared fixtures and helpers of the test modules: which devices the tests run on, the small
 models the optimizer and trace tests train, slowed-down optimizer updates, a module with its own
 loading, a guard against loads that hang, and snapshots of a model's, an optimizer's and the RNG's
-state, free ports and an exit for spawned ranks, and a tiny Llama configuration. Test modules take
-these from here, never from each other."""
+state, free ports and an exit for spawned ranks, a tiny Llama configuration, and greedy generation.
+Test modules take these from here, never from each other."""
 
 from __future__ import annotations
 
@@ -200,3 +200,20 @@ def tiny_llama_config(**overrides: object) -> object:
     )
     kw.update(overrides)
     return transformers.LlamaConfig(**kw)
+
+
+def greedy(
+    model: nn.Module, ids: torch.Tensor, new: int = 16, **kw: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ``generate()`` of ``new`` tokens after ``ids``: the sequences and the stacked scores."""
+    out = model.generate(  # type: ignore[operator]
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kw,
+    )
+    return out.sequences, torch.stack(out.scores)

@@ -12,6 +12,7 @@ import sys
 import pytest
 import ramtorch
 import torch
+from conftest import greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,20 +30,6 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
         initializer_range=0.2,  # a random model that does not repeat one token forever
     )
     return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def greedy(model: torch.nn.Module, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=16,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        **kw,
-    )
-    return out.sequences, torch.stack(out.scores)
 
 
 @pytest.mark.parametrize("budget", [None, 600_000])

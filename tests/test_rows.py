@@ -238,7 +238,7 @@ def test_greedy_generation_with_a_head_cut_by_rows():
     pass before, whose parts' events are older): the tokens and scores of the plain model, with
     the head cut on every pass."""
     transformers = pytest.importorskip("transformers")
-    from conftest import tiny_llama_config
+    from conftest import greedy, tiny_llama_config
 
     torch.manual_seed(0)
     cfg = tiny_llama_config(vocab_size=512, tie_word_embeddings=False, initializer_range=0.2)
@@ -248,20 +248,8 @@ def test_greedy_generation_with_a_head_cut_by_rows():
     assert type(ours.lm_head) is rows.RowsLinear
     ids = torch.randint(0, 512, (2, 7))
 
-    def greedy(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        out = m.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=8,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        return out.sequences, torch.stack(out.scores)
-
-    seq_ref, scores_ref = greedy(ref)
-    seq, scores = greedy(ours)
+    seq_ref, scores_ref = greedy(ref, ids, new=8)
+    seq, scores = greedy(ours, ids, new=8)
     assert torch.equal(seq, seq_ref)
     torch.testing.assert_close(scores, scores_ref, rtol=1e-5, atol=1e-5)
     assert by_rows(ours) >= 8
