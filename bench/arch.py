@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from benchlib import gpu_peak, reset_peak, rss, sync
+from benchlib import env_options, gpu_peak, reset_peak, rss, sync
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -491,6 +491,8 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         "model_class": ARCHS[name].model,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
     }
+    if env_options():
+        common["options"] = env_options()
     if ARCHS[name].kind == "cnn":
         common["depths"] = list(model.config.depths)
     records: list[dict[str, Any]] = []
@@ -515,7 +517,7 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         import ramtorch._stream.gather as stream_gather
 
         stream_gather.reads_in_place = lambda *args, **kw: False
-        common["options"] = {"lookups": "host gather"}
+        common["options"] = {**common.get("options", {}), "lookups": "host gather"}
     t1 = time.perf_counter()
     ramtorch.offload(model, device=dev)
     offload_seconds = time.perf_counter() - t1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -175,6 +176,17 @@ def warm(fn: Callable[[], object], n: int, device: str) -> None:
     for _ in range(n):
         fn()
     sync(device)
+
+
+#: Environment variables that change what ramtorch does (records made with one set carry it in
+#: ``"options"``: they are not the default).
+OPTION_VARS = ("RAMTORCH_UNIT_PARTS_MIN_BYTES",)
+
+
+def env_options() -> dict[str, str]:
+    """The options this process runs with through the environment (``OPTION_VARS`` that are set),
+    as ``{"unit_parts_min_bytes": "64MiB"}``."""
+    return {v.removeprefix("RAMTORCH_").lower(): os.environ[v] for v in OPTION_VARS if os.environ.get(v)}
 
 
 def jsonable(obj: object) -> object:

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from benchlib import (
     budget_arg,
+    env_options,
     links_arg,
     measure,
     parse_bytes,
@@ -385,6 +386,8 @@ def main() -> None:
     nparams = sum(p.numel() for p in model.parameters())
     model, extra = wrap(a.system, model, dev, budget, a.compress, a.links)
     extra["setup_seconds"] = time.perf_counter() - t0  # build, copy to host, wrap
+    if env_options() and a.system == "ramtorch":
+        extra["options"] = {**extra.get("options", {}), **env_options()}
     params = list(model.parameters())
     opt, opt_name, opt_bytes = (
         make_optimizer(a.system, a.optimizer, params, a.gpu_updates) if "step" in phases else (None, "", 0)
