@@ -174,6 +174,43 @@ def test_a_watched_forward_waits_for_the_whole_copy_first(monkeypatch):
     assert sum(x.startswith("part") for x in log) >= 2
 
 
+def test_a_cut_forward_queues_the_copies_ahead_after_its_layers(monkeypatch):
+    """Queueing a copy may wait on the host for the oldest one in flight (the engine keeps
+    max_inflight), which can be the cut unit's own: its layers' kernels are queued first, so that
+    they compute on its first parts meanwhile. A forward that goes whole queues them as it
+    begins."""
+    from ramtorch import _engine
+    from ramtorch._stream.streamer import Streamer
+
+    log: list[tuple[str, int]] = []
+    part, along = _engine.DeviceEngine.claim_part, Streamer._prefetch_along
+    monkeypatch.setattr(
+        _engine.DeviceEngine,
+        "claim_part",
+        lambda self, i, upto, tag=0: log.append(("part", tag)) or part(self, i, upto, tag),
+    )
+
+    def logged(self, itin, pos, current):
+        if current is not None:
+            log.append(("ahead", current.tag))
+        return along(self, itin, pos, current)
+
+    monkeypatch.setattr(Streamer, "_prefetch_along", logged)
+    ours = Net(stages=4)
+    ramtorch.offload(ours, device="cpu")
+    x = torch.randn(2, 32, 6, 6)
+    ours(x)  # watched, whole; the itinerary is learnt
+    assert log == []
+    ours(x)  # cut, with copies ahead along the itinerary
+    for u in units(ours)[:-1]:  # (the last unit has none ahead)
+        mine = [k for k, tag in log if tag == u.tag]
+        assert mine.count("part") >= 2 and mine[-1] == "ahead", mine
+    log.clear()
+    monkeypatch.setattr(parts, "by_parts", lambda *a, **k: None)
+    ours(x)  # whole: its copies ahead come first
+    assert [k for k, _ in log] == ["ahead"] * len(units(ours))
+
+
 @pytest.mark.parametrize("case", ["user-hook", "function-mode"])
 def test_what_is_not_cut_goes_whole_and_matches(case):
     ref, ours = Net(), Net()
@@ -260,7 +297,9 @@ def test_a_resnet_stage_is_cut():
 
 @pytest.mark.gpu
 def test_by_parts_on_cuda_at_the_real_thresholds(monkeypatch):
-    """Stages of 72 MiB at the default thresholds: cut, bitwise the resident model."""
+    """Stages of 72 MiB at the default thresholds: cut, bitwise the same offloaded model with its
+    units whole, and the resident model's up to the kernels' rounding (cuDNN may pick other
+    algorithms for weights at other addresses, and TF32 convolutions round coarsely)."""
     monkeypatch.setattr(parts, "MIN_BYTES", 64 << 20)
     monkeypatch.setattr(parts, "MIN_PART_BYTES", 16 << 20)
 
@@ -279,12 +318,18 @@ def test_by_parts_on_cuda_at_the_real_thresholds(monkeypatch):
     ours = Big()
     ramtorch.offload(ours, device="cuda")
     assert all(parts.plan_of(u) is not None for u in units(ours))
+    by_parts = parts.by_parts
     for train in (True, False, False, False):
         ref.train(train)
         ours.train(train)
         x = torch.randn(2, 1024, 4, 4, device="cuda")
         with torch.no_grad():
-            assert torch.equal(ours(x), ref(x))
+            y = ours(x)
+            torch.testing.assert_close(y, ref(x), rtol=1e-2, atol=1e-2)
+            if not train:  # (a forward in training mode moves the batch norms' statistics)
+                monkeypatch.setattr(parts, "by_parts", lambda *a, **k: None)
+                assert torch.equal(ours(x), y)
+                monkeypatch.setattr(parts, "by_parts", by_parts)
     # The first forward in each mode is watched under the whole copy; the two after it are cut.
     assert cut(ours) == 3 * 2
     assert all(parts.plan_of(u).watched == {True, False} for u in units(ours))

@@ -425,7 +425,14 @@ class Streamer(Prefetcher, GradientHooks):
                 whole = blocks is None and (cut is None or cut[1])
                 slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)], claim=whole)
                 own = True
-                if itin:
+                u.ahead_after = None
+                if itin and not whole:
+                    # Computed as its copy lands: the copies ahead are queued once its kernels
+                    # are, since queueing one may wait on the host for this unit's copy (the
+                    # engine keeps max_inflight copies in flight), which would hold back the
+                    # kernels that compute on its first parts.
+                    u.ahead_after = (itin, pos)
+                elif itin:
                     self._prefetch_along(itin, pos, u)
                 elif self.disk_store is not None and PassState.FORWARD in self.state:
                     # No itinerary yet (the first pass): the disk units that have not run are
@@ -441,6 +448,9 @@ class Streamer(Prefetcher, GradientHooks):
                 if not cut[1]:
                     self.eng.claim(slot, u.tag)  # (as above)
                 cut = None
+            if u.ahead_after is not None and blocks is None and (cut is None or cut[1]):
+                self._prefetch_along(*u.ahead_after, u)  # (goes whole after all)
+                u.ahead_after = None
             if cut is not None and not cut[1]:
                 u.parts_armed = [slot, cut[0], 0]  # (the bytes waited for so far)
                 self.counters["forwards_by_parts"] += 1
@@ -731,6 +741,10 @@ class Streamer(Prefetcher, GradientHooks):
         armed, u.parts_armed = u.parts_armed, None
         if armed is not None:
             self.eng.claim(armed[0], u.tag)  # what follows may read any of the unit's bytes
+        ahead, u.ahead_after = u.ahead_after, None
+        if ahead is not None:
+            with self.lock:
+                self._prefetch_along(*ahead, u)
         if u.gathers:
             entry = u.gathers.pop()
             if entry is not None:

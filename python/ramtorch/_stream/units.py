@@ -481,6 +481,9 @@ class _Unit:
         # and the guard that watches its first forward in a mode.
         self.parts_armed: list[Any] | None = None
         self.parts_probe: Any = None
+        # The itinerary and position whose copies ahead a forward computed as its copy lands
+        # (by rows or parts) queues after its kernels (see Streamer._pre_forward).
+        self.ahead_after: tuple[list[int], int] | None = None
         # A table read in place (.gather.reads_in_place): (its memory's address, numel, dtype)
         # and its device view (None: the memory is not mapped), made at its first such lookup.
         self.mapped: tuple[tuple[int, int, torch.dtype], torch.Tensor | None] | None = None
