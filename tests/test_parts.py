@@ -20,6 +20,7 @@ from torch import nn
 def small_units(monkeypatch):
     monkeypatch.setattr(parts, "MIN_BYTES", 1 << 14)
     monkeypatch.setattr(parts, "MIN_PART_BYTES", 1 << 12)
+    monkeypatch.setattr(parts, "DOMINANCE", 0.0)  # (units alike are cut too)
     # Other tests of this process compile: this state is the process's (tested in a process of
     # its own below).
     monkeypatch.setattr(parts, "_compiled_anything", lambda: False)
@@ -102,21 +103,95 @@ def test_by_parts_is_bitwise_torch(device):
     assert all(p.refused == set() and p.watched == {True, False} for p in plans)
 
 
-def test_off_unless_the_environment_turns_it_on(monkeypatch):
+def test_the_environment_sets_the_least_size_or_turns_it_off(monkeypatch):
     monkeypatch.setattr(parts, "MIN_BYTES", None)
     monkeypatch.delenv("RAMTORCH_UNIT_PARTS_MIN_BYTES", raising=False)
     ours = Net()
     ramtorch.offload(ours, device="cpu")
-    assert all(parts.plan_of(u) is None for u in units(ours))
-    ours(torch.randn(2, 32, 6, 6))
-    assert cut(ours) == 0
+    assert all(parts.plan_of(u) is None for u in units(ours))  # under the default 64 MiB
     monkeypatch.setenv("RAMTORCH_UNIT_PARTS_MIN_BYTES", "16KiB")
     on = Net()
     ramtorch.offload(on, device="cpu")
     assert all(parts.plan_of(u) is not None for u in units(on))
+    on(torch.randn(2, 32, 6, 6))
+    on(torch.randn(2, 32, 6, 6))
+    assert cut(on) == 3
+    monkeypatch.setenv("RAMTORCH_UNIT_PARTS_MIN_BYTES", "off")
+    off = Net()
+    ramtorch.offload(off, device="cpu")
+    assert all(parts.plan_of(u) is None for u in units(off))
     monkeypatch.setenv("RAMTORCH_UNIT_PARTS_MIN_BYTES", "lots")
     with pytest.raises(ValueError, match="RAMTORCH_UNIT_PARTS_MIN_BYTES"):
         ramtorch.offload(Net(), device="cpu")
+
+
+def test_only_a_unit_that_holds_several_times_the_mean_is_cut(monkeypatch):
+    """Units alike are not cut (their copies overlap the compute already); one that holds most of
+    the bytes is."""
+    monkeypatch.setattr(parts, "DOMINANCE", 2.0)
+    alike = Net()
+    ramtorch.offload(alike, device="cpu")
+    assert all(parts.plan_of(u) is None for u in units(alike))
+
+    class Uneven(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.stages = nn.ModuleList(Stage(32, blocks=n) for n in (1, 1, 8, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for s in self.stages:
+                x = s(x)
+            return x
+
+    ref, ours = Uneven(), Uneven()
+    ramtorch.offload(ours, device="cpu")
+    assert [parts.plan_of(u) is not None for u in units(ours)] == [False, False, True, False]
+    for _ in range(3):
+        x = torch.randn(2, 32, 6, 6)
+        assert torch.equal(ours(x), ref(x))
+    assert cut(ours) == 2
+
+
+class Peek(Stage):
+    """A stage that notes where two weights are before and after its layers run (``peek``)."""
+
+    def __init__(self) -> None:
+        super().__init__(32)
+        self.peek: list[tuple[int, int]] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        note = self.peek
+        if note is not None:
+            note.append((self.out.weight.data_ptr(), self.blocks[0][0].weight.data_ptr()))
+        y = super().forward(x)
+        if note is not None:
+            note.append((self.out.weight.data_ptr(), self.blocks[0][0].weight.data_ptr()))
+        return y
+
+
+def test_a_read_outside_the_layers_in_a_cut_forward_gets_the_hosts_bytes():
+    """A branch that reads a layer's weight outside the layer, taken only after the watched
+    forward: until its layer runs, the weight is the host's (never slot bytes that may not have
+    landed); once a layer ran, its weights are the slot's (their part was waited for)."""
+    torch.manual_seed(0)
+    ref = Net()
+    ref.stages = nn.ModuleList([Peek(), Peek()])
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    first = ours.stages[0]
+    host = (first.out.weight.data_ptr(), first.blocks[0][0].weight.data_ptr())
+    x = torch.randn(2, 32, 6, 6)
+    assert torch.equal(ours(x), ref(x))  # watched, whole: clean
+    for net in (ref, ours):
+        net.stages[0].direct = True  # now reads out.weight with F.linear, past its layer
+    first.peek = []
+    assert torch.equal(ours(x), ref(x))
+    assert cut(ours) == 2
+    (out_before, block_before), (out_after, block_after) = first.peek
+    assert out_before == host[0] and block_before == host[1]
+    assert out_after == host[0]  # (its layer did not run)
+    assert block_after != host[1]  # the slot's
 
 
 def test_parts_follow_the_layers_and_each_layer_waits_for_its_own():

@@ -55,16 +55,20 @@ def gather_min_bytes() -> int:
 
 
 #: Environment variable for the unit size from which a unit of torch's layers is computed by parts
-#: as its copy lands (``ramtorch._stream.parts``); unset: never.
+#: as its copy lands (``ramtorch._stream.parts``).
 UNIT_PARTS_MIN_BYTES_VAR = "RAMTORCH_UNIT_PARTS_MIN_BYTES"
+#: Default of :func:`unit_parts_min_bytes`: 64 MiB.
+DEFAULT_UNIT_PARTS_MIN_BYTES = 64 << 20
 
 
 def unit_parts_min_bytes() -> int | None:
-    """Units of torch's layers of at least this many bytes are copied and computed by parts
+    """Units of torch's layers of at least this many bytes may be copied and computed by parts
     (``ramtorch._stream.parts``): ``RAMTORCH_UNIT_PARTS_MIN_BYTES`` (bytes, or a size such as
-    ``"64MiB"``), else ``None``: off, until its speed is measured on a GPU. An invalid value raises
-    an error naming the variable."""
+    ``"64MiB"``; ``"off"``: never), else 64 MiB. An invalid value raises an error naming the
+    variable."""
     raw = os.environ.get(UNIT_PARTS_MIN_BYTES_VAR)
     if raw is None or raw.strip() == "":
+        return DEFAULT_UNIT_PARTS_MIN_BYTES
+    if raw.strip().lower() == "off":
         return None
     return parse_bytes(raw.strip(), f"environment variable {UNIT_PARTS_MIN_BYTES_VAR}")

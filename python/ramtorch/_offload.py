@@ -519,6 +519,9 @@ def offload(
         )
     )
     handles.append(model.register_forward_hook(lambda m, a, o: streamer.end_pass(), always_call=True))
+    sizes = [u.nbytes for u in units if not u.resident and not u.gather]
+    for u in units:
+        u.mean_unit_bytes = sum(sizes) / len(sizes) if sizes else 0.0
     for u in units:
         if u.resident:
             continue

@@ -15,16 +15,20 @@ the first forward of the unit in each mode (training, evaluation) waits for the 
 runs under a ``TorchFunctionMode`` (:class:`Guard`) that sees each op given one of the unit's
 weights; the unit is cut from its next forward in that mode on only if each such op ran inside
 that weight's layer. (Watching every forward costs the host a Python call per op, which made a
-ResNet's pass slower than the whole copy.) Not cut either: a
-forward inside another torch function mode, a recomputation, a unit whose layers carry other
-forward hooks or a forward of their own (they may read the weights before ours waits), and a
-process that has compiled anything with ``torch.compile`` (a graph may read the weights without
-the layers' hooks in between).
+ResNet's pass slower than the whole copy.) In a cut forward each layer's weights become the
+slot's only in that layer's pre-hook, after its part is waited for: before, they are the host's,
+so a read that the watched forward did not see (a branch taken later) gets the host's bytes or
+fails on their device, never bytes that have not landed. Not cut either: a forward inside
+another torch function mode, a recomputation, a unit whose layers carry other forward hooks or a
+forward of their own (they may read the weights before ours waits), and a process that has
+compiled anything with ``torch.compile`` (a graph may read the weights without the layers' hooks
+in between).
 
-Off by default: on a GPU, with every forward watched (an earlier form of this module), a ResNet's
-pass took 80.3 ms against 54.4 ms with its units whole; the form here, which watches the first
-forward in a mode only, has not been measured on a GPU. ``RAMTORCH_UNIT_PARTS_MIN_BYTES`` (bytes,
-or a size such as ``"64MiB"``) turns it on for units of at least that size.
+Only a unit that holds several times the mean bytes of its model's streamed units is cut
+(:data:`DOMINANCE`): where units are alike, the copies already overlap the compute and a cut
+gains nothing (a stack of FFN blocks cut in two was no faster on a GPU). A ResNet's forward on an
+H200 took 39.0 ms cut against 47.5 ms whole (BENCHMARKS.md). ``RAMTORCH_UNIT_PARTS_MIN_BYTES``
+(bytes, or a size such as ``"64MiB"``; ``"off"``) sets the least size of a unit that is cut.
 """
 
 from __future__ import annotations
@@ -41,9 +45,14 @@ from .. import _config
 if TYPE_CHECKING:
     from .units import _Unit
 
-#: A unit of at least this many bytes is copied and computed by parts; ``None``: the environment's
-#: ``RAMTORCH_UNIT_PARTS_MIN_BYTES``, off when unset (see the module's docstring).
+#: A unit of at least this many bytes may be copied and computed by parts; ``None``: the
+#: environment's ``RAMTORCH_UNIT_PARTS_MIN_BYTES``, else 64 MiB (see the module's docstring).
 MIN_BYTES: int | None = None
+#: A unit is cut only where it holds at least this many times the mean bytes of its model's
+#: streamed units. Where units are alike (a transformer's layers), each one's copy lands while
+#: the one before computes and a cut gains nothing; where one holds most of the bytes (a ResNet's
+#: third stage), the compute before it ends long before its copy does.
+DOMINANCE = 2.0
 #: Each part holds at least this many bytes (several layers where they are small).
 MIN_PART_BYTES = 16 << 20
 #: Layers whose forward reads their own parameters and nothing else's (exactly these classes, or
@@ -69,12 +78,19 @@ class Plan:
     each layer's forward waits for (by ``id`` of the layer), and the modes (training or not) in
     which a forward read a weight outside its layer (never cut again)."""
 
-    __slots__ = ("parts", "upto", "owners", "refused", "watched")
+    __slots__ = ("parts", "upto", "owners", "binds", "refused", "watched")
 
-    def __init__(self, parts: list[int], upto: dict[int, int], owners: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        parts: list[int],
+        upto: dict[int, int],
+        owners: list[nn.Module],
+        binds: dict[int, list[tuple[str, int]]],
+    ) -> None:
         self.parts = parts
         self.upto = upto
         self.owners = owners
+        self.binds = binds  # id of a layer -> (name, index into the unit's weights) of its own
         self.refused: set[bool] = set()
         self.watched: set[bool] = set()  # modes whose first forward was watched and clean
 
@@ -95,8 +111,11 @@ def _cut(u: _Unit) -> Plan | None:
     least = MIN_BYTES if MIN_BYTES is not None else _config.unit_parts_min_bytes()
     if least is None or u.tree is not None or u.codec is not None or u.gather or nbytes < least:
         return None
+    if nbytes < DOMINANCE * u.mean_unit_bytes:
+        return None  # one of many alike: the copies of the units before it cover its own
     ends: dict[int, int] = {}
     owners: dict[int, nn.Module] = {}
+    binds: dict[int, list[tuple[str, int]]] = {}
     for e in u.entries:
         entry = layout.entries[e.index]
         if entry is None or not _trusted(e.owner):
@@ -108,6 +127,7 @@ def _cut(u: _Unit) -> Plan | None:
         key = id(e.owner)
         owners[key] = e.owner
         ends[key] = max(ends.get(key, 0), off + n)
+        binds.setdefault(key, []).append((e.name, e.index))
     if len(owners) < 2:
         return None
     parts: list[int] = []
@@ -119,7 +139,7 @@ def _cut(u: _Unit) -> Plan | None:
     if not parts:
         return None
     upto = {k: next((p for p in parts if p >= end), nbytes) for k, end in ends.items()}
-    return Plan(parts, upto, list(owners.values()))
+    return Plan(parts, upto, list(owners.values()), binds)
 
 
 def copy_parts(u: _Unit) -> list[int]:

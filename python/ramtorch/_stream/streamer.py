@@ -452,7 +452,7 @@ class Streamer(Prefetcher, GradientHooks):
                 self._prefetch_along(*u.ahead_after, u)  # (goes whole after all)
                 u.ahead_after = None
             if cut is not None and not cut[1]:
-                u.parts_armed = [slot, cut[0], 0]  # (the bytes waited for so far)
+                u.parts_armed = [slot, cut[0], 0]  # (the bytes waited for so far; the weights)
                 self.counters["forwards_by_parts"] += 1
             if blocks is not None and own:
                 eng = self.eng
@@ -493,8 +493,15 @@ class Streamer(Prefetcher, GradientHooks):
         else:
             dev = views
         before = [e.owner._parameters[e.name] for e in u.entries]
-        for e in u.entries:
-            e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
+        if u.parts_armed is not None:
+            # Each layer's weights become the slot's in its own pre-hook, once their part is
+            # waited for; until then they are the host's, so a read outside the layers (which
+            # the watched forward did not see) gets the host's bytes or fails on their device,
+            # never bytes that have not landed.
+            u.parts_armed.append(dev)
+        else:
+            for e in u.entries:
+                e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
         if cut is not None and cut[1]:
             weights: dict[int, set[int]] = {}
             for e in u.entries:
@@ -714,10 +721,14 @@ class Streamer(Prefetcher, GradientHooks):
             probe.stack.append(id(module))
         armed = u.parts_armed
         if armed is not None:
-            upto = armed[1].upto[id(module)]
+            key = id(module)
+            upto = armed[1].upto[key]
             if upto > armed[2]:
                 self.eng.claim_part(armed[0], upto, u.tag)
                 armed[2] = upto
+            dev = armed[3]
+            for name, index in armed[1].binds[key]:
+                module._parameters[name] = dev[index]
         return None
 
     def part_post_forward(self, u: _Unit, module: nn.Module, args: tuple, output: Any) -> None:

@@ -477,9 +477,12 @@ class _Unit:
         # into blocks of rows (.rows), how a large unit of torch's layers is cut into parts
         # (.parts).
         self._per_layout: dict[str, tuple[Any, Any]] = {}
-        # The running forward's [slot, plan, bytes waited for] while it goes by parts (.parts),
-        # and the guard that watches its first forward in a mode.
+        # The running forward's [slot, plan, bytes waited for, device weights] while it goes by
+        # parts (.parts), and the guard that watches its first forward in a mode.
         self.parts_armed: list[Any] | None = None
+        # The mean bytes of its model's streamed units (set by offload; 0: not known): a unit is
+        # computed by parts only where it holds several times that (.parts.DOMINANCE).
+        self.mean_unit_bytes = 0.0
         self.parts_probe: Any = None
         # The itinerary and position whose copies ahead a forward computed as its copy lands
         # (by rows or parts) queues after its kernels (see Streamer._pre_forward).
