@@ -125,13 +125,21 @@ def test_the_environment_sets_the_least_size_or_turns_it_off(monkeypatch):
         ramtorch.offload(Net(), device="cpu")
 
 
-def test_only_a_unit_that_holds_several_times_the_mean_is_cut(monkeypatch):
-    """Units alike are not cut (their copies overlap the compute already); one that holds most of
-    the bytes is."""
+def test_a_unit_is_cut_where_it_holds_several_times_the_mean_or_ends_the_pass(monkeypatch):
+    """Units alike are not cut (their copies overlap the compute already), but for the one that
+    ends the forward pass (known from the first pass on); one that holds most of the bytes is."""
     monkeypatch.setattr(parts, "DOMINANCE", 2.0)
+
+    def cuts(m: nn.Module) -> list[bool]:
+        return [bool(parts.copy_parts(u)) for u in units(m)]
+
     alike = Net()
     ramtorch.offload(alike, device="cpu")
-    assert all(parts.plan_of(u) is None for u in units(alike))
+    assert cuts(alike) == [False, False, False]
+    for _ in range(3):
+        alike(torch.randn(2, 32, 6, 6))
+    assert cuts(alike) == [False, False, True]
+    assert cut(alike) == 1  # the first pass finds the end, the second is watched, the third cut
 
     class Uneven(nn.Module):
         def __init__(self) -> None:
@@ -146,11 +154,12 @@ def test_only_a_unit_that_holds_several_times_the_mean_is_cut(monkeypatch):
 
     ref, ours = Uneven(), Uneven()
     ramtorch.offload(ours, device="cpu")
-    assert [parts.plan_of(u) is not None for u in units(ours)] == [False, False, True, False]
+    assert cuts(ours) == [False, False, True, False]
     for _ in range(3):
         x = torch.randn(2, 32, 6, 6)
         assert torch.equal(ours(x), ref(x))
-    assert cut(ours) == 2
+    assert cuts(ours) == [False, False, True, True]
+    assert cut(ours) == 2 + 1
 
 
 class Peek(Stage):

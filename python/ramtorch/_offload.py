@@ -528,12 +528,8 @@ def offload(
         u.module._ramtorch_unit = u  # type: ignore[assignment]
         if u.nbytes >= _rows.MIN_BYTES:
             _rows.adopt(u.module)  # a large Linear: computed by blocks of rows as they land
-        plan = _parts.plan_of(u)
-        for owner in [] if plan is None else plan.owners:
-            # A large unit of torch's layers: each layer waits for its own part of the copy.
-            pre, post = streamer.part_pre_forward, streamer.part_post_forward
-            handles.append(owner.register_forward_pre_hook(functools.partial(pre, u)))
-            handles.append(owner.register_forward_hook(functools.partial(post, u), always_call=True))
+        if _parts.wanted(u):
+            streamer.hook_parts(u)  # a large unit of torch's layers: each waits for its own part
         # Partials, not lambdas: the hooks' frames are the streamer's methods, which
         # torch.compile runs as they are (ramtorch._stream.compiling).
         handles.append(

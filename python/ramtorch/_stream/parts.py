@@ -24,11 +24,13 @@ forward of their own (they may read the weights before ours waits), and a proces
 compiled anything with ``torch.compile`` (a graph may read the weights without the layers' hooks
 in between).
 
-Only a unit that holds several times the mean bytes of its model's streamed units is cut
-(:data:`DOMINANCE`): where units are alike, the copies already overlap the compute and a cut
-gains nothing (a stack of FFN blocks cut in two was no faster on a GPU). A ResNet's forward on an
-H200 took 39.0 ms cut against 47.5 ms whole (BENCHMARKS.md). ``RAMTORCH_UNIT_PARTS_MIN_BYTES``
-(bytes, or a size such as ``"64MiB"``; ``"off"``) sets the least size of a unit that is cut.
+Only two kinds of unit are cut (:func:`wanted`): one that holds several times the mean bytes of
+its model's streamed units (:data:`DOMINANCE`), and the one that ends the forward pass (what
+follows the pass's last byte is then its last part's compute, not all of it). Elsewhere, where
+units are alike, each one's copy lands while the one before computes and a cut gains nothing.
+A ResNet's forward on an H200 took 39.0 ms cut against 47.5 ms whole (BENCHMARKS.md).
+``RAMTORCH_UNIT_PARTS_MIN_BYTES`` (bytes, or a size such as ``"64MiB"``; ``"off"``) sets the least
+size of a unit that is cut.
 """
 
 from __future__ import annotations
@@ -111,8 +113,6 @@ def _cut(u: _Unit) -> Plan | None:
     least = MIN_BYTES if MIN_BYTES is not None else _config.unit_parts_min_bytes()
     if least is None or u.tree is not None or u.codec is not None or u.gather or nbytes < least:
         return None
-    if nbytes < DOMINANCE * u.mean_unit_bytes:
-        return None  # one of many alike: the copies of the units before it cover its own
     ends: dict[int, int] = {}
     owners: dict[int, nn.Module] = {}
     binds: dict[int, list[tuple[str, int]]] = {}
@@ -142,10 +142,17 @@ def _cut(u: _Unit) -> Plan | None:
     return Plan(parts, upto, list(owners.values()), binds)
 
 
+def wanted(u: _Unit) -> bool:
+    """Whether a cut of ``u`` gains anything: it holds several times the mean bytes of its model's
+    streamed units (the compute before it ends long before its copy does), or it ends the forward
+    pass (what it computes after the pass's last byte is then one part's share, not its whole)."""
+    return u.ends_forward or u.nbytes >= DOMINANCE * u.mean_unit_bytes
+
+
 def copy_parts(u: _Unit) -> list[int]:
     """Byte offsets where ``u``'s copy is cut into parts (none for a unit that goes whole)."""
     p = plan_of(u)
-    return [] if p is None else p.parts
+    return [] if p is None or not wanted(u) else p.parts
 
 
 def _compiled_anything() -> bool:
@@ -163,7 +170,9 @@ def by_parts(u: _Unit, module: nn.Module) -> tuple[Plan, bool] | None:
     """``(plan, watch)`` when ``u``'s forward now runs by parts (``watch``: this forward waits for
     the whole copy and is watched), else ``None``."""
     p = plan_of(u)
-    if p is None or u.fwd or _compiled_anything() or torch._C._is_torch_function_mode_enabled():
+    if p is None or not u.parts_hooked or not wanted(u):
+        return None
+    if u.fwd or _compiled_anything() or torch._C._is_torch_function_mode_enabled():
         return None
     mode = bool(getattr(module, "training", False))
     if mode in p.refused:

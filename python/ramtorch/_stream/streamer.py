@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import sys
 import threading
 import warnings
@@ -349,6 +350,12 @@ class Streamer(Prefetcher, GradientHooks):
             self.state &= ~PassState.FORWARD
             self.fwd_itin = self.cur_fwd
             self.cur_fwd = []
+            if self.fwd_itin and not self.by_uid[self.fwd_itin[-1]].ends_forward:
+                for x in self.units:
+                    x.ends_forward = False
+                last = self.by_uid[self.fwd_itin[-1]]
+                last.ends_forward = True  # cut by parts where it can be (.parts.wanted)
+                self.hook_parts(last)
             self.counters["passes"] += 1
             # Nothing of the next pass is copied now: its weights may be edited before it begins
             # (see :meth:`begin_pass`, which copies its first units). Unless the next pass will
@@ -710,6 +717,19 @@ class Streamer(Prefetcher, GradientHooks):
             return self._post_forward(u, output)
         finally:
             self.eng.forwards.release((self._pass_token, u.uid))  # (a unit run on its own)
+
+    def hook_parts(self, u: _Unit) -> None:
+        """Hooks on the layers of ``u``, where it can be computed by parts (.parts), so that each
+        waits for its own part of the copy (once: the layers of a unit stay its own)."""
+        plan = parts.plan_of(u)
+        if plan is None or u.parts_hooked:
+            return
+        u.parts_hooked = True
+        for owner in plan.owners:
+            pre = functools.partial(self.part_pre_forward, u)
+            post = functools.partial(self.part_post_forward, u)
+            self.hook_handles.append(owner.register_forward_pre_hook(pre))
+            self.hook_handles.append(owner.register_forward_hook(post, always_call=True))
 
     def part_pre_forward(self, u: _Unit, module: nn.Module, args: tuple) -> None:
         """A layer of a unit computed by parts (.parts): waits for the part that holds its

@@ -483,6 +483,10 @@ class _Unit:
         # The mean bytes of its model's streamed units (set by offload; 0: not known): a unit is
         # computed by parts only where it holds several times that (.parts.DOMINANCE).
         self.mean_unit_bytes = 0.0
+        # Whether it ended the last forward pass (the streamer's itinerary), and whether its
+        # layers carry the hooks that compute it by parts (.parts; installed once it may be cut).
+        self.ends_forward = False
+        self.parts_hooked = False
         self.parts_probe: Any = None
         # The itinerary and position whose copies ahead a forward computed as its copy lands
         # (by rows or parts) queues after its kernels (see Streamer._pre_forward).
