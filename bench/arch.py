@@ -548,9 +548,11 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             p.grad = None
         records.append({**common, **extra, "phase": phase, "system": "ramtorch", **r})
         log(name, phase, "ramtorch", r["seconds"])
-    if (a.whole_head or a.whole_units) and "forward" in a.phases:
-        # The A/B of the default: the same forward with no Linear computed by blocks of rows
-        # (--whole-head) and no unit computed by parts (--whole-units) as its copy lands.
+    ab_phases = [p for p in ("forward", "forward_backward") if p in a.phases]
+    if (a.whole_head or a.whole_units) and ab_phases:
+        # The A/B of the default: the same forward (and forward+backward) with no Linear computed
+        # by blocks of rows (--whole-head) and no unit computed by parts (--whole-units) as its
+        # copy lands.
         import ramtorch._stream.parts as stream_parts
         import ramtorch._stream.rows as stream_rows
 
@@ -561,11 +563,14 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
         if a.whole_units:
             stream_parts.by_parts = lambda *args, **kw: None
             opts["units"] = "whole"
-        model.train(False)
-        before, fn = phase_fns(model, x, offloaded=True)["forward"]
-        r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
-        records.append({**common, **extra, "phase": "forward", "system": "ramtorch", "options": opts, **r})
-        log(name, f"forward ({', '.join(f'{k} {v}' for k, v in opts.items())})", "ramtorch", r["seconds"])
+        for phase in ab_phases:
+            model.train(phase != "forward")
+            before, fn = phase_fns(model, x, offloaded=True)[phase]
+            r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
+            for p in model.parameters():
+                p.grad = None
+            records.append({**common, **extra, "phase": phase, "system": "ramtorch", "options": opts, **r})
+            log(name, f"{phase} ({', '.join(f'{k} {v}' for k, v in opts.items())})", "ramtorch", r["seconds"])
     return records
 
 
@@ -805,15 +810,15 @@ def main() -> None:
     ap.add_argument(
         "--whole-head",
         action="store_true",
-        help="an A/B: the forward again with no Linear computed by blocks of rows as its copy "
-        "lands (the default cuts the LM head); records carry options",
+        help="an A/B: the forward (and forward+backward) again with no Linear computed by blocks "
+        "of rows as its copy lands (the default cuts the LM head); records carry options",
     )
     ap.add_argument(
         "--whole-units",
         action="store_true",
-        help="an A/B: the forward again with no large unit of torch's layers computed by parts "
-        "as its copy lands (cut where RAMTORCH_UNIT_PARTS_MIN_BYTES is set: a ResNet's stages); "
-        "records carry options",
+        help="an A/B: the forward (and forward+backward) again with no large unit of torch's "
+        "layers computed by parts as its copy lands (the default cuts a ResNet's largest stage "
+        "and a pass's last unit); records carry options",
     )
     ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD, else unknown")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, 1 rep: checks the script")
