@@ -458,7 +458,8 @@ class Streamer(Prefetcher, GradientHooks):
             if u.ahead_after is not None and blocks is None and (cut is None or cut[1]):
                 self._prefetch_along(*u.ahead_after, u)  # (goes whole after all)
                 u.ahead_after = None
-            if cut is not None and not cut[1]:
+            lazy = cut is not None and not cut[1]
+            if lazy:
                 u.parts_armed = [slot, cut[0], 0]  # (the bytes waited for so far; the weights)
                 self.counters["forwards_by_parts"] += 1
             if blocks is not None and own:
@@ -500,7 +501,7 @@ class Streamer(Prefetcher, GradientHooks):
         else:
             dev = views
         before = [e.owner._parameters[e.name] for e in u.entries]
-        if u.parts_armed is not None:
+        if lazy and u.parts_armed is not None:
             # Each layer's weights become the slot's in its own pre-hook, once their part is
             # waited for; until then they are the host's, so a read outside the layers (which
             # the watched forward did not see) gets the host's bytes or fails on their device,
@@ -769,8 +770,10 @@ class Streamer(Prefetcher, GradientHooks):
             if plan is not None:
                 mode = bool(getattr(u.module, "training", False))
                 (plan.watched if guard.clean else plan.refused).add(mode)
-        armed, u.parts_armed = u.parts_armed, None
+        # (Only a unit's outermost forward is cut: a forward of it nested inside leaves it armed.)
+        armed = u.parts_armed if len(u.fwd) <= 1 else None
         if armed is not None:
+            u.parts_armed = None
             self.eng.claim(armed[0], u.tag)  # what follows may read any of the unit's bytes
         ahead, u.ahead_after = u.ahead_after, None
         if ahead is not None:
