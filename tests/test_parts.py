@@ -23,7 +23,7 @@ def small_units(monkeypatch):
     monkeypatch.setattr(parts, "DOMINANCE", 0.0)  # (units alike are cut too)
     # Other tests of this process compile: this state is the process's (tested in a process of
     # its own below).
-    monkeypatch.setattr(parts, "_compiled_anything", lambda: False)
+    monkeypatch.setattr(parts, "compiled_anything", lambda: False)
 
 
 class Stage(nn.Module):
@@ -318,29 +318,55 @@ def test_what_is_not_cut_goes_whole_and_matches(case):
     assert cut(ours) == 0
 
 
-def test_a_process_that_compiled_goes_whole():
-    """Once anything was compiled (in a process of its own: the state is the process's), a graph
-    might read a unit's weights without its layers' hooks in between: no unit is cut."""
+def _in_a_process(code: str) -> list[str]:
+    """What ``code`` prints, run in a process of its own (compiling is the process's state)."""
     import os
     import subprocess
     import sys
 
-    code = (
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([pkg, os.path.dirname(os.path.abspath(__file__))])}
+    head = (
         "import torch, ramtorch, test_parts as t\n"
         "from ramtorch._stream import parts\n"
-        "parts.MIN_BYTES, parts.MIN_PART_BYTES = 1 << 14, 1 << 12\n"
+        "parts.MIN_BYTES, parts.MIN_PART_BYTES, parts.DOMINANCE = 1 << 14, 1 << 12, 0.0\n"
+        "def hooks(m):\n"
+        "    return sum(len(o._forward_pre_hooks) for u in t.units(m) for o in parts.plan_of(u).owners)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", head + code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def test_a_process_that_compiled_goes_whole():
+    """Once anything was compiled, a graph might read a unit's weights without its layers' hooks in
+    between: no unit is cut, and its layers get no hooks (under compile each would break the
+    graph)."""
+    code = (
         "torch.compile(lambda v: v + 1, backend='eager')(torch.ones(1))\n"
         "ref, ours = t.Net(), t.Net()\n"
         "ramtorch.offload(ours, device='cpu')\n"
         "x = torch.randn(2, 32, 6, 6)\n"
         "same = all(torch.equal(ours(x), ref(x)) for _ in range(3))\n"
-        "print(same, t.cut(ours))\n"
+        "print(same, t.cut(ours), hooks(ours))\n"
     )
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([pkg, os.path.dirname(os.path.abspath(__file__))])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["True", "0"]
+    assert _in_a_process(code)[-3:] == ["True", "0", "0"]
+
+
+def test_compiling_a_cut_model_takes_its_layers_hooks_off():
+    """A model cut in eager mode, then compiled: it goes whole, and its layers' hooks come off at
+    their first call (each would break the graph at its layer)."""
+    code = (
+        "ref, ours = t.Net(), t.Net()\n"
+        "ramtorch.offload(ours, device='cpu')\n"
+        "x = torch.randn(2, 32, 6, 6)\n"
+        "eager = all(torch.equal(ours(x), ref(x)) for _ in range(3))\n"
+        "cut, before = t.cut(ours), hooks(ours)\n"
+        "f = torch.compile(ours, backend='eager')\n"
+        "same = all(torch.equal(f(x), ref(x)) for _ in range(3))\n"
+        "print(eager, same, cut > 0, before > 0, t.cut(ours) - cut, hooks(ours))\n"
+    )
+    assert _in_a_process(code)[-6:] == ["True", "True", "True", "True", "0", "0"]
 
 
 def test_units_of_other_layers_are_not_cut():

@@ -155,7 +155,7 @@ def copy_parts(u: _Unit) -> list[int]:
     return [] if p is None or not wanted(u) else p.parts
 
 
-def _compiled_anything() -> bool:
+def compiled_anything() -> bool:
     """Whether this process has compiled a frame with ``torch.compile`` (whose graphs may read a
     unit's weights without running the layers' hooks in between)."""
     utils = sys.modules.get("torch._dynamo.utils")
@@ -172,7 +172,7 @@ def by_parts(u: _Unit, module: nn.Module) -> tuple[Plan, bool] | None:
     p = plan_of(u)
     if p is None or not u.parts_hooked or not wanted(u):
         return None
-    if u.fwd or _compiled_anything() or torch._C._is_torch_function_mode_enabled():
+    if u.fwd or compiled_anything() or torch._C._is_torch_function_mode_enabled():
         return None
     mode = bool(getattr(module, "training", False))
     if mode in p.refused:

@@ -723,14 +723,23 @@ class Streamer(Prefetcher, GradientHooks):
         """Hooks on the layers of ``u``, where it can be computed by parts (.parts), so that each
         waits for its own part of the copy (once: the layers of a unit stay its own)."""
         plan = parts.plan_of(u)
-        if plan is None or u.parts_hooked:
+        if plan is None or u.parts_hooked or parts.compiled_anything():
             return
         u.parts_hooked = True
         for owner in plan.owners:
             pre = functools.partial(self.part_pre_forward, u)
             post = functools.partial(self.part_post_forward, u)
-            self.hook_handles.append(owner.register_forward_pre_hook(pre))
-            self.hook_handles.append(owner.register_forward_hook(post, always_call=True))
+            u.parts_handles.append(owner.register_forward_pre_hook(pre))
+            u.parts_handles.append(owner.register_forward_hook(post, always_call=True))
+        self.hook_handles.extend(u.parts_handles)
+
+    def _unhook_parts(self, u: _Unit) -> None:
+        """Takes the hooks of ``hook_parts`` off ``u``'s layers once the process has compiled
+        anything: no unit is cut from then on (.parts.by_parts), and under ``torch.compile`` each
+        hook would break the graph at its layer."""
+        for h in u.parts_handles:
+            h.remove()
+        u.parts_handles = []
 
     def part_pre_forward(self, u: _Unit, module: nn.Module, args: tuple) -> None:
         """A layer of a unit computed by parts (.parts): waits for the part that holds its
@@ -741,6 +750,9 @@ class Streamer(Prefetcher, GradientHooks):
         if probe is not None:
             probe.stack.append(id(module))
         armed = u.parts_armed
+        if armed is None and probe is None and parts.compiled_anything():
+            self._unhook_parts(u)
+            return None
         if armed is not None:
             key = id(module)
             upto = armed[1].upto[key]

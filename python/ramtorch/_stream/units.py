@@ -487,6 +487,7 @@ class _Unit:
         # layers carry the hooks that compute it by parts (.parts; installed once it may be cut).
         self.ends_forward = False
         self.parts_hooked = False
+        self.parts_handles: list[Any] = []
         self.parts_probe: Any = None
         # The itinerary and position whose copies ahead a forward computed as its copy lands
         # (by rows or parts) queues after its kernels (see Streamer._pre_forward).
