@@ -340,8 +340,7 @@ def _in_a_process(code: str) -> list[str]:
 
 def test_a_process_that_compiled_goes_whole():
     """Once anything was compiled, a graph might read a unit's weights without its layers' hooks in
-    between: no unit is cut, and its layers get no hooks (under compile each would break the
-    graph)."""
+    between: no unit is cut, and its layers get no hooks (they would have nothing to do)."""
     code = (
         "torch.compile(lambda v: v + 1, backend='eager')(torch.ones(1))\n"
         "ref, ours = t.Net(), t.Net()\n"
@@ -355,7 +354,7 @@ def test_a_process_that_compiled_goes_whole():
 
 def test_compiling_a_cut_model_takes_its_layers_hooks_off():
     """A model cut in eager mode, then compiled: it goes whole, and its layers' hooks come off at
-    their first call (each would break the graph at its layer)."""
+    their first call (they have nothing to do from then on)."""
     code = (
         "ref, ours = t.Net(), t.Net()\n"
         "ramtorch.offload(ours, device='cpu')\n"

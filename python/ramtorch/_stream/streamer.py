@@ -735,8 +735,8 @@ class Streamer(Prefetcher, GradientHooks):
 
     def _unhook_parts(self, u: _Unit) -> None:
         """Takes the hooks of ``hook_parts`` off ``u``'s layers once the process has compiled
-        anything: no unit is cut from then on (.parts.by_parts), and under ``torch.compile`` each
-        hook would break the graph at its layer."""
+        anything: no unit is cut from then on (.parts.by_parts), so they have nothing to do (and
+        a hook that Dynamo traces breaks the graph: ``opaque``)."""
         for h in u.parts_handles:
             h.remove()
         u.parts_handles = []
