@@ -28,7 +28,7 @@ Only two kinds of unit are cut (:func:`wanted`): one that holds several times th
 its model's streamed units (:data:`DOMINANCE`), and the one that ends the forward pass (what
 follows the pass's last byte is then its last part's compute, not all of it). Elsewhere, where
 units are alike, each one's copy lands while the one before computes and a cut gains nothing.
-A ResNet's forward on an H200 took 39.0 ms cut against 47.5 ms whole (BENCHMARKS.md).
+A ResNet's forward on an H200 took 40.4 ms cut against 47.1 ms whole (BENCHMARKS.md).
 ``RAMTORCH_UNIT_PARTS_MIN_BYTES`` (bytes, or a size such as ``"64MiB"``; ``"off"``) sets the least
 size of a unit that is cut.
 """
