@@ -170,7 +170,7 @@ def by_parts(u: _Unit, module: nn.Module) -> tuple[Plan, bool] | None:
     """``(plan, watch)`` when ``u``'s forward now runs by parts (``watch``: this forward waits for
     the whole copy and is watched), else ``None``."""
     p = plan_of(u)
-    if p is None or not u.parts_hooked or not wanted(u):
+    if p is None or not u.parts_handles or not wanted(u):
         return None
     if u.fwd or compiled_anything() or torch._C._is_torch_function_mode_enabled():
         return None

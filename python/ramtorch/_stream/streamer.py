@@ -723,9 +723,8 @@ class Streamer(Prefetcher, GradientHooks):
         """Hooks on the layers of ``u``, where it can be computed by parts (.parts), so that each
         waits for its own part of the copy (once: the layers of a unit stay its own)."""
         plan = parts.plan_of(u)
-        if plan is None or u.parts_hooked or parts.compiled_anything():
+        if plan is None or u.parts_handles or parts.compiled_anything():
             return
-        u.parts_hooked = True
         for owner in plan.owners:
             pre = functools.partial(self.part_pre_forward, u)
             post = functools.partial(self.part_post_forward, u)

@@ -483,10 +483,10 @@ class _Unit:
         # The mean bytes of its model's streamed units (set by offload; 0: not known): a unit is
         # computed by parts only where it holds several times that (.parts.DOMINANCE).
         self.mean_unit_bytes = 0.0
-        # Whether it ended the last forward pass (the streamer's itinerary), and whether its
-        # layers carry the hooks that compute it by parts (.parts; installed once it may be cut).
+        # Whether it ended the last forward pass (the streamer's itinerary), and the hooks on its
+        # layers that compute it by parts (.parts; installed once it may be cut, none after the
+        # process compiled anything).
         self.ends_forward = False
-        self.parts_hooked = False
         self.parts_handles: list[Any] = []
         self.parts_probe: Any = None
         # The itinerary and position whose copies ahead a forward computed as its copy lands
