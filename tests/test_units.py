@@ -223,3 +223,45 @@ def test_convnext_stages_stream_block_by_block():
         torch.testing.assert_close(model(x), plain(x))
     finally:
         detach_streamer(model)
+
+
+def test_a_slots_views_are_made_once_and_anew_where_one_changed_in_place() -> None:
+    from ramtorch import _engine
+
+    flat = torch.zeros(64, dtype=torch.uint8)
+    lay = _engine.Layout(flat, [flat[:32].view(torch.float32).view(2, 4), flat[32:48].view(torch.float32)])
+    slot = torch.arange(64, dtype=torch.uint8)
+    first = lay.slot_views(slot)
+    assert lay.slot_views(slot) is first
+    assert torch.equal(first[0], slot[:32].view(torch.float32).view(2, 4))
+    assert first[1].data_ptr() == slot.data_ptr() + 32
+    first[0].t_()  # metadata changed in place: not the layout's view any more
+    again = lay.slot_views(slot)
+    assert again is not first and again[0].shape == (2, 4) and again[0].is_contiguous()
+    other = torch.zeros(64, dtype=torch.uint8)  # another slot: views of its own
+    assert lay.slot_views(other)[0].data_ptr() == other.data_ptr()
+    _engine.forget_slot_views()
+    assert not lay._made
+
+
+def test_replacing_the_slots_drops_every_view_of_the_old_ones() -> None:
+    """Views kept for a model that does not run again would hold the old slots' memory."""
+    from ramtorch import _engine
+
+    torch.manual_seed(0)
+    small = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    ramtorch.offload(small, device="cpu")
+    x = torch.randn(2, 16)
+    small(x)
+    held = [u.layout for u in small._ramtorch_streamer.units if u.layout is not None and u.layout._made]
+    assert held, "a forward keeps its units' views of the slots"
+    eng = _engine.engine_for(torch.device("cpu"))
+    old = list(eng._slots)
+    big = nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)])
+    ramtorch.offload(big, device="cpu")
+    big(torch.randn(2, 256))  # larger units: the engine's slots are replaced
+    assert all(s is not t for s in old for t in eng._slots)
+    assert all(not lay._made for lay in held)
+    ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    ref.load_state_dict(small.state_dict())
+    torch.testing.assert_close(small(x), ref(x))

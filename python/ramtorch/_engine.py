@@ -217,14 +217,27 @@ def next_generation() -> int:
     return next(_GENERATIONS)
 
 
+#: Layouts holding views of device slots (:meth:`Layout.slot_views`): emptied when a device's
+#: slots are replaced, so that no view keeps an old slot's memory alive.
+_SLOT_VIEWS: weakref.WeakSet[Layout] = weakref.WeakSet()
+
+
+def forget_slot_views() -> None:
+    """Drops every layout's views of device slots (the slots are being replaced)."""
+    for layout in list(_SLOT_VIEWS):
+        layout._made.clear()
+    _SLOT_VIEWS.clear()
+
+
 class Layout:
     """Where a unit's tensors sit in its host region: ``(offset, shape, dtype)`` per tensor."""
 
-    __slots__ = ("entries", "nbytes", "_spans")
+    __slots__ = ("entries", "dtypes", "nbytes", "_spans", "_made", "__weakref__")
 
     def __init__(self, flat: torch.Tensor, views: Sequence[torch.Tensor | None]) -> None:
         base = flat.data_ptr()
         self.entries = [None if v is None else (v.data_ptr() - base, tuple(v.shape), v.dtype) for v in views]
+        self.dtypes = [None if e is None else e[2] for e in self.entries]
         self.nbytes = flat.numel()
         # Per tensor, (first byte, end byte, dtype, shape): the views of every use without
         # recomputing sizes.
@@ -232,9 +245,35 @@ class Layout:
             None if e is None else (e[0], e[0] + _arena._nbytes(e[1], e[2]), e[2], e[1]) for e in self.entries
         ]
 
+        # id of a device slot -> (the slot, its views): see slot_views.
+        self._made: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = {}
+
     def views(self, slot: torch.Tensor) -> list[torch.Tensor | None]:
         """The tensors of this layout inside ``slot`` (a ``uint8`` buffer holding the region)."""
         return [None if s is None else slot[s[0] : s[1]].view(s[2]).view(s[3]) for s in self._spans]
+
+    def slot_views(self, slot: torch.Tensor) -> list[torch.Tensor | None]:
+        """:meth:`views` of one of an engine's device slots, made once per slot: a unit of a few
+        hundred tensors (a ResNet stage) took longer to view anew each forward than its kernels
+        took to launch. The views are the same tensors at each use, sharing the slot's version
+        counter as any view does; a view whose metadata was changed in place (``resize_``,
+        ``as_strided_``, ``t_``) is made anew. Forgotten when the engine replaces its slots
+        (:func:`forget_slot_views`)."""
+        got = self._made.get(id(slot))
+        if got is not None and got[0] is slot:
+            views = got[1]
+            base = slot.data_ptr()
+            for v, s in zip(views, self._spans):
+                if v is None:
+                    continue
+                if v.data_ptr() != base + s[0] or v.shape != s[3] or not v.is_contiguous():
+                    break
+            else:
+                return views
+        views = self.views(slot)
+        self._made[id(slot)] = (slot, views)
+        _SLOT_VIEWS.add(self)
+        return views
 
 
 #: Threads that run a forward on behalf of another (``_stream.pipeline``: the micro-batches of one
@@ -465,6 +504,7 @@ class DeviceEngine:
         count = max(self._want_count, len(self._slots))
         self._core.set_slots([], 0)
         self._slots = []
+        forget_slot_views()
         self._owned.clear()  # none is held (set_slots checks): nothing of the old slots is owned
         # Normal tensors also when first needed under torch.inference_mode: the streamers read
         # their version counters, which inference tensors do not have.

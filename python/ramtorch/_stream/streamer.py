@@ -73,15 +73,16 @@ def refuse_ddp(what: str) -> None:
     )
 
 
-def _device_views(u: _Unit, buf: torch.Tensor) -> list[Any]:
-    """``u``'s weights in the slot ``buf``, per parameter (tensor subclasses rebuilt around their
-    inner tensors). Made as normal tensors also under ``torch.inference_mode`` (where torch's own
-    parameters are normal tensors too): a write into them then bumps the slot's version counter,
-    which inference tensors do not have."""
+def _device_views(u: _Unit, buf: torch.Tensor, cached: bool) -> list[Any]:
+    """``u``'s weights in ``buf``, per parameter (tensor subclasses rebuilt around their inner
+    tensors); ``cached``: ``buf`` is a device slot, whose views are made once
+    (:meth:`~ramtorch._engine.Layout.slot_views`). Made as normal tensors also under
+    ``torch.inference_mode`` (where torch's own parameters are normal tensors too): a write into
+    them then bumps the slot's version counter, which inference tensors do not have."""
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
-            return _device_views(u, buf)
-    views = u.layout.views(buf)  # type: ignore[union-attr]
+            return _device_views(u, buf, cached)
+    views = u.layout.slot_views(buf) if cached else u.layout.views(buf)  # type: ignore[union-attr]
     return u.device_params(views) if u.tree is not None else views
 
 
@@ -447,7 +448,7 @@ class Streamer(Prefetcher, GradientHooks):
                     self._read_ahead(self.disk_order, 0, frozenset(self.cur_fwd))
             assert u.layout is not None
             buf = self.weights_buffer(slot)
-            views = _device_views(u, buf)
+            views = _device_views(u, buf, slot not in self.decoded)
             if blocks is not None and rows.blocks_of(u) is not blocks:
                 self.eng.claim(slot, u.tag)  # packed anew by _take: cut anew at its next copy
                 blocks = None
@@ -986,9 +987,7 @@ class Streamer(Prefetcher, GradientHooks):
             # Code that runs the unit's submodules during its backward (a checkpointed region
             # inside the unit recomputing) must find the weights on the device.
             assert u.layout is not None
-            views = u.layout.views(self.weights_buffer(u.bwd))
-            if u.tree is not None:
-                views = u.device_params(views)
+            views = _device_views(u, self.weights_buffer(u.bwd), u.bwd not in self.decoded)
             views = _leaves(views, u.params)
             for e in u.entries:
                 e.owner._parameters[e.name] = views[e.index]  # type: ignore[assignment]

@@ -723,10 +723,13 @@ class _Unit:
             return False
         if self.tree is not None:
             return self._is_home_tree(lay)
-        for p, ptr, e in zip(self.params, self.home, lay.entries):
-            if p.device.type != "cpu" or p.data_ptr() != ptr or e is None or p.dtype != e[2]:
-                return False
-        return True
+        # (A device tensor's address is never one of the host region's: no device check.)
+        params = self.params
+        return (
+            len(params) == len(self.home)
+            and [p.data_ptr() for p in params] == self.home
+            and [p.dtype for p in params] == lay.dtypes
+        )
 
     def stream_leaves(self) -> tuple[list[torch.Tensor], bool]:
         """``stream_tensors(self.params)``'s tensors, and whether every parameter is plain. Cached
