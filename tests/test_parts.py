@@ -442,3 +442,20 @@ def test_by_parts_on_cuda_at_the_real_thresholds(monkeypatch):
     # The first forward in each mode is watched under the whole copy; the two after it are cut.
     assert cut(ours) == 3 * 2
     assert all(parts.plan_of(u).watched == {True, False} for u in units(ours))
+
+
+def test_a_unit_is_cut_in_at_most_max_parts(monkeypatch):
+    """Many layers make few parts: each part is a copy and an event on the transfer stream."""
+    many = Net()
+    ramtorch.offload(many, device="cpu")
+    assert len(parts.plan_of(units(many)[0]).parts) + 1 > 3
+    monkeypatch.setattr(parts, "MAX_PARTS", 3)
+    ref, ours = Net(), Net()
+    ramtorch.offload(ours, device="cpu")
+    for u in units(ours):
+        p = parts.plan_of(u)
+        assert p is not None and len(p.parts) + 1 <= 3
+        least = -(-u.layout.nbytes // 3)
+        assert all(b - a >= least for a, b in zip([0, *p.parts], p.parts))
+    run_both(ref, ours, "cpu")
+    assert cut(ours) > 0
