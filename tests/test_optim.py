@@ -702,6 +702,46 @@ def test_jobs_of_single_weights_as_they_land_equal_torch(mode, monkeypatch):
     assert o_ours.timings["in_backward_updates"] >= 9 * len(list(ours.parameters()))
 
 
+def test_each_unit_hands_its_trainable_weights_over_once_every_forward_delivered():
+    """With the default batching, a unit's weights go to the optimizers in one hand-off, once
+    every forward of the step has delivered each trainable one's gradient (two forwards before
+    one backward here; a frozen weight is not waited for)."""
+    ref, ours = pair("cpu", p_drop=0.0)
+    blocks = ours._ramtorch_streamer.units
+    frozen = blocks[0].params[-1]
+    frozen.requires_grad_(False)
+    calls: list[list[int]] = []
+    eng = ours._ramtorch_streamer.eng
+
+    class Listener:
+        def on_grads(self, _eng, params):
+            calls.append(sorted(id(p) for p in params))
+
+        def reduce_grad(self, _param, _grad):
+            return True
+
+        def before_finish(self, _eng):
+            pass
+
+        def after_finish(self):
+            pass
+
+        def drain(self, interrupted=False):
+            pass
+
+    listener = Listener()
+    eng.add_listener(listener)  # (held weakly: gone with the test)
+    for _ in range(2):
+        calls.clear()
+        x = torch.randn(5, 8)
+        (loss_of(ours, x) + loss_of(ours, 2 * x)).backward()
+        ramtorch.synchronize()
+        want = [sorted(id(p) for p in u.params if p.requires_grad) for u in blocks]
+        assert sorted(calls) == sorted(want)
+        for p in ours.parameters():
+            p.grad = None
+
+
 class OddBlock(nn.Module):
     """Weights reached in every way the early-gradient hooks must get right: a layer used twice
     (two consuming nodes: its gradient waits for the end of the unit's backward), a weight used

@@ -158,10 +158,12 @@ class GradientHooks:
         u.delivered[i] += 1
         if u.delivered[i] != u.fetches:
             return
-        u.ready.append(u.params[i])
-        complete = all(n == u.fetches for n, p in zip(u.delivered, u.params) if p.requires_grad)
-        if complete or sum(p.numel() for p in u.ready) >= _READY_BATCH:
-            ready, u.ready = u.ready, []
+        p = u.params[i]
+        u.ready.append(p)
+        u.ready_numel += p.numel()
+        u.done += p.requires_grad
+        if u.done >= u.trainable or u.ready_numel >= _READY_BATCH:
+            ready, u.ready, u.ready_numel = u.ready, [], 0
             self.eng.grads_complete(ready)
 
     # -- saved tensors ------------------------------------------------------------------------------

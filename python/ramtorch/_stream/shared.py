@@ -297,7 +297,7 @@ class LayerStreamer(Streamer):
             if u.fwd and u.fwd[-1][5] is not None:
                 entry = u.fwd[-1]
                 u.fwd[-1] = (*entry[:5], None, *entry[6:])
-                u.fetches -= 1
+                u.uncount_fetch()
 
     def _record_forward(self, u: _Unit) -> None:
         if self.new_pass or u.uid in self.ran:

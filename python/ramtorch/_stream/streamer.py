@@ -485,7 +485,7 @@ class Streamer(Prefetcher, GradientHooks):
         wants = grad and first and any(p.requires_grad for p in u.params)
         fetch = None
         if wants:
-            u.fetches += 1
+            u.count_fetch()
             if u.tree is None:
                 dev = _Fetch.apply(u.anchor, u, self, *views)
                 fetch = dev[0].grad_fn
@@ -571,7 +571,7 @@ class Streamer(Prefetcher, GradientHooks):
         fetch = torch.is_grad_enabled() and first and param.requires_grad
         rows = gather.gathered_rows(u, self, found, param, fetch, recompute)
         if fetch:
-            u.fetches += 1
+            u.count_fetch()
             # The backward writes a zero .grad where there is none: made now, in the background.
             gather.prepare_grad(self.eng, param)
         e = u.entries[0]

@@ -540,9 +540,13 @@ class _Unit:
         # they are equal every gradient of this unit for the step is on its way to the host.
         self.fetches = 0
         # Per parameter: how many forwards of the step have delivered its gradient; parameters
-        # whose gradients are all delivered, not yet handed to the optimizers.
+        # whose gradients are all delivered, not yet handed to the optimizers (and their
+        # elements); how many parameters every forward has delivered, of how many trainable.
         self.delivered = [0] * len(self.params)
         self.ready: list[nn.Parameter] = []
+        self.ready_numel = 0
+        self.done = 0
+        self.trainable = 0
 
     def per_layout(self, name: str, make: Callable[[_Unit], Any]) -> Any:
         """``make(self)``, kept under ``name`` while the unit's layout is the one it was made for
@@ -693,6 +697,20 @@ class _Unit:
         self.fetches = 0
         self.delivered = [0] * len(self.params)
         self.ready = []
+        self.ready_numel = 0
+        self.done = 0
+
+    def count_fetch(self) -> None:
+        """One more forward of the step fetched the weights for autograd: every parameter's
+        gradient is owed once more (none is delivered by every forward now)."""
+        self.fetches += 1
+        self.done = 0
+        self.trainable = sum(p.requires_grad for p in self.params)
+
+    def uncount_fetch(self) -> None:
+        """Takes back :meth:`count_fetch` (the forward raised: it delivers no gradient)."""
+        self.fetches -= 1
+        self.done = sum(n == self.fetches for n, p in zip(self.delivered, self.params) if p.requires_grad)
 
     def adopt(self, flat: torch.Tensor, copy: bool) -> None:
         """Moves the unit into ``flat`` (a ``uint8`` region of at least ``nbytes``, e.g. shared
