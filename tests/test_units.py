@@ -257,10 +257,9 @@ def test_replacing_the_slots_drops_every_view_of_the_old_ones() -> None:
     assert held, "a forward keeps its units' views of the slots"
     eng = _engine.engine_for(torch.device("cpu"))
     old = list(eng._slots)
-    big = nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)])
-    ramtorch.offload(big, device="cpu")
-    big(torch.randn(2, 256))  # larger units: the engine's slots are replaced
-    assert all(s is not t for s in old for t in eng._slots)
+    eng.reserve(eng._slot_bytes + (1 << 16), len(old))  # as a model of larger units does
+    eng._ensure_slots()
+    assert eng._slots and all(s is not t for s in old for t in eng._slots)
     assert all(not lay._made for lay in held)
     ref = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
     ref.load_state_dict(small.state_dict())
