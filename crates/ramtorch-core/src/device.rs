@@ -53,6 +53,11 @@ pub trait Device: Send + Sync + 'static {
     fn new_timed_event(&self) -> Result<Self::Event> {
         self.new_event()
     }
+    /// A fresh event that only lanes wait for, never the host: the cheapest kind to record
+    /// (see [`cuda::Event::new_stream_only`]). Devices without such a kind return a plain event.
+    fn new_lane_event(&self) -> Result<Self::Event> {
+        self.new_event()
+    }
     /// Milliseconds between two completed timed events, `None` where the device cannot tell.
     fn elapsed_ms(&self, _start: &Self::Event, _end: &Self::Event) -> Result<Option<f64>> {
         Ok(None)
@@ -127,6 +132,9 @@ impl Device for CudaDevice {
     }
     fn new_timed_event(&self) -> Result<cuda::Event> {
         cuda::Event::new_timed(&self.ctx)
+    }
+    fn new_lane_event(&self) -> Result<cuda::Event> {
+        cuda::Event::new_stream_only(&self.ctx)
     }
     fn elapsed_ms(&self, start: &cuda::Event, end: &cuda::Event) -> Result<Option<f64>> {
         start.elapsed_ms(end).map(|ms| Some(f64::from(ms)))

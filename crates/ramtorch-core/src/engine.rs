@@ -725,7 +725,8 @@ impl<D: Device> Engine<D> {
         let t0 = self.span_start(s, Lane::Transfer)?;
         s.slots[index].nparts = 0; // the last copy's parts no longer describe the slot
         while s.slots[index].parts.len() < parts.len() {
-            let ev = self.dev.new_event()?;
+            // Waited for by the compute lane only (claim_part): the cheap kind of event.
+            let ev = self.dev.new_lane_event()?;
             s.slots[index].parts.push((0, ev));
         }
         let slot = &mut s.slots[index];

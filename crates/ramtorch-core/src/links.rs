@@ -497,6 +497,9 @@ impl<D: Relay> Device for Links<D> {
     fn new_event(&self) -> Result<D::Event> {
         self.own.new_event()
     }
+    fn new_lane_event(&self) -> Result<D::Event> {
+        self.own.new_lane_event()
+    }
     fn new_timed_event(&self) -> Result<D::Event> {
         self.own.new_timed_event()
     }
