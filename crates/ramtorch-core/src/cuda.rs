@@ -214,7 +214,8 @@ impl Event {
     /// `CU_EVENT_BLOCKING_SYNC`. Recording a blocking-sync event costs more, and with about fifty
     /// of them pending on an H200 the next record blocked the host until earlier ones completed:
     /// a copy queued in 72 parts, an event after each, held the host 6.2 ms alone and 29.6 ms
-    /// behind another copy, against 0.16 ms in 10 parts (`bench/parts_issue.py`).
+    /// behind another copy, against 0.16 ms in 10 parts; with these events, 0.31 and 0.20 ms
+    /// (`bench/parts_issue.py`).
     pub fn new_stream_only(ctx: &Context) -> Result<Self> {
         Self::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
     }
