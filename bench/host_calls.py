@@ -1,0 +1,125 @@
+"""Host time of the streaming's own calls during one offloaded pass of an architecture of
+``bench/arch.py`` (the streamer's hooks, its prefetches and the engine's calls, each wrapped with
+a timer): the total per call, and each call that held the host at least ``--min-ms``, with when it
+began. Finds where the host stands between the GPU and its next kernels. A diagnostic: it prints,
+it records nothing.
+
+    python3 bench/host_calls.py --arch resnet --layers 50
+    python3 bench/host_calls.py --arch resnet --layers 50 --train
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import arch  # noqa: E402
+
+#: (class path, method names) wrapped with timers.
+WRAPPED = (
+    (
+        "ramtorch._stream.streamer.Streamer",
+        ("pre_forward", "_post_forward", "part_pre_forward", "begin_pass"),
+    ),
+    ("ramtorch._stream.itinerary.Prefetcher", ("_prefetch_along", "_take")),
+    ("ramtorch._engine.DeviceEngine", ("prefetch", "claim", "release", "push_grad")),
+)
+
+
+def wrap(log: list[tuple[str, str, float, float]], origin: list[float]) -> None:
+    """Replaces the methods of :data:`WRAPPED` with timed ones that append to ``log``."""
+    import importlib
+
+    for path, names in WRAPPED:
+        module, _, cls_name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), cls_name)
+        for name in names:
+            setattr(cls, name, timed(getattr(cls, name), name, log, origin))
+
+
+def timed(f: Callable[..., Any], name: str, log: list, origin: list[float]) -> Callable[..., Any]:
+    @functools.wraps(f)
+    def g(self: Any, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(self, *a, **k)
+        finally:
+            what = getattr(a[0], "name", "") if a else ""
+            if name == "prefetch":
+                parts = a[7] if len(a) > 7 else k.get("parts", ())
+                what = f"{a[2] / 2**20:.0f} MiB in {len(parts) + 1} parts"
+            log.append((name, what, t - origin[0], time.perf_counter() - t))
+
+    return g
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", choices=list(arch.ARCHS), default="resnet")
+    ap.add_argument("--layers", type=int, default=50)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--train", action="store_true", help="forward+backward (default: forward, no_grad)")
+    ap.add_argument("--min-ms", type=float, default=0.2, help="list each call that took this long")
+    a = ap.parse_args()
+    import ramtorch
+
+    log: list[tuple[str, str, float, float]] = []
+    origin = [0.0]
+    wrap(log, origin)
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    model = arch.build(a.arch, a.layers, not cuda, dev, torch.bfloat16)
+    x, _ = arch.inputs(a.arch, a.tokens, not cuda, dev, torch.bfloat16)
+    model.to("cpu")
+    ramtorch.offload(model, device=dev)
+    model.train(a.train)
+    params = list(model.parameters())
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def step() -> None:
+        if not a.train:
+            with torch.no_grad():
+                model(**x)
+            return
+        arch.loss_of(model(**x)).backward()
+        ramtorch.synchronize()
+        for p in params:
+            p.grad = None
+
+    for _ in range(4):
+        step()
+    for _ in range(2):
+        sync()
+        log.clear()
+        origin[0] = time.perf_counter()
+        step()
+        host = time.perf_counter() - origin[0]
+        sync()
+        done = time.perf_counter() - origin[0]
+        print(f"pass: host {host * 1e3:.2f} ms, until the device is done {done * 1e3:.2f} ms")
+        totals: dict[str, list[float]] = {}
+        for name, _, _, d in log:
+            t = totals.setdefault(name, [0, 0.0])
+            t[0] += 1
+            t[1] += d
+        for name, (n, d) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {name:18s} {int(n):5d} calls {d * 1e3:8.2f} ms")
+        for name, what, t, d in log:
+            if d * 1e3 >= a.min_ms:
+                print(f"    at {t * 1e3:8.2f} ms: {d * 1e3:6.2f} ms {name} {what}")
+
+
+if __name__ == "__main__":
+    main()
