@@ -8,6 +8,7 @@ large one, with events that the host may wait for (``blocking``) or not. A diagn
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +19,15 @@ SMALL = 1 << 20
 def median_ms(samples: list[float]) -> float:
     samples.sort()
     return samples[len(samples) // 2] * 1e3
+
+
+def rows(what: str, cases: tuple[int, ...], time_of: Callable[[int, bool], float], other: str) -> None:
+    """Prints ``time_of(case, False)`` and ``time_of(case, True)`` (``other``) for each case."""
+    for c in cases:
+        print(
+            f"{what.format(c)}: host {time_of(c, False):7.3f} ms, {other} {time_of(c, True):7.3f} ms",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -44,12 +54,7 @@ def main() -> None:
             torch.cuda.synchronize()
         return median_ms(out)
 
-    for parts in (1, 10, 72, 300):
-        print(
-            f"torch, {parts:4d} parts: host {torch_parts(parts, False):7.3f} ms, "
-            f"blocking events {torch_parts(parts, True):7.3f} ms",
-            flush=True,
-        )
+    rows("torch, {:4d} parts", (1, 10, 72, 300), torch_parts, "blocking events")
 
     eng = _engine.engine_for(torch.device("cuda", torch.cuda.current_device()))
     eng.reserve(N, 3)
@@ -73,12 +78,7 @@ def main() -> None:
             torch.cuda.synchronize()
         return median_ms(out)
 
-    for parts in (1, 10, 16, 72, 300):
-        print(
-            f"engine, {parts:4d} parts: host {engine_parts(parts, False):7.3f} ms, "
-            f"behind another copy {engine_parts(parts, True):7.3f} ms",
-            flush=True,
-        )
+    rows("engine, {:4d} parts", (1, 10, 16, 72, 300), engine_parts, "behind another copy")
 
     def behind_big(k: int, blocking: bool, reps: int = 3) -> float:
         events = [torch.cuda.Event(blocking=blocking) for _ in range(k)]
@@ -96,12 +96,7 @@ def main() -> None:
             torch.cuda.synchronize()
         return median_ms(out)
 
-    for k in (16, 48, 64, 128, 512):
-        print(
-            f"{k:4d} small copies behind a large one: host {behind_big(k, False):7.3f} ms, "
-            f"blocking events {behind_big(k, True):7.3f} ms",
-            flush=True,
-        )
+    rows("{:4d} small copies behind a large one", (16, 48, 64, 128, 512), behind_big, "blocking events")
 
 
 if __name__ == "__main__":
