@@ -58,7 +58,7 @@ DOMINANCE = 2.0
 #: Each part holds at least this many bytes (several layers where they are small).
 MIN_PART_BYTES = 16 << 20
 #: A unit's copy is cut in at most this many parts. Each part is a copy and an event that the
-#: host queues, in the pre-hook of the unit before (ahead of its kernels): a ResNet stage of
+#: host queues, in the pre-hook of an earlier unit (ahead of its kernels): a ResNet stage of
 #: 1.3 GB in 72 parts held the host 7.35 ms there (an H200, events with blocking sync then).
 MAX_PARTS = 16
 #: Layers whose forward reads their own parameters and nothing else's (exactly these classes, or
