@@ -195,10 +195,11 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 /// Events the host may wait for are created with `CU_EVENT_BLOCKING_SYNC`: a host thread waiting
-/// on one sleeps instead of spinning. With one context and more cores than that, CUDA's default is to spin, and a
-/// spinning waiter takes a core from the CPU optimizer, whose speed is bound by how many cores load
-/// from memory: under a step-like load of copies and compute, one update took 123 ms with spinning
-/// waits and 84 ms with sleeping ones, against 53 ms alone (`bench/contention.py`).
+/// on one sleeps instead of spinning. With one context and more cores than that, CUDA's default is
+/// to spin, and a spinning waiter takes a core from the CPU optimizer, whose speed is bound by how
+/// many cores load from memory: under a step-like load of copies and compute, one update took
+/// 123 ms with spinning waits and 84 ms with sleeping ones, against 53 ms alone
+/// (`bench/contention.py`).
 const BLOCKING: u32 = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
 
 impl Event {
