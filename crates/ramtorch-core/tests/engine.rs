@@ -564,3 +564,98 @@ fn a_copy_in_parts_on_the_host_device_puts_every_byte_in_place() {
     e.release(slot, S).expect("release");
     e.synchronize().expect("sync");
 }
+
+// ---- gradient copies: lane events, polled by the throttle ----
+
+/// A device whose gradient copies complete on another thread some time after they are queued;
+/// it counts the lane events made and the host's blocking waits.
+#[derive(Default)]
+struct Slow {
+    lane_events: AtomicUsize,
+    blocking_waits: AtomicUsize,
+}
+
+struct Delayed(Arc<Slow>, std::time::Duration);
+
+impl Device for Delayed {
+    type Event = Arc<AtomicBool>;
+    fn new_event(&self) -> ramtorch_core::Result<Arc<AtomicBool>> {
+        Ok(Arc::new(AtomicBool::new(true)))
+    }
+    fn new_lane_event(&self) -> ramtorch_core::Result<Arc<AtomicBool>> {
+        self.0.lane_events.fetch_add(1, Ordering::SeqCst);
+        self.new_event()
+    }
+    fn record(&self, ev: &Arc<AtomicBool>, lane: Lane) -> ramtorch_core::Result<()> {
+        if lane == Lane::Gradient {
+            ev.store(false, Ordering::SeqCst);
+            let (ev, delay) = (ev.clone(), self.1);
+            std::thread::spawn(move || {
+                std::thread::sleep(delay);
+                ev.store(true, Ordering::SeqCst);
+            });
+        }
+        Ok(())
+    }
+    fn wait(&self, _: Lane, _: &Arc<AtomicBool>) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    fn synchronize(&self, ev: &Arc<AtomicBool>) -> ramtorch_core::Result<()> {
+        self.0.blocking_waits.fetch_add(1, Ordering::SeqCst);
+        while !ev.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+    fn is_complete(&self, ev: &Arc<AtomicBool>) -> ramtorch_core::Result<bool> {
+        Ok(ev.load(Ordering::SeqCst))
+    }
+    fn synchronize_lane(&self, _: Lane) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    unsafe fn copy_to_device(
+        &self,
+        _: Lane,
+        _: u64,
+        _: *const u8,
+        _: usize,
+    ) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    unsafe fn copy_to_host(
+        &self,
+        _: Lane,
+        _: *mut u8,
+        _: u64,
+        _: usize,
+    ) -> ramtorch_core::Result<()> {
+        Ok(())
+    }
+    fn lane_handle(&self, _: Lane) -> u64 {
+        0
+    }
+    fn name(&self) -> String {
+        "delayed".into()
+    }
+}
+
+#[test]
+fn the_throttle_polls_gradient_copies_until_they_complete() {
+    let delay = std::time::Duration::from_millis(20);
+    let slow = Arc::new(Slow::default());
+    let e = Engine::new(Delayed(slow.clone(), delay));
+    let src = [0u8; 64];
+    let mut dst = [0u8; 64];
+    let t = std::time::Instant::now();
+    for _ in 0..3 {
+        // SAFETY: the delayed device never touches memory.
+        unsafe { e.copy_to_host(dst.as_mut_ptr(), src.as_ptr() as u64, 64, 1, S) }.expect("d2h");
+    }
+    // One copy in flight at most: the second and third each waited for the one before.
+    assert!(t.elapsed() >= 2 * delay, "{:?}", t.elapsed());
+    assert!(e.in_flight().expect("in flight").1 <= 1);
+    // Polled, never a blocking wait; its events (and the compute mark) are lane events.
+    assert_eq!(slow.blocking_waits.load(Ordering::SeqCst), 0);
+    assert!(slow.lane_events.load(Ordering::SeqCst) >= 2);
+    assert_eq!(e.stats().expect("stats").throttle_waits, 2);
+}
