@@ -659,3 +659,24 @@ fn the_throttle_polls_gradient_copies_until_they_complete() {
     assert!(slow.lane_events.load(Ordering::SeqCst) >= 2);
     assert_eq!(e.stats().expect("stats").throttle_waits, 2);
 }
+
+#[test]
+fn a_copys_part_events_are_lane_events() {
+    let slow = Arc::new(Slow::default());
+    let e = Engine::new(Delayed(slow.clone(), std::time::Duration::ZERO));
+    // SAFETY: the delayed device never touches memory.
+    unsafe { e.set_slots(&[0x1000], 100) }.expect("slots");
+    let arena = Arena::new(None);
+    let r = arena.alloc(100, false).expect("alloc");
+    let src = r.slice(0, 100).expect("slice");
+    let (slot, _, _) = e
+        .prefetch_parts(Some(7), &src, 2, &[], 0, &[30, 60])
+        .expect("prefetch");
+    assert_eq!(
+        slow.lane_events.load(Ordering::SeqCst),
+        2,
+        "one per part but the last"
+    );
+    e.claim_part(slot, S, 40, 0).expect("claim part");
+    e.release(slot, S).expect("release");
+}
