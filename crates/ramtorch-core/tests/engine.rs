@@ -9,6 +9,28 @@ use ramtorch_core::device::{ComputeStream, Device, HostDevice, Lane};
 use ramtorch_core::engine::Engine;
 use ramtorch_core::Error;
 
+/// The methods of a test device that copies nothing back, has no lane handles, and is named
+/// `$name`.
+macro_rules! no_copies_back_and_named {
+    ($name:literal) => {
+        unsafe fn copy_to_host(
+            &self,
+            _: Lane,
+            _: *mut u8,
+            _: u64,
+            _: usize,
+        ) -> ramtorch_core::Result<()> {
+            Ok(())
+        }
+        fn lane_handle(&self, _: Lane) -> u64 {
+            0
+        }
+        fn name(&self) -> String {
+            $name.into()
+        }
+    };
+}
+
 /// The default compute stream (on the host device, the calling thread).
 const S: ComputeStream = ComputeStream::DEFAULT;
 
@@ -163,21 +185,7 @@ impl Device for Scripted {
         self.0.max_pending_copies.fetch_max(now, Ordering::SeqCst);
         Ok(())
     }
-    unsafe fn copy_to_host(
-        &self,
-        _: Lane,
-        _: *mut u8,
-        _: u64,
-        _: usize,
-    ) -> ramtorch_core::Result<()> {
-        Ok(())
-    }
-    fn lane_handle(&self, _: Lane) -> u64 {
-        0
-    }
-    fn name(&self) -> String {
-        "scripted".into()
-    }
+    no_copies_back_and_named!("scripted");
 }
 
 #[test]
@@ -433,21 +441,7 @@ impl Device for Logging {
             .push(format!("copy {at}+{n}"));
         Ok(())
     }
-    unsafe fn copy_to_host(
-        &self,
-        _: Lane,
-        _: *mut u8,
-        _: u64,
-        _: usize,
-    ) -> ramtorch_core::Result<()> {
-        Ok(())
-    }
-    fn lane_handle(&self, _: Lane) -> u64 {
-        0
-    }
-    fn name(&self) -> String {
-        "logging".into()
-    }
+    no_copies_back_and_named!("logging");
 }
 
 #[test]
@@ -622,21 +616,7 @@ impl Device for Delayed {
     ) -> ramtorch_core::Result<()> {
         Ok(())
     }
-    unsafe fn copy_to_host(
-        &self,
-        _: Lane,
-        _: *mut u8,
-        _: u64,
-        _: usize,
-    ) -> ramtorch_core::Result<()> {
-        Ok(())
-    }
-    fn lane_handle(&self, _: Lane) -> u64 {
-        0
-    }
-    fn name(&self) -> String {
-        "delayed".into()
-    }
+    no_copies_back_and_named!("delayed");
 }
 
 #[test]
