@@ -661,9 +661,10 @@ class DeviceEngine:
                 "gradient; streamed weights take dense gradients only"
             )
         grad = grad.to(dtype=param.dtype).contiguous()
-        for listener in list(self._listeners):
-            if listener.reduce_grad(param, grad) is False:
-                return  # ZeRO-2: reduced onto the rank that owns it, which keeps it
+        if self._listeners:  # (iterating a WeakSet allocates: once per gradient, skipped when empty)
+            for listener in list(self._listeners):
+                if listener.reduce_grad(param, grad) is False:
+                    return  # ZeRO-2: reduced onto the rank that owns it, which keeps it
         nbytes = grad.numel() * grad.element_size()
         pid = id(param)
         entry = self._pending.get(pid)

@@ -4,7 +4,7 @@ into its slot, and the graph walk that sends each weight's gradient as soon as i
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,6 +94,31 @@ class _SubRef:
         self.stride = tuple(t.stride())
 
 
+class _EarlyGrad:
+    """The hook on the node that consumes weight ``i`` of unit ``u`` (as its input ``j``): sends
+    that weight's gradient to the host as soon as the node has run. One object per hooked node and
+    pass (a closure would be a function and five cells: a ResNet's backward hooks 465 nodes, and
+    what a pass allocates and keeps alive sets how often Python's full collections run)."""
+
+    __slots__ = ("fetch", "hooks", "i", "j", "u")
+
+    def __init__(self, hooks: GradientHooks, u: _Unit, fetch: Any, i: int, j: int) -> None:
+        self.hooks = hooks
+        self.u = u
+        self.fetch = fetch
+        self.i = i
+        self.j = j
+
+    def __call__(self, grad_inputs: tuple[torch.Tensor | None, ...], _grad_outputs: Any) -> None:
+        g = grad_inputs[self.j]
+        if g is None:
+            return  # not needed by this backward: _Fetch's backward does not run either
+        h, u, i = self.hooks, self.u, self.i
+        self.fetch.sent.add(i)
+        h.eng.push_grad(u.params[i], g, h.max_inflight, u.tag)
+        h._delivered(u, i)
+
+
 class GradientHooks:
     """The gradient half of :class:`~ramtorch._stream.streamer.Streamer`: early weight gradients
     (graph walk), their hand-off to the optimizers, and the saved-tensor hooks."""
@@ -139,18 +164,7 @@ class GradientHooks:
         for i, edges in found.items():
             if len(edges) == 1 and u.params[i].requires_grad:
                 node, j = edges[0]
-                node.register_hook(self._early_grad_hook(u, fetch, i, j))
-
-    def _early_grad_hook(self, u: _Unit, fetch: Any, i: int, j: int) -> Callable[..., None]:
-        def hook(grad_inputs: tuple[torch.Tensor | None, ...], _grad_outputs: Any) -> None:
-            g = grad_inputs[j]
-            if g is None:
-                return  # not needed by this backward: _Fetch's backward does not run either
-            fetch.sent.add(i)
-            self.eng.push_grad(u.params[i], g, self.max_inflight, u.tag)
-            self._delivered(u, i)
-
-        return hook
+                node.register_hook(_EarlyGrad(self, u, fetch, i, j))
 
     def _delivered(self, u: _Unit, i: int) -> None:
         """Parameter ``i`` of ``u`` got its gradient from one more forward of the step; once every
