@@ -62,6 +62,20 @@ def timed(f: Callable[..., Any], name: str, log: list, origin: list[float]) -> C
     return g
 
 
+def engine_waits() -> dict[str, float]:
+    """The engines' counters of time the host waited on the device (summed over devices): for a
+    throttle (``throttle_*``) and for every copy at the end of a backward (``sync_wait_seconds``)."""
+    from ramtorch import _engine
+
+    keys = ("throttle_waits", "throttle_wait_seconds", "sync_wait_seconds")
+    out = dict.fromkeys(keys, 0.0)
+    for e in _engine.engines():
+        st = e.stats()
+        for k in keys:
+            out[k] += float(st.get(k, 0.0))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=list(arch.ARCHS), default="resnet")
@@ -88,12 +102,16 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
+    queued = [0.0]
+
     def step() -> None:
         if not a.train:
             with torch.no_grad():
                 model(**x)
+            queued[0] = time.perf_counter()
             return
         arch.loss_of(model(**x)).backward()
+        queued[0] = time.perf_counter()
         ramtorch.synchronize()
         for p in params:
             p.grad = None
@@ -103,12 +121,20 @@ def main() -> None:
     for _ in range(2):
         sync()
         log.clear()
+        waits0 = engine_waits()
         origin[0] = time.perf_counter()
         step()
         host = time.perf_counter() - origin[0]
         sync()
         done = time.perf_counter() - origin[0]
-        print(f"pass: host {host * 1e3:.2f} ms, until the device is done {done * 1e3:.2f} ms")
+        before = queued[0] - origin[0]
+        waits = {k: v - waits0[k] for k, v in engine_waits().items()}
+        print(
+            f"pass: host {host * 1e3:.2f} ms ({before * 1e3:.2f} before its closing synchronize), "
+            f"until the device is done {done * 1e3:.2f} ms"
+        )
+        shown = [f"{k} {v * 1e3:.2f} ms" if "seconds" in k else f"{k} {v:.0f}" for k, v in waits.items()]
+        print("  the engine's waits on the device in it: " + ", ".join(shown))
         totals: dict[str, list[float]] = {}
         for name, _, _, d in log:
             t = totals.setdefault(name, [0, 0.0])
