@@ -72,10 +72,10 @@ class _SlotRef:
 
     __slots__ = ("dtype", "offset", "size", "stride", "unit")
 
-    def __init__(self, unit: _Unit, t: torch.Tensor) -> None:
+    def __init__(self, unit: _Unit, t: torch.Tensor, offset: int) -> None:
         self.unit = unit
         self.dtype = t.dtype
-        self.offset = t.storage_offset()
+        self.offset = offset  # in elements of ``dtype``, from the slot's start
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
 
@@ -127,7 +127,7 @@ class GradientHooks:
     device: torch.device
     max_inflight: int
     lock: threading.RLock
-    slot_owner: dict[int, _Unit]
+    slot_owner: dict[int, tuple[int, _Unit]]
 
     def weights_buffer(self, slot: int) -> torch.Tensor:
         """See :meth:`~ramtorch._stream.itinerary.Prefetcher.weights_buffer`."""
@@ -183,16 +183,21 @@ class GradientHooks:
     # -- saved tensors ------------------------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.device == self.device:
+        owners = self.slot_owner
+        if owners and t.device == self.device:
             if (
                 type(t) is not torch.Tensor
                 and type(t) is not nn.Parameter
                 and is_traceable_wrapper_subclass(t)
             ):
                 return self._pack_subclass(t)
-            u = self.slot_owner.get(t.untyped_storage().data_ptr())
-            if u is not None:
-                return _SlotRef(u, t)
+            # By address, not by ``t.untyped_storage()``: that call gives the storage a Python
+            # object that lives as long as the storage does, one for every activation saved.
+            p = t.data_ptr()
+            for addr, (end, u) in owners.items():
+                if addr <= p < end or (p == end and t.numel() == 0):
+                    offset, rest = divmod(p - addr, t.element_size())
+                    return t if rest else _SlotRef(u, t, offset)
         return t
 
     def _pack_subclass(self, t: torch.Tensor) -> Any:

@@ -58,7 +58,7 @@ class LayerStreamer(Streamer):
         self.new_pass = True  # a backward ended: the next forward begins a pass
         self.ahead: dict[int, tuple[int, int]] = {}
         self.held = 0
-        self.slot_owner: dict[int, _Unit] = {}
+        self.slot_owner: dict[int, tuple[int, _Unit]] = {}
         self.decoded: dict[int, torch.Tensor] = {}  # (ramtorch.nn layers stream raw: stays empty)
         self.mapped_reads: list[torch.cuda.Event] = []  # (each waited for at once: stays empty)
         self.decode_stream: torch.cuda.Stream | None = None

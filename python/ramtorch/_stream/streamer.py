@@ -141,7 +141,8 @@ class Streamer(Prefetcher, GradientHooks):
         self.bwd_pos = 0
         self.ahead: dict[int, tuple[int, int]] = {}  # uid -> (slot, key): prefetched, not claimed
         self.held = 0  # slots held by running units (forward or backward)
-        self.slot_owner: dict[int, _Unit] = {}  # slot storage address -> unit using it in forward
+        # A slot's storage address -> (its end, the unit using it in forward).
+        self.slot_owner: dict[int, tuple[int, _Unit]] = {}
         self.state = PassState.IDLE
         self.lock = threading.RLock()
         self.counters = {
@@ -517,13 +518,14 @@ class Streamer(Prefetcher, GradientHooks):
                 weights.setdefault(id(dev[e.index]), set()).add(id(e.owner))
             u.parts_probe = parts.Guard(weights)
             u.parts_probe.__enter__()
-        addr = buf.untyped_storage().data_ptr()
+        storage = buf.untyped_storage()
+        addr = storage.data_ptr()
         ctx = None
         if grad and not recompute:
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             if outer is None:
                 # Tensors saved for backward that live in the slot are kept as references.
-                self.slot_owner[addr] = u
+                self.slot_owner[addr] = (addr + storage.nbytes(), u)
                 ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 ctx.__enter__()
             # Under another saved-tensor hook (a checkpointed region) that hook decides; the
