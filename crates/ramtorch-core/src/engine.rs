@@ -338,22 +338,30 @@ impl<D: Device> Engine<D> {
         }
     }
 
-    /// Moves completed timings into the counters (and the trace, while one is on).
+    /// Moves completed timings into the counters (and the trace, while one is on), in the order
+    /// they were recorded, up to the first not yet complete: a call looks at the completed ones and
+    /// one more, not at every pending timing. A backward keeps hundreds pending (a copy per
+    /// gradient), and a scan of them all on every copy made queueing a backward's copies quadratic
+    /// in its gradients. A completed timing behind a pending one waits for a later call.
     fn harvest(&self, s: &mut State<D::Event>) -> Result<()> {
         if s.timings.is_empty() {
             return Ok(());
         }
-        let base_done = match &s.trace_base {
-            Some(b) => self.dev.is_complete(b)?,
-            None => true,
-        };
-        let mut keep = Vec::with_capacity(s.timings.len());
-        for t in std::mem::take(&mut s.timings) {
-            let last = t.end.as_ref().unwrap_or(&t.start);
-            if !base_done || !self.dev.is_complete(last)? || !self.dev.is_complete(&t.start)? {
-                keep.push(t);
-                continue;
+        if let Some(b) = &s.trace_base {
+            if !self.dev.is_complete(b)? {
+                return Ok(());
             }
+        }
+        let mut done = 0;
+        for t in &s.timings {
+            let last = t.end.as_ref().unwrap_or(&t.start);
+            if !self.dev.is_complete(last)? || !self.dev.is_complete(&t.start)? {
+                break;
+            }
+            done += 1;
+        }
+        let ready: Vec<Timing<D::Event>> = s.timings.drain(..done).collect();
+        for t in ready {
             let ms = match &t.end {
                 Some(end) => self.dev.elapsed_ms(&t.start, end)?,
                 None => Some(0.0),
@@ -398,7 +406,6 @@ impl<D: Device> Engine<D> {
                 s.timed_spare.push(e);
             }
         }
-        s.timings = keep;
         Ok(())
     }
 

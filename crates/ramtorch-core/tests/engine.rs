@@ -562,11 +562,12 @@ fn a_copy_in_parts_on_the_host_device_puts_every_byte_in_place() {
 // ---- gradient copies: lane events, polled by the throttle ----
 
 /// A device whose gradient copies complete on another thread some time after they are queued;
-/// it counts the lane events made and the host's blocking waits.
+/// it counts the lane events made, the host's blocking waits and its queries of events.
 #[derive(Default)]
 struct Slow {
     lane_events: AtomicUsize,
     blocking_waits: AtomicUsize,
+    queries: AtomicUsize,
 }
 
 struct Delayed(Arc<Slow>, std::time::Duration);
@@ -602,6 +603,7 @@ impl Device for Delayed {
         Ok(())
     }
     fn is_complete(&self, ev: &Arc<AtomicBool>) -> ramtorch_core::Result<bool> {
+        self.0.queries.fetch_add(1, Ordering::SeqCst);
         Ok(ev.load(Ordering::SeqCst))
     }
     fn synchronize_lane(&self, _: Lane) -> ramtorch_core::Result<()> {
@@ -638,6 +640,26 @@ fn the_throttle_polls_gradient_copies_until_they_complete() {
     assert_eq!(slow.blocking_waits.load(Ordering::SeqCst), 0);
     assert!(slow.lane_events.load(Ordering::SeqCst) >= 2);
     assert_eq!(e.stats().expect("stats").throttle_waits, 2);
+}
+
+#[test]
+fn queueing_gradient_copies_asks_the_device_about_a_few_events_each_not_every_pending_one() {
+    // The copies stay pending for the whole test: each asks about its own timing's and the
+    // throttle's front events, not about the timings of every copy queued before it.
+    let slow = Arc::new(Slow::default());
+    let e = Engine::new(Delayed(slow.clone(), std::time::Duration::from_secs(2)));
+    let src = [0u8; 64];
+    let mut dst = [0u8; 64];
+    let n = 48;
+    for _ in 0..n {
+        // SAFETY: the delayed device never touches memory.
+        unsafe { e.copy_to_host(dst.as_mut_ptr(), src.as_ptr() as u64, 64, 64, S) }.expect("d2h");
+    }
+    assert_eq!(e.in_flight().expect("in flight").1, n);
+    let queries = slow.queries.load(Ordering::SeqCst);
+    // Scanning every pending timing on each copy asked about n * (n - 1) / 2 of them (1175
+    // queries in all here).
+    assert!(queries <= 4 * n, "{queries} queries for {n} copies");
 }
 
 #[test]
