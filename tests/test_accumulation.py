@@ -344,13 +344,23 @@ def test_gradient_copies_in_flight_are_bounded_by_bytes_not_tensors():
     """The throttle of gradient copies allows about ``max_inflight`` slots' worth of bytes in
     flight: many small gradients (norms, biases) queue without waiting, large ones are held to
     ``max_inflight``."""
-    from collections import deque
-
     eng = _engine.DeviceEngine(torch.device("cpu"))
     eng._slot_bytes = 1000
-    eng._grad_sources = deque(torch.empty(10, dtype=torch.uint8) for _ in range(30))
+
+    def in_flight(*sizes: int) -> None:
+        eng._grad_sources.clear()
+        for n in sizes:
+            eng._grad_sources.append(torch.empty(n, dtype=torch.uint8), n)
+
+    in_flight(*[10] * 30)
     assert eng._gradient_copies_allowed(2, 10) == 30  # 29 earlier ones + this one fit in 2000 bytes
-    eng._grad_sources = deque(torch.empty(900, dtype=torch.uint8) for _ in range(5))
+    in_flight(*[900] * 5)
     assert eng._gradient_copies_allowed(2, 900) == 2  # one earlier copy may stay in flight
-    eng._grad_sources = deque(torch.empty(10, dtype=torch.uint8) for _ in range(200))
+    in_flight(*[10] * 200)
     assert eng._gradient_copies_allowed(2, 10) == 64  # the engine's bound
+    in_flight(*[900] * 3, *[10] * 40)  # the newest 40 and one large one fit: 41 in flight
+    assert eng._gradient_copies_allowed(2, 10) == 41
+    eng._grad_sources.popleft()
+    eng._grad_sources.pop()
+    assert eng._grad_sources.nbytes == 2 * 900 + 39 * 10
+    assert eng._gradient_copies_allowed(2, 10) == 40  # 1800 + 390 > 2000: the newest 39 and one

@@ -356,6 +356,35 @@ class ForwardLock:
 _MAX_GRADIENT_COPIES = 64
 
 
+class _GradSources:
+    """The device sources of the gradient copies in flight, oldest first, each with its bytes, and
+    their bytes in all (what the throttle of gradient copies reads on every copy: kept, not summed
+    again each time)."""
+
+    __slots__ = ("items", "nbytes")
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[torch.Tensor, int]] = deque()
+        self.nbytes = 0
+
+    def append(self, t: torch.Tensor, nbytes: int) -> None:
+        self.items.append((t, nbytes))
+        self.nbytes += nbytes
+
+    def pop(self) -> None:
+        self.nbytes -= self.items.pop()[1]
+
+    def popleft(self) -> None:
+        self.nbytes -= self.items.popleft()[1]
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
 class _Pending:
     """One parameter's gradient in the running backward: either the host tensor that the
     device's running sum crosses into (``target``), or host buffers, one per gradient, added up
@@ -451,7 +480,7 @@ class DeviceEngine:
         self._holders: weakref.WeakSet[Any] = weakref.WeakSet()
         self.tracing = False  # set by ramtorch.trace
         # Gradient copies in flight: their device sources, oldest first, freed as they complete.
-        self._grad_sources: deque[torch.Tensor] = deque()
+        self._grad_sources = _GradSources()
         # Each parameter's gradient in the running backward: id(param) -> its record.
         self._pending: dict[int, _Pending] = {}
         # Gradient accumulation on the device (see :class:`_Sum`): id(param) -> the running sum
@@ -707,7 +736,7 @@ class DeviceEngine:
         # Source and destination are recorded before the copy is queued: an interrupt (Ctrl-C)
         # landing right after the engine queued it must not free either while the copy runs
         # (an interrupted backward's records are dropped only after a synchronize).
-        self._grad_sources.append(src)
+        self._grad_sources.append(src, nbytes)
         limit = self._gradient_copies_allowed(max_inflight, nbytes)
         rng = _profile.begin("ramtorch.copy_to_host") if _profile.active() else None
         try:
@@ -734,10 +763,13 @@ class DeviceEngine:
         unit has many gradients, most of them small (norms, biases): counting tensors would block
         the backward's thread on each unit's last copies, leaving the GPU without queued work."""
         budget = max_inflight * max(self._slot_bytes, nbytes)
+        sources = self._grad_sources
+        if sources.nbytes <= budget:  # every copy in flight fits, this one's included
+            return min(_MAX_GRADIENT_COPIES, max(max_inflight, len(sources)))
         total, n = nbytes, 0
-        for i in range(len(self._grad_sources) - 2, -1, -1):  # newest first, this copy's excluded
-            t = self._grad_sources[i]
-            total += t.numel() * t.element_size()
+        items = sources.items
+        for i in range(len(items) - 2, -1, -1):  # newest first, this copy's excluded
+            total += items[i][1]
             if total > budget:
                 break
             n += 1
