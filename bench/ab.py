@@ -2,11 +2,14 @@
 run in the order A B B A (so drift over the run weighs on both alike), reported per row as B / A.
 
     python3 bench/ab.py --a /path/to/old/site --b /path/to/new/site --out ab.json [--rounds 1]
-        [--rows w1-linear w1-offload w1-step w2-forward] [--tokens 4096] [--b-extra=--weights-unchanged]
+        [--rows w1-linear w1-offload w1-step w2-forward arch-resnet arch-llama] [--tokens 4096]
+        [--b-extra=--weights-unchanged]
 
 Rows (BENCH.md names): W1 forward and forward+backward for ``ramtorch-linear`` (per-layer Linear)
 and ``ramtorch`` (offload); the W1 training step with the pipelined fp32-master AdamW; W2 forward
-(offload, no budget). Each row's figure is the median of its reps in each process; the row's
+(offload, no budget); ``bench/arch.py``'s ResNet at full depth (forward, forward+backward) and an
+8-layer Llama (forward+backward, fresh and accumulating), each next to the same model resident. Each
+row's figure is the median of its reps in each process; the row's
 ``b_over_a`` is the mean of B's processes over the mean of A's.
 """
 
@@ -18,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,11 +31,31 @@ ROWS = {
     "w1-offload": ("w1", ["--system", "ramtorch", "--phases", "forward", "forward_backward"]),
     "w1-step": ("w1", ["--system", "ramtorch", "--phases", "step", "--optimizer", "rust-pipeline"]),
     "w2-forward": ("w2", ["--system", "ramtorch"]),
+    # ``bench/arch.py`` models (their resident runs are rows too: a control for the machine's noise).
+    "arch-resnet": ("arch", ["--arch", "resnet", "--full-depth", "--phases", "forward", "forward_backward"]),
+    "arch-llama": (
+        "arch",
+        ["--arch", "llama", "--layers", "8", "--phases", "forward_backward", "forward_backward_accumulate"],
+    ),
 }
 
 
 def run(workload: str, args: list[str], path: str, timeout: float) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=path)
+    if workload == "arch":  # writes its records to a file, not as JSON lines
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "arch.json")
+            run_process(workload, [*args, "--out", out], path, timeout, from_stdout=False)
+            if not os.path.exists(out):
+                return []
+            with open(out) as fh:
+                return [r for r in json.load(fh) if r.get("seconds") is not None]
+    return run_process(workload, args, path, timeout)
+
+
+def run_process(
+    workload: str, args: list[str], path: str, timeout: float, from_stdout: bool = True
+) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, HERE]))
     cmd = [sys.executable, os.path.join(HERE, f"{workload}.py"), *args]
     t = time.perf_counter()
     try:
@@ -43,8 +67,9 @@ def run(workload: str, args: list[str], path: str, timeout: float) -> list[dict]
     if p.returncode != 0:
         print(f"# {' '.join(args)} failed ({p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr, flush=True)
     recs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    print(f"# {workload} {' '.join(args)}: {len(recs)} records in {time.perf_counter() - t:.1f} s",
-          file=sys.stderr, flush=True)  # fmt: skip
+    got = f"{len(recs)} records" if from_stdout else "done"
+    took = time.perf_counter() - t
+    print(f"# {workload} {' '.join(args)}: {got} in {took:.1f} s", file=sys.stderr, flush=True)
     return recs
 
 
@@ -72,8 +97,7 @@ def main() -> None:
     common = ["--reps", str(a.reps), "--warmup", str(a.warmup)]
     if a.device != "cuda":
         common += ["--device", a.device]
-    if a.tiny:
-        common.append("--tiny")
+    tiny = ["--tiny"] if a.tiny else []
     seconds: dict[tuple, dict[str, list[float]]] = {}
     records: list[dict] = []
     cmd = "python3 bench/ab.py " + " ".join(
@@ -94,10 +118,13 @@ def main() -> None:
     for _ in range(a.rounds):
         for row in a.rows:
             workload, args = ROWS[row]
-            extra = ["--tokens", str(a.tokens)] if workload == "w1" else []
+            extra = ["--tokens", str(a.tokens)] if workload in ("w1", "arch") else []
+            if workload == "arch":
+                extra += ["--timeout", str(a.timeout)] + (["--smoke"] if a.tiny else [])
             for build in ("a", "b", "b", "a"):
                 more = a.b_extra.split() if build == "b" else []
-                for r in run(workload, args + extra + common + more, getattr(a, build), a.timeout):
+                own = [] if workload == "arch" else tiny
+                for r in run(workload, args + extra + common + own + more, getattr(a, build), a.timeout + 30):
                     r["build"] = build
                     records.append(r)
                     k = (row, r["workload"], r.get("tokens"), r["phase"], r["system"])
