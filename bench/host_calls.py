@@ -1,8 +1,9 @@
 """Host time of the streaming's own calls during one offloaded pass of an architecture of
-``bench/arch.py`` (the streamer's hooks, its prefetches and the engine's calls, each wrapped with
-a timer): the total per call, and each call that held the host at least ``--min-ms``, with when it
-began. Finds where the host stands between the GPU and its next kernels. A diagnostic: it prints,
-it records nothing.
+``bench/arch.py`` (the streamer's hooks, its prefetches, the engine's calls and the backward's
+hooks, each wrapped with a timer; a call's time includes the wrapped calls it makes): the total per
+call, and each call that held the host at least ``--min-ms``, with when it began; and the engine's
+waits on the device. Finds where the host stands between the GPU and its next kernels. A
+diagnostic: it prints, it records nothing.
 
     python3 bench/host_calls.py --arch resnet --layers 50
     python3 bench/host_calls.py --arch resnet --layers 50 --train
@@ -31,7 +32,9 @@ WRAPPED = (
         ("pre_forward", "_post_forward", "part_pre_forward", "begin_pass"),
     ),
     ("ramtorch._stream.itinerary.Prefetcher", ("_prefetch_along", "_take")),
-    ("ramtorch._engine.DeviceEngine", ("prefetch", "claim", "release", "push_grad")),
+    ("ramtorch._engine.DeviceEngine", ("prefetch", "claim", "release", "push_grad", "finish")),
+    ("ramtorch._stream.functions.GradientHooks", ("_pack", "_unpack", "_hook_weight_consumers")),
+    ("ramtorch._stream.functions._EarlyGrad", ("__call__",)),
 )
 
 
@@ -43,7 +46,8 @@ def wrap(log: list[tuple[str, str, float, float]], origin: list[float]) -> None:
         module, _, cls_name = path.rpartition(".")
         cls = getattr(importlib.import_module(module), cls_name)
         for name in names:
-            setattr(cls, name, timed(getattr(cls, name), name, log, origin))
+            label = f"{cls_name}()" if name == "__call__" else name
+            setattr(cls, name, timed(getattr(cls, name), label, log, origin))
 
 
 def timed(f: Callable[..., Any], name: str, log: list, origin: list[float]) -> Callable[..., Any]:
@@ -54,7 +58,7 @@ def timed(f: Callable[..., Any], name: str, log: list, origin: list[float]) -> C
             return f(self, *a, **k)
         finally:
             what = getattr(a[0], "name", "") if a else ""
-            if name == "prefetch":
+            if name == "prefetch":  # (the label: a method's name, or Class() for __call__)
                 parts = a[7] if len(a) > 7 else k.get("parts", ())
                 what = f"{a[2] / 2**20:.0f} MiB in {len(parts) + 1} parts"
             log.append((name, what, t - origin[0], time.perf_counter() - t))
