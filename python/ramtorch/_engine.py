@@ -355,6 +355,15 @@ class ForwardLock:
 #: The engine's bound on copies in flight per lane.
 _MAX_GRADIENT_COPIES = 64
 
+#: A gradient of at most this many bytes (a norm's, a bias's) waits on the device and crosses
+#: together with others of its dtype: one copy and one set of events for many tensors, where each
+#: copy costs the host tens of microseconds (a ResNet's backward has 310 such gradients of 465).
+_SMALL_GRAD_BYTES = 64 << 10
+#: A batch of small gradients leaves once it holds this many bytes or tensors (and at the end of
+#: backward, and before the optimizers are told a unit's gradients are on their way).
+_SMALL_BATCH_BYTES = 4 << 20
+_SMALL_BATCH_COUNT = 128
+
 
 class _GradSources:
     """The device sources of the gradient copies in flight, oldest first, each with its bytes, and
@@ -383,6 +392,21 @@ class _GradSources:
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+class _SmallGrads:
+    """Small gradients of one dtype and unit, produced on one stream, waiting on the device to cross the
+    link together (see :data:`_SMALL_GRAD_BYTES`), each with its parameter's record."""
+
+    __slots__ = ("entries", "grads", "max_inflight", "nbytes", "stream", "tag")
+
+    def __init__(self, stream: Any, max_inflight: int, tag: int) -> None:
+        self.stream = stream  # the torch stream they were produced on (None on the host device)
+        self.entries: list[_Pending] = []
+        self.grads: list[torch.Tensor] = []
+        self.nbytes = 0
+        self.max_inflight = max_inflight
+        self.tag = tag
 
 
 class _Pending:
@@ -483,6 +507,9 @@ class DeviceEngine:
         self._grad_sources = _GradSources()
         # Each parameter's gradient in the running backward: id(param) -> its record.
         self._pending: dict[int, _Pending] = {}
+        # Small gradients not yet copied, by (dtype, stream handle, unit tag): one unit's at a time,
+        # see :meth:`_add_small`.
+        self._small: dict[tuple[torch.dtype, int, int], _SmallGrads] = {}
         # Gradient accumulation on the device (see :class:`_Sum`): id(param) -> the running sum
         # of its gradient since ``.grad`` was last empty, kept across backwards while the device
         # has room (``_sum_cap``) and the training loop accumulates (``_keep_sums``).
@@ -729,6 +756,9 @@ class DeviceEngine:
             s.dev = src
             dst = entry.target
         else:
+            if 0 < nbytes <= _SMALL_GRAD_BYTES:
+                self._add_small(entry, grad, nbytes, max_inflight, tag)
+                return
             src = grad
             dst = _arena.host_empty(param.shape, param.dtype)
             entry.bufs.append(dst)
@@ -753,6 +783,69 @@ class DeviceEngine:
         finally:
             if rng is not None:
                 _profile.end(rng)
+        for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
+            self._grad_sources.popleft()
+
+    def _add_small(
+        self, entry: _Pending, grad: torch.Tensor, nbytes: int, max_inflight: int, tag: int
+    ) -> None:
+        """Keeps small gradient ``grad`` (contiguous, of ``entry``'s parameter) on the device until
+        its batch crosses the link (:meth:`_flush_small`); until then it is in no ``entry.bufs``."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            key = (grad.dtype, stream.cuda_stream, tag)
+        else:
+            stream, key = None, (grad.dtype, 0, tag)
+        b = self._small.get(key)
+        if b is None and self._small:
+            self._flush_small(keep=tag)  # other units' (a batch is one unit's: the trace names it)
+        if b is None:
+            b = self._small[key] = _SmallGrads(stream, max_inflight, tag)
+        b.entries.append(entry)
+        b.grads.append(grad)
+        b.nbytes += nbytes
+        b.max_inflight = max_inflight
+        if b.nbytes >= _SMALL_BATCH_BYTES or len(b.grads) >= _SMALL_BATCH_COUNT:
+            del self._small[key]
+            self._copy_small(b)
+
+    def _flush_small(self, keep: int | None = None) -> None:
+        """Queues the copies of every small gradient still waiting on the device (but unit
+        ``keep``'s): before anything reads the records of the running backward (the optimizers
+        told that gradients are on their way, the end of backward)."""
+        for key in [k for k in self._small if k[2] != keep]:
+            b = self._small.pop(key)
+            if b.stream is not None and b.stream != torch.cuda.current_stream(self.device):
+                with torch.cuda.stream(b.stream):
+                    self._copy_small(b)
+            else:
+                self._copy_small(b)
+
+    def _copy_small(self, b: _SmallGrads) -> None:
+        """One copy of batch ``b``'s gradients, packed back to back on the device, into one host
+        buffer; each gradient's host tensor is its stretch of the buffer (a storage of its own)."""
+        src = torch.cat([g.view(-1) for g in b.grads]) if len(b.grads) > 1 else b.grads[0].view(-1)
+        dst = _arena.host_empty((src.numel(),), src.dtype)
+        self._grad_sources.append(src, b.nbytes)
+        limit = self._gradient_copies_allowed(b.max_inflight, b.nbytes)
+        rng = _profile.begin("ramtorch.copy_to_host") if _profile.active() else None
+        try:
+            retired = self._core.copy_to_host(dst, src, b.nbytes, limit, self._stream(), b.tag)
+        except Exception:
+            self._core.synchronize()  # (refused: nothing queued; waited for in any case)
+            self._grad_sources.pop()
+            for entry in b.entries:
+                if not entry.bufs and entry.target is None:
+                    self._pending.pop(id(entry.param), None)
+            raise
+        finally:
+            if rng is not None:
+                _profile.end(rng)
+        off = 0
+        for entry, g in zip(b.entries, b.grads):
+            n = g.numel()
+            entry.bufs.append(_arena.own_storage(dst[off : off + n].view(g.shape)))
+            off += n
         for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
             self._grad_sources.popleft()
 
@@ -841,6 +934,7 @@ class DeviceEngine:
         the others' host buffers are added into it. Then runs post-accumulate-grad hooks."""
         # The optimizer step comes next: weights may change in ways no version counter sees.
         self._core.invalidate()
+        self._flush_small()
         for listener in list(self._listeners):
             listener.before_finish(self)
         if not self._pending and not self._grad_sources:
@@ -950,6 +1044,7 @@ class DeviceEngine:
                 listener.drain(interrupted=True)
             self._core.synchronize()
             self._grad_sources.clear()
+            self._small.clear()  # never queued
             self._pending.clear()
             self.drop_sums()  # they may hold gradients that never reached ``.grad``
             self._accumulated = False
@@ -975,6 +1070,8 @@ class DeviceEngine:
         # One listener call at a time across engines: the backwards of several devices run on
         # autograd's threads, one a device (a model over several devices, offload(devices=...)),
         # and an optimizer listening to both hands its jobs out from one state.
+        if self._small and self._listeners:
+            self._flush_small()  # the listeners read the records (``pending_gradient``)
         with _LISTENER_CALLS:
             for listener in list(self._listeners):
                 listener.on_grads(self, params)

@@ -1,0 +1,152 @@
+"""Small gradients (a norm's, a bias's) cross the link in batches, one unit's at a time: the
+gradients must equal torch's all the same, whatever mix of sizes, dtypes, shared parameters and
+accumulating backwards a model has, and each ``.grad`` stays a tensor of its own."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import ramtorch
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ramtorch import _engine
+from torch import nn
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class Block(nn.Module):
+    """A linear layer, norms (one fp32 in a bf16 model, when ``mixed``), a shared bias used twice."""
+
+    def __init__(self, d: int, mixed: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.norm2 = nn.LayerNorm(d)
+        self.shift = nn.Parameter(torch.randn(d) * 0.1)
+        self.mixed = mixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.lin(x) + self.shift)
+        if self.mixed:
+            h = self.norm2(h.float()).to(x.dtype)
+        else:
+            h = self.norm2(h)
+        return torch.tanh(h) + self.shift  # ``shift`` has two consumers in the unit
+
+
+class Model(nn.Module):
+    def __init__(self, d: int, layers: int, mixed: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, mixed) for _ in range(layers))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _pair(device: str, d: int, layers: int, dtype: torch.dtype, mixed: bool, seed: int):
+    torch.manual_seed(seed)
+    ref = Model(d, layers, mixed).to(dtype)
+    if mixed:
+        for b in ref.blocks:
+            b.norm2.float()
+    ours = copy.deepcopy(ref)
+    ref.to(device)
+    ramtorch.offload(ours, device=device)
+    return ref, ours
+
+
+def _copies(device: str) -> int:
+    return int(_engine.engine_for(_engine.normalize_device(device)).stats()["d2h_copies"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_gradients_cross_in_batches_and_equal_torch(device: str) -> None:
+    ref, ours = _pair(device, d=24, layers=3, dtype=torch.float32, mixed=False, seed=0)
+    x = torch.randn(5, 24, device=device)
+    before = _copies(device)
+    ref(x).square().mean().backward()
+    ours(x).square().mean().backward()
+    copies = _copies(device) - before
+    params = list(ours.parameters())
+    small = sum(1 for p in params if p.numel() * p.element_size() <= _engine._SMALL_GRAD_BYTES)
+    assert small == len(params), "every gradient of this model is small"
+    # Four blocks' worth of units at most (the blocks and the head), not one copy per parameter.
+    assert copies <= 4 * 2, f"{copies} gradient copies for {len(params)} parameters"
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert q.grad is not None, name
+        assert q.grad.device.type == "cpu"
+        torch.testing.assert_close(q.grad, p.grad.cpu(), msg=name)
+        # A storage of its own (torch.save would refuse several dtypes over one storage).
+        assert q.grad.untyped_storage().nbytes() == q.grad.numel() * q.grad.element_size(), name
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    d=st.integers(1, 40),
+    layers=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    mixed=st.booleans(),
+    backwards=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_batched_gradients_equal_torch_over_steps_and_accumulation(
+    d: int, layers: int, dtype: torch.dtype, mixed: bool, backwards: int, seed: int
+) -> None:
+    """Several optimizer steps, each of ``backwards`` accumulating backwards: the same as torch."""
+    ref, ours = _pair("cpu", d, layers, dtype, mixed, seed)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.1)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    for step in range(3):
+        for k in range(backwards):
+            x = torch.randn(3, d, dtype=dtype, generator=torch.Generator().manual_seed(seed + 7 * step + k))
+            ref(x).float().square().mean().backward()
+            ours(x).float().square().mean().backward()
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"step {step}: {name}", **tol)
+        opt_ref.step()
+        opt_ours.step()
+        opt_ref.zero_grad()
+        opt_ours.zero_grad()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), msg=name, **tol)
+
+
+def test_batched_gradients_save_and_load() -> None:
+    ref, ours = _pair("cpu", d=8, layers=2, dtype=torch.bfloat16, mixed=True, seed=3)
+    ours(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    buf = io.BytesIO()
+    torch.save(grads, buf)
+    buf.seek(0)
+    back = torch.load(buf)
+    for n, g in grads.items():
+        assert back[n].dtype == g.dtype, n
+        assert torch.equal(back[n], g), n
+
+
+def test_an_interrupted_backward_leaves_no_batched_gradient() -> None:
+    """A backward that raises after some small gradients were batched writes no ``.grad``; the
+    next step is exact."""
+    ref, ours = _pair("cpu", d=8, layers=3, dtype=torch.float32, mixed=False, seed=5)
+    x = torch.randn(4, 8)
+
+    def boom(_g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("stop")
+
+    h = ours.blocks[0].lin.weight.register_hook(boom)
+    with pytest.raises(RuntimeError, match="stop"):
+        ours(x).square().mean().backward()
+    h.remove()
+    ours(x).square().mean().backward()  # the next forward drops what the interrupted one left
+    assert all(q.grad is not None for q in ours.parameters())
+    ref(x).square().mean().backward()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
