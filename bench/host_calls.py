@@ -1,9 +1,9 @@
 """Host time of the streaming's own calls during one offloaded pass of an architecture of
 ``bench/arch.py`` (the streamer's hooks, its prefetches, the engine's calls and the backward's
 hooks, each wrapped with a timer; a call's time includes the wrapped calls it makes): the total per
-call, and each call that held the host at least ``--min-ms``, with when it began; and the engine's
-waits on the device. Finds where the host stands between the GPU and its next kernels. A
-diagnostic: it prints, it records nothing.
+call, and each call that held the host at least ``--min-ms``, with when it began; the calls into
+the engines' Rust halves (``core.*``); and the engine's waits on the device. Finds where the host
+stands between the GPU and its next kernels. A diagnostic: it prints, it records nothing.
 
     python3 bench/host_calls.py --arch resnet --layers 50
     python3 bench/host_calls.py --arch resnet --layers 50 --train
@@ -32,7 +32,10 @@ WRAPPED = (
         ("pre_forward", "_post_forward", "part_pre_forward", "begin_pass"),
     ),
     ("ramtorch._stream.itinerary.Prefetcher", ("_prefetch_along", "_take")),
-    ("ramtorch._engine.DeviceEngine", ("prefetch", "claim", "release", "push_grad", "finish")),
+    (
+        "ramtorch._engine.DeviceEngine",
+        ("prefetch", "claim", "release", "push_grad", "finish", "_stream", "_add_small", "_copy_small"),
+    ),
     ("ramtorch._stream.functions.GradientHooks", ("_pack", "_unpack", "_hook_weight_consumers")),
     ("ramtorch._stream.functions._EarlyGrad", ("__call__",)),
 )
@@ -62,6 +65,34 @@ def timed(f: Callable[..., Any], name: str, log: list, origin: list[float]) -> C
                 parts = a[7] if len(a) > 7 else k.get("parts", ())
                 what = f"{a[2] / 2**20:.0f} MiB in {len(parts) + 1} parts"
             log.append((name, what, t - origin[0], time.perf_counter() - t))
+
+    return g
+
+
+#: Methods of the engines' Rust halves timed through :class:`TimedCore` (labelled ``core.*``).
+CORE_CALLS = ("copy_to_host", "prefetch", "claim", "claim_part", "release", "synchronize")
+
+
+class TimedCore:
+    """An engine's Rust half (``DeviceEngine._core``) whose :data:`CORE_CALLS` are timed."""
+
+    def __init__(self, core: Any, log: list, origin: list[float]) -> None:
+        self._inner = core
+        for name in CORE_CALLS:
+            f = getattr(core, name)
+            setattr(self, name, timed_call(f, f"core.{name}", log, origin))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def timed_call(f: Callable[..., Any], name: str, log: list, origin: list[float]) -> Callable[..., Any]:
+    def g(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            log.append((name, "", t - origin[0], time.perf_counter() - t))
 
     return g
 
@@ -99,6 +130,10 @@ def main() -> None:
     x, _ = arch.inputs(a.arch, a.tokens, not cuda, dev, torch.bfloat16)
     model.to("cpu")
     ramtorch.offload(model, device=dev)
+    from ramtorch import _engine
+
+    for e in _engine.engines():
+        e._core = TimedCore(e._core, log, origin)
     model.train(a.train)
     params = list(model.parameters())
 

@@ -30,6 +30,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def fresh_engine_sums():
+    """The engines start with no learned accumulation (no device sums kept) and the automatic
+    room for sums; restored after. Earlier tests' loops may have taught the engines to keep sums."""
+    from ramtorch import _engine
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        eng = _engine.engine_for(_engine.normalize_device(dev))
+        eng.drop_sums()
+        eng._keep_sums = False
+        eng._fresh_backwards = 0
+        eng.sum_cap = None
+        eng._sum_limits.clear()  # models of earlier tests that the collector has not freed yet
+    yield
+    for dev in devices:
+        eng = _engine.engine_for(_engine.normalize_device(dev))
+        eng.sum_cap = None
+        eng.drop_sums()
+
+
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     if request.param == "cuda":

@@ -25,21 +25,7 @@ def _engine_of(device: str) -> _engine.DeviceEngine:
     return _engine.engine_for(_engine.normalize_device(device))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_engine_sums():
-    """Each test starts with no learned accumulation and the automatic room; restored after."""
-    for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
-        eng = _engine_of(dev)
-        eng.drop_sums()
-        eng._keep_sums = False
-        eng._fresh_backwards = 0
-        eng.sum_cap = None
-        eng._sum_limits.clear()  # models of earlier tests that the collector has not freed yet
-    yield
-    for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
-        eng = _engine_of(dev)
-        eng.sum_cap = None
-        eng.drop_sums()
+pytestmark = pytest.mark.usefixtures("fresh_engine_sums")
 
 
 class LinearNet(nn.Module):

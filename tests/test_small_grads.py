@@ -16,6 +16,8 @@ from ramtorch import _engine
 from torch import nn
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# Gradient sums kept on the device (a loop seen to accumulate) take a path of their own.
+pytestmark = pytest.mark.usefixtures("fresh_engine_sums")
 
 
 class Block(nn.Module):

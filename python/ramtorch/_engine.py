@@ -352,6 +352,10 @@ class ForwardLock:
         return self._owner is acting_thread()
 
 
+#: The raw handle of a CUDA device's current stream, without a Python stream object (what
+#: ``torch.cuda.current_stream(device).cuda_stream`` reads; None where torch lacks it).
+_RAW_STREAM: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 #: The engine's bound on copies in flight per lane.
 _MAX_GRADIENT_COPIES = 64
 
@@ -456,6 +460,7 @@ class DeviceEngine:
 
     def __init__(self, device: torch.device, relays: tuple[int, ...] = ()) -> None:
         self.device = device
+        self._index = device.index if device.index is not None else 0
         #: The peers asked to feed this device besides its own link (CUDA ordinals; on the host
         #: device, host stand-ins), see :func:`configure_links`; ``relays`` those that do.
         self.asked_relays = relays
@@ -575,7 +580,10 @@ class DeviceEngine:
         self._slots, self._slot_bytes = slots, nbytes
 
     def _stream(self) -> int:
+        """The raw handle of the current stream of this engine's device (0 on the host device)."""
         if self.device.type == "cuda":
+            if _RAW_STREAM is not None:  # (no Python stream object made for each gradient)
+                return _RAW_STREAM(self._index)
             return torch.cuda.current_stream(self.device).cuda_stream
         return 0
 
@@ -791,15 +799,12 @@ class DeviceEngine:
     ) -> None:
         """Keeps small gradient ``grad`` (contiguous, of ``entry``'s parameter) on the device until
         its batch crosses the link (:meth:`_flush_small`); until then it is in no ``entry.bufs``."""
-        if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device)
-            key = (grad.dtype, stream.cuda_stream, tag)
-        else:
-            stream, key = None, (grad.dtype, 0, tag)
+        key = (grad.dtype, self._stream(), tag)
         b = self._small.get(key)
-        if b is None and self._small:
-            self._flush_small(keep=tag)  # other units' (a batch is one unit's: the trace names it)
         if b is None:
+            if self._small:
+                self._flush_small(keep=tag)  # other units' (a batch is one unit's: the trace names it)
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             b = self._small[key] = _SmallGrads(stream, max_inflight, tag)
         b.entries.append(entry)
         b.grads.append(grad)
@@ -815,7 +820,7 @@ class DeviceEngine:
         told that gradients are on their way, the end of backward)."""
         for key in [k for k in self._small if k[2] != keep]:
             b = self._small.pop(key)
-            if b.stream is not None and b.stream != torch.cuda.current_stream(self.device):
+            if b.stream is not None and key[1] != self._stream():
                 with torch.cuda.stream(b.stream):
                     self._copy_small(b)
             else:
