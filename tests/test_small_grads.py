@@ -152,3 +152,24 @@ def test_an_interrupted_backward_leaves_no_batched_gradient() -> None:
     ref(x).square().mean().backward()
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_accumulated_small_gradients_cross_in_batches() -> None:
+    """A loop that accumulates keeps each gradient's running sum on the device; the small sums
+    cross in batches too, and the sums equal torch's."""
+    ref, ours = _pair("cpu", d=24, layers=3, dtype=torch.float32, mixed=False, seed=1)
+    xs = [torch.randn(5, 24, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    for step in range(3):
+        copies = []
+        for x in xs:
+            before = _copies("cpu")
+            ref(x).square().mean().backward()
+            ours(x).square().mean().backward()
+            copies.append(_copies("cpu") - before)
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"step {step}: {name}")
+        if step > 0:  # the engine has seen the loop accumulate: sums on the device
+            assert _engine.engine_for(torch.device("cpu"))._sums, "sums kept on the device"
+            assert max(copies) <= 4 * 2, f"gradient copies per backward: {copies}"
+        ref.zero_grad()
+        ours.zero_grad()

@@ -363,6 +363,8 @@ _MAX_GRADIENT_COPIES = 64
 #: together with others of its dtype: one copy and one set of events for many tensors, where each
 #: copy costs the host tens of microseconds (a ResNet's backward has 310 such gradients of 465).
 _SMALL_GRAD_BYTES = 64 << 10
+#: The host tensor of a running sum that crosses in a batch, until the batch has left.
+_LATER = torch.empty(0)
 #: A batch of small gradients leaves once it holds this many bytes or tensors (and at the end of
 #: backward, and before the optimizers are told a unit's gradients are on their way).
 _SMALL_BATCH_BYTES = 4 << 20
@@ -402,12 +404,13 @@ class _SmallGrads:
     """Small gradients of one dtype and unit, produced on one stream, waiting on the device to cross the
     link together (see :data:`_SMALL_GRAD_BYTES`), each with its parameter's record."""
 
-    __slots__ = ("entries", "grads", "max_inflight", "nbytes", "stream", "tag")
+    __slots__ = ("entries", "grads", "into_target", "max_inflight", "nbytes", "stream", "tag")
 
     def __init__(self, stream: Any, max_inflight: int, tag: int) -> None:
         self.stream = stream  # the torch stream they were produced on (None on the host device)
         self.entries: list[_Pending] = []
         self.grads: list[torch.Tensor] = []
+        self.into_target: list[bool] = []  # a running sum whose host tensor becomes entry.target
         self.nbytes = 0
         self.max_inflight = max_inflight
         self.tag = tag
@@ -730,6 +733,7 @@ class DeviceEngine:
                 if listener.reduce_grad(param, grad) is False:
                     return  # ZeRO-2: reduced onto the rank that owns it, which keeps it
         nbytes = grad.numel() * grad.element_size()
+        small = 0 < nbytes <= _SMALL_GRAD_BYTES  # crosses in a batch (see _add_small)
         pid = id(param)
         entry = self._pending.get(pid)
         if entry is None:
@@ -749,12 +753,12 @@ class DeviceEngine:
             if s is not None:
                 # The sum crosses whole into a buffer that becomes ``.grad``'s memory at the end
                 # of backward (not into ``.grad`` itself: a backward that raises leaves it as it was).
-                entry.target = _arena.host_empty(param.shape, param.dtype)
+                entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
                 entry.replaces = prior
             elif prior is None and self._keep_sums and self._sum_room(nbytes):
                 s = self._sums[pid] = _Sum(param)
                 self._sum_bytes += nbytes
-                entry.target = _arena.host_empty(param.shape, param.dtype)
+                entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
             self._pending[pid] = entry  # one step: an interrupt leaves it recorded or not
         s = self._sums.get(pid) if entry.target is not None else None
         if s is not None:
@@ -762,9 +766,12 @@ class DeviceEngine:
             # retires, and a gradient autograd handed over is never written.
             src = grad if s.dev is None else s.dev + grad
             s.dev = src
+            if small:
+                self._add_small(entry, src, nbytes, max_inflight, tag, into_target=True)
+                return
             dst = entry.target
         else:
-            if 0 < nbytes <= _SMALL_GRAD_BYTES:
+            if small:
                 self._add_small(entry, grad, nbytes, max_inflight, tag)
                 return
             src = grad
@@ -795,10 +802,18 @@ class DeviceEngine:
             self._grad_sources.popleft()
 
     def _add_small(
-        self, entry: _Pending, grad: torch.Tensor, nbytes: int, max_inflight: int, tag: int
+        self,
+        entry: _Pending,
+        grad: torch.Tensor,
+        nbytes: int,
+        max_inflight: int,
+        tag: int,
+        into_target: bool = False,
     ) -> None:
         """Keeps small gradient ``grad`` (contiguous, of ``entry``'s parameter) on the device until
-        its batch crosses the link (:meth:`_flush_small`); until then it is in no ``entry.bufs``."""
+        its batch crosses the link (:meth:`_flush_small`); until then it is in no ``entry.bufs``.
+        With ``into_target`` it is the parameter's running sum: its host tensor becomes
+        ``entry.target`` (:data:`_LATER` until then)."""
         key = (grad.dtype, self._stream(), tag)
         b = self._small.get(key)
         if b is None:
@@ -808,6 +823,7 @@ class DeviceEngine:
             b = self._small[key] = _SmallGrads(stream, max_inflight, tag)
         b.entries.append(entry)
         b.grads.append(grad)
+        b.into_target.append(into_target)
         b.nbytes += nbytes
         b.max_inflight = max_inflight
         if b.nbytes >= _SMALL_BATCH_BYTES or len(b.grads) >= _SMALL_BATCH_COUNT:
@@ -839,17 +855,25 @@ class DeviceEngine:
         except Exception:
             self._core.synchronize()  # (refused: nothing queued; waited for in any case)
             self._grad_sources.pop()
-            for entry in b.entries:
-                if not entry.bufs and entry.target is None:
-                    self._pending.pop(id(entry.param), None)
+            for entry, into in zip(b.entries, b.into_target):
+                pid = id(entry.param)
+                if into:
+                    self._drop_sum(pid)  # its device sum may be ahead of ``.grad`` now
+                    self._pending.pop(pid, None)
+                elif not entry.bufs and entry.target is None:
+                    self._pending.pop(pid, None)
             raise
         finally:
             if rng is not None:
                 _profile.end(rng)
         off = 0
-        for entry, g in zip(b.entries, b.grads):
+        for entry, g, into in zip(b.entries, b.grads, b.into_target):
             n = g.numel()
-            entry.bufs.append(_arena.own_storage(dst[off : off + n].view(g.shape)))
+            host = _arena.own_storage(dst[off : off + n].view(g.shape))
+            if into:
+                entry.target = host  # (a later sum of the same backward replaces it: it is newer)
+            else:
+                entry.bufs.append(host)
             off += n
         for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
             self._grad_sources.popleft()
