@@ -2,7 +2,8 @@
 run in the order A B B A (so drift over the run weighs on both alike), reported per row as B / A.
 
     python3 bench/ab.py --a /path/to/old/site --b /path/to/new/site --out ab.json [--rounds 1]
-        [--rows w1-linear w1-offload w1-step w2-forward arch-resnet arch-llama] [--tokens 4096]
+        [--rows w1-linear w1-offload w1-step w2-forward arch-resnet arch-resnet-train arch-llama]
+        [--tokens 4096]
         [--b-extra=--weights-unchanged]
 
 Rows (BENCH.md names): W1 forward and forward+backward for ``ramtorch-linear`` (per-layer Linear)
@@ -33,6 +34,10 @@ ROWS = {
     "w2-forward": ("w2", ["--system", "ramtorch"]),
     # ``bench/arch.py`` models (their resident runs are rows too: a control for the machine's noise).
     "arch-resnet": ("arch", ["--arch", "resnet", "--full-depth", "--phases", "forward", "forward_backward"]),
+    "arch-resnet-train": (
+        "arch",
+        ["--arch", "resnet", "--full-depth", "--phases", "forward_backward", "forward_backward_accumulate"],
+    ),
     "arch-llama": (
         "arch",
         ["--arch", "llama", "--layers", "8", "--phases", "forward_backward", "forward_backward_accumulate"],

@@ -138,7 +138,8 @@ class GradientHooks:
     def _hook_weight_consumers(self, u: _Unit, fetch: Any, roots: list[Any]) -> None:
         """Walks the unit's graph from its outputs down to ``fetch`` (its :class:`_Fetch` node) and
         hooks the node that consumes each weight, where exactly one does: that weight's gradient
-        leaves for the host as soon as the node has run, not at the end of the unit's backward.
+        leaves for the host as soon as the node has run, not at the end of the unit's backward
+        (small weights excepted: their gradients cross in batches anyway).
         The walk stops at the unit's inputs (:class:`_PostBackward`), at other units' weights and at
         leaves, and gives up past ``_WALK_LIMIT`` nodes. Under ``torch.compile`` it runs eagerly
         like the rest of the hooks, over the compiled regions' nodes: a weight's gradient leaves
@@ -162,7 +163,12 @@ class GradientHooks:
                 elif not isinstance(nxt, stop) and nxt.next_functions:
                     stack.append(nxt)
         for i, edges in found.items():
-            if len(edges) == 1 and u.params[i].requires_grad:
+            p = u.params[i]
+            # A small weight's gradient (a norm's, a bias's) waits on the device for others to
+            # cross with (``DeviceEngine._add_small``): ``_Fetch``'s backward hands it over at the
+            # end of the unit's backward, which saves a hook and its call for each.
+            small = p.numel() * p.element_size() <= _engine._SMALL_GRAD_BYTES
+            if len(edges) == 1 and p.requires_grad and not small:
                 node, j = edges[0]
                 node.register_hook(_EarlyGrad(self, u, fetch, i, j))
 
