@@ -173,3 +173,31 @@ def test_accumulated_small_gradients_cross_in_batches() -> None:
             assert max(copies) <= 4 * 2, f"gradient copies per backward: {copies}"
         ref.zero_grad()
         ours.zero_grad()
+
+
+class Twice(nn.Module):
+    """A unit called twice in one forward: each of its small weights gets two gradients a backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.a(x)))
+
+
+def test_a_unit_called_twice_accumulates_batched_gradients_like_torch() -> None:
+    torch.manual_seed(4)
+    ref = Twice()
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    for step in range(3):
+        for _ in range(3):  # accumulating: from the second step on the sums stay on the device
+            x = torch.randn(3, 8)
+            ref(x).square().mean().backward()
+            ours(x).square().mean().backward()
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"step {step}: {name}")
+        ref.zero_grad()
+        ours.zero_grad()
