@@ -201,3 +201,43 @@ def test_a_unit_called_twice_accumulates_batched_gradients_like_torch() -> None:
             torch.testing.assert_close(q.grad, p.grad, msg=f"step {step}: {name}")
         ref.zero_grad()
         ours.zero_grad()
+
+
+class _FailingCore:
+    """An engine's Rust half whose gradient copies fail while ``fail`` is set."""
+
+    def __init__(self, core: object) -> None:
+        self._inner = core
+        self.fail = True
+
+    def copy_to_host(self, *a: object, **k: object) -> int:
+        if self.fail:
+            raise RuntimeError("copy_to_host: injected failure")
+        return self._inner.copy_to_host(*a, **k)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["batched", "alone"])
+def test_a_failed_gradient_copy_raises_and_the_next_step_is_exact(big: bool) -> None:
+    """A gradient copy the engine refuses (a batch's, or a large gradient's own) makes backward
+    raise with the engine's message; nothing of that backward reaches ``.grad``, and the next
+    backward equals torch's."""
+    d = 160 if big else 8  # a 160 x 160 fp32 weight (100 KiB) crosses alone
+    ref, ours = _pair("cpu", d=d, layers=2, dtype=torch.float32, mixed=False, seed=6)
+    eng = _engine.engine_for(torch.device("cpu"))
+    failing = _FailingCore(eng._core)
+    eng._core = failing
+    try:
+        x = torch.randn(3, d)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            ours(x).square().mean().backward()
+        failing.fail = False
+        assert all(q.grad is None for q in ours.parameters()), "no partial gradient"
+        ours(x).square().mean().backward()
+    finally:
+        eng._core = failing._inner
+    ref(x).square().mean().backward()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)

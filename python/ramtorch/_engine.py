@@ -781,6 +781,22 @@ class DeviceEngine:
         # Source and destination are recorded before the copy is queued: an interrupt (Ctrl-C)
         # landing right after the engine queued it must not free either while the copy runs
         # (an interrupted backward's records are dropped only after a synchronize).
+        try:
+            self._queue_copy(dst, src, nbytes, max_inflight, tag)
+        except Exception:
+            self._drop_sum(pid)  # its device sum may be ahead of ``.grad`` now
+            if entry.bufs and entry.bufs[-1] is dst:
+                entry.bufs.pop()
+            if not entry.bufs and entry.target is None:
+                del self._pending[pid]
+            raise
+
+    def _queue_copy(
+        self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, max_inflight: int, tag: int
+    ) -> None:
+        """Queues the copy of gradient bytes ``src`` (on the device) into ``dst`` (host arena
+        memory), throttled; ``src`` stays referenced until its copy has completed. Raises with
+        nothing queued (and every earlier copy waited for)."""
         self._grad_sources.append(src, nbytes)
         limit = self._gradient_copies_allowed(max_inflight, nbytes)
         rng = _profile.begin("ramtorch.copy_to_host") if _profile.active() else None
@@ -789,11 +805,6 @@ class DeviceEngine:
         except Exception:
             self._core.synchronize()  # (refused: nothing queued; waited for in any case)
             self._grad_sources.pop()
-            self._drop_sum(pid)  # its device sum may be ahead of ``.grad`` now
-            if entry.bufs and entry.bufs[-1] is dst:
-                entry.bufs.pop()
-            if not entry.bufs and entry.target is None:
-                del self._pending[pid]
             raise
         finally:
             if rng is not None:
@@ -847,14 +858,9 @@ class DeviceEngine:
         buffer; each gradient's host tensor is its stretch of the buffer (a storage of its own)."""
         src = torch.cat([g.view(-1) for g in b.grads]) if len(b.grads) > 1 else b.grads[0].view(-1)
         dst = _arena.host_empty((src.numel(),), src.dtype)
-        self._grad_sources.append(src, b.nbytes)
-        limit = self._gradient_copies_allowed(b.max_inflight, b.nbytes)
-        rng = _profile.begin("ramtorch.copy_to_host") if _profile.active() else None
         try:
-            retired = self._core.copy_to_host(dst, src, b.nbytes, limit, self._stream(), b.tag)
+            self._queue_copy(dst, src, b.nbytes, b.max_inflight, b.tag)
         except Exception:
-            self._core.synchronize()  # (refused: nothing queued; waited for in any case)
-            self._grad_sources.pop()
             for entry, into in zip(b.entries, b.into_target):
                 pid = id(entry.param)
                 if into:
@@ -863,9 +869,6 @@ class DeviceEngine:
                 elif not entry.bufs and entry.target is None:
                     self._pending.pop(pid, None)
             raise
-        finally:
-            if rng is not None:
-                _profile.end(rng)
         off = 0
         for entry, g, into in zip(b.entries, b.grads, b.into_target):
             n = g.numel()
@@ -875,8 +878,6 @@ class DeviceEngine:
             else:
                 entry.bufs.append(host)
             off += n
-        for _ in range(min(retired, len(self._grad_sources) - 1)):  # earlier copies only
-            self._grad_sources.popleft()
 
     def _gradient_copies_allowed(self, max_inflight: int, nbytes: int) -> int:
         """How many gradient copies may be in flight once this one (of ``nbytes``) is queued: the
