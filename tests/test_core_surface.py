@@ -449,3 +449,39 @@ def test_front_end_hands_the_engine_its_slot_and_gradient_tensors():
     eng = ramtorch._engine.engine_for(torch.device("cpu"))
     assert eng._core.slots() == (len(eng._slots), eng._slot_bytes)
     assert len(eng._slots) > 0
+
+
+@pytest.mark.parametrize("dtype", list(_arena._DLPACK) + [torch.complex64, torch.float8_e4m3fn])
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 1, 4)])
+def test_typed_host_tensors_are_the_dtype_and_shape_asked_for(dtype, shape):
+    t = _arena.host_empty(shape, dtype, zeroed=True)
+    assert (t.dtype, tuple(t.shape), t.is_contiguous()) == (dtype, shape, True)
+    assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    if t.numel() == 0:
+        return
+    src = torch.arange(t.numel()).reshape(shape).to(dtype)
+    t.copy_(src)
+    v = _arena.view_at(t.data_ptr(), shape, dtype)  # a storage of its own over the same bytes
+    assert (v.dtype, tuple(v.shape), v.data_ptr()) == (dtype, shape, t.data_ptr())
+    assert v.untyped_storage().data_ptr() != 0 and torch.equal(v, src)
+    del t
+    gc.collect()
+    assert torch.equal(v, src)  # the view keeps the region alive
+
+
+def test_typed_capsules_refuse_types_and_shapes_that_do_not_fit():
+    t = _arena.host_empty((6,), torch.float32)
+    with pytest.raises(ValueError, match="does not cover"):
+        _core.arena_view(t.data_ptr(), 24, (2, 32), [7])
+    with pytest.raises(ValueError, match="does not cover"):
+        _core.arena_alloc(24, False, True, (2, 32), [2, 2])
+    with pytest.raises(ValueError, match="negative size"):
+        _core.arena_view(t.data_ptr(), 24, (2, 32), [-6])
+    with pytest.raises(ValueError, match="overflows"):
+        _core.arena_view(t.data_ptr(), 24, (2, 32), [1 << 40, 1 << 40])
+    with pytest.raises(ValueError, match="not one ramtorch exports"):
+        _core.arena_view(t.data_ptr(), 24, (5, 64), [3])
+    with pytest.raises(ValueError, match="together"):
+        _core.arena_view(t.data_ptr(), 24, (2, 32), None)
+    with pytest.raises(ValueError, match=OUTSIDE):
+        _core.arena_view(12345, 24, (2, 32), [6])

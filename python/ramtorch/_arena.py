@@ -50,11 +50,35 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+#: DLPack's (type code, bits) of the dtypes the bindings export as typed tensors: one call makes
+#: the tensor, where a byte tensor and two views cost several times as much (a backward makes a
+#: host tensor for every gradient). Others go through a byte tensor.
+_DLPACK: dict[torch.dtype, tuple[int, int]] = {
+    torch.float32: (2, 32),
+    torch.bfloat16: (4, 16),
+    torch.float16: (2, 16),
+    torch.float64: (2, 64),
+    torch.int8: (0, 8),
+    torch.int16: (0, 16),
+    torch.int32: (0, 32),
+    torch.int64: (0, 64),
+    torch.uint8: (1, 8),
+    torch.bool: (6, 8),
+}
+#: Builds a tensor from a capsule (torch's own, without ``torch.from_dlpack``'s Python checks).
+_from_capsule: Callable[[object], torch.Tensor] = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
+
+
 def host_empty(
     shape: Sequence[int], dtype: torch.dtype, zeroed: bool = False, pin: bool = True
 ) -> torch.Tensor:
     """An arena tensor of ``shape`` and ``dtype`` (see :func:`host_bytes`)."""
-    return host_bytes(_nbytes(shape, dtype), zeroed, pin).view(dtype).view(tuple(shape))
+    dl = _DLPACK.get(dtype)
+    if dl is None:
+        return host_bytes(_nbytes(shape, dtype), zeroed, pin).view(dtype).view(tuple(shape))
+    t = _from_capsule(_core.arena_alloc(_nbytes(shape, dtype), zeroed, pin, dl, list(shape)))
+    _warn_if_unpinned()
+    return t
 
 
 def pack(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -96,7 +120,20 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     n = t.numel() * t.element_size()
     if n == 0:
         return t
-    return torch.from_dlpack(_core.arena_view(t.data_ptr(), n)).view(t.dtype).view(tuple(t.shape))
+    return view_at(t.data_ptr(), t.shape, t.dtype)
+
+
+def view_at(addr: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` and ``dtype`` over the bytes at ``addr`` (inside a live
+    arena or shared region, which it keeps alive), with a storage of its own: as
+    :func:`own_storage`, without a tensor to start from."""
+    nbytes = _nbytes(shape, dtype)
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    dl = _DLPACK.get(dtype)
+    if dl is None:
+        return torch.from_dlpack(_core.arena_view(addr, nbytes)).view(dtype).view(tuple(shape))
+    return _from_capsule(_core.arena_view(addr, nbytes, dl, list(shape)))
 
 
 def in_region(t: torch.Tensor, flat: torch.Tensor | None) -> bool:

@@ -356,6 +356,17 @@ class ForwardLock:
 #: ``torch.cuda.current_stream(device).cuda_stream`` reads; None where torch lacks it).
 _RAW_STREAM: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
+
+def _cat_flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.view(-1) for t in ts])
+
+
+#: Contiguous tensors of one dtype, flattened and packed back to back in one new tensor: torch's
+#: C++ helper where it has one (one call instead of a view per tensor and a cat).
+_flatten: Callable[[Sequence[torch.Tensor]], torch.Tensor] = getattr(
+    torch._C._nn, "flatten_dense_tensors", _cat_flat
+)
+
 #: The engine's bound on copies in flight per lane.
 _MAX_GRADIENT_COPIES = 64
 
@@ -856,7 +867,8 @@ class DeviceEngine:
     def _copy_small(self, b: _SmallGrads) -> None:
         """One copy of batch ``b``'s gradients, packed back to back on the device, into one host
         buffer; each gradient's host tensor is its stretch of the buffer (a storage of its own)."""
-        src = torch.cat([g.view(-1) for g in b.grads]) if len(b.grads) > 1 else b.grads[0].view(-1)
+        grads = b.grads
+        src = _flatten(grads) if len(grads) > 1 else grads[0].view(-1)
         dst = _arena.host_empty((src.numel(),), src.dtype)
         try:
             self._queue_copy(dst, src, b.nbytes, b.max_inflight, b.tag)
@@ -869,15 +881,15 @@ class DeviceEngine:
                 elif not entry.bufs and entry.target is None:
                     self._pending.pop(pid, None)
             raise
-        off = 0
-        for entry, g, into in zip(b.entries, b.grads, b.into_target):
-            n = g.numel()
-            host = _arena.own_storage(dst[off : off + n].view(g.shape))
+        addr, dtype, size = dst.data_ptr(), dst.dtype, dst.element_size()
+        view_at = _arena.view_at
+        for entry, g, into in zip(b.entries, grads, b.into_target):
+            host = view_at(addr, g.shape, dtype)
             if into:
                 entry.target = host  # (a later sum of the same backward replaces it: it is newer)
             else:
                 entry.bufs.append(host)
-            off += n
+            addr += g.numel() * size
 
     def _gradient_copies_allowed(self, max_inflight: int, nbytes: int) -> int:
         """How many gradient copies may be in flight once this one (of ``nbytes``) is queued: the

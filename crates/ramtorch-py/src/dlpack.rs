@@ -1,7 +1,9 @@
 //! Host memory handed to torch as DLPack capsules: a 1-D `uint8` CPU tensor over an arena region
-//! or a shared region, which the capsule (then torch's tensor) keeps alive; or, for page-locked
-//! memory mapped into a GPU's address space, a CUDA tensor over the same bytes (kernels read them
-//! over the link in place).
+//! or a shared region, which the capsule (then torch's tensor) keeps alive, or a contiguous tensor
+//! of a given dtype and shape over it ([`Typed`]: one call instead of a byte tensor and two
+//! views, where the front end makes a tensor for every gradient); or, for page-locked memory
+//! mapped into a GPU's address space, a CUDA tensor over the same bytes (kernels read them over
+//! the link in place).
 
 use std::ffi::{c_char, c_void, CStr};
 
@@ -70,7 +72,49 @@ impl Memory {
 /// What a capsule owns: the memory and the shape array the DLTensor points into.
 struct Export {
     _memory: Memory,
-    shape: [i64; 1],
+    shape: Vec<i64>,
+}
+
+/// The dtype and shape of a contiguous tensor over a capsule's whole memory: DLPack's type code
+/// (0 int, 1 uint, 2 float, 4 bfloat, 6 bool) and width in bits, and the sizes.
+pub(crate) struct Typed {
+    pub code: u8,
+    pub bits: u8,
+    pub shape: Vec<i64>,
+}
+
+impl Typed {
+    /// Checks that the type is one torch reads from DLPack and that the shape covers exactly
+    /// `nbytes` bytes.
+    pub(crate) fn check(&self, nbytes: usize) -> PyResult<()> {
+        let known = matches!(
+            (self.code, self.bits),
+            (0, 8 | 16 | 32 | 64) | (1, 8 | 16 | 32 | 64) | (2, 16 | 32 | 64) | (4, 16) | (6, 8)
+        );
+        if !known {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "DLPack type (code {}, {} bits) is not one ramtorch exports",
+                self.code, self.bits
+            )));
+        }
+        let mut elems: usize = 1;
+        for &d in &self.shape {
+            let d = usize::try_from(d).map_err(|_| {
+                pyo3::exceptions::PyValueError::new_err(format!("negative size {d} in a shape"))
+            })?;
+            elems = elems.checked_mul(d).ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err("a shape whose size overflows")
+            })?;
+        }
+        let want = elems.checked_mul(usize::from(self.bits) / 8);
+        if want != Some(nbytes) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "shape {:?} of {}-bit elements does not cover the {nbytes} bytes it views",
+                self.shape, self.bits
+            )));
+        }
+        Ok(())
+    }
 }
 
 const DLTENSOR: &CStr = c"dltensor";
@@ -107,17 +151,29 @@ const K_DL_CUDA: i32 = 2;
 
 /// A DLPack capsule of a 1-D uint8 CPU tensor over `memory`, which it keeps alive.
 pub(crate) fn export(py: Python<'_>, memory: Memory) -> PyResult<Py<PyAny>> {
-    export_at(py, memory, None)
+    export_at(py, memory, None, None)
+}
+
+/// A DLPack capsule of a contiguous CPU tensor of `typed`'s dtype and shape over `memory` (all of
+/// it: [`Typed::check`] first), which it keeps alive.
+pub(crate) fn export_typed(py: Python<'_>, memory: Memory, typed: Typed) -> PyResult<Py<PyAny>> {
+    typed.check(memory.len())?;
+    export_at(py, memory, None, Some(typed))
 }
 
 /// A DLPack capsule of a 1-D uint8 tensor over the page-locked host `memory` as CUDA device
 /// `device` reads it in place (mapped host memory: its device address is its host address,
 /// which the caller has checked), keeping `memory` alive as [`export`] does.
 pub(crate) fn export_mapped(py: Python<'_>, memory: Memory, device: usize) -> PyResult<Py<PyAny>> {
-    export_at(py, memory, Some(device))
+    export_at(py, memory, Some(device), None)
 }
 
-fn export_at(py: Python<'_>, memory: Memory, cuda: Option<usize>) -> PyResult<Py<PyAny>> {
+fn export_at(
+    py: Python<'_>,
+    memory: Memory,
+    cuda: Option<usize>,
+    typed: Option<Typed>,
+) -> PyResult<Py<PyAny>> {
     let (device_type, device_id) = match cuda {
         None => (K_DL_CPU, 0),
         Some(d) => (
@@ -128,8 +184,14 @@ fn export_at(py: Python<'_>, memory: Memory, cuda: Option<usize>) -> PyResult<Py
         ),
     };
     let ptr = memory.as_ptr();
+    let (code, bits, shape) = match typed {
+        Some(t) => (t.code, t.bits, t.shape),
+        None => (K_DL_UINT, 8, vec![memory.len() as i64]),
+    };
+    let ndim = i32::try_from(shape.len())
+        .map_err(|_| pyo3::exceptions::PyValueError::new_err("too many dimensions"))?;
     let mut ctx = Box::new(Export {
-        shape: [memory.len() as i64],
+        shape,
         _memory: memory,
     });
     let shape = ctx.shape.as_mut_ptr();
@@ -140,10 +202,10 @@ fn export_at(py: Python<'_>, memory: Memory, cuda: Option<usize>) -> PyResult<Py
                 device_type,
                 device_id,
             },
-            ndim: 1,
+            ndim,
             dtype: DLDataType {
-                code: K_DL_UINT,
-                bits: 8,
+                code,
+                bits,
                 lanes: 1,
             },
             shape,

@@ -22,7 +22,7 @@ use ramtorch_core::links::{LinkStats, Links};
 use ramtorch_core::shared::SharedRegion;
 use ramtorch_core::{cuda, fork, Error};
 
-use dlpack::{export, export_mapped, Memory};
+use dlpack::{export, export_mapped, export_typed, Memory, Typed};
 
 create_exception!(
     _core,
@@ -83,23 +83,61 @@ pub(crate) fn arena() -> Result<&'static Arena, Error> {
     Arena::global()
 }
 
+/// `typed` of the bindings: a dtype as DLPack's (code, bits) and a shape, both given or neither.
+fn typed_of(dtype: Option<(u8, u8)>, shape: Option<Vec<i64>>) -> PyResult<Option<Typed>> {
+    match (dtype, shape) {
+        (None, None) => Ok(None),
+        (Some((code, bits)), Some(shape)) => Ok(Some(Typed { code, bits, shape })),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(
+            "dtype and shape are given together or not at all",
+        )),
+    }
+}
+
 /// Allocates `nbytes` of host arena memory (page-locked when a GPU is present, unless `pin` is
-/// false) and returns it as a DLPack capsule of a 1-D uint8 CPU tensor. The memory returns to the
-/// arena's pool when the last torch view of it dies.
+/// false) and returns it as a DLPack capsule of a 1-D uint8 CPU tensor, or, given `dtype`
+/// (DLPack's type code and bits) and `shape`, of a contiguous tensor of that dtype and shape over
+/// all of it. The memory returns to the arena's pool when the last torch view of it dies.
 #[pyfunction]
-#[pyo3(signature = (nbytes, zeroed = false, pin = true))]
-fn arena_alloc(py: Python<'_>, nbytes: usize, zeroed: bool, pin: bool) -> PyResult<Py<PyAny>> {
+#[pyo3(signature = (nbytes, zeroed = false, pin = true, dtype = None, shape = None))]
+fn arena_alloc(
+    py: Python<'_>,
+    nbytes: usize,
+    zeroed: bool,
+    pin: bool,
+    dtype: Option<(u8, u8)>,
+    shape: Option<Vec<i64>>,
+) -> PyResult<Py<PyAny>> {
+    let typed = typed_of(dtype, shape)?;
+    if let Some(t) = &typed {
+        t.check(nbytes)?; // before anything is allocated
+    }
     let region = py.detach(|| guard("arena_alloc", || arena()?.alloc_with(nbytes, zeroed, pin)))?;
-    export(py, Memory::Arena(region))
+    match typed {
+        Some(t) => export_typed(py, Memory::Arena(region), t),
+        None => export(py, Memory::Arena(region)),
+    }
 }
 
 /// The `nbytes` bytes at `addr` inside a live arena or shared region, as a DLPack capsule of a 1-D
-/// uint8 CPU tensor of their own (torch sees a storage of its own, aliasing the region), which
-/// keeps the region alive. Anything outside memory ramtorch allocated is an error.
+/// uint8 CPU tensor of their own (torch sees a storage of its own, aliasing the region), or of a
+/// contiguous tensor of `dtype` and `shape` as in `arena_alloc`; the capsule keeps the region
+/// alive. Anything outside memory ramtorch allocated is an error.
 #[pyfunction]
-fn arena_view(py: Python<'_>, addr: usize, nbytes: usize) -> PyResult<Py<PyAny>> {
+#[pyo3(signature = (addr, nbytes, dtype = None, shape = None))]
+fn arena_view(
+    py: Python<'_>,
+    addr: usize,
+    nbytes: usize,
+    dtype: Option<(u8, u8)>,
+    shape: Option<Vec<i64>>,
+) -> PyResult<Py<PyAny>> {
+    let typed = typed_of(dtype, shape)?;
     let slice = guard("arena_view", || arena()?.slice(addr, nbytes))?;
-    export(py, Memory::Slice(slice))
+    match typed {
+        Some(t) => export_typed(py, Memory::Slice(slice), t),
+        None => export(py, Memory::Slice(slice)),
+    }
 }
 
 /// The `nbytes` bytes at `addr` inside a live arena or shared region, as CUDA device `device`'s
