@@ -66,7 +66,7 @@ _DLPACK: dict[torch.dtype, tuple[int, int]] = {
     torch.bool: (6, 8),
 }
 #: Builds a tensor from a capsule (torch's own, without ``torch.from_dlpack``'s Python checks).
-_from_capsule: Callable[[object], torch.Tensor] = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
+_from_capsule: Callable[[object], torch.Tensor] = torch._C._from_dlpack
 
 
 def host_empty(

@@ -357,15 +357,9 @@ class ForwardLock:
 _RAW_STREAM: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _cat_flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.view(-1) for t in ts])
-
-
-#: Contiguous tensors of one dtype, flattened and packed back to back in one new tensor: torch's
-#: C++ helper where it has one (one call instead of a view per tensor and a cat).
-_flatten: Callable[[Sequence[torch.Tensor]], torch.Tensor] = getattr(
-    torch._C._nn, "flatten_dense_tensors", _cat_flat
-)
+#: Contiguous tensors of one dtype, flattened and packed back to back in one new tensor (torch's
+#: C++ helper: one call instead of a view per tensor and a cat).
+_flatten: Callable[[Sequence[torch.Tensor]], torch.Tensor] = torch._C._nn.flatten_dense_tensors
 
 #: The engine's bound on copies in flight per lane.
 _MAX_GRADIENT_COPIES = 64
