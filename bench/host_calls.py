@@ -7,6 +7,11 @@ stands between the GPU and its next kernels. A diagnostic: it prints, it records
 
     python3 bench/host_calls.py --arch resnet --layers 50
     python3 bench/host_calls.py --arch resnet --layers 50 --train
+    python3 bench/host_calls.py --arch resnet --layers 50 --train --bare --passes 30
+
+``--bare`` wraps nothing (the timers add host time to every call they wrap) and prints, per pass,
+the host time of the forward and of the backward and when the device was done: whether a slow pass
+was slow on the host or on the device.
 """
 
 from __future__ import annotations
@@ -118,12 +123,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--train", action="store_true", help="forward+backward (default: forward, no_grad)")
     ap.add_argument("--min-ms", type=float, default=0.2, help="list each call that took this long")
+    ap.add_argument("--bare", action="store_true", help="no timers: per pass, host and device times only")
+    ap.add_argument("--passes", type=int, default=2, help="passes timed (after 4 warm-up passes)")
     a = ap.parse_args()
     import ramtorch
 
     log: list[tuple[str, str, float, float]] = []
     origin = [0.0]
-    wrap(log, origin)
+    if not a.bare:
+        wrap(log, origin)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     model = arch.build(a.arch, a.layers, not cuda, dev, torch.bfloat16)
@@ -132,8 +140,9 @@ def main() -> None:
     ramtorch.offload(model, device=dev)
     from ramtorch import _engine
 
-    for e in _engine.engines():
-        e._core = TimedCore(e._core, log, origin)
+    if not a.bare:
+        for e in _engine.engines():
+            e._core = TimedCore(e._core, log, origin)
     model.train(a.train)
     params = list(model.parameters())
 
@@ -142,14 +151,17 @@ def main() -> None:
             torch.cuda.synchronize()
 
     queued = [0.0]
+    forward_done = [0.0]
 
     def step() -> None:
         if not a.train:
             with torch.no_grad():
                 model(**x)
-            queued[0] = time.perf_counter()
+            queued[0] = forward_done[0] = time.perf_counter()
             return
-        arch.loss_of(model(**x)).backward()
+        loss = arch.loss_of(model(**x))
+        forward_done[0] = time.perf_counter()
+        loss.backward()
         queued[0] = time.perf_counter()
         ramtorch.synchronize()
         for p in params:
@@ -157,7 +169,9 @@ def main() -> None:
 
     for _ in range(4):
         step()
-    for _ in range(2):
+    if a.bare:
+        print("pass  host forward  host backward  device done (ms; host: before the closing synchronize)")
+    for i in range(a.passes):
         sync()
         log.clear()
         waits0 = engine_waits()
@@ -168,6 +182,10 @@ def main() -> None:
         done = time.perf_counter() - origin[0]
         before = queued[0] - origin[0]
         waits = {k: v - waits0[k] for k, v in engine_waits().items()}
+        if a.bare:
+            fwd = forward_done[0] - origin[0]
+            print(f"{i:4d} {fwd * 1e3:13.2f} {(before - fwd) * 1e3:14.2f} {done * 1e3:12.2f}")
+            continue
         print(
             f"pass: host {host * 1e3:.2f} ms ({before * 1e3:.2f} before its closing synchronize), "
             f"until the device is done {done * 1e3:.2f} ms"
