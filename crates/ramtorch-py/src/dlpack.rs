@@ -155,10 +155,16 @@ pub(crate) fn export(py: Python<'_>, memory: Memory) -> PyResult<Py<PyAny>> {
 }
 
 /// A DLPack capsule of a contiguous CPU tensor of `typed`'s dtype and shape over `memory` (all of
-/// it: [`Typed::check`] first), which it keeps alive.
-pub(crate) fn export_typed(py: Python<'_>, memory: Memory, typed: Typed) -> PyResult<Py<PyAny>> {
-    typed.check(memory.len())?;
-    export_at(py, memory, None, Some(typed))
+/// it: [`Typed::check`] first), or of a 1-D uint8 one without `typed`, which keeps it alive.
+pub(crate) fn export_typed(
+    py: Python<'_>,
+    memory: Memory,
+    typed: Option<Typed>,
+) -> PyResult<Py<PyAny>> {
+    if let Some(t) = &typed {
+        t.check(memory.len())?;
+    }
+    export_at(py, memory, None, typed)
 }
 
 /// A DLPack capsule of a 1-D uint8 tensor over the page-locked host `memory` as CUDA device

@@ -113,10 +113,7 @@ fn arena_alloc(
         t.check(nbytes)?; // before anything is allocated
     }
     let region = py.detach(|| guard("arena_alloc", || arena()?.alloc_with(nbytes, zeroed, pin)))?;
-    match typed {
-        Some(t) => export_typed(py, Memory::Arena(region), t),
-        None => export(py, Memory::Arena(region)),
-    }
+    export_typed(py, Memory::Arena(region), typed)
 }
 
 /// The `nbytes` bytes at `addr` inside a live arena or shared region, as a DLPack capsule of a 1-D
@@ -134,10 +131,7 @@ fn arena_view(
 ) -> PyResult<Py<PyAny>> {
     let typed = typed_of(dtype, shape)?;
     let slice = guard("arena_view", || arena()?.slice(addr, nbytes))?;
-    match typed {
-        Some(t) => export_typed(py, Memory::Slice(slice), t),
-        None => export(py, Memory::Slice(slice)),
-    }
+    export_typed(py, Memory::Slice(slice), typed)
 }
 
 /// The `nbytes` bytes at `addr` inside a live arena or shared region, as CUDA device `device`'s
