@@ -426,13 +426,64 @@ class _Pending:
     device's running sum crosses into (``target``), or host buffers, one per gradient, added up
     at the end of backward (``bufs``)."""
 
-    __slots__ = ("bufs", "param", "replaces", "target")
+    __slots__ = ("bufs", "param", "pre", "replaces", "target")
 
     def __init__(self, param: torch.nn.Parameter) -> None:
         self.param = param
         self.target: torch.Tensor | None = None
         self.replaces: torch.Tensor | None = None  # the ``.grad`` whose value the sum includes
         self.bufs: list[torch.Tensor] = []
+        # Once the host adds ``.grad`` during backward (:meth:`DeviceEngine._add_as_landed`): the
+        # ``.grad`` read and its version then; ``bufs`` is then one buffer, their sum plus it.
+        self.pre: tuple[torch.Tensor, int] | None = None
+
+
+class _HostAdds:
+    """A thread of its own that adds gradients into host buffers as their copies land, while the
+    backward goes on (see :meth:`DeviceEngine._add_as_landed`): jobs run in order; the first
+    error is kept for :meth:`wait`."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: deque[Callable[[], None]] = deque()
+        self._running = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="ramtorch-grad-adds", daemon=True)
+                self._thread.start()
+            self._queue.append(job)
+            self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                job = self._queue.popleft()
+                self._running += 1
+            try:
+                job()
+            except BaseException as e:  # kept for the backward's end, which raises it
+                with self._cv:
+                    if self._error is None:
+                        self._error = e
+            finally:
+                with self._cv:
+                    self._running -= 1
+                    self._cv.notify_all()
+            del job
+
+    def wait(self) -> BaseException | None:
+        """Blocks until every job submitted so far has run; returns (and forgets) the first error."""
+        with self._cv:
+            while self._queue or self._running:
+                self._cv.wait()
+            err, self._error = self._error, None
+        return err
 
 
 class _Sum:
@@ -536,6 +587,14 @@ class DeviceEngine:
         self.sum_cap: int | None = None
         self._auto_sum_cap = 0
         self._sum_limits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # Gradients added into a copy of ``.grad`` as they land (see :meth:`_add_as_landed`), and
+        # the ``.grad`` tensors this engine wrote, at the version it left them: such a ``.grad``
+        # takes the new sum's memory at the end of backward instead of a copy of it.
+        self._adds = _HostAdds()
+        self._adds_queued = 0
+        self.adds_as_landed = 0  # gradients added so, since the engine was made
+        # id(param) -> (param, its .grad, that .grad's version), the first two weakly held.
+        self._written: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
         # Who each held slot was taken for: slot -> id of its holder (a streamer). An interrupt
         # (Ctrl-C) can land between the engine's answer and the holder's record of it:
         # :meth:`reconcile` compares the two and gives back what no holder records. ``_unsettled``
@@ -982,20 +1041,37 @@ class DeviceEngine:
         else:
             self._core.synchronize()
         self._grad_sources.clear()
+        err = self._adds.wait() if self._adds_queued else None
+        self._adds_queued = 0
+        if err is not None:
+            self._pending.clear()  # ``.grad`` stays as it was, as for an interrupted backward
+            self.drop_sums()
+            self._user = None
+            raise RuntimeError(
+                "ramtorch: adding a gradient into .grad on the host failed (the backward wrote no .grad)"
+            ) from err
         pending, self._pending = self._pending, {}
         with torch.no_grad():
             for pid, entry in pending.items():
                 param, target = entry.param, entry.target
-                if target is not None:
+                if entry.pre is not None:
+                    self._finish_pre_added(param, entry)
+                elif target is not None:
                     s = self._sums.get(pid)
                     grad = param.grad
                     if grad is None:
                         param.grad = grad = target
+                        self._note_written(param, grad)
                     elif grad is entry.replaces and s is not None and s.holds(param, grad):
                         # The sum of every gradient since ``.grad`` was empty: it becomes the
                         # memory of the same tensor, as torch's in-place accumulation keeps it
-                        # (the version counter moves, as it does there).
-                        grad.set_(target)
+                        # (the version counter moves, as it does there), where this engine made
+                        # that tensor; a tensor of the user's keeps its memory (and its views).
+                        if self._wrote(param, grad):
+                            grad.set_(target)
+                            self._note_written(param, grad)
+                        else:
+                            grad.copy_(target)
                     else:  # ``.grad`` changed during backward (a hook): added into it
                         grad.add_(target)
                         s = None
@@ -1008,6 +1084,7 @@ class DeviceEngine:
                         total.add_(b)
                     if param.grad is None:
                         param.grad = total
+                        self._note_written(param, total)
                     else:
                         param.grad.add_(total)
                 post = getattr(param, "_post_accumulate_grad_hooks", None)
@@ -1018,6 +1095,29 @@ class DeviceEngine:
         for listener in list(self._listeners):
             listener.after_finish()
         self._user = None  # the training step's backward is over: another thread may start one
+
+    def _finish_pre_added(self, param: torch.nn.Parameter, entry: _Pending) -> None:
+        """Writes ``.grad`` of a parameter whose gradient was added to it as it landed: the sum
+        becomes the memory of ``.grad`` where this engine wrote that tensor (as the device sums
+        do), else is copied into it."""
+        assert entry.pre is not None
+        prior, version = entry.pre
+        total = entry.bufs[0]
+        grad = param.grad
+        if grad is prior and prior._version != version:
+            warnings.warn(
+                f"ramtorch: the .grad of a parameter of shape {tuple(param.shape)} was written during "
+                "backward after its gradient was complete; it holds the gradient added to its value "
+                "before that write",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if self._wrote(param, prior):
+            prior.set_(total)
+            if param.grad is prior:
+                self._note_written(param, prior)
+        else:  # a tensor of the user's (or changed since): its memory, and any view of it, stay
+            prior.copy_(total)
 
     def _end_backward_sums(self) -> None:
         """Learns, at the end of a backward, whether to keep gradient sums: a loop that stops
@@ -1079,6 +1179,9 @@ class DeviceEngine:
             for listener in list(self._listeners):
                 listener.drain(interrupted=True)
             self._core.synchronize()
+            if self._adds_queued:
+                self._adds.wait()  # (they wrote only buffers that are dropped now)
+                self._adds_queued = 0
             self._grad_sources.clear()
             self._small.clear()  # never queued
             self._pending.clear()
@@ -1108,9 +1211,62 @@ class DeviceEngine:
         # and an optimizer listening to both hands its jobs out from one state.
         if self._small and self._listeners:
             self._flush_small()  # the listeners read the records (``pending_gradient``)
+        if not self._listeners:  # (listeners read ``.grad`` and the buffers: left as they are)
+            self._add_as_landed(params)
         with _LISTENER_CALLS:
             for listener in list(self._listeners):
                 listener.on_grads(self, params)
+
+    def _add_as_landed(self, params: list[torch.nn.Parameter]) -> None:
+        """``params`` have all their gradients of this backward queued. Where one is added into a
+        ``.grad`` left by an earlier backward on the host (no running sum on the device for it),
+        a thread adds ``.grad`` into the landed buffer as soon as its copy is done, while the
+        backward goes on, rather than in a pass over every such gradient at its end. ``.grad``
+        itself is written only at the end of backward (:meth:`finish`): an interrupted backward
+        leaves it as it was. Small gradients are left to the end (their batches cross later)."""
+        todo = []
+        for p in params:
+            entry = self._pending.get(id(p))
+            if entry is None or entry.target is not None or entry.pre is not None or not entry.bufs:
+                continue
+            prior = p.grad
+            if (
+                prior is None
+                or p.numel() * p.element_size() <= _SMALL_GRAD_BYTES
+                or type(prior) is not torch.Tensor
+                or prior.device.type != "cpu"
+                or prior.dtype != p.dtype
+                or prior.shape != p.shape
+                or prior.layout != torch.strided
+            ):
+                continue
+            entry.pre = (prior, prior._version)
+            todo.append((entry, prior))
+        if not todo:
+            return
+        marker = self._core.marker()  # every copy queued so far
+        self._adds_queued += len(todo)
+        self.adds_as_landed += len(todo)
+        self._adds.submit(lambda: self._run_adds(marker, todo))
+
+    def _run_adds(self, marker: int, todo: list[tuple[_Pending, torch.Tensor]]) -> None:
+        self._core.wait_marker(marker)
+        with torch.no_grad():
+            for entry, prior in todo:
+                total = entry.bufs[0]
+                for b in entry.bufs[1:]:
+                    total.add_(b)
+                # ``total + prior``: the bits of torch's ``prior += total`` (addition commutes).
+                total.add_(prior)
+                del entry.bufs[1:]
+
+    def _wrote(self, param: torch.nn.Parameter, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is the ``.grad`` this engine last wrote for ``param``, unchanged since."""
+        w = self._written.get(id(param))
+        return w is not None and w[0]() is param and w[1]() is grad and grad._version == w[2]
+
+    def _note_written(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        self._written[id(param)] = (weakref.ref(param), weakref.ref(grad), grad._version)
 
     def pending_gradient(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
         """Host tensors whose sum is ``param``'s gradient at the end of the running backward, as
@@ -1157,6 +1313,7 @@ class DeviceEngine:
         s["slot_bytes"] = self._slot_bytes
         s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
         s["grad_sum_bytes"] = self._sum_bytes
+        s["grad_adds_as_landed"] = self.adds_as_landed
         s.update({f"layer_{k}": v for k, v in self.layer_counters.items()})
         s.update(self.row_counters)
         s["h2d_gbps"] = s["h2d_timed_bytes"] / s["h2d_seconds"] / 1e9 if s["h2d_seconds"] > 0 else 0.0

@@ -1,0 +1,206 @@
+"""Gradients accumulated on the host (no room for a running sum on the device): each is added
+into a copy of ``.grad`` as its copy lands, while the backward goes on, and ``.grad`` is written at
+the end of backward. Against torch, bit for bit on the CPU: several steps, several backwards a
+step, every way ``.grad`` can be left between backwards, and an interrupted backward."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import ramtorch
+import torch
+from conftest import Net
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ramtorch import _engine
+from torch import nn
+
+pytestmark = pytest.mark.usefixtures("fresh_engine_sums")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _engine_of(device: str) -> _engine.DeviceEngine:
+    return _engine.engine_for(_engine.normalize_device(device))
+
+
+class Twice(nn.Module):
+    """A streamed unit called twice a forward: two gradients of each weight a backward."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.mid = nn.Linear(d, d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(self.mid(torch.relu(self.mid(h))))
+
+
+def _pair(kind: str, device: str, dtype: torch.dtype, d: int, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    if kind == "linear":
+        ref = nn.Sequential(nn.Linear(8, d), nn.ReLU(), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 3)).to(dtype)
+        ours = nn.Sequential(
+            ramtorch.nn.Linear(8, d, dtype=dtype),
+            nn.ReLU(),
+            ramtorch.nn.Linear(d, d, dtype=dtype),
+            nn.Tanh(),
+            ramtorch.nn.Linear(d, 3, dtype=dtype),
+        )
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), ours.parameters()):
+                q.copy_(p)
+        return ref.to(device), ours
+    ref = (Twice(d) if kind == "twice" else Net(d=d, layers=2)).to(dtype)
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device=device)
+    return ref.to(device), ours
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().square().mean()
+
+
+def _grads_equal(ref: nn.Module, ours: nn.Module) -> None:
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is None:
+            continue
+        assert q.grad.device.type == "cpu"
+        if p.grad.device.type == "cpu":
+            assert torch.equal(q.grad, p.grad), name
+        else:  # a streamed layer's weight gradient may come from another cuBLAS kernel
+            tol = 1e-2 if p.dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(q.grad, p.grad.cpu(), rtol=tol, atol=tol / 10, msg=name)
+
+
+def _no_device_sums(device: str) -> _engine.DeviceEngine:
+    eng = _engine_of(device)
+    eng.drop_sums()
+    eng.sum_cap = 0  # (restored by the fixture)
+    return eng
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["offload", "linear", "twice"])
+@pytest.mark.parametrize("zero", ["none", "in_place", "user_tensor"])
+def test_host_accumulation_adds_as_gradients_land_and_equals_torch(device, kind, zero):
+    eng = _no_device_sums(device)
+    ref, ours = _pair(kind, device, torch.float32, d=160)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
+    before = eng.stats()["grad_adds_as_landed"]
+    for step in range(3):
+        if zero == "user_tensor":  # a .grad the engine did not write: keeps its memory
+            for m in (ref, ours):
+                for p in m.parameters():
+                    p.grad = torch.full_like(p, 0.25, device=p.device if m is ref else "cpu")
+            kept = {id(p): p.grad for p in ours.parameters()}
+        for _ in range(3):
+            x = torch.randn(6, 8)
+            _loss(ref, x.to(device)).backward()
+            _loss(ours, x.to(device)).backward()
+        _grads_equal(ref, ours)
+        if zero == "user_tensor":
+            assert all(p.grad is kept[id(p)] for p in ours.parameters())
+        opt_ref.step()
+        opt_ours.step()
+        opt_ref.zero_grad(set_to_none=zero == "none")
+        opt_ours.zero_grad(set_to_none=zero == "none")
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        if device == "cpu":
+            assert torch.equal(p.detach(), q.detach())
+    assert eng.stats()["grad_sum_bytes"] == 0
+    assert eng.stats()["grad_adds_as_landed"] > before  # the large weights were added as they landed
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    d=st.integers(128, 260),
+    micro=st.integers(2, 4),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    kind=st.sampled_from(["offload", "linear", "twice"]),
+)
+def test_random_shapes_and_dtypes_add_on_the_host_as_torch(d, micro, dtype, kind):
+    _no_device_sums("cpu")
+    ref, ours = _pair(kind, "cpu", dtype, d=d, seed=d)
+    for _ in range(2):
+        for _ in range(micro):
+            x = torch.randn(5, 8, dtype=dtype)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+        _grads_equal(ref, ours)
+        ref.zero_grad()
+        ours.zero_grad()
+
+
+def test_an_interrupted_backward_leaves_grad_as_it_was():
+    eng = _no_device_sums("cpu")
+    ref, ours = _pair("offload", "cpu", torch.float32, d=160)
+    x = torch.randn(5, 8)
+    _loss(ref, x).backward()
+    _loss(ours, x).backward()
+    before = {id(p): p.grad.clone() for p in ours.parameters()}
+    adds = eng.stats()["grad_adds_as_landed"]
+
+    class Boom(Exception):
+        pass
+
+    y = torch.randn(5, 8, requires_grad=True)
+    out = _loss(ours, y)
+    handle = y.register_hook(lambda g: (_ for _ in ()).throw(Boom()))  # after every weight's gradient
+    with pytest.raises(Boom):
+        out.backward()
+    handle.remove()
+    ramtorch.synchronize()
+    assert eng.stats()["grad_adds_as_landed"] > adds  # the adds ran, into buffers that are dropped
+    for p in ours.parameters():
+        assert torch.equal(p.grad, before[id(p)])
+    x = torch.randn(5, 8)
+    _loss(ref, x).backward()
+    _loss(ours, x).backward()
+    _grads_equal(ref, ours)
+
+
+@pytest.mark.parametrize("sums", [False, True])
+def test_a_view_of_a_users_grad_sees_the_sum(sums):
+    """A ``.grad`` the user made keeps its memory, so that views of it (a flat gradient buffer)
+    see every backward's sum, whether it was added on the host or summed on the device."""
+    if not sums:
+        _no_device_sums("cpu")
+    ref, ours = _pair("offload", "cpu", torch.float32, d=160)
+    for m in (ref, ours):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    views = [p.grad.view(-1) for p in ours.parameters()]
+    for _ in range(4):
+        x = torch.randn(5, 8)
+        _loss(ref, x).backward()
+        _loss(ours, x).backward()
+    _grads_equal(ref, ours)
+    assert (_engine_of("cpu").stats()["grad_sum_bytes"] > 0) == sums
+    for v, p in zip(views, ours.parameters()):
+        assert torch.equal(v, p.grad.view(-1))
+
+
+def test_a_grad_written_during_backward_is_reported():
+    _no_device_sums("cpu")
+    _, ours = _pair("offload", "cpu", torch.float32, d=160)
+    _loss(ours, torch.randn(5, 8)).backward()
+    w = ours.blocks[0].fc.weight if hasattr(ours.blocks[0], "fc") else max(ours.parameters(), key=torch.numel)
+    y = torch.randn(5, 8, requires_grad=True)
+    out = _loss(ours, y)
+
+    def write(g: torch.Tensor) -> None:  # runs after every weight's gradient is complete
+        w.grad.mul_(2)
+
+    handle = y.register_hook(write)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out.backward()
+    handle.remove()
+    assert any("written during backward" in str(c.message) for c in caught)
