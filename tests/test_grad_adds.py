@@ -94,7 +94,7 @@ def test_host_accumulation_adds_as_gradients_land_and_equals_torch(device, kind,
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
     opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
     before = eng.stats()["grad_adds_as_landed"]
-    for step in range(3):
+    for _ in range(3):
         if zero == "user_tensor":  # a .grad the engine did not write: keeps its memory
             for m in (ref, ours):
                 for p in m.parameters():
