@@ -10,14 +10,16 @@ stands between the GPU and its next kernels. A diagnostic: it prints, it records
     python3 bench/host_calls.py --arch resnet --layers 50 --train --bare --passes 30
 
 ``--bare`` wraps nothing (the timers add host time to every call they wrap) and prints, per pass,
-the host time of the forward and of the backward and when the device was done: whether a slow pass
-was slow on the host or on the device.
+the host time of the forward and of the backward, when the device was done, and the time Python's
+garbage collector took in the pass (by generation): whether a slow pass was slow on the host or on
+the device, and whether a full collection made it so.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import sys
 import time
@@ -169,11 +171,22 @@ def main() -> None:
 
     for _ in range(4):
         step()
+    collections: list[tuple[int, float]] = []  # (generation, seconds) of the collections in a pass
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - began[0]))
+
     if a.bare:
-        print("pass  host forward  host backward  device done (ms; host: before the closing synchronize)")
+        gc.callbacks.append(on_gc)
+        print("pass  host forward  host backward  device done  gc (ms; host: before the closing synchronize)")
     for i in range(a.passes):
         sync()
         log.clear()
+        collections.clear()
         waits0 = engine_waits()
         origin[0] = time.perf_counter()
         step()
@@ -184,7 +197,11 @@ def main() -> None:
         waits = {k: v - waits0[k] for k, v in engine_waits().items()}
         if a.bare:
             fwd = forward_done[0] - origin[0]
-            print(f"{i:4d} {fwd * 1e3:13.2f} {(before - fwd) * 1e3:14.2f} {done * 1e3:12.2f}")
+            by_gen: dict[int, list[float]] = {}
+            for g, d in collections:
+                by_gen.setdefault(g, []).append(d)
+            gcs = " ".join(f"gen{g}: {len(v)} in {sum(v) * 1e3:.2f}" for g, v in sorted(by_gen.items()))
+            print(f"{i:4d} {fwd * 1e3:13.2f} {(before - fwd) * 1e3:14.2f} {done * 1e3:12.2f}  {gcs}")
             continue
         print(
             f"pass: host {host * 1e3:.2f} ms ({before * 1e3:.2f} before its closing synchronize), "
