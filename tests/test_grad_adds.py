@@ -204,3 +204,35 @@ def test_a_grad_written_during_backward_is_reported():
         out.backward()
     handle.remove()
     assert any("written during backward" in str(c.message) for c in caught)
+
+
+class Checkpointed(Net):
+    def __init__(self, d: int, reentrant: bool) -> None:
+        super().__init__(d=d, layers=2)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=self.reentrant)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputed_units_add_on_the_host_as_torch(reentrant):
+    """Activation checkpointing: a unit's forward runs again inside backward."""
+    _no_device_sums("cpu")
+    torch.manual_seed(3)
+    ref = Checkpointed(160, reentrant)
+    ours = copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    for _ in range(2):
+        for _ in range(3):
+            x = torch.randn(5, 8, requires_grad=reentrant)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+        _grads_equal(ref, ours)
+        ref.zero_grad()
+        ours.zero_grad()

@@ -434,8 +434,9 @@ class _Pending:
         self.replaces: torch.Tensor | None = None  # the ``.grad`` whose value the sum includes
         self.bufs: list[torch.Tensor] = []
         # Once the host adds ``.grad`` during backward (:meth:`DeviceEngine._add_as_landed`): the
-        # ``.grad`` read and its version then; ``bufs`` is then one buffer, their sum plus it.
-        self.pre: tuple[torch.Tensor, int] | None = None
+        # ``.grad`` read, its version then, and how many of ``bufs`` there were: the first of
+        # them becomes their sum plus ``.grad`` (any later one is added at the end of backward).
+        self.pre: tuple[torch.Tensor, int, int] | None = None
 
 
 class _HostAdds:
@@ -1101,8 +1102,10 @@ class DeviceEngine:
         becomes the memory of ``.grad`` where this engine wrote that tensor (as the device sums
         do), else is copied into it."""
         assert entry.pre is not None
-        prior, version = entry.pre
+        prior, version, summed = entry.pre
         total = entry.bufs[0]
+        for b in entry.bufs[summed:]:  # (none, unless a gradient came after the parameter's last)
+            total.add_(b)
         grad = param.grad
         if grad is prior and prior._version != version:
             warnings.warn(
@@ -1240,8 +1243,8 @@ class DeviceEngine:
                 or prior.layout != torch.strided
             ):
                 continue
-            entry.pre = (prior, prior._version)
-            todo.append((entry, prior))
+            entry.pre = (prior, prior._version, len(entry.bufs))
+            todo.append((list(entry.bufs), prior))
         if not todo:
             return
         marker = self._core.marker()  # every copy queued so far
@@ -1249,16 +1252,17 @@ class DeviceEngine:
         self.adds_as_landed += len(todo)
         self._adds.submit(lambda: self._run_adds(marker, todo))
 
-    def _run_adds(self, marker: int, todo: list[tuple[_Pending, torch.Tensor]]) -> None:
+    def _run_adds(self, marker: int, todo: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        """Each ``(bufs, prior)``: ``bufs[0]`` becomes ``bufs[0] + ... + bufs[-1] + prior`` once the
+        copies have landed (only that buffer's memory is written)."""
         self._core.wait_marker(marker)
         with torch.no_grad():
-            for entry, prior in todo:
-                total = entry.bufs[0]
-                for b in entry.bufs[1:]:
+            for bufs, prior in todo:
+                total = bufs[0]
+                for b in bufs[1:]:
                     total.add_(b)
                 # ``total + prior``: the bits of torch's ``prior += total`` (addition commutes).
                 total.add_(prior)
-                del entry.bufs[1:]
 
     def _wrote(self, param: torch.nn.Parameter, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the ``.grad`` this engine last wrote for ``param``, unchanged since."""
