@@ -594,6 +594,7 @@ class DeviceEngine:
         self._adds = _HostAdds()
         self._adds_queued = 0
         self.adds_as_landed = 0  # gradients added so, since the engine was made
+        self.adds_wait_seconds = 0.0  # time the ends of backward waited for those adds
         # id(param) -> (param, its .grad, that .grad's version), the first two weakly held.
         self._written: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
         # Who each held slot was taken for: slot -> id of its holder (a streamer). An interrupt
@@ -1042,7 +1043,11 @@ class DeviceEngine:
         else:
             self._core.synchronize()
         self._grad_sources.clear()
-        err = self._adds.wait() if self._adds_queued else None
+        err = None
+        if self._adds_queued:
+            t = time.perf_counter()
+            err = self._adds.wait()
+            self.adds_wait_seconds += time.perf_counter() - t
         self._adds_queued = 0
         if err is not None:
             self._pending.clear()  # ``.grad`` stays as it was, as for an interrupted backward
@@ -1318,6 +1323,7 @@ class DeviceEngine:
         s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
         s["grad_sum_bytes"] = self._sum_bytes
         s["grad_adds_as_landed"] = self.adds_as_landed
+        s["grad_adds_wait_seconds"] = self.adds_wait_seconds
         s.update({f"layer_{k}": v for k, v in self.layer_counters.items()})
         s.update(self.row_counters)
         s["h2d_gbps"] = s["h2d_timed_bytes"] / s["h2d_seconds"] / 1e9 if s["h2d_seconds"] > 0 else 0.0
