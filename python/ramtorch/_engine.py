@@ -1217,13 +1217,20 @@ class DeviceEngine:
         # One listener call at a time across engines: the backwards of several devices run on
         # autograd's threads, one a device (a model over several devices, offload(devices=...)),
         # and an optimizer listening to both hands its jobs out from one state.
-        if self._small and self._listeners:
-            self._flush_small()  # the listeners read the records (``pending_gradient``)
-        if not self._listeners:  # (listeners read ``.grad`` and the buffers: left as they are)
+        readers = self._gradient_readers()
+        if self._small and readers:
+            self._flush_small()  # they read the records (``pending_gradient``)
+        if not readers:  # (they read ``.grad`` and the buffers as they are)
             self._add_as_landed(params)
         with _LISTENER_CALLS:
             for listener in list(self._listeners):
                 listener.on_grads(self, params)
+
+    def _gradient_readers(self) -> bool:
+        """Whether a listener reads the running backward's gradients as they land (an optimizer
+        updating during backward: :meth:`pending_gradient`); listeners with a class attribute
+        ``reads_gradients = False`` (the gathered tables' row gradients) do not."""
+        return any(getattr(x, "reads_gradients", True) for x in self._listeners)
 
     def _add_as_landed(self, params: list[torch.nn.Parameter]) -> None:
         """``params`` have all their gradients of this backward queued. Where one is added into a

@@ -392,6 +392,9 @@ class RowGrads:
     buffer made on :class:`_Zeroer`'s thread meanwhile (:meth:`prepare`); :meth:`flush` takes it.
     At most one per table is kept (in :attr:`zeros` until taken)."""
 
+    #: Reads only its own tables' row gradients, not the engine's records of the others.
+    reads_gradients = False
+
     def __init__(self, eng: _engine.DeviceEngine) -> None:
         self.device = eng.device
         self.counters = eng.row_counters
