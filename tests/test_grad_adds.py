@@ -55,7 +55,7 @@ def _pair(kind: str, device: str, dtype: torch.dtype, d: int, seed: int = 0) -> 
         with torch.no_grad():
             for p, q in zip(ref.parameters(), ours.parameters()):
                 q.copy_(p)
-        return ref.to(device), ours
+        return ref.to(device), ours.to(device)  # (per-layer Linear: computes where it is moved)
     ref = (Twice(d) if kind == "twice" else Net(d=d, layers=2)).to(dtype)
     ours = copy.deepcopy(ref)
     ramtorch.offload(ours, device=device)
