@@ -241,3 +241,27 @@ def test_recomputed_units_add_on_the_host_as_torch(reentrant):
         _grads_equal(ref, ours)
         ref.zero_grad()
         ours.zero_grad()
+
+
+def test_a_failed_add_raises_and_leaves_grad_as_it_was(monkeypatch):
+    eng = _no_device_sums("cpu")
+    ref, ours = _pair("offload", "cpu", torch.float32, d=160)
+    x = torch.randn(5, 8)
+    _loss(ref, x).backward()
+    _loss(ours, x).backward()
+    before = {id(p): p.grad.clone() for p in ours.parameters()}
+
+    def fail(*_a: object) -> None:
+        raise OSError("host memory went away")
+
+    monkeypatch.setattr(eng, "_run_adds", fail)
+    with pytest.raises(RuntimeError, match="adding a gradient into .grad on the host failed") as info:
+        _loss(ours, torch.randn(5, 8)).backward()
+    assert isinstance(info.value.__cause__, OSError)
+    for p in ours.parameters():
+        assert torch.equal(p.grad, before[id(p)])
+    monkeypatch.undo()
+    x = torch.randn(5, 8)
+    _loss(ref, x).backward()
+    _loss(ours, x).backward()
+    _grads_equal(ref, ours)

@@ -1032,6 +1032,24 @@ class DeviceEngine:
         # The optimizer step comes next: weights may change in ways no version counter sees.
         self._core.invalidate()
         self._flush_small()
+        if self._adds_queued:  # before any listener writes a .grad (a table's rows)
+            t = time.perf_counter()
+            err = self._adds.wait()
+            self.adds_wait_seconds += time.perf_counter() - t
+            self._adds_queued = 0
+            if err is not None:
+                # As for an interrupted backward: nothing of it reaches ``.grad``.
+                for listener in list(self._listeners):
+                    listener.drain(interrupted=True)
+                self._core.synchronize()
+                self._grad_sources.clear()
+                self._small.clear()
+                self._pending.clear()
+                self.drop_sums()
+                self._user = None
+                raise RuntimeError(
+                    "ramtorch: adding a gradient into .grad on the host failed (the backward wrote no .grad)"
+                ) from err
         for listener in list(self._listeners):
             listener.before_finish(self)
         if not self._pending and not self._grad_sources:
@@ -1043,19 +1061,6 @@ class DeviceEngine:
         else:
             self._core.synchronize()
         self._grad_sources.clear()
-        err = None
-        if self._adds_queued:
-            t = time.perf_counter()
-            err = self._adds.wait()
-            self.adds_wait_seconds += time.perf_counter() - t
-        self._adds_queued = 0
-        if err is not None:
-            self._pending.clear()  # ``.grad`` stays as it was, as for an interrupted backward
-            self.drop_sums()
-            self._user = None
-            raise RuntimeError(
-                "ramtorch: adding a gradient into .grad on the host failed (the backward wrote no .grad)"
-            ) from err
         pending, self._pending = self._pending, {}
         with torch.no_grad():
             for pid, entry in pending.items():
