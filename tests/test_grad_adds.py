@@ -66,6 +66,23 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().square().mean()
 
 
+def _backward_both(ref: nn.Module, ours: nn.Module, **kw: object) -> None:
+    """One micro-batch through both models, on the same random input (``kw``: ``torch.randn``'s)."""
+    x = torch.randn(5, 8, **kw)
+    _loss(ref, x).backward()
+    _loss(ours, x).backward()
+
+
+def _steps_equal(ref: nn.Module, ours: nn.Module, steps: int, micro: int, **kw: object) -> None:
+    """``steps`` times: ``micro`` backwards, gradients compared, ``zero_grad``."""
+    for _ in range(steps):
+        for _ in range(micro):
+            _backward_both(ref, ours, **kw)
+        _grads_equal(ref, ours)
+        ref.zero_grad()
+        ours.zero_grad()
+
+
 def _grads_equal(ref: nn.Module, ours: nn.Module) -> None:
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         assert (p.grad is None) == (q.grad is None), name
@@ -133,22 +150,13 @@ def test_host_accumulation_adds_as_gradients_land_and_equals_torch(device, kind,
 def test_random_shapes_and_dtypes_add_on_the_host_as_torch(d, micro, dtype, kind):
     _no_device_sums("cpu")
     ref, ours = _pair(kind, "cpu", dtype, d=d, seed=d)
-    for _ in range(2):
-        for _ in range(micro):
-            x = torch.randn(5, 8, dtype=dtype)
-            _loss(ref, x).backward()
-            _loss(ours, x).backward()
-        _grads_equal(ref, ours)
-        ref.zero_grad()
-        ours.zero_grad()
+    _steps_equal(ref, ours, steps=2, micro=micro, dtype=dtype)
 
 
 def test_an_interrupted_backward_leaves_grad_as_it_was():
     eng = _no_device_sums("cpu")
     ref, ours = _pair("offload", "cpu", torch.float32, d=160)
-    x = torch.randn(5, 8)
-    _loss(ref, x).backward()
-    _loss(ours, x).backward()
+    _backward_both(ref, ours)
     before = {id(p): p.grad.clone() for p in ours.parameters()}
     adds = eng.stats()["grad_adds_as_landed"]
 
@@ -165,9 +173,7 @@ def test_an_interrupted_backward_leaves_grad_as_it_was():
     assert eng.stats()["grad_adds_as_landed"] > adds  # the adds ran, into buffers that are dropped
     for p in ours.parameters():
         assert torch.equal(p.grad, before[id(p)])
-    x = torch.randn(5, 8)
-    _loss(ref, x).backward()
-    _loss(ours, x).backward()
+    _backward_both(ref, ours)
     _grads_equal(ref, ours)
 
 
@@ -183,9 +189,7 @@ def test_a_view_of_a_users_grad_sees_the_sum(sums):
             p.grad = torch.zeros_like(p)
     views = [p.grad.view(-1) for p in ours.parameters()]
     for _ in range(4):
-        x = torch.randn(5, 8)
-        _loss(ref, x).backward()
-        _loss(ours, x).backward()
+        _backward_both(ref, ours)
     _grads_equal(ref, ours)
     assert (_engine_of("cpu").stats()["grad_sum_bytes"] > 0) == sums
     for v, p in zip(views, ours.parameters()):
@@ -233,22 +237,13 @@ def test_recomputed_units_add_on_the_host_as_torch(reentrant):
     ref = Checkpointed(160, reentrant)
     ours = copy.deepcopy(ref)
     ramtorch.offload(ours, device="cpu")
-    for _ in range(2):
-        for _ in range(3):
-            x = torch.randn(5, 8, requires_grad=reentrant)
-            _loss(ref, x).backward()
-            _loss(ours, x).backward()
-        _grads_equal(ref, ours)
-        ref.zero_grad()
-        ours.zero_grad()
+    _steps_equal(ref, ours, steps=2, micro=3, requires_grad=reentrant)
 
 
 def test_a_failed_add_raises_and_leaves_grad_as_it_was(monkeypatch):
     eng = _no_device_sums("cpu")
     ref, ours = _pair("offload", "cpu", torch.float32, d=160)
-    x = torch.randn(5, 8)
-    _loss(ref, x).backward()
-    _loss(ours, x).backward()
+    _backward_both(ref, ours)
     before = {id(p): p.grad.clone() for p in ours.parameters()}
 
     def fail(*_a: object) -> None:
@@ -261,7 +256,5 @@ def test_a_failed_add_raises_and_leaves_grad_as_it_was(monkeypatch):
     for p in ours.parameters():
         assert torch.equal(p.grad, before[id(p)])
     monkeypatch.undo()
-    x = torch.randn(5, 8)
-    _loss(ref, x).backward()
-    _loss(ours, x).backward()
+    _backward_both(ref, ours)
     _grads_equal(ref, ours)
