@@ -258,3 +258,15 @@ def test_a_failed_add_raises_and_leaves_grad_as_it_was(monkeypatch):
     monkeypatch.undo()
     _backward_both(ref, ours)
     _grads_equal(ref, ours)
+
+
+def test_the_engine_forgets_the_grads_it_wrote_with_their_parameters():
+    eng = _no_device_sums("cpu")
+    ref, ours = _pair("offload", "cpu", torch.float32, d=160)
+    _backward_both(ref, ours)
+    params = list(ours.parameters())
+    assert all(eng._wrote(p, p.grad) for p in params)
+    n = len(eng._written)
+    del ours, params, ref
+    gc.collect()
+    assert len(eng._written) <= n - 3

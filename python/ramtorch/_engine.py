@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _arena, _core, _profile
 
@@ -595,8 +596,8 @@ class DeviceEngine:
         self._adds_queued = 0
         self.adds_as_landed = 0  # gradients added so, since the engine was made
         self.adds_wait_seconds = 0.0  # time the ends of backward waited for those adds
-        # id(param) -> (param, its .grad, that .grad's version), the first two weakly held.
-        self._written: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
+        # param -> (its .grad, weakly held, and that .grad's version), for live parameters.
+        self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # Who each held slot was taken for: slot -> id of its holder (a streamer). An interrupt
         # (Ctrl-C) can land between the engine's answer and the holder's record of it:
         # :meth:`reconcile` compares the two and gives back what no holder records. ``_unsettled``
@@ -1283,11 +1284,11 @@ class DeviceEngine:
 
     def _wrote(self, param: torch.nn.Parameter, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the ``.grad`` this engine last wrote for ``param``, unchanged since."""
-        w = self._written.get(id(param))
-        return w is not None and w[0]() is param and w[1]() is grad and grad._version == w[2]
+        w = self._written.get(param)
+        return w is not None and w[0]() is grad and grad._version == w[1]
 
     def _note_written(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        self._written[id(param)] = (weakref.ref(param), weakref.ref(grad), grad._version)
+        self._written[param] = (weakref.ref(grad), grad._version)
 
     def pending_gradient(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
         """Host tensors whose sum is ``param``'s gradient at the end of the running backward, as
