@@ -1039,14 +1039,7 @@ class DeviceEngine:
             self.adds_wait_seconds += time.perf_counter() - t
             self._adds_queued = 0
             if err is not None:
-                # As for an interrupted backward: nothing of it reaches ``.grad``.
-                for listener in list(self._listeners):
-                    listener.drain(interrupted=True)
-                self._core.synchronize()
-                self._grad_sources.clear()
-                self._small.clear()
-                self._pending.clear()
-                self.drop_sums()
+                self._drop_backward()  # as for an interrupted backward
                 self._user = None
                 raise RuntimeError(
                     "ramtorch: adding a gradient into .grad on the host failed (the backward wrote no .grad)"
@@ -1190,19 +1183,24 @@ class DeviceEngine:
             for holder in list(self._holders):
                 holder.drop_prefetched()
             self._core.invalidate()
-            for listener in list(self._listeners):
-                listener.drain(interrupted=True)
-            self._core.synchronize()
-            if self._adds_queued:
-                self._adds.wait()  # (they wrote only buffers that are dropped now)
-                self._adds_queued = 0
-            self._grad_sources.clear()
-            self._small.clear()  # never queued
-            self._pending.clear()
-            self.drop_sums()  # they may hold gradients that never reached ``.grad``
-            self._accumulated = False
+            self._drop_backward()
             return True
         return False
+
+    def _drop_backward(self) -> None:
+        """Forgets the gradients of a backward that did not end (or failed at its end): nothing of
+        it reaches ``.grad``."""
+        for listener in list(self._listeners):
+            listener.drain(interrupted=True)
+        self._core.synchronize()
+        if self._adds_queued:
+            self._adds.wait()  # (they wrote only buffers that are dropped now)
+            self._adds_queued = 0
+        self._grad_sources.clear()
+        self._small.clear()  # never queued
+        self._pending.clear()
+        self.drop_sums()  # they may hold gradients that never reached ``.grad``
+        self._accumulated = False
 
     # -- gradient listeners (optimizers that update as gradients land) --------------------------
 
@@ -1223,10 +1221,10 @@ class DeviceEngine:
         # One listener call at a time across engines: the backwards of several devices run on
         # autograd's threads, one a device (a model over several devices, offload(devices=...)),
         # and an optimizer listening to both hands its jobs out from one state.
-        readers = self._gradient_readers()
+        readers = bool(self._listeners) and self._gradient_readers()
         if self._small and readers:
             self._flush_small()  # they read the records (``pending_gradient``)
-        if not readers:  # (they read ``.grad`` and the buffers as they are)
+        if self._accumulated and not readers:  # (readers read ``.grad`` and the buffers as they are)
             self._add_as_landed(params)
         with _LISTENER_CALLS:
             for listener in list(self._listeners):
