@@ -406,6 +406,24 @@ class _GradSources:
         return len(self.items)
 
 
+def small_grad(nbytes: int) -> bool:
+    """Whether a gradient of ``nbytes`` waits on the device to cross in a batch with others
+    (:meth:`DeviceEngine._add_small`) rather than by a copy of its own."""
+    return 0 < nbytes <= _SMALL_GRAD_BYTES
+
+
+def _plain_host_grad(grad: torch.Tensor, param: torch.nn.Parameter) -> bool:
+    """Whether ``.grad`` tensor ``grad`` is a plain dense host tensor of ``param``'s dtype and shape
+    (one the engine may sum on the device or add into on the host)."""
+    return (
+        type(grad) is torch.Tensor
+        and grad.device.type == "cpu"
+        and grad.dtype == param.dtype
+        and grad.shape == param.shape
+        and grad.layout == torch.strided
+    )
+
+
 class _SmallGrads:
     """Small gradients of one dtype and unit, produced on one stream, waiting on the device to cross the
     link together (see :data:`_SMALL_GRAD_BYTES`), each with its parameter's record."""
@@ -800,7 +818,7 @@ class DeviceEngine:
                 if listener.reduce_grad(param, grad) is False:
                     return  # ZeRO-2: reduced onto the rank that owns it, which keeps it
         nbytes = grad.numel() * grad.element_size()
-        small = 0 < nbytes <= _SMALL_GRAD_BYTES  # crosses in a batch (see _add_small)
+        small = small_grad(nbytes)  # crosses in a batch (see _add_small)
         pid = id(param)
         entry = self._pending.get(pid)
         if entry is None:
@@ -975,14 +993,7 @@ class DeviceEngine:
         """A sum for ``param`` whose ``.grad`` (``prior``) this engine did not write: ``.grad`` is
         copied to the device once (a loop that never empties ``.grad`` pays that once, not a
         host add per backward), if there is room and it is a plain host tensor like the weight."""
-        if not (
-            self._sum_room(nbytes)
-            and type(prior) is torch.Tensor
-            and prior.device.type == "cpu"
-            and prior.dtype == param.dtype
-            and prior.shape == param.shape
-            and prior.layout == torch.strided
-        ):
+        if not (self._sum_room(nbytes) and _plain_host_grad(prior, param)):
             return None
         s = self._sums[id(param)] = _Sum(param)
         self._sum_bytes += nbytes
@@ -1249,15 +1260,7 @@ class DeviceEngine:
             if entry is None or entry.target is not None or entry.pre is not None or not entry.bufs:
                 continue
             prior = p.grad
-            if (
-                prior is None
-                or p.numel() * p.element_size() <= _SMALL_GRAD_BYTES
-                or type(prior) is not torch.Tensor
-                or prior.device.type != "cpu"
-                or prior.dtype != p.dtype
-                or prior.shape != p.shape
-                or prior.layout != torch.strided
-            ):
+            if prior is None or small_grad(p.numel() * p.element_size()) or not _plain_host_grad(prior, p):
                 continue
             entry.pre = (prior, prior._version, len(entry.bufs))
             todo.append((list(entry.bufs), prior))

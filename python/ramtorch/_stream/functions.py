@@ -167,8 +167,7 @@ class GradientHooks:
             # A small weight's gradient (a norm's, a bias's) waits on the device for others to
             # cross with (``DeviceEngine._add_small``): ``_Fetch``'s backward hands it over at the
             # end of the unit's backward, which saves a hook and its call for each.
-            small = p.numel() * p.element_size() <= _engine._SMALL_GRAD_BYTES
-            if len(edges) == 1 and p.requires_grad and not small:
+            if len(edges) == 1 and p.requires_grad and not _engine.small_grad(p.numel() * p.element_size()):
                 node, j = edges[0]
                 node.register_hook(_EarlyGrad(self, u, fetch, i, j))
 
