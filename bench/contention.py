@@ -18,6 +18,9 @@ gradients pinned, as ramtorch keeps them), ``--rounds`` times per load, and each
 median and best milliseconds per unit and the GB/s of optimizer traffic (28 B per parameter).
 
     python bench/contention.py --numel 235e6 --units 16 --rounds 2
+
+``--op add`` measures the host adds of an accumulating backward instead (``buf += prior`` in bf16,
+6 bytes per element), on ``--threads`` torch threads.
 """
 
 from __future__ import annotations
@@ -104,6 +107,21 @@ class Load:
         return {f"{k}_gb_per_s": v / secs / 1e9 for k, v in self.copied.items()}
 
 
+def unit_adds(numel: int, units: int) -> list[Callable[[int], None]]:
+    """One function per unit that adds a bf16 gradient into another (``buf += prior``, torch's CPU
+    kernel on its intra-op threads), as the host adds of an accumulating backward do."""
+    fns = []
+    for _ in range(units):
+        buf = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True).normal_()
+        prior = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True).normal_()
+
+        def add(k: int, buf=buf, prior=prior) -> None:
+            buf.add_(prior)
+
+        fns.append(add)
+    return fns
+
+
 def unit_steps(numel: int, units: int) -> list[Callable[[int], None]]:
     """One update function per unit, each over its own buffers."""
     fns = []
@@ -141,19 +159,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="passes over the units per load")
     ap.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     ap.add_argument("--waits", nargs="+", default=["spin"], choices=["spin", "blocking"], help="load waits")
+    ap.add_argument(
+        "--op", default="adamw", choices=["adamw", "add"], help="what runs on the host: the optimizer or a bf16 add"
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads for --op add (0: torch's)")
     ap.add_argument("--copy-bytes", type=lambda s: int(float(s)), default=1 << 30, help="bytes per copy")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("contention.py needs a CUDA device")
 
-    fns = unit_steps(args.numel, args.units)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fns = unit_adds(args.numel, args.units) if args.op == "add" else unit_steps(args.numel, args.units)
+    per_param = 3 * 2 if args.op == "add" else BYTES_PER_PARAM  # add: reads two bf16, writes one
     k = 1
     for f in fns:  # warm-up: first touch of every page
         f(k)
     base = {
         "numel": args.numel,
         "units": args.units,
+        "op": args.op,
         "rayon_threads": _core.optim_threads(),
+        "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
     }
     for name, wait in [(n, w) for w in args.waits for n in args.loads]:
@@ -176,7 +203,7 @@ def main() -> None:
             "median_ms": med * 1e3,
             "best_ms": min(times) * 1e3,
             "worst_ms": max(times) * 1e3,
-            "gb_per_s": BYTES_PER_PARAM * args.numel / med / 1e9,
+            "gb_per_s": per_param * args.numel / med / 1e9,
             **load.rates(),
         }
         print(json.dumps(rec), flush=True)
