@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     ap.add_argument("--waits", nargs="+", default=["spin"], choices=["spin", "blocking"], help="load waits")
     ap.add_argument(
-        "--op", default="adamw", choices=["adamw", "add"], help="what runs on the host: the optimizer or a bf16 add"
+        "--op", default="adamw", choices=["adamw", "add"], help="the host work: optimizer or bf16 add"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads for --op add (0: torch's)")
     ap.add_argument("--copy-bytes", type=lambda s: int(float(s)), default=1 << 30, help="bytes per copy")
