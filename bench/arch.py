@@ -376,7 +376,20 @@ def engine_counters(device: str) -> dict[str, float]:
         device if ":" in device or device == "cpu" else f"{device}:0"
     )
     d = d or {}
-    return {k: float(d.get(k, 0) or 0) for k in ("h2d_bytes", "d2h_bytes", "stall_seconds")}
+    keys = ("h2d_bytes", "d2h_bytes", "stall_seconds", "grad_sum_bytes", "grad_adds_wait_seconds")
+    return {k: float(d.get(k, 0) or 0) for k in keys}
+
+
+def allocator_counters(device: str) -> dict[str, float]:
+    """torch's caching allocator on ``device``: retries of a failed ``cudaMalloc`` after freeing
+    its cache (slow: each synchronises the device) and the bytes it holds from the driver."""
+    if not device.startswith("cuda"):
+        return {}
+    st = torch.cuda.memory_stats(device)
+    return {
+        "alloc_retries": float(st.get("num_alloc_retries", 0)),
+        "reserved_bytes": float(torch.cuda.memory_reserved(device)),
+    }
 
 
 def phase_fns(
@@ -441,22 +454,31 @@ def time_phase(
     reset_peak(device)
     times: list[float] = []
     moved = {"h2d_bytes": 0.0, "d2h_bytes": 0.0, "stall_seconds": 0.0}
+    each: list[dict[str, float]] = []  # per timed call: what moved, and the allocator's retries
     for _ in range(reps):
         if before is not None:
             before()
         sync(device)
         c0 = engine_counters(device) if offloaded else {}
+        a0 = allocator_counters(device)
         t = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - t)
+        a1 = allocator_counters(device)
+        one = {"seconds": times[-1], "reserved_bytes": a1.get("reserved_bytes", 0.0)}
+        one["alloc_retries"] = a1.get("alloc_retries", 0.0) - a0.get("alloc_retries", 0.0)
         if offloaded:
             c1 = engine_counters(device)
             for k in moved:
                 moved[k] += c1[k] - c0[k]
+            one.update({k: c1[k] - c0[k] for k in ("d2h_bytes", "grad_adds_wait_seconds")})
+            one["grad_sum_bytes"] = c1["grad_sum_bytes"]
+        each.append(one)
     rec: dict[str, Any] = {
         "seconds": statistics.median(times),
         "seconds_all": times,
+        "per_call": each,
         "gpu_peak_bytes": gpu_peak(device),
         "host_rss_bytes": rss(),
     }

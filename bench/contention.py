@@ -107,13 +107,13 @@ class Load:
         return {f"{k}_gb_per_s": v / secs / 1e9 for k, v in self.copied.items()}
 
 
-def unit_adds(numel: int, units: int) -> list[Callable[[int], None]]:
+def unit_adds(numel: int, units: int, dtype: torch.dtype) -> list[Callable[[int], None]]:
     """One function per unit that adds a bf16 gradient into another (``buf += prior``, torch's CPU
     kernel on its intra-op threads), as the host adds of an accumulating backward do."""
     fns = []
     for _ in range(units):
-        buf = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True).normal_()
-        prior = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True).normal_()
+        buf = torch.empty(numel, dtype=dtype, pin_memory=True).fill_(0.5)
+        prior = torch.empty(numel, dtype=dtype, pin_memory=True).fill_(0.25)
 
         def add(k: int, buf=buf, prior=prior) -> None:
             buf.add_(prior)
@@ -162,6 +162,9 @@ def main() -> None:
     ap.add_argument(
         "--op", default="adamw", choices=["adamw", "add"], help="the host work: optimizer or bf16 add"
     )
+    ap.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="--op add's"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads for --op add (0: torch's)")
     ap.add_argument("--copy-bytes", type=lambda s: int(float(s)), default=1 << 30, help="bytes per copy")
     args = ap.parse_args()
@@ -170,15 +173,17 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    fns = unit_adds(args.numel, args.units) if args.op == "add" else unit_steps(args.numel, args.units)
-    per_param = 3 * 2 if args.op == "add" else BYTES_PER_PARAM  # add: reads two bf16, writes one
+    dtype = getattr(torch, args.dtype)
+    fns = unit_adds(args.numel, args.units, dtype) if args.op == "add" else unit_steps(args.numel, args.units)
+    # add: reads two elements, writes one
+    per_param = 3 * dtype.itemsize if args.op == "add" else BYTES_PER_PARAM
     k = 1
     for f in fns:  # warm-up: first touch of every page
         f(k)
     base = {
         "numel": args.numel,
         "units": args.units,
-        "op": args.op,
+        "op": args.op if args.op != "add" else f"add {args.dtype}",
         "rayon_threads": _core.optim_threads(),
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
