@@ -350,3 +350,22 @@ def test_gradient_copies_in_flight_are_bounded_by_bytes_not_tensors():
     eng._grad_sources.pop()
     assert eng._grad_sources.nbytes == 2 * 900 + 39 * 10
     assert eng._gradient_copies_allowed(2, 10) == 40  # 1800 + 390 > 2000: the newest 39 and one
+
+
+def test_the_room_for_sums_is_not_shrunk_by_sums_dropped_since_the_peak():
+    """torch's peak of allocated memory is a maximum over the process: it keeps the sums held when
+    it was reached. The room left for sums is measured from what that peak held besides them, so
+    a backward after a zero_grad (fewer sums) does not shrink it, backward after backward."""
+    eng = _engine.DeviceEngine(torch.device("cpu"))
+    gib = 1 << 30
+    limit = 100 * gib  # a reserve of 10 GiB
+    eng._sum_bytes = 10 * gib
+    assert eng._cap_below(limit, 80 * gib) == 20 * gib  # 70 GiB besides the sums
+    eng._sum_bytes = 2 * gib  # sums dropped (``.grad`` emptied); the peak stays
+    for _ in range(3):
+        assert eng._cap_below(limit, 80 * gib) == 20 * gib
+    eng._sum_bytes = 12 * gib  # a new peak, sums included
+    assert eng._cap_below(limit, 85 * gib) == 17 * gib
+    eng._sum_bytes = 0  # torch's peak was reset: measured afresh
+    assert eng._cap_below(limit, 60 * gib) == 30 * gib
+    assert eng._cap_below(limit, 95 * gib) == 0  # never below nothing

@@ -5,9 +5,11 @@ step, every way ``.grad`` can be left between backwards, and an interrupted back
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import ramtorch
@@ -96,6 +98,19 @@ def _grads_equal(ref: nn.Module, ours: nn.Module) -> None:
             torch.testing.assert_close(q.grad, p.grad.cpu(), rtol=tol, atol=tol / 10, msg=name)
 
 
+@contextlib.contextmanager
+def _adds_by(how: str) -> Iterator[None]:
+    """Host adds of every size by the engine's kernel (``"kernel"``), or as the engine picks."""
+    least = _engine._KERNEL_ADD_MIN_BYTES
+    if how == "kernel":
+        assert hasattr(_engine._core, "add_")
+        _engine._KERNEL_ADD_MIN_BYTES = 0
+    try:
+        yield
+    finally:
+        _engine._KERNEL_ADD_MIN_BYTES = least
+
+
 def _no_device_sums(device: str) -> _engine.DeviceEngine:
     eng = _engine_of(device)
     eng.drop_sums()
@@ -110,7 +125,13 @@ def _no_device_sums(device: str) -> _engine.DeviceEngine:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["offload", "linear", "twice"])
 @pytest.mark.parametrize("zero", ["none", "in_place", "user_tensor"])
-def test_host_accumulation_adds_as_gradients_land_and_equals_torch(device, kind, zero):
+@pytest.mark.parametrize("adds", ["default", "kernel"])
+def test_host_accumulation_adds_as_gradients_land_and_equals_torch(device, kind, zero, adds):
+    with _adds_by(adds):
+        _host_accumulation_equals_torch(device, kind, zero)
+
+
+def _host_accumulation_equals_torch(device: str, kind: str, zero: str) -> None:
     eng = _no_device_sums(device)
     ref, ours = _pair(kind, device, torch.float32, d=160)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -146,11 +167,57 @@ def test_host_accumulation_adds_as_gradients_land_and_equals_torch(device, kind,
     micro=st.integers(2, 4),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     kind=st.sampled_from(["offload", "linear", "twice"]),
+    adds=st.sampled_from(["default", "kernel"]),
 )
-def test_random_shapes_and_dtypes_add_on_the_host_as_torch(d, micro, dtype, kind):
+def test_random_shapes_and_dtypes_add_on_the_host_as_torch(d, micro, dtype, kind, adds):
     _no_device_sums("cpu")
     ref, ours = _pair(kind, "cpu", dtype, d=d, seed=d)
-    _steps_equal(ref, ours, steps=2, micro=micro, dtype=dtype)
+    with _adds_by(adds):
+        _steps_equal(ref, ours, steps=2, micro=micro, dtype=dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 70_000),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    scale=st.sampled_from([1e-3, 1.0, 1e4]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_engines_add_is_torchs(n, dtype, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(n, generator=g) * scale).to(dtype)
+    b = (torch.randn(n, generator=g) * scale).to(dtype)
+    if n > 8:  # specials: they stay what torch makes of them
+        a[:4] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0])
+        b[4:8] = torch.tensor([float("inf"), 1e-30, -0.0, 65504.0])
+    want = a.clone().add_(b)
+    with _adds_by("kernel"):
+        got = a.clone()
+        v = got._version
+        _engine.host_add_(got, b)
+    assert got._version == v + 1  # as torch's add_ counts a write
+    assert torch.equal(
+        got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        want.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
+
+
+def test_the_engines_add_leaves_what_it_cannot_take_to_torch():
+    base = torch.arange(12.0)
+    with _adds_by("kernel"):
+        x = base.clone()
+        with pytest.raises(RuntimeError, match="single memory location"):  # overlapping: as torch
+            _engine.host_add_(x[2:], x[:-2])
+        assert torch.equal(x, base)
+        t = torch.ones(4, 3).t()  # not contiguous
+        _engine.host_add_(t, torch.ones(3, 4))
+        assert torch.equal(t, torch.full((3, 4), 2.0))
+        d = torch.ones(5, dtype=torch.float64)  # a dtype the kernel does not take
+        _engine.host_add_(d, torch.ones(5, dtype=torch.float64))
+        assert torch.equal(d, torch.full((5,), 2.0, dtype=torch.float64))
+        m = torch.ones(5)  # mixed dtypes: torch promotes
+        _engine.host_add_(m, torch.ones(5, dtype=torch.bfloat16))
+        assert torch.equal(m, torch.full((5,), 2.0))
 
 
 def test_an_interrupted_backward_leaves_grad_as_it_was():

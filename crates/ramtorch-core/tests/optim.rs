@@ -738,6 +738,67 @@ fn scale_multiplies_and_rounds_like_torch() {
     }
 }
 
+#[test]
+fn add_in_place_rounds_as_torch_does() {
+    // Every dtype, on the rayon pool (more than one piece) and with special values: each element is
+    // `a + b` in f32, rounded to nearest even for the 16-bit types (NaN stays a NaN).
+    let mut rng = Rng(23);
+    let n = 3 * (1 << 16) + 5;
+    let mut x = rng.vec(n, 10.0);
+    let y = rng.vec(n, 10.0);
+    for (i, v) in [
+        f32::NAN,
+        f32::INFINITY,
+        -f32::INFINITY,
+        0.0,
+        -0.0,
+        1e-40,
+        65504.0,
+        3.4e38,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        x[i] = v;
+        x[n - 1 - i] = -v;
+    }
+    let mut f = x.clone();
+    add_in_place(TensorMut::F32(&mut f), Tensor::F32(&y)).unwrap();
+    for ((o, a), b) in f.iter().zip(&x).zip(&y) {
+        let want = a + b;
+        assert!(o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()));
+    }
+    let (mut b, yb) = (bf(&x), bf(&y));
+    add_in_place(TensorMut::BF16(&mut b), Tensor::BF16(&yb)).unwrap();
+    for ((o, a), c) in b.iter().zip(bf(&x)).zip(&yb) {
+        let want = bf16::from_f32(a.to_f32() + c.to_f32());
+        assert!(
+            *o == want || (o.is_nan() && want.is_nan()),
+            "{a} + {c}: {o} != {want}"
+        );
+    }
+    let (mut h, yh) = (hf(&x), hf(&y));
+    add_in_place(TensorMut::F16(&mut h), Tensor::F16(&yh)).unwrap();
+    for ((o, a), c) in h.iter().zip(hf(&x)).zip(&yh) {
+        let want = f16::from_f32(a.to_f32() + c.to_f32());
+        assert!(
+            o.to_bits() == want.to_bits() || (o.is_nan() && want.is_nan()),
+            "{a} + {c}"
+        );
+    }
+    // Mismatched operands are refused, and nothing is written.
+    let mut d = vec![1.0f32; 4];
+    assert!(
+        err_of(add_in_place(TensorMut::F32(&mut d), Tensor::F32(&[1.0; 3]))).contains("must match")
+    );
+    assert!(err_of(add_in_place(
+        TensorMut::F32(&mut d),
+        Tensor::BF16(&[bf16::ONE; 4])
+    ))
+    .contains("must match"));
+    assert_eq!(d, vec![1.0f32; 4]);
+}
+
 // -----------------------------------------------------------------------------------------
 // Errors.
 

@@ -1194,6 +1194,38 @@ fn scale(
     })
 }
 
+/// `dst += src` over `numel` elements of `dtype` (each as for `grad_stats`; not overlapping), as
+/// torch's `add_` computes it: in float32, bfloat16/float16 results rounded to nearest even. On
+/// the rayon pool, with the GIL released.
+#[pyfunction]
+#[pyo3(name = "add_")]
+fn add(
+    py: Python<'_>,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
+    dtype: &str,
+    numel: usize,
+) -> PyResult<()> {
+    let op = "add_";
+    let mut keeps = Vec::with_capacity(2);
+    let (d, s) = guard(op, || {
+        let d = resolve("dst", Some(dst), dtype, numel, false, &mut keeps)?
+            .ok_or_else(|| invalid("dst is required".into()))?;
+        let s = resolve("src", Some(src), dtype, numel, false, &mut keeps)?
+            .ok_or_else(|| invalid("src is required".into()))?;
+        disjoint(&[d, s])?;
+        Ok((d, s))
+    })?;
+    py.detach(|| {
+        guard(op, || {
+            // SAFETY: both checked in `Buf::new` and disjoint (checked above); valid, `dst` unread
+            // and `src` unwritten by anything else during the call, by the module's contract.
+            let (dv, sv) = unsafe { (d.view_mut()?, s.view()?) };
+            optim::add_in_place(dv, sv)
+        })
+    })
+}
+
 /// The one buffer of `grad_stats` and `scale_`.
 fn one_buffer(
     obj: &Bound<'_, PyAny>,
@@ -1266,6 +1298,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(q8_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(grad_stats, m)?)?;
     m.add_function(wrap_pyfunction!(scale, m)?)?;
+    m.add_function(wrap_pyfunction!(add, m)?)?;
     m.add_function(wrap_pyfunction!(optim_threads, m)?)?;
     m.add_function(wrap_pyfunction!(optim_constants, m)?)?;
     m.add_function(wrap_pyfunction!(q8_map, m)?)?;

@@ -99,7 +99,7 @@ mod tests;
 pub use adamw::{adamw_step, adamw_step_from, adamw_update, AdamRule, AdamW};
 pub use lion::{lion_step, lion_step_from, lion_update, Lion};
 pub use sgd::{sgd_step, sgd_step_from, sgd_update, Sgd};
-pub use stats::{grad_stats, scale_in_place, stochastic_round_bf16, GradStats};
+pub use stats::{add_in_place, grad_stats, scale_in_place, stochastic_round_bf16, GradStats};
 
 /// Tensors with at most this many elements are processed on the calling thread; larger ones are
 /// split in halves (at multiples of 1024 elements) until every piece is at most this long, and the

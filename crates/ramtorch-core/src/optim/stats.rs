@@ -1,4 +1,5 @@
-//! Gradient statistics (global-norm clipping), in-place scaling (loss scaling) and stochastic rounding of a whole tensor.
+//! Gradient statistics (global-norm clipping), in-place scaling (loss scaling), in-place addition
+//! (gradients accumulated on the host) and stochastic rounding of a whole tensor.
 
 use super::kernel::*;
 use super::precision::*;
@@ -99,6 +100,48 @@ impl<'a> Leaf<TensorMut<'a>> for Scale {
 pub fn scale_in_place(tensor: TensorMut<'_>, factor: f32) {
     let n = tensor.len();
     for_pieces(n, tensor, &Scale(factor));
+}
+
+pub(super) struct Add;
+
+impl<'a> Leaf<(TensorMut<'a>, Tensor<'a>)> for Add {
+    type Out = ();
+
+    #[inline(always)]
+    fn run(&self, _: usize, (dst, src): (TensorMut<'a>, Tensor<'a>)) {
+        match (dst, src) {
+            (TensorMut::F32(d), Tensor::F32(s)) => d.iter_mut().zip(s).for_each(|(a, b)| *a += *b),
+            (TensorMut::BF16(d), Tensor::BF16(s)) => d
+                .iter_mut()
+                .zip(s)
+                .for_each(|(a, b)| *a = bf16_rne(bf16_to_f32(*a) + bf16_to_f32(*b))),
+            (TensorMut::F16(d), Tensor::F16(s)) => d
+                .iter_mut()
+                .zip(s)
+                .for_each(|(a, b)| *a = f16_rne(f16_to_f32(*a) + f16_to_f32(*b))),
+            // Refused by `add_in_place` before any piece runs.
+            _ => {}
+        }
+    }
+
+    fn join(_: (), _: ()) {}
+}
+
+/// `dst += src` element by element, as torch's `add_` computes it: in `f32`, `bf16`/`f16` results
+/// rounded to nearest even (NaN stays a NaN). The two must have one dtype and one length.
+pub fn add_in_place(dst: TensorMut<'_>, src: Tensor<'_>) -> Result<()> {
+    if dst.dtype() != src.dtype() || dst.len() != src.len() {
+        return Err(invalid(format!(
+            "add: dst is {} elements of {:?}, src {} of {:?}; they must match",
+            dst.len(),
+            dst.dtype(),
+            src.len(),
+            src.dtype()
+        )));
+    }
+    let n = dst.len();
+    for_pieces(n, (dst, src), &Add);
+    Ok(())
 }
 
 pub(super) struct RoundSr(Stream);

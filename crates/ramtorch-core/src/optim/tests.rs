@@ -63,3 +63,28 @@ fn every_instruction_set_gives_the_same_bits() {
     }
     FORCE_ISA.with(|f| f.set(None));
 }
+
+#[test]
+fn every_instruction_set_adds_the_same_bits() {
+    let n = SERIAL_MAX - 3; // one piece, on this thread
+    let x = |i: usize, k: f32| (i as f32 * 0.618 + k).sin() * 1.7;
+    let run = || {
+        let mut a: Vec<bf16> = (0..n).map(|i| bf16::from_f32(x(i, 0.0))).collect();
+        let b: Vec<bf16> = (0..n).map(|i| bf16::from_f32(x(i, 2.0) * 1e-3)).collect();
+        let mut h: Vec<f16> = (0..n).map(|i| f16::from_f32(x(i, 1.0))).collect();
+        let hb: Vec<f16> = (0..n).map(|i| f16::from_f32(x(i, 3.0))).collect();
+        add_in_place(TensorMut::BF16(&mut a), Tensor::BF16(&b)).unwrap();
+        add_in_place(TensorMut::F16(&mut h), Tensor::F16(&hb)).unwrap();
+        (a, h.iter().map(|v| v.to_bits()).collect::<Vec<u16>>())
+    };
+    FORCE_ISA.with(|f| f.set(Some(Isa::Base)));
+    let base = run();
+    let mut isas = vec![Isa::Base];
+    #[cfg(target_arch = "x86_64")]
+    isas.extend([Isa::Avx2, Isa::Avx512]);
+    for want in isas {
+        FORCE_ISA.with(|f| f.set(Some(want)));
+        assert!(run() == base, "{want:?} differs from the baseline");
+    }
+    FORCE_ISA.with(|f| f.set(None));
+}
