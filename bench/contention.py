@@ -19,8 +19,9 @@ median and best milliseconds per unit and the GB/s of optimizer traffic (28 B pe
 
     python bench/contention.py --numel 235e6 --units 16 --rounds 2
 
-``--op add`` measures the host adds of an accumulating backward instead (``buf += prior`` in bf16,
-6 bytes per element), on ``--threads`` torch threads.
+``--op add`` measures the host adds of an accumulating backward instead (``buf += prior``, three
+elements' bytes per element), by torch on ``--threads`` threads; ``--op add-core`` by the engine's
+kernel (``_core.add_``, on the rayon pool).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class Load:
         return {f"{k}_gb_per_s": v / secs / 1e9 for k, v in self.copied.items()}
 
 
-def unit_adds(numel: int, units: int, dtype: torch.dtype) -> list[Callable[[int], None]]:
+def unit_adds(numel: int, units: int, dtype: torch.dtype, kernel: bool) -> list[Callable[[int], None]]:
     """One function per unit that adds a bf16 gradient into another (``buf += prior``, torch's CPU
     kernel on its intra-op threads), as the host adds of an accumulating backward do."""
     fns = []
@@ -116,7 +117,10 @@ def unit_adds(numel: int, units: int, dtype: torch.dtype) -> list[Callable[[int]
         prior = torch.empty(numel, dtype=dtype, pin_memory=True).fill_(0.25)
 
         def add(k: int, buf=buf, prior=prior) -> None:
-            buf.add_(prior)
+            if kernel:  # the engine's own (``_core.add_``), as its host adds run it
+                _core.add_(buf, prior, str(buf.dtype).removeprefix("torch."), buf.numel())
+            else:
+                buf.add_(prior)
 
         fns.append(add)
     return fns
@@ -160,7 +164,10 @@ def main() -> None:
     ap.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     ap.add_argument("--waits", nargs="+", default=["spin"], choices=["spin", "blocking"], help="load waits")
     ap.add_argument(
-        "--op", default="adamw", choices=["adamw", "add"], help="the host work: optimizer or bf16 add"
+        "--op",
+        default="adamw",
+        choices=["adamw", "add", "add-core"],
+        help="the host work: optimizer, torch add, engine add",
     )
     ap.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="--op add's"
@@ -174,16 +181,20 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    fns = unit_adds(args.numel, args.units, dtype) if args.op == "add" else unit_steps(args.numel, args.units)
-    # add: reads two elements, writes one
-    per_param = 3 * dtype.itemsize if args.op == "add" else BYTES_PER_PARAM
+    adds = args.op.startswith("add")
+    fns = (
+        unit_adds(args.numel, args.units, dtype, args.op == "add-core")
+        if adds
+        else unit_steps(args.numel, args.units)
+    )
+    per_param = 3 * dtype.itemsize if adds else BYTES_PER_PARAM  # add: reads two elements, writes one
     k = 1
     for f in fns:  # warm-up: first touch of every page
         f(k)
     base = {
         "numel": args.numel,
         "units": args.units,
-        "op": args.op if args.op != "add" else f"add {args.dtype}",
+        "op": f"{args.op} {args.dtype}" if adds else args.op,
         "rayon_threads": _core.optim_threads(),
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),

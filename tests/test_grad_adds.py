@@ -184,6 +184,7 @@ def test_random_shapes_and_dtypes_add_on_the_host_as_torch(d, micro, dtype, kind
     seed=st.integers(0, 2**16),
 )
 def test_the_engines_add_is_torchs(n, dtype, scale, seed):
+    # (float16 is left to torch by the engine: this checks that path's bits too)
     g = torch.Generator().manual_seed(seed)
     a = (torch.randn(n, generator=g) * scale).to(dtype)
     b = (torch.randn(n, generator=g) * scale).to(dtype)
@@ -195,6 +196,13 @@ def test_the_engines_add_is_torchs(n, dtype, scale, seed):
         got = a.clone()
         v = got._version
         _engine.host_add_(got, b)
+        if dtype in _engine._ADD_DTYPES:
+            c = a.clone()
+            _engine._core.add_(c, b, str(dtype).removeprefix("torch."), n)
+            assert torch.equal(
+                c.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                want.view(torch.int16 if dtype != torch.float32 else torch.int32),
+            )
     assert got._version == v + 1  # as torch's add_ counts a write
     assert torch.equal(
         got.view(torch.int16 if dtype != torch.float32 else torch.int32),

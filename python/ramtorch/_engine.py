@@ -415,8 +415,9 @@ def small_grad(nbytes: int) -> bool:
 #: Host tensors of these dtypes are added by the engine's kernel (``_core.add_``): torch's bits
 #: (in float32, 16-bit results rounded to nearest even) on the rayon pool. torch's own CPU add of
 #: bfloat16 ran at 90 GB/s where float32 ran at 132 on a 16-core host: the gradients added on the
-#: host during a backward compete with the link's copies for the host's memory.
-_ADD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: host during a backward compete with the link's copies for the host's memory. float16 stays
+#: torch's (its conversions, vectorised by torch, are slower in the kernel).
+_ADD_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 #: Below this many bytes torch adds (one call of the kernel costs more than such an add).
 _KERNEL_ADD_MIN_BYTES = 1 << 20
 
