@@ -345,3 +345,15 @@ def test_the_engine_forgets_the_grads_it_wrote_with_their_parameters():
     del ours, params, ref
     gc.collect()
     assert len(eng._written) <= n - 3
+
+
+def test_the_engines_add_writes_through_a_view_into_a_larger_tensor():
+    """A ``.grad`` that is a stretch of a flat buffer (contiguous, at an offset): the kernel adds
+    into that stretch only, and the buffer's other elements stay."""
+    flat = torch.zeros(3 * 4096, dtype=torch.bfloat16)
+    view = flat[4096:8192].view(64, 64)
+    src = torch.full((64, 64), 1.5, dtype=torch.bfloat16)
+    with _adds_by("kernel"):
+        _engine.host_add_(view, src)
+    assert torch.equal(flat[4096:8192], torch.full((4096,), 1.5, dtype=torch.bfloat16))
+    assert not flat[:4096].any() and not flat[8192:].any()
