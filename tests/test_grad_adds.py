@@ -103,7 +103,6 @@ def _adds_by(how: str) -> Iterator[None]:
     """Host adds of every size by the engine's kernel (``"kernel"``), or as the engine picks."""
     least = _engine._KERNEL_ADD_MIN_BYTES
     if how == "kernel":
-        assert hasattr(_engine._core, "add_")
         _engine._KERNEL_ADD_MIN_BYTES = 0
     try:
         yield

@@ -427,10 +427,8 @@ def host_add_(dst: torch.Tensor, src: torch.Tensor) -> None:
     engine's kernel where both are plain contiguous tensors of one shape and dtype that it
     handles and do not overlap, else by torch."""
     name = _ADD_DTYPES.get(dst.dtype)
-    add = getattr(_core, "add_", None)
     if (
-        add is None
-        or name is None
+        name is None
         or dst.numel() * dst.element_size() < _KERNEL_ADD_MIN_BYTES
         or type(dst) is not torch.Tensor
         or type(src) is not torch.Tensor
@@ -445,7 +443,7 @@ def host_add_(dst: torch.Tensor, src: torch.Tensor) -> None:
     ):
         dst.add_(src)
         return
-    add(dst, src, name, dst.numel())
+    _core.add_(dst, src, name, dst.numel())
     torch.autograd.graph.increment_version(dst)
 
 
