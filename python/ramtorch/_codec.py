@@ -18,7 +18,9 @@ Decoding writes every word back exactly: outputs equal the uncompressed model's,
 ``"fp8"`` (lossy) stores each floating-point matrix (two or more dimensions) as ``float8_e4m3fn``
 with one scale per row (dimension 0: an output channel of ``nn.Linear``): the row's largest
 magnitude over 448, rounded to the weight's dtype; other tensors stay raw. About half of a
-``bfloat16`` region. Decoding is a conversion and a multiply per matrix.
+``bfloat16`` region. Decoding is a conversion and a multiply per matrix, or per block of its rows:
+a matrix's scales come before its rows, so a unit computed as its copy lands (``.rows``,
+``.parts``) decodes each part once its bytes have crossed (:func:`encoded_upto`).
 
 Region layout of ``"lossless"``, for ``n`` words in ``nb`` blocks with ``m`` escapes (offsets in
 bytes): ``lo[n]`` (sign << 7 | mantissa), ``codes[3 * ceil(n / 8)]`` (eight 3-bit codes in three
@@ -248,12 +250,13 @@ def encode_fp8(flat: torch.Tensor, entries: list[Any], nbytes: int) -> Encoded |
             leaves.append(_Leaf(off, size, tuple(shape), dtype, at, -1))
             at += size
         else:
+            # The scales first: a block of rows decodes once its rows have landed (.rows).
             assert s is not None
-            qat = at
-            at += q.numel()
-            at = -(-at // 64) * 64
-            leaves.append(_Leaf(off, size, tuple(shape), dtype, qat, at))
+            sat = at
             at += s.numel() * s.element_size()
+            at = -(-at // 64) * 64
+            leaves.append(_Leaf(off, size, tuple(shape), dtype, at, sat))
+            at += q.numel()
         plans.append((leaves[-1], q, s))
     if not any(leaf.scale >= 0 for leaf in leaves):
         return None
@@ -282,17 +285,53 @@ def _validate_fp8(enc: Encoded) -> None:
         raise ValueError(f"fp8 region: {enc.data.numel()} bytes where its tensors need {end}")
 
 
-def _decode_fp8(src: torch.Tensor, leaves: tuple[_Leaf, ...], out: torch.Tensor) -> None:
+def _decode_fp8(src: torch.Tensor, leaves: tuple[_Leaf, ...], out: torch.Tensor, lo: int, hi: int) -> None:
+    """Decodes the raw bytes ``[lo, hi)`` of the region: every tensor that overlaps them, a
+    quantized one by whole rows (the rows that hold any of those bytes)."""
     for leaf in leaves:
-        dst = out[leaf.src : leaf.src + leaf.nbytes]
+        a, b = max(lo, leaf.src), min(hi, leaf.src + leaf.nbytes)
+        if a >= b:
+            continue
         if leaf.scale < 0:
-            dst.copy_(src[leaf.q : leaf.q + leaf.nbytes])
+            out[a:b].copy_(src[leaf.q + a - leaf.src : leaf.q + b - leaf.src])
             continue
         rows = leaf.shape[0]
-        view = dst.view(leaf.dtype).view(rows, -1)
-        view.copy_(src[leaf.q : leaf.q + view.numel()].view(torch.float8_e4m3fn).view(rows, -1))
-        scale = src[leaf.scale : leaf.scale + rows * leaf.dtype.itemsize].view(leaf.dtype)
+        cols = leaf.nbytes // (rows * leaf.dtype.itemsize)
+        row_bytes = cols * leaf.dtype.itemsize
+        r0, r1 = (a - leaf.src) // row_bytes, -(-(b - leaf.src) // row_bytes)
+        dst = out[leaf.src + r0 * row_bytes : leaf.src + r1 * row_bytes]
+        view = dst.view(leaf.dtype).view(r1 - r0, cols)
+        q = src[leaf.q + r0 * cols : leaf.q + r1 * cols].view(torch.float8_e4m3fn)
+        view.copy_(q.view(r1 - r0, cols))
+        isz = leaf.dtype.itemsize
+        scale = src[leaf.scale + r0 * isz : leaf.scale + r1 * isz].view(leaf.dtype)
         view.mul_(scale.unsqueeze(1))
+
+
+def by_parts(codec: str) -> bool:
+    """Whether a region of ``codec`` decodes by parts (:func:`decode` with ``lo``, ``hi``), each
+    part once the encoded bytes of :func:`encoded_upto` have landed."""
+    return codec == "fp8"
+
+
+def encoded_upto(enc: Encoded, raw: int) -> int:
+    """How many of ``enc``'s bytes (from its start) hold everything the raw bytes below ``raw``
+    decode from: ``enc.nbytes`` where the codec does not decode by parts."""
+    if not by_parts(enc.codec):
+        return enc.nbytes
+    end = 0
+    for leaf in enc.meta:
+        if leaf.src >= raw:
+            continue
+        need = min(leaf.nbytes, raw - leaf.src)
+        if leaf.scale < 0:
+            end = max(end, leaf.q + need)
+            continue
+        rows = leaf.shape[0]
+        row_bytes = leaf.nbytes // rows
+        cols = row_bytes // leaf.dtype.itemsize
+        end = max(end, leaf.scale + rows * leaf.dtype.itemsize, leaf.q + -(-need // row_bytes) * cols)
+    return min(end, enc.nbytes)
 
 
 # -- decoding on the device --------------------------------------------------------------------
@@ -313,12 +352,15 @@ def _triton_decoder() -> Callable[..., Any] | None:
     return _TRITON  # type: ignore[return-value]
 
 
-def decode(enc_meta: tuple[str, Any], src: torch.Tensor, out: torch.Tensor) -> None:
+def decode(
+    enc_meta: tuple[str, Any], src: torch.Tensor, out: torch.Tensor, lo: int = 0, hi: int | None = None
+) -> None:
     """Decodes the encoded region ``src`` (a ``uint8`` tensor on the device, as copied) into
-    ``out`` (``uint8``, the raw region's size), on the current stream."""
+    ``out`` (``uint8``, the raw region's size), on the current stream; with ``lo``/``hi``, only
+    what the raw bytes ``[lo, hi)`` need (a codec of :func:`by_parts`; others decode it all)."""
     codec, meta = enc_meta
     if codec == "fp8":
-        _decode_fp8(src, meta, out)
+        _decode_fp8(src, meta, out, lo, out.numel() if hi is None else hi)
         return
     if out.is_cuda:
         kernel = _triton_decoder()

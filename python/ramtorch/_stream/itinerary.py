@@ -25,9 +25,19 @@ from . import parts, rows
 from .units import _packed_bytes, _Unit
 
 
-def _copy_parts(u: _Unit) -> list[int]:
-    """Where ``u``'s copy is cut, for a unit computed as its copy lands (.rows, .parts)."""
+def _raw_parts(u: _Unit) -> list[int]:
+    """Where ``u``'s layout is cut, for a unit computed as its copy lands (.rows, .parts)."""
     return rows.copy_parts(u) or parts.copy_parts(u)
+
+
+def _copy_parts(u: _Unit) -> list[int]:
+    """Where ``u``'s copy is cut: :func:`_raw_parts`, or for a unit that streams encoded, where
+    the encoded bytes that each of those parts decodes from end."""
+    cuts = _raw_parts(u)
+    enc = u.encoding() if cuts else None
+    if enc is None:
+        return cuts
+    return sorted({e for e in (_codec.encoded_upto(enc, c) for c in cuts) if 0 < e < enc.nbytes})
 
 
 class Prefetcher:
@@ -51,6 +61,9 @@ class Prefetcher:
     # decoded into, whose views are the unit's weights while the slot is held.
     decoded: dict[int, torch.Tensor]
     decode_stream: torch.cuda.Stream | None
+    # Per taken slot whose unit is decoded by parts on the GPU: each part's raw end and the event
+    # recorded after its decode (:meth:`claim_part`).
+    part_events: dict[int, list[tuple[int, torch.cuda.Event]]]
     # offload(disk=...): reads of disk units' extents started ahead of their use, by uid, with the
     # unit's key when the read began; how many disk units to keep read ahead.
     staged: dict[int, tuple[int, _disk.Read]]
@@ -160,11 +173,19 @@ class Prefetcher:
             slot = self._prefetch(u, key, keep)
         self.held += 1
         self.decoded.pop(slot, None)
+        waits = self.part_events.pop(slot, None)
+        if waits:
+            # (A forward that stopped between parts: the decode still reads the slot.)
+            torch.cuda.current_stream(self.device).wait_event(waits[-1][1])
         if enc is None:
             if claim:
                 self.eng.claim(slot, u.tag)
             return slot
         buf = self.eng.slot(slot)
+        # A unit computed as its copy lands (``claim=False``) decodes by parts where its codec
+        # can: each part once its bytes have landed, and each layer (or block of rows) waits for
+        # its part's decode (:meth:`claim_part`).
+        cuts = [] if claim or not _codec.by_parts(enc.codec) else _raw_parts(u)
         if buf.is_cuda:
             # Decoded on a stream of its own, which waits for the copy: the decode of the next
             # unit runs beside the compute of this one. The buffer is allocated on that stream
@@ -173,18 +194,58 @@ class Prefetcher:
             if self.decode_stream is None:
                 self.decode_stream = torch.cuda.Stream(buf.device)
             with torch.cuda.stream(self.decode_stream):
-                self.eng.claim(slot, u.tag)
                 out = torch.empty(enc.raw, dtype=torch.uint8, device=buf.device)
-                _codec.decode((enc.codec, enc.meta), buf, out)
-            compute.wait_stream(self.decode_stream)
+                waits = self._decode(u, slot, enc, buf, out, cuts)
+            if waits:
+                self.part_events[slot] = waits
+            else:
+                compute.wait_stream(self.decode_stream)
             out.record_stream(compute)
         else:
-            self.eng.claim(slot, u.tag)
             out = torch.empty(enc.raw, dtype=torch.uint8, device=buf.device)
-            _codec.decode((enc.codec, enc.meta), buf, out)
+            self._decode(u, slot, enc, buf, out, cuts)
         self.decoded[slot] = out
         self.counters["decoded_bytes"] += enc.raw
         return slot
+
+    def _decode(
+        self, u: _Unit, slot: int, enc: _codec.Encoded, buf: torch.Tensor, out: torch.Tensor, cuts: list[int]
+    ) -> list[tuple[int, torch.cuda.Event]]:
+        """Decodes ``slot``'s encoded bytes ``buf`` into ``out`` on the current stream, whole or
+        (``cuts``: raw offsets) part by part, each after the copy of the bytes it reads; on a GPU,
+        per part its raw end and an event recorded after its decode."""
+        waits: list[tuple[int, torch.cuda.Event]] = []
+        lo = 0
+        for hi in [*cuts, enc.raw]:
+            if hi <= lo:
+                continue
+            self.eng.claim_part(slot, _codec.encoded_upto(enc, hi), u.tag)
+            _codec.decode((enc.codec, enc.meta), buf, out, lo, hi)
+            if out.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                waits.append((hi, ev))
+            lo = hi
+        self.eng.claim(slot, u.tag)  # (the whole copy: counted, and what a release waits on)
+        return waits if len(waits) > 1 else []
+
+    def claim_part(self, slot: int, upto: int, tag: int) -> None:
+        """Makes the current stream wait until the raw bytes of ``slot``'s unit below ``upto`` are
+        there: copied, or (a unit decoded by parts) decoded."""
+        waits = self.part_events.get(slot)
+        if waits is None:
+            self.eng.claim_part(slot, upto, tag)
+            return
+        ev = next((e for end, e in waits if end >= upto), waits[-1][1])
+        torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def claim_whole(self, slot: int, tag: int) -> None:
+        """:meth:`claim_part` for all of the unit's bytes."""
+        waits = self.part_events.get(slot)
+        if waits is None:
+            self.eng.claim(slot, tag)
+            return
+        torch.cuda.current_stream(self.device).wait_event(waits[-1][1])
 
     def weights_buffer(self, slot: int) -> torch.Tensor:
         """The device bytes of the unit a taken ``slot`` holds, in its layout: the slot itself, or
@@ -216,6 +277,10 @@ class Prefetcher:
     def _give(self, slot: int) -> None:
         self.held -= 1
         self.decoded.pop(slot, None)
+        waits = self.part_events.pop(slot, None)
+        if waits:
+            # (A forward that stopped between parts: the decode still reads the slot.)
+            torch.cuda.current_stream(self.device).wait_event(waits[-1][1])
         self.eng.release(slot)
 
     def _lookahead(self, itin: list[int], pos: int) -> list[_Unit]:

@@ -20,9 +20,10 @@ slot's only in that layer's pre-hook, after its part is waited for: before, they
 so a read that the watched forward did not see (a branch taken later) gets the host's bytes or
 fails on their device, never bytes that have not landed. Not cut either: a forward inside
 another torch function mode, a recomputation, a unit whose layers carry other forward hooks or a
-forward of their own (they may read the weights before ours waits), and a process that has
-compiled anything with ``torch.compile`` (a graph may read the weights without the layers' hooks
-in between).
+forward of their own (they may read the weights before ours waits), a unit streamed in a codec
+that decodes whole (``compress="lossless"``; an ``"fp8"`` unit decodes part by part, each part
+once its encoded bytes have crossed), and a process that has compiled anything with
+``torch.compile`` (a graph may read the weights without the layers' hooks in between).
 
 Only two kinds of unit are cut (:func:`wanted`): one that holds several times the mean bytes of
 its model's streamed units (:data:`DOMINANCE`), and the one that ends the forward pass (what
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .. import _config
+from .. import _codec, _config
 
 if TYPE_CHECKING:
     from .units import _Unit
@@ -101,6 +102,12 @@ class Plan:
         self.watched: set[bool] = set()  # modes whose first forward was watched and clean
 
 
+def decodes_by_parts(u: _Unit) -> bool:
+    """Whether ``u``'s bytes can be had part by part: it streams raw, or in a codec that decodes
+    by parts (``offload(compress="fp8")``; a ``"lossless"`` region decodes whole)."""
+    return u.codec is None or _codec.by_parts(u.codec)
+
+
 def _trusted(m: nn.Module) -> bool:
     return any(isinstance(m, base) and type(m).forward is base.forward for base in TRUSTED)
 
@@ -115,7 +122,7 @@ def _cut(u: _Unit) -> Plan | None:
     assert layout is not None
     nbytes = layout.nbytes
     least = MIN_BYTES if MIN_BYTES is not None else _config.unit_parts_min_bytes()
-    if least is None or u.tree is not None or u.codec is not None or u.gather or nbytes < least:
+    if least is None or u.tree is not None or not decodes_by_parts(u) or u.gather or nbytes < least:
         return None
     ends: dict[int, int] = {}
     owners: dict[int, nn.Module] = {}

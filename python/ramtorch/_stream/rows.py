@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import parts
 from .compiling import is_compiling, opaque
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def blocks_of(u: _Unit) -> Blocks | None:
 def _cut(u: _Unit) -> Blocks | None:
     layout = u.layout
     assert layout is not None
-    if u.tree is not None or u.codec is not None or u.gather:
+    if u.tree is not None or not parts.decodes_by_parts(u) or u.gather:
         return None
     m = u.module
     spans: dict[str, tuple[int, int]] = {}

@@ -60,6 +60,7 @@ class LayerStreamer(Streamer):
         self.held = 0
         self.slot_owner: dict[int, tuple[int, _Unit]] = {}
         self.decoded: dict[int, torch.Tensor] = {}  # (ramtorch.nn layers stream raw: stays empty)
+        self.part_events: dict[int, list[tuple[int, torch.cuda.Event]]] = {}  # (so does this)
         self.mapped_reads: list[torch.cuda.Event] = []  # (each waited for at once: stays empty)
         self.decode_stream: torch.cuda.Stream | None = None
         self.staged: dict[int, Any] = {}  # (nor from disk: stays empty)

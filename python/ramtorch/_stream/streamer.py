@@ -166,6 +166,7 @@ class Streamer(Prefetcher, GradientHooks):
             "disk_reads_on_demand": 0,
         }
         self.decoded: dict[int, torch.Tensor] = {}
+        self.part_events: dict[int, list[tuple[int, torch.cuda.Event]]] = {}
         # Events after this pass's lookups that read their tables in place (.gather): waited for
         # at the pass's end, before user code may write the tables.
         self.mapped_reads: list[torch.cuda.Event] = []
@@ -451,11 +452,11 @@ class Streamer(Prefetcher, GradientHooks):
             buf = self.weights_buffer(slot)
             views = _device_views(u, buf, slot not in self.decoded)
             if blocks is not None and rows.blocks_of(u) is not blocks:
-                self.eng.claim(slot, u.tag)  # packed anew by _take: cut anew at its next copy
+                self.claim_whole(slot, u.tag)  # packed anew by _take: cut anew at its next copy
                 blocks = None
             if cut is not None and parts.plan_of(u) is not cut[0]:
                 if not cut[1]:
-                    self.eng.claim(slot, u.tag)  # (as above)
+                    self.claim_whole(slot, u.tag)  # (as above)
                 cut = None
             if u.ahead_after is not None and blocks is None and (cut is None or cut[1]):
                 self._prefetch_along(*u.ahead_after, u)  # (goes whole after all)
@@ -465,12 +466,11 @@ class Streamer(Prefetcher, GradientHooks):
                 u.parts_armed = [slot, cut[0], 0]  # (the bytes waited for so far; the weights)
                 self.counters["forwards_by_parts"] += 1
             if blocks is not None and own:
-                eng = self.eng
                 rows.arm(
                     module,
                     (
-                        lambda upto: eng.claim_part(slot, upto, u.tag),
-                        lambda: eng.claim(slot, u.tag),
+                        lambda upto: self.claim_part(slot, upto, u.tag),
+                        lambda: self.claim_whole(slot, u.tag),
                         blocks,
                     ),
                 )
@@ -759,7 +759,7 @@ class Streamer(Prefetcher, GradientHooks):
             key = id(module)
             upto = armed[1].upto[key]
             if upto > armed[2]:
-                self.eng.claim_part(armed[0], upto, u.tag)
+                self.claim_part(armed[0], upto, u.tag)
                 armed[2] = upto
             dev = armed[3]
             for name, index in armed[1].binds[key]:
@@ -788,7 +788,7 @@ class Streamer(Prefetcher, GradientHooks):
         armed = u.parts_armed if len(u.fwd) <= 1 else None
         if armed is not None:
             u.parts_armed = None
-            self.eng.claim(armed[0], u.tag)  # what follows may read any of the unit's bytes
+            self.claim_whole(armed[0], u.tag)  # what follows may read any of the unit's bytes
         ahead, u.ahead_after = u.ahead_after, None
         if ahead is not None:
             with self.lock:

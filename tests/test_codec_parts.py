@@ -1,0 +1,248 @@
+"""Units streamed in fp8 (``offload(compress="fp8")``) computed as their copy lands: decoded part
+by part, each part once the encoded bytes it reads have crossed (``_codec.encoded_upto``), a
+unit of several layers by parts (``.parts``) and a large ``nn.Linear`` by blocks of rows
+(``.rows``). Against the same model decoded whole: bitwise for parts (each layer computes the
+same op on the same bytes), close for rows (a block's product may round unlike the whole's);
+on the CPU's host device and on a GPU. ``"lossless"`` regions decode whole: their units are not
+cut."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ramtorch
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ramtorch import _codec
+from ramtorch._stream import parts, rows
+from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def small_units(monkeypatch):
+    monkeypatch.setattr(parts, "MIN_BYTES", 1 << 14)
+    monkeypatch.setattr(parts, "MIN_PART_BYTES", 1 << 12)
+    monkeypatch.setattr(parts, "DOMINANCE", 0.0)  # (units alike are cut too)
+    monkeypatch.setattr(parts, "compiled_anything", lambda: False)
+    monkeypatch.setattr(rows, "MIN_BYTES", 1 << 12)
+    monkeypatch.setattr(rows, "MIN_PART_BYTES", 1 << 10)
+    monkeypatch.setattr(rows, "ROW_ALIGN", 8)
+
+
+def _region(shapes: list[tuple[int, ...]], seed: int) -> tuple[torch.Tensor, list, int]:
+    """A unit's raw region holding bf16 tensors of ``shapes`` at 64-byte aligned offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    entries, at = [], 0
+    for shape in shapes:
+        at = -(-at // 64) * 64
+        entries.append((at, shape, torch.bfloat16))
+        at += 2 * int(torch.Size(shape).numel())
+    flat = torch.zeros(at, dtype=torch.uint8)
+    for off, shape, dtype in entries:
+        n = int(torch.Size(shape).numel())
+        t = torch.randn(n, generator=gen) * torch.logspace(-2, 1, n).flip(0)[torch.randperm(n, generator=gen)]
+        flat[off : off + 2 * n] = t.to(dtype).view(torch.uint8)
+    return flat, entries, at
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=st.lists(
+        st.one_of(
+            st.tuples(st.integers(1, 24), st.integers(1, 40)),
+            st.tuples(st.integers(1, 8), st.integers(1, 4), st.integers(1, 5)),
+            st.tuples(st.integers(1, 60)),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    cuts=st.lists(st.floats(0, 1), max_size=5),
+    aligned=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_each_part_decodes_from_the_bytes_below_its_encoded_end(shapes, cuts, aligned, seed):
+    """Decoding part by part, each from a copy whose bytes past ``encoded_upto`` of its end are
+    garbage (not landed yet), gives the bytes of decoding whole: at row boundaries, as .rows and
+    .parts cut, and anywhere (a row two parts share is decoded by both)."""
+    flat, entries, nbytes = _region(shapes, seed)
+    enc = _codec.encode("fp8", flat, entries, nbytes)
+    if enc is None:
+        return  # no matrix, or nothing saved
+    _codec.validate(enc)
+    whole = torch.zeros(nbytes, dtype=torch.uint8)
+    _codec.decode((enc.codec, enc.meta), enc.data, whole)
+    # Cuts at row boundaries of the matrices and anywhere in the raw tensors, as .rows and
+    # .parts make them.
+    bounds = set()
+    for c in cuts:
+        raw = int(c * nbytes)
+        for off, shape, _ in entries:
+            if aligned and off <= raw < off + 2 * int(torch.Size(shape).numel()) and len(shape) >= 2:
+                row = 2 * int(torch.Size(shape[1:]).numel())
+                raw = off + (raw - off) // row * row
+        bounds.add(raw)
+    ends = sorted(b for b in bounds if 0 < b < nbytes) + [nbytes]
+    assert _codec.encoded_upto(enc, nbytes) == enc.nbytes
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    lo, last = 0, 0
+    for hi in ends:
+        upto = _codec.encoded_upto(enc, hi)
+        assert last <= upto <= enc.nbytes  # parts land in order
+        last = upto
+        landed = torch.full((enc.data.numel(),), 0x7F, dtype=torch.uint8)  # (fp8 NaN, bf16 huge)
+        landed[:upto] = enc.data[:upto]
+        _codec.decode((enc.codec, enc.meta), landed, out, lo, hi)
+        assert torch.equal(out[:hi], whole[:hi])  # what the compute below ``hi`` may read now
+        lo = hi
+    assert torch.equal(out, whole)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48), nn.LayerNorm(48)) for _ in range(3)
+        )
+        self.head = nn.Linear(48, 200, bias=False)
+        self.to(torch.bfloat16).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def _offloaded(device: str, compress: str) -> nn.Module:
+    return ramtorch.offload(Net(), device=device, compress=compress)
+
+
+def _outputs(m: nn.Module, device: str, n: int = 4) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        return [m(torch.randn(3, 48, generator=gen).to(device, torch.bfloat16)).cpu() for _ in range(n)]
+
+
+def test_a_block_of_rows_needs_the_scales_and_its_rows_only():
+    flat, entries, nbytes = _region([(64, 48), (48,)], 0)
+    enc = _codec.encode("fp8", flat, entries, nbytes)
+    assert enc is not None
+    (leaf, vec) = enc.meta
+    assert leaf.scale < leaf.q  # the scales first
+    assert _codec.encoded_upto(enc, 16 * 96) == leaf.q + 16 * 48 < enc.nbytes
+    assert _codec.encoded_upto(enc, 16 * 96 + 1) == leaf.q + 17 * 48
+    assert _codec.encoded_upto(enc, vec.src + 4) == vec.q + 4
+    assert _codec.encoded_upto(enc, 0) == 0
+
+
+def test_fp8_units_are_computed_by_parts_and_rows_as_decoded_whole(device, monkeypatch):
+    ours = _offloaded(device, "fp8")
+    st = ours._ramtorch_streamer.stats()
+    assert set(st["compressed_units"]) >= {"blocks.0", "blocks.1", "blocks.2", "head"}
+    got = _outputs(ours, device)
+    s = ramtorch.stats(ours)
+    # Each block's first forward in a mode is watched (whole); the later ones are cut.
+    assert s["forwards_by_parts"] == 3 * 3 and s["forwards_by_rows"] == 4
+    monkeypatch.setattr(parts, "by_parts", lambda *a, **k: None)
+    monkeypatch.setattr(rows, "by_rows", lambda *a, **k: None)
+    whole = _offloaded(device, "fp8")
+    want = _outputs(whole, device)
+    assert ramtorch.stats(whole)["forwards_by_parts"] == ramtorch.stats(whole)["forwards_by_rows"] == 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)  # the head's blocks may round apart
+
+
+def test_fp8_parts_are_bitwise_the_whole_decode(device, monkeypatch):
+    monkeypatch.setattr(rows, "by_rows", lambda *a, **k: None)  # (the head whole: bitwise)
+    got = _outputs(_offloaded(device, "fp8"), device)
+    monkeypatch.setattr(parts, "by_parts", lambda *a, **k: None)
+    want = _outputs(_offloaded(device, "fp8"), device)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_copies_of_fp8_units_are_cut_at_encoded_offsets(device):
+    from ramtorch._stream import itinerary
+
+    ours = _offloaded(device, "fp8")
+    _outputs(ours, device, 1)
+    for u in ours._ramtorch_streamer.units:
+        enc = u.encoding()
+        cuts = itinerary._copy_parts(u)
+        raw = itinerary._raw_parts(u)
+        assert enc is not None and raw, u.name
+        assert cuts == sorted(set(cuts)) and all(0 < c < enc.nbytes for c in cuts)
+        assert cuts == sorted({_codec.encoded_upto(enc, r) for r in raw} - {enc.nbytes})
+
+
+def test_lossless_units_decode_whole_and_are_not_cut(device):
+    ref = Net()
+    ours = _offloaded(device, "lossless")
+    with torch.no_grad():
+        x = torch.randn(3, 48).to(torch.bfloat16)
+        for _ in range(3):
+            assert torch.equal(ours(x.to(device)).cpu(), ref(x))
+    s = ramtorch.stats(ours)
+    assert s["forwards_by_parts"] == s["forwards_by_rows"] == 0
+    assert all(parts.plan_of(u) is None for u in ours._ramtorch_streamer.units)
+
+
+def test_a_frozen_fp8_base_cut_by_parts_trains_an_adapter_as_decoded_whole(device, monkeypatch):
+    """Gradients through cut fp8 units (the backward decodes whole): an adapter on top trains as
+    with the units decoded whole."""
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(2)
+        base = Net()
+        adapter = nn.Linear(200, 8).to(torch.bfloat16)
+        ramtorch.offload(base, device=device, compress="fp8")
+        adapter.to(device)
+        opt = torch.optim.SGD(adapter.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(3)
+        seen = []
+        for _ in range(3):
+            x = torch.randn(4, 48, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
+            loss = adapter(base(x)).float().square().mean()
+            loss.backward()
+            seen += [loss.detach().cpu(), x.grad.cpu(), adapter.weight.grad.cpu()]
+            opt.step()
+            opt.zero_grad()
+        assert ramtorch.stats(base)["forwards_by_parts"] > 0 or parts.by_parts is not original
+        return seen
+
+    original = parts.by_parts
+    monkeypatch.setattr(rows, "by_rows", lambda *a, **k: None)
+    got = run()
+    monkeypatch.setattr(parts, "by_parts", lambda *a, **k: None)
+    want = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_a_large_fp8_head_by_rows_on_cuda(monkeypatch):
+    """At the thresholds of the default: a head of 64 MiB and more streams in fp8 and computes by
+    blocks of rows as its parts are decoded."""
+    monkeypatch.setattr(rows, "MIN_BYTES", 64 << 20)
+    monkeypatch.setattr(rows, "MIN_PART_BYTES", 16 << 20)
+    monkeypatch.setattr(rows, "ROW_ALIGN", 64)
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(64, 4096), nn.Linear(4096, 16384, bias=False)).to(torch.bfloat16)
+    head.requires_grad_(False)
+    ref = copy.deepcopy(head)
+    ramtorch.offload(head, compress="fp8")
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = [head(x) for _ in range(3)]
+    assert ramtorch.stats(head)["forwards_by_rows"] == 3
+    monkeypatch.setattr(rows, "by_rows", lambda *a, **k: None)
+    whole = copy.deepcopy(ref)
+    ramtorch.offload(whole, compress="fp8")
+    with torch.no_grad():
+        want = whole(x)
+    for g in got:
+        torch.testing.assert_close(g, want, rtol=1e-2, atol=1e-2)
+    cos = torch.nn.functional.cosine_similarity(want.float().flatten(), ref.cuda()(x).float().flatten(), 0)
+    assert float(cos) > 0.99
