@@ -9,6 +9,9 @@ cut."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import ramtorch
@@ -246,3 +249,52 @@ def test_a_large_fp8_head_by_rows_on_cuda(monkeypatch):
         torch.testing.assert_close(g, want, rtol=1e-2, atol=1e-2)
     cos = torch.nn.functional.cosine_similarity(want.float().flatten(), ref.cuda()(x).float().flatten(), 0)
     assert float(cos) > 0.99
+
+
+_KERNEL_CHECK = """
+import torch
+from ramtorch._codec_triton import decode_fp8_rows
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for scale in (3.0, 1e-30, 1e30, 448.0, 0.0):
+        codes = torch.randperm(256 * 9, generator=gen).remainder(256).to(torch.uint8).view(18, 128)
+        s = (torch.randn(18, generator=gen) * scale).to(dtype)
+        want = codes.view(torch.float8_e4m3fn).to(dtype) * s.unsqueeze(1)
+        got = torch.empty(18, 128, dtype=dtype)
+        decode_fp8_rows(codes, s, got)
+        iv = torch.int32 if dtype == torch.float32 else torch.int16
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan), (dtype, scale)
+        assert torch.equal(got[~nan].view(iv), want[~nan].view(iv)), (dtype, scale)
+print("ok")
+"""
+
+
+def test_the_fp8_kernel_gives_torchs_bits_in_the_interpreter():
+    """The device kernel's logic (every code, each weight dtype, scales that overflow and
+    underflow), run by Triton's interpreter on CPU tensors, against torch's conversion and
+    multiply."""
+    pytest.importorskip("triton")
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))  # this process's ramtorch
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pkg}
+    r = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_the_fp8_kernel_decodes_torchs_bits_on_cuda(monkeypatch):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        flat, entries, nbytes = _region([(96, 200), (64,), (33, 7, 3)], 5)
+        flat = flat.view(torch.bfloat16).to(dtype).view(torch.uint8)  # (offsets scale with the size)
+        entries = [(off * dtype.itemsize // 2, shape, dtype) for off, shape, _ in entries]
+        enc = _codec.encode("fp8", flat, entries, flat.numel())
+        assert enc is not None
+        src = enc.data.cuda()
+        got = torch.zeros(enc.raw, dtype=torch.uint8, device="cuda")
+        _codec.decode((enc.codec, enc.meta), src, got, 0, enc.raw // 3)
+        _codec.decode((enc.codec, enc.meta), src, got, enc.raw // 3, enc.raw)
+        want = torch.zeros_like(got)
+        with monkeypatch.context() as mp:
+            mp.setattr(_codec, "_TRITON_FP8", None)  # torch's ops
+            _codec.decode((enc.codec, enc.meta), src, want)
+        assert torch.equal(got, want), dtype

@@ -301,10 +301,14 @@ def _decode_fp8(src: torch.Tensor, leaves: tuple[_Leaf, ...], out: torch.Tensor,
         r0, r1 = (a - leaf.src) // row_bytes, -(-(b - leaf.src) // row_bytes)
         dst = out[leaf.src + r0 * row_bytes : leaf.src + r1 * row_bytes]
         view = dst.view(leaf.dtype).view(r1 - r0, cols)
-        q = src[leaf.q + r0 * cols : leaf.q + r1 * cols].view(torch.float8_e4m3fn)
-        view.copy_(q.view(r1 - r0, cols))
+        q = src[leaf.q + r0 * cols : leaf.q + r1 * cols]
         isz = leaf.dtype.itemsize
         scale = src[leaf.scale + r0 * isz : leaf.scale + r1 * isz].view(leaf.dtype)
+        kernel = _triton_fp8() if out.is_cuda else None
+        if kernel is not None:
+            kernel(q, scale, view)  # one pass: the same bits as the two below
+            continue
+        view.copy_(q.view(torch.float8_e4m3fn).view(r1 - r0, cols))
         view.mul_(scale.unsqueeze(1))
 
 
@@ -350,6 +354,23 @@ def _triton_decoder() -> Callable[..., Any] | None:
         except Exception:  # noqa: BLE001 - no Triton (or no working one): the torch decoder serves
             _TRITON = None
     return _TRITON  # type: ignore[return-value]
+
+
+_TRITON_FP8: Callable[..., Any] | None | bool = False  # False: not looked for yet
+
+
+def _triton_fp8() -> Callable[..., Any] | None:
+    """The Triton kernel of the fp8 decoder (a conversion and a multiply in one pass over the
+    bytes, where torch's ops take three), or ``None`` where Triton is missing."""
+    global _TRITON_FP8
+    if _TRITON_FP8 is False:
+        try:
+            from ._codec_triton import decode_fp8_rows
+
+            _TRITON_FP8 = decode_fp8_rows
+        except Exception:  # noqa: BLE001 - no Triton (or no working one): torch's ops serve
+            _TRITON_FP8 = None
+    return _TRITON_FP8  # type: ignore[return-value]
 
 
 def decode(
