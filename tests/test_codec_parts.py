@@ -8,7 +8,6 @@ cut."""
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -222,33 +221,6 @@ def test_a_frozen_fp8_base_cut_by_parts_trains_an_adapter_as_decoded_whole(devic
     want = run()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-def test_a_large_fp8_head_by_rows_on_cuda(monkeypatch):
-    """At the thresholds of the default: a head of 64 MiB and more streams in fp8 and computes by
-    blocks of rows as its parts are decoded."""
-    monkeypatch.setattr(rows, "MIN_BYTES", 64 << 20)
-    monkeypatch.setattr(rows, "MIN_PART_BYTES", 16 << 20)
-    monkeypatch.setattr(rows, "ROW_ALIGN", 64)
-    torch.manual_seed(0)
-    head = nn.Sequential(nn.Linear(64, 4096), nn.Linear(4096, 16384, bias=False)).to(torch.bfloat16)
-    head.requires_grad_(False)
-    ref = copy.deepcopy(head)
-    ramtorch.offload(head, compress="fp8")
-    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        got = [head(x) for _ in range(3)]
-    assert ramtorch.stats(head)["forwards_by_rows"] == 3
-    monkeypatch.setattr(rows, "by_rows", lambda *a, **k: None)
-    whole = copy.deepcopy(ref)
-    ramtorch.offload(whole, compress="fp8")
-    with torch.no_grad():
-        want = whole(x)
-    for g in got:
-        torch.testing.assert_close(g, want, rtol=1e-2, atol=1e-2)
-    cos = torch.nn.functional.cosine_similarity(want.float().flatten(), ref.cuda()(x).float().flatten(), 0)
-    assert float(cos) > 0.99
 
 
 _KERNEL_CHECK = """
