@@ -270,3 +270,31 @@ def test_the_fp8_kernel_decodes_torchs_bits_on_cuda(monkeypatch):
             mp.setattr(_codec, "_TRITON_FP8", None)  # torch's ops
             _codec.decode((enc.codec, enc.meta), src, want)
         assert torch.equal(got, want), dtype
+
+
+def test_an_fp8_units_last_linear_goes_by_rows_within_its_parts(device, monkeypatch):
+    """W1's block in fp8: its last Linear decodes and computes block by block of rows."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(
+            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 64)),
+            nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)),
+        )
+        return ramtorch.offload(m.to(torch.bfloat16).requires_grad_(False), device=device, compress="fp8")
+
+    def run(m: nn.Module) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            return [m(torch.randn(3, 32, generator=gen).to(device, torch.bfloat16)).cpu() for _ in range(4)]
+
+    cut = build()
+    got = run(cut)
+    plan = parts.plan_of(cut._ramtorch_streamer.units[-1])
+    assert plan is not None and plan.rows
+    # Both units are cut here (the fixture's DOMINANCE); the first forward is watched (whole).
+    assert ramtorch.stats(cut)["forwards_by_rows"] == 2 * 3
+    monkeypatch.setattr(parts, "by_parts", lambda *a, **k: None)
+    want = run(build())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)

@@ -459,3 +459,81 @@ def test_a_unit_is_cut_in_at_most_max_parts(monkeypatch):
         assert all(b - a >= least for a, b in zip([0, *p.parts], p.parts))
     run_both(ref, ours, "cpu")
     assert cut(ours) > 0
+
+
+class Mlp(nn.Module):
+    """Units that end with a large Linear (W1's block): the last layer of the unit that ends the
+    pass is computed by blocks of rows within its part (``Plan.rows``)."""
+
+    def __init__(self, n: int = 3, d: int = 32, f: int = 128) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, f), nn.GELU(), nn.Linear(f, f, bias=False)) for _ in range(n)
+        )
+        self.mix = nn.ModuleList(nn.Linear(f, d, bias=False) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b, m in zip(self.blocks, self.mix):
+            x = x + m(b(x))
+        return x
+
+
+@pytest.fixture
+def small_rows(monkeypatch):
+    from ramtorch._stream import rows
+
+    monkeypatch.setattr(rows, "MIN_BYTES", 1 << 12)
+    monkeypatch.setattr(rows, "MIN_PART_BYTES", 1 << 10)
+    monkeypatch.setattr(rows, "ROW_ALIGN", 8)
+    return rows
+
+
+def test_the_last_linear_of_a_cut_unit_goes_by_rows_and_trains_as_torch(device, small_rows):
+    rows = small_rows
+    ref, ours = Mlp().to(device), Mlp()
+    ramtorch.offload(ours, device=device)
+    plans = {u.name: parts.plan_of(u) for u in units(ours)}
+    for k in range(3):
+        plan = plans[f"blocks.{k}"]
+        assert plan is not None and list(plan.rows) == [id(ours.blocks[k][2])]
+        last = plan.rows[id(ours.blocks[k][2])].blocks
+        assert len(last) >= 2 and set(b[2] for b in last[:-1]) <= set(plan.parts)
+        assert plan.parts == sorted(plan.parts)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(5, 32, generator=gen).to(device)
+        y_ref, y = ref(x), ours(x)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        y_ref.square().mean().backward()
+        y.square().mean().backward()
+        for a, b in zip(ref.parameters(), ours.parameters()):
+            torch.testing.assert_close(b.grad.to(a.device), a.grad, rtol=1e-5, atol=1e-6)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    s = ramtorch.stats(ours)
+    # The units' first forward is watched (whole); each later one is cut, its last Linear by rows
+    # (3 x 3), beside the ``mix`` units, single Linears that go by rows on every forward (3 x 4).
+    assert s["forwards_by_parts"] == 3 * 3 and s["forwards_by_rows"] == 3 * 3 + 3 * 4
+    assert all(type(b[2]) is rows.RowsLinear and isinstance(b[2], nn.Linear) for b in ours.blocks)
+    from ramtorch import _offload
+
+    _offload.detach_streamer(ours)
+    assert all(type(b[2]) is nn.Linear and "_ramtorch_armed" not in b[2].__dict__ for b in ours.blocks)
+
+
+def test_the_last_linear_goes_whole_where_its_input_does_not_qualify(device, small_rows):
+    """Under autocast (or deterministic algorithms) the layer waits for its whole part, as before."""
+    ref, ours = Mlp().to(device), Mlp()
+    ramtorch.offload(ours, device=device)
+    x = torch.randn(5, 32).to(device)
+    with torch.no_grad():
+        for _ in range(3):
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    s = ramtorch.stats(ours)
+    assert s["forwards_by_parts"] > 0 and s["forwards_by_rows"] == 0  # (the mix units' neither)

@@ -1490,7 +1490,8 @@ def detach_streamer(model: nn.Module) -> None:
         for u in streamer.units:
             if getattr(u.module, "_ramtorch_unit", None) is u:
                 del u.module._ramtorch_unit
-            _rows.release(u.module)
+            for m in u.module.modules():
+                _rows.release(m)  # (a unit's last Linear computed by rows within its parts too)
         _STREAMERS.discard(streamer)
         _added.unwatch(streamer)
         streamer.eng.remove_holder(streamer)

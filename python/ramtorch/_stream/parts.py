@@ -25,6 +25,11 @@ that decodes whole (``compress="lossless"``; an ``"fp8"`` unit decodes part by p
 once its encoded bytes have crossed), and a process that has compiled anything with
 ``torch.compile`` (a graph may read the weights without the layers' hooks in between).
 
+The layer whose bytes come last in a cut unit, where it is a large ``nn.Linear``, is cut further
+into blocks of its rows (``Plan.rows``, the blocks of :mod:`.rows`): its forward computes each
+block of the output's columns once that block's rows have landed, so what follows the last byte
+of a unit that ends the pass (an MLP block: W1's) is one block's product.
+
 Only two kinds of unit are cut (:func:`wanted`): one that holds several times the mean bytes of
 its model's streamed units (:data:`DOMINANCE`), and the one that ends the forward pass (what
 follows the pass's last byte is then its last part's compute, not all of it). Elsewhere, where
@@ -43,7 +48,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .. import _codec, _config
+from .. import _config
+from . import rows
 
 if TYPE_CHECKING:
     from .units import _Unit
@@ -85,7 +91,7 @@ class Plan:
     each layer's forward waits for (by ``id`` of the layer), and the modes (training or not) in
     which a forward read a weight outside its layer (never cut again)."""
 
-    __slots__ = ("parts", "upto", "owners", "binds", "refused", "watched")
+    __slots__ = ("parts", "upto", "owners", "binds", "rows", "refused", "watched")
 
     def __init__(
         self,
@@ -93,19 +99,16 @@ class Plan:
         upto: dict[int, int],
         owners: list[nn.Module],
         binds: dict[int, list[tuple[str, int]]],
+        by_rows: dict[int, rows.Blocks] | None = None,
     ) -> None:
         self.parts = parts
         self.upto = upto
         self.owners = owners
         self.binds = binds  # id of a layer -> (name, index into the unit's weights) of its own
+        # id of a layer (the unit's last, a large Linear) -> its blocks of rows (.rows)
+        self.rows = by_rows or {}
         self.refused: set[bool] = set()
         self.watched: set[bool] = set()  # modes whose first forward was watched and clean
-
-
-def decodes_by_parts(u: _Unit) -> bool:
-    """Whether ``u``'s bytes can be had part by part: it streams raw, or in a codec that decodes
-    by parts (``offload(compress="fp8")``; a ``"lossless"`` region decodes whole)."""
-    return u.codec is None or _codec.by_parts(u.codec)
 
 
 def _trusted(m: nn.Module) -> bool:
@@ -122,11 +125,12 @@ def _cut(u: _Unit) -> Plan | None:
     assert layout is not None
     nbytes = layout.nbytes
     least = MIN_BYTES if MIN_BYTES is not None else _config.unit_parts_min_bytes()
-    if least is None or u.tree is not None or not decodes_by_parts(u) or u.gather or nbytes < least:
+    if least is None or u.tree is not None or not rows.decodes_by_parts(u) or u.gather or nbytes < least:
         return None
     ends: dict[int, int] = {}
     owners: dict[int, nn.Module] = {}
     binds: dict[int, list[tuple[str, int]]] = {}
+    spans: dict[tuple[int, str], tuple[int, int]] = {}
     for e in u.entries:
         entry = layout.entries[e.index]
         if entry is None or not _trusted(e.owner):
@@ -139,6 +143,7 @@ def _cut(u: _Unit) -> Plan | None:
         owners[key] = e.owner
         ends[key] = max(ends.get(key, 0), off + n)
         binds.setdefault(key, []).append((e.name, e.index))
+        spans[(key, e.name)] = (off, off + n)
     if len(owners) < 2:
         return None
     least = max(MIN_PART_BYTES, -(-nbytes // MAX_PARTS))
@@ -148,10 +153,24 @@ def _cut(u: _Unit) -> Plan | None:
         if end - start >= least and end < nbytes:
             parts.append(end)
             start = end
+    # The layer whose bytes come last, where it is a large Linear, is also computed by blocks of
+    # rows as they land (.rows): in the unit that ends a pass (W1's block, an MLP) what follows
+    # the last byte is then one block's product, not the layer's.
+    last = max(ends, key=lambda k: ends[k])
+    by_rows: dict[int, rows.Blocks] = {}
+    m, w = owners[last], spans.get((last, "weight"))
+    own = {n for n, _ in binds[last]}
+    if type(m) in (nn.Linear, rows.RowsLinear) and w is not None and own <= {"weight", "bias"}:
+        bias = spans.get((last, "bias"))
+        blocks = rows.row_blocks(w, m.weight.shape[0], bias[1] if bias and bias[0] > w[0] else 0)
+        if blocks is not None:
+            by_rows[last] = rows.Blocks(blocks, [])
+            lo = parts[-1] if parts else 0
+            parts += sorted({b[2] for b in blocks if lo < b[2] < nbytes})
     if not parts:
         return None
     upto = {k: next((p for p in parts if p >= end), nbytes) for k, end in ends.items()}
-    return Plan(parts, upto, list(owners.values()), binds)
+    return Plan(parts, upto, list(owners.values()), binds, by_rows)
 
 
 def wanted(u: _Unit) -> bool:

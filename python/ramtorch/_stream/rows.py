@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import parts
+from .. import _codec
 from .compiling import is_compiling, opaque
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def blocks_of(u: _Unit) -> Blocks | None:
 def _cut(u: _Unit) -> Blocks | None:
     layout = u.layout
     assert layout is not None
-    if u.tree is not None or not parts.decodes_by_parts(u) or u.gather:
+    if u.tree is not None or not decodes_by_parts(u) or u.gather:
         return None
     m = u.module
     spans: dict[str, tuple[int, int]] = {}
@@ -86,8 +86,22 @@ def _cut(u: _Unit) -> Blocks | None:
             return None
     if "weight" not in spans or len(u.params) != len(spans):
         return None
-    rows, cols = m.weight.shape
-    w0, w1 = spans["weight"]
+    # A bias lying after the weight is needed by every block: then every block waits for it.
+    bias_end = spans["bias"][1] if "bias" in spans else 0
+    blocks = row_blocks(spans["weight"], m.weight.shape[0], bias_end)
+    if blocks is None:
+        return None
+    ends = sorted({b[2] for b in blocks if b[2] < layout.nbytes})
+    if not ends:
+        return None
+    return Blocks(blocks, ends)
+
+
+def row_blocks(weight: tuple[int, int], rows: int, bias_end: int = 0) -> list[tuple[int, int, int]] | None:
+    """Blocks of rows of a weight lying at bytes ``weight`` (start, end) of a unit's layout: per
+    block ``(first row, end row, bytes of the unit's copy it needs)``; ``None`` where the weight
+    is too small to cut."""
+    w0, w1 = weight
     size = w1 - w0
     if size < MIN_BYTES or rows < 2 * ROW_ALIGN:
         return None
@@ -97,16 +111,17 @@ def _cut(u: _Unit) -> Blocks | None:
     step = -(-rows // k)
     step = -(-step // ROW_ALIGN) * ROW_ALIGN
     row_bytes = size // rows
-    # A bias lying after the weight is needed by every block: then every block waits for it.
-    bias_end = spans["bias"][1] if "bias" in spans else 0
     blocks = []
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         blocks.append((r0, r1, max(w0 + r1 * row_bytes, bias_end)))
-    ends = sorted({b[2] for b in blocks if b[2] < layout.nbytes})
-    if len(blocks) < 2 or not ends:
-        return None
-    return Blocks(blocks, ends)
+    return blocks if len(blocks) >= 2 else None
+
+
+def decodes_by_parts(u: _Unit) -> bool:
+    """Whether ``u``'s bytes can be had part by part: it streams raw, or in a codec that decodes
+    by parts (``offload(compress="fp8")``; a ``"lossless"`` region decodes whole)."""
+    return u.codec is None or _codec.by_parts(u.codec)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -125,13 +140,18 @@ def copy_parts(u: _Unit) -> list[int]:
 def by_rows(u: _Unit, module: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> Blocks | None:
     """The blocks ``u``'s forward on ``args`` computes by, or ``None`` (the copy is then waited
     for whole before the forward)."""
+    b = blocks_of(u) if takes(module, args, kwargs, device) else None
+    return b
+
+
+def takes(module: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> bool:
+    """Whether ``module``'s forward on ``args`` can be computed by blocks of rows: a
+    :class:`RowsLinear` given one input of its weight's dtype on ``device``, no autocast, no
+    hooks but the unit's two, not under deterministic algorithms."""
     if type(module) is not RowsLinear or "forward" in module.__dict__ or kwargs or len(args) != 1:
-        return None
+        return False
     if torch.are_deterministic_algorithms_enabled():
-        return None  # a block's product may round unlike the whole product's kernel
-    b = blocks_of(u)
-    if b is None:
-        return None
+        return False  # a block's product may round unlike the whole product's kernel
     x = args[0]
     weight = module.weight
     if (
@@ -142,15 +162,13 @@ def by_rows(u: _Unit, module: nn.Module, args: tuple, kwargs: dict, device: torc
         or x.shape[-1] != weight.shape[1]
         or torch.is_autocast_enabled(device.type)
     ):
-        return None
+        return False
     # Nothing may read the weight between the pre-hook and the forward, nor after the forward
     # before the post-hook: the unit's own two hooks, no others.
     if len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1:
-        return None
+        return False
     hooks = nn.modules.module
-    if hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
-        return None
-    return b
+    return not (hooks._global_forward_pre_hooks or hooks._global_forward_hooks)
 
 
 class RowsLinear(nn.Linear):

@@ -729,6 +729,8 @@ class Streamer(Prefetcher, GradientHooks):
         if plan is None or u.parts_handles or parts.compiled_anything():
             return
         for owner in plan.owners:
+            if id(owner) in plan.rows:
+                rows.adopt(owner)  # its forward goes by blocks of rows where it can
             pre = functools.partial(self.part_pre_forward, u)
             post = functools.partial(self.part_post_forward, u)
             u.parts_handles.append(owner.register_forward_pre_hook(pre))
@@ -742,6 +744,9 @@ class Streamer(Prefetcher, GradientHooks):
         for h in u.parts_handles:
             h.remove()
         u.parts_handles = []
+        plan = parts.plan_of(u)
+        for owner in plan.owners if plan is not None else ():
+            rows.release(owner)
 
     def part_pre_forward(self, u: _Unit, module: nn.Module, args: tuple) -> None:
         """A layer of a unit computed by parts (.parts): waits for the part that holds its
@@ -757,18 +762,36 @@ class Streamer(Prefetcher, GradientHooks):
             return None
         if armed is not None:
             key = id(module)
-            upto = armed[1].upto[key]
-            if upto > armed[2]:
-                self.claim_part(armed[0], upto, u.tag)
+            plan, slot = armed[1], armed[0]
+            upto = plan.upto[key]
+            blocks = plan.rows.get(key)
+            if blocks is not None and rows.takes(module, args, {}, self.device):
+                # The unit's last layer, a large Linear: its forward waits for each block of
+                # rows in turn (.rows), and for all of the layer before it returns.
+                if upto > armed[2]:
+                    rows.arm(
+                        module,
+                        (
+                            lambda at: self.claim_part(slot, at, u.tag),
+                            lambda: self.claim_part(slot, upto, u.tag),
+                            blocks,
+                        ),
+                    )
+                    armed[2] = upto
+                    self.counters["forwards_by_rows"] += 1
+            elif upto > armed[2]:
+                self.claim_part(slot, upto, u.tag)
                 armed[2] = upto
             dev = armed[3]
-            for name, index in armed[1].binds[key]:
+            for name, index in plan.binds[key]:
                 module._parameters[name] = dev[index]
         return None
 
     def part_post_forward(self, u: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
         if is_compiling():
             return opaque(Streamer.part_post_forward, self, u, module, args, output)
+        if type(module) is rows.RowsLinear:
+            rows.settle(module)  # armed by part_pre_forward, not taken by a forward: all now
         probe = u.parts_probe
         if probe is not None and probe.stack:
             probe.stack.pop()
