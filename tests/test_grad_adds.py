@@ -9,6 +9,7 @@ import contextlib
 import copy
 import gc
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -356,3 +357,24 @@ def test_the_engines_add_writes_through_a_view_into_a_larger_tensor():
         _engine.host_add_(view, src)
     assert torch.equal(flat[4096:8192], torch.full((4096,), 1.5, dtype=torch.bfloat16))
     assert not flat[:4096].any() and not flat[8192:].any()
+
+
+def test_the_per_parameter_map_drops_only_its_own_dead_entries():
+    m = _engine._ByParam()
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    m.set(a, 1)
+    m.set(b, 2)
+    m.set(a, 3)  # (the same parameter again: its entry is replaced)
+    assert m.get(a) == 3 and m.get(b) == 2 and len(m) == 2
+    assert m.get(nn.Parameter(torch.zeros(2))) is None
+    # A parameter that died while another took its id: the newcomer's entry stays.
+    ka = id(a)
+    ref_a = m._d[ka][0]
+    m._d[ka] = (weakref.ref(b), 9)  # as if ``b`` had been given ``a``'s id
+    del a
+    gc.collect()
+    assert ref_a() is None and m._d[ka][1] == 9
+    del b
+    gc.collect()
+    assert len(m) == 1  # (b's own entry went; the stand-in under a's id is b's too, now dead)
+    assert all(e[0]() is None for e in m._d.values())
