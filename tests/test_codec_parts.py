@@ -298,3 +298,15 @@ def test_an_fp8_units_last_linear_goes_by_rows_within_its_parts(device, monkeypa
     want = run(build())
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_units_on_disk_decode_by_parts_as_in_memory(tmp_path):
+    """A disk unit's encoded bytes are read into a staging buffer, whose copy is cut at the same
+    encoded offsets: the outputs equal the same model's in host memory, and the units are cut."""
+    ram = _offloaded("cpu", "fp8")
+    disk = ramtorch.offload(Net(), device="cpu", compress="fp8", host_budget=0, disk=tmp_path)
+    want, got = _outputs(ram, "cpu"), _outputs(disk, "cpu")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    s = ramtorch.stats(disk)
+    assert s["forwards_by_parts"] == 3 * 3 and s["forwards_by_rows"] == 4
