@@ -127,7 +127,8 @@ def test_the_environment_sets_the_least_size_or_turns_it_off(monkeypatch):
 
 def test_a_unit_is_cut_where_it_holds_several_times_the_mean_or_ends_the_pass(monkeypatch):
     """Units alike are not cut (their copies overlap the compute already), but for the one that
-    ends the forward pass (known from the first pass on); one that holds most of the bytes is."""
+    ends the forward pass and the one computed before it (known from the first pass on); one that
+    holds most of the bytes is."""
     monkeypatch.setattr(parts, "DOMINANCE", 2.0)
 
     def cuts(m: nn.Module) -> list[bool]:
@@ -138,8 +139,8 @@ def test_a_unit_is_cut_where_it_holds_several_times_the_mean_or_ends_the_pass(mo
     assert cuts(alike) == [False, False, False]
     for _ in range(3):
         alike(torch.randn(2, 32, 6, 6))
-    assert cuts(alike) == [False, False, True]
-    assert cut(alike) == 1  # the first pass finds the end, the second is watched, the third cut
+    assert cuts(alike) == [False, True, True]
+    assert cut(alike) == 2  # the first pass finds the end, the second is watched, the third cut
 
     class Uneven(nn.Module):
         def __init__(self) -> None:
@@ -160,6 +161,32 @@ def test_a_unit_is_cut_where_it_holds_several_times_the_mean_or_ends_the_pass(mo
         assert torch.equal(ours(x), ref(x))
     assert cuts(ours) == [False, False, True, True]
     assert cut(ours) == 2 + 1
+
+
+def test_the_unit_before_the_end_skips_units_too_small_to_cut(monkeypatch):
+    """A small unit between the last large ones and the end (a final norm, a small head) ends the
+    pass and is not cut; the large unit before it is."""
+    monkeypatch.setattr(parts, "DOMINANCE", 2.0)
+
+    class Headed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = Net()
+            self.norm = nn.LayerNorm(32)  # its own unit, below the least size of a cut
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.body(x).transpose(1, 3)).transpose(1, 3)
+
+    ref, ours = Headed(), Headed()
+    ramtorch.offload(ours, device="cpu")
+    names = [u.name for u in units(ours)]
+    for _ in range(3):
+        x = torch.randn(2, 32, 6, 6)
+        assert torch.equal(ours(x), ref(x))
+    flagged = {u.name for u in units(ours) if u.before_end}
+    assert flagged == {names[2]}, (names, flagged)
+    assert [bool(parts.copy_parts(u)) for u in units(ours)] == [n == names[2] for n in names]
+    assert cut(ours) == 1
 
 
 class Peek(Stage):

@@ -30,11 +30,15 @@ into blocks of its rows (``Plan.rows``, the blocks of :mod:`.rows`): its forward
 block of the output's columns once that block's rows have landed, so what follows the last byte
 of a unit that ends the pass (an MLP block: W1's) is one block's product.
 
-Only two kinds of unit are cut (:func:`wanted`): one that holds several times the mean bytes of
-its model's streamed units (:data:`DOMINANCE`), and the one that ends the forward pass (what
-follows the pass's last byte is then its last part's compute, not all of it). Elsewhere, where
-units are alike, each one's copy lands while the one before computes and a cut gains nothing.
-A ResNet's forward on an H200 took 40.4 ms cut against 47.1 ms whole (BENCHMARKS.md).
+Only three kinds of unit are cut (:func:`wanted`): one that holds several times the mean bytes of
+its model's streamed units (:data:`DOMINANCE`), the one that ends the forward pass (what follows
+the pass's last byte is then its last part's compute, not all of it), and the large streamed unit
+computed before that one (:func:`before_end`). That last one matters where a unit's compute is
+near its copy's time (a unit streamed in fp8 crosses in half the time of its raw bytes): whole,
+it starts computing only once its last byte has landed, and the last unit's compute then waits
+for it after the link has gone quiet (W1 in fp8: 1.9 ms of a 72 ms pass). Elsewhere, where units
+are alike, each one's copy lands while the one before computes and a cut gains nothing. A
+ResNet's forward on an H200 took 40.4 ms cut against 47.1 ms whole (BENCHMARKS.md).
 ``RAMTORCH_UNIT_PARTS_MIN_BYTES`` (bytes, or a size such as ``"64MiB"``; ``"off"``) sets the least
 size of a unit that is cut.
 """
@@ -175,9 +179,27 @@ def _cut(u: _Unit) -> Plan | None:
 
 def wanted(u: _Unit) -> bool:
     """Whether a cut of ``u`` gains anything: it holds several times the mean bytes of its model's
-    streamed units (the compute before it ends long before its copy does), or it ends the forward
-    pass (what it computes after the pass's last byte is then one part's share, not its whole)."""
-    return u.ends_forward or u.nbytes >= DOMINANCE * u.mean_unit_bytes
+    streamed units (the compute before it ends long before its copy does), it ends the forward
+    pass (what it computes after the pass's last byte is then one part's share, not its whole),
+    or it is the large unit computed before that one (:func:`before_end`)."""
+    return u.ends_forward or u.before_end or u.nbytes >= DOMINANCE * u.mean_unit_bytes
+
+
+def before_end(itin: list[int], by_uid: dict[int, _Unit]) -> _Unit | None:
+    """The streamed unit computed last before the unit that ends the forward pass ``itin`` (uids
+    in the order the pass ran them), skipping units too small to cut (a final norm) and those that
+    do not stream (resident, gathered); ``None`` if there is none."""
+    least = MIN_BYTES if MIN_BYTES is not None else _config.unit_parts_min_bytes()
+    if least is None or not itin:
+        return None
+    last = itin[-1]
+    for uid in reversed(itin[:-1]):
+        u = by_uid.get(uid)
+        if u is None or uid == last or u.resident or u.gather:
+            continue
+        if u.nbytes >= least:
+            return u
+    return None
 
 
 def copy_parts(u: _Unit) -> list[int]:

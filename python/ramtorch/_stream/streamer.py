@@ -355,10 +355,14 @@ class Streamer(Prefetcher, GradientHooks):
             self.cur_fwd = []
             if self.fwd_itin and not self.by_uid[self.fwd_itin[-1]].ends_forward:
                 for x in self.units:
-                    x.ends_forward = False
+                    x.ends_forward = x.before_end = False
                 last = self.by_uid[self.fwd_itin[-1]]
                 last.ends_forward = True  # cut by parts where it can be (.parts.wanted)
                 self.hook_parts(last)
+                before = parts.before_end(self.fwd_itin, self.by_uid)
+                if before is not None:
+                    before.before_end = True
+                    self.hook_parts(before)
             self.counters["passes"] += 1
             # Nothing of the next pass is copied now: its weights may be edited before it begins
             # (see :meth:`begin_pass`, which copies its first units). Unless the next pass will

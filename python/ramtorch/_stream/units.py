@@ -487,6 +487,8 @@ class _Unit:
         # layers that compute it by parts (.parts; installed once it may be cut, none after the
         # process compiled anything).
         self.ends_forward = False
+        # Whether it is the large unit computed before that one (.parts.before_end).
+        self.before_end = False
         self.parts_handles: list[Any] = []
         self.parts_probe: Any = None
         # The itinerary and position whose copies ahead a forward computed as its copy lands
