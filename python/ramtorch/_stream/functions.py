@@ -63,8 +63,15 @@ class _PostBackward(torch.autograd.Function):
 
 def _leaves(views: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter]) -> list[Any]:
     """Device weights for a recomputation: leaves that require grad like the parameters, so the
-    recomputed forward saves the same tensors as the original one (no gradient reaches them)."""
-    return [v if v is None else v.detach().requires_grad_(p.requires_grad) for v, p in zip(views, params)]
+    recomputed forward saves the same tensors as the original one (no gradient reaches them). A
+    frozen tensor subclass (a quantized weight) is such a leaf already, as made: detaching it
+    would rebuild it through its ``__torch_dispatch__`` (0.1 ms a weight on the host)."""
+    return [
+        v
+        if v is None or (type(v) is not torch.Tensor and not p.requires_grad and not v.requires_grad)
+        else v.detach().requires_grad_(p.requires_grad)
+        for v, p in zip(views, params)
+    ]
 
 
 class _SlotRef:

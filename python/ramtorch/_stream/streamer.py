@@ -501,7 +501,12 @@ class Streamer(Prefetcher, GradientHooks):
                 )
                 fetch = dev[0].grad_fn
                 dev = [d if type(v) is torch.Tensor else v for d, v in zip(dev, views)]
-            dev = [d if p.requires_grad else d.detach() for d, p in zip(dev, u.params)]
+            # (A subclassed weight did not pass through _Fetch: it is no part of a graph already,
+            # and detaching it would rebuild it through its __torch_dispatch__.)
+            dev = [
+                d if p.requires_grad or type(d) is not torch.Tensor else d.detach()
+                for d, p in zip(dev, u.params)
+            ]
         elif recompute and grad:
             dev = _leaves(views, u.params)
         else:
