@@ -163,6 +163,36 @@ def test_a_unit_is_cut_where_it_holds_several_times_the_mean_or_ends_the_pass(mo
     assert cut(ours) == 2 + 1
 
 
+def test_the_units_near_the_end_follow_the_pass_that_ran_last(monkeypatch):
+    """A pass that stops earlier (a model that skips its last stage) moves both flags: the unit
+    that ended it and the one before it; a pass through all stages again moves them back."""
+    monkeypatch.setattr(parts, "DOMINANCE", 2.0)
+
+    class Skips(Net):
+        def forward(self, x: torch.Tensor, upto: int = 3) -> torch.Tensor:
+            for s in self.stages[:upto]:
+                x = s(x)
+            return x
+
+    ref, ours = Skips(), Skips()
+    ramtorch.offload(ours, device="cpu")
+
+    def flags() -> list[tuple[bool, bool]]:
+        return [(u.before_end, u.ends_forward) for u in units(ours)]
+
+    x = torch.randn(2, 32, 6, 6)
+    for upto, want in (
+        (3, [(False, False), (True, False), (False, True)]),
+        (2, [(True, False), (False, True), (False, False)]),
+    ):
+        for _ in range(3):
+            assert torch.equal(ours(x, upto), ref(x, upto))
+        assert flags() == want
+    for _ in range(3):
+        assert torch.equal(ours(x), ref(x))
+    assert flags() == [(False, False), (True, False), (False, True)]
+
+
 def test_the_unit_before_the_end_skips_units_too_small_to_cut(monkeypatch):
     """A small unit between the last large ones and the end (a final norm, a small head) ends the
     pass and is not cut; the large unit before it is."""

@@ -49,6 +49,7 @@ class LayerStreamer(Streamer):
         # Units live as long as their layers: held weakly here.
         self.by_uid: weakref.WeakValueDictionary[int, _Unit] = weakref.WeakValueDictionary()
         self.fwd_itin: list[int] = []
+        self.end_pair: tuple[int, int | None] | None = None
         self.bwd_itin: list[int] = []
         self.cur_fwd: list[int] = []
         self.cur_bwd: list[int] = []

@@ -134,6 +134,8 @@ class Streamer(Prefetcher, GradientHooks):
         self.by_uid = {u.uid: u for u in units}
         self.streamed = [u for u in units if not u.resident]
         self.fwd_itin: list[int] = []
+        # (uid of the unit that ended the last forward pass, uid of the large one before it)
+        self.end_pair: tuple[int, int | None] | None = None
         self.bwd_itin: list[int] = []
         self.cur_fwd: list[int] = []
         self.cur_bwd: list[int] = []
@@ -353,16 +355,21 @@ class Streamer(Prefetcher, GradientHooks):
             self.state &= ~PassState.FORWARD
             self.fwd_itin = self.cur_fwd
             self.cur_fwd = []
-            if self.fwd_itin and not self.by_uid[self.fwd_itin[-1]].ends_forward:
-                for x in self.units:
-                    x.ends_forward = x.before_end = False
+            if self.fwd_itin:
+                # The unit that ended this pass and the large one computed before it are cut by
+                # parts where they can be (.parts.wanted); flagged anew when they change.
                 last = self.by_uid[self.fwd_itin[-1]]
-                last.ends_forward = True  # cut by parts where it can be (.parts.wanted)
-                self.hook_parts(last)
                 before = parts.before_end(self.fwd_itin, self.by_uid)
-                if before is not None:
-                    before.before_end = True
-                    self.hook_parts(before)
+                pair = (last.uid, None if before is None else before.uid)
+                if pair != self.end_pair:
+                    self.end_pair = pair
+                    for x in self.units:
+                        x.ends_forward = x.before_end = False
+                    last.ends_forward = True
+                    self.hook_parts(last)
+                    if before is not None:
+                        before.before_end = True
+                        self.hook_parts(before)
             self.counters["passes"] += 1
             # Nothing of the next pass is copied now: its weights may be edited before it begins
             # (see :meth:`begin_pass`, which copies its first units). Unless the next pass will
