@@ -72,26 +72,32 @@ def test_a_region_that_does_not_compress_streams_raw():
 def _corrupt(enc: _codec.Encoded, what: str) -> _codec.Encoded:
     lay = enc.meta
     data = enc.data.clone()
+    first, words, base, o_codes, o_top, o_esc = lay.seg(0)
     if what == "escape count":
         return dataclasses.replace(enc, meta=dataclasses.replace(lay, m=lay.m + 1))
     if what == "start":
-        data[lay.o_start : lay.o_esc].view(torch.int32)[1] += 1
+        data[: lay.o_seg].view(torch.int32)[1] += 1
     elif what == "code":
         # An escape code turned into an ordinary one: counts no longer match.
-        esc = (_codec._codes(data, lay) == 7).nonzero()[0, 0]
-        g = lay.o_codes + int(esc) // 8 * 3
+        esc = (_codec._seg_codes(data, o_codes, words) == 7).nonzero()[0, 0]
+        g = o_codes + int(esc) // 8 * 3
         v = int(data[g]) | int(data[g + 1]) << 8 | int(data[g + 2]) << 16
         v &= ~(7 << (3 * (int(esc) % 8)))
         data[g : g + 3] = torch.tensor([v & 255, v >> 8 & 255, v >> 16 & 255], dtype=torch.uint8)
     elif what == "short":
         data = data[: enc.nbytes - 1]
     elif what == "top":
-        data[lay.o_top] = 0  # block 0's codes now point below exponent 0
+        data[o_top] = 0  # block 0's codes now point below exponent 0
+    elif what == "segment end":
+        ends = list(lay.ends)
+        ends[0] += 1
+        return dataclasses.replace(enc, meta=dataclasses.replace(lay, ends=tuple(ends)))
     return dataclasses.replace(enc, data=data)
 
 
-@pytest.mark.parametrize("what", ["escape count", "start", "code", "short", "top"])
-def test_corrupt_lossless_regions_are_refused(what: str):
+@pytest.mark.parametrize("what", ["escape count", "start", "code", "short", "top", "segment end"])
+def test_corrupt_lossless_regions_are_refused(what: str, monkeypatch):
+    monkeypatch.setattr(_codec, "SEG_BLOCKS", 2)  # (two segments)
     w = (torch.randn(3 * _codec.BLOCK) * 0.02).to(torch.bfloat16)
     w[::97] = 1e-30  # escapes in every block
     enc = _codec.encode_lossless(w.view(torch.uint8).clone(), w.numel() * 2)
@@ -268,10 +274,26 @@ def test_triton_kernel_matches_the_torch_decoder_in_the_interpreter():
         "w[::31] = 1e-30\n"
         "w[5] = float('nan')\n"
         "raw = w.view(torch.uint8).clone()\n"
-        "enc = _codec.encode_lossless(raw, raw.numel())\n"
-        "out = torch.zeros_like(raw)\n"
-        "decode_lossless(enc.data, enc.meta, out, _codec.BLOCK)\n"
-        "assert torch.equal(out, raw), 'interpreted kernel differs'\n"
+        "for seg in (256, 1):\n"
+        "    _codec.SEG_BLOCKS = seg\n"
+        "    enc = _codec.encode_lossless(raw, raw.numel())\n"
+        "    out = torch.zeros_like(raw)\n"
+        "    decode_lossless(enc.data, enc.meta, out, _codec.BLOCK)\n"
+        "    assert torch.equal(out, raw), 'interpreted kernel differs'\n"
+        "    # By parts, each from the bytes below its encoded end (garbage past it).\n"
+        "    out = torch.zeros_like(raw)\n"
+        "    lo = 0\n"
+        "    for hi in (3000, 4096, 9000, raw.numel()):\n"
+        "        landed = torch.full_like(enc.data, 0x7F)\n"
+        "        upto = _codec.encoded_upto(enc, hi)\n"
+        "        landed[:upto] = enc.data[:upto]\n"
+        "        decode_lossless(landed, enc.meta, out, _codec.BLOCK, lo, hi)\n"
+        "        assert torch.equal(out[:hi], raw[:hi]), ('part', seg, hi)\n"
+        "        lo = hi\n"
+        "    # A corrupt table of escape starts decodes to wrong words, never outside the region.\n"
+        "    bad = enc.data.clone()\n"
+        "    bad[: enc.meta.o_seg].view(torch.int32).fill_(2**30)\n"
+        "    decode_lossless(bad, enc.meta, torch.zeros_like(raw), _codec.BLOCK)\n"
         "print('ok')\n"
     )
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(ramtorch.__file__)))  # this process's ramtorch

@@ -23,15 +23,21 @@ a matrix's scales come before its rows, so a unit computed as its copy lands (``
 ``.parts``) decodes each part once its bytes have crossed (:func:`encoded_upto`).
 
 Region layout of ``"lossless"``, for ``n`` words in ``nb`` blocks with ``m`` escapes (offsets in
-bytes): ``lo[n]`` (sign << 7 | mantissa), ``codes[3 * ceil(n / 8)]`` (eight 3-bit codes in three
-bytes, little-endian: word ``i``'s code is bits ``3 * (i % 8)`` of group ``i // 8``), ``top[nb]``
-(each block's largest exponent), padding to 4, ``start[nb]`` (``int32``: escapes before the
-block), ``esc[m]``. :func:`validate` checks a region against its description; the decoders never
-read outside the region whatever its bytes (a corrupt region decodes to wrong words, not a crash).
+bytes): ``start[nb]`` (``int32``: escapes before each block), then the words in segments of
+:data:`SEG_BLOCKS` blocks, each ``lo[w]`` (sign << 7 | mantissa), ``codes[3 * ceil(w / 8)]``
+(eight 3-bit codes in three bytes, little-endian: word ``i``'s code is bits ``3 * (i % 8)`` of
+group ``i // 8``), ``top[b]`` (each block's largest exponent), ``esc[e]`` (its escapes' exponent
+bytes, in word order). A whole segment's bytes before its escapes have a fixed size, so segment
+``k`` begins at ``4 * nb + k * fixed + start[k * SEG_BLOCKS]``. A prefix of the region holds the
+first segments whole: a unit computed as its copy lands decodes each part from the segments its
+raw bytes lie in, once they have crossed (:func:`encoded_upto`). :func:`validate` checks a region
+against its description; the decoders never read outside the region whatever its bytes (a
+corrupt region decodes to wrong words, not a crash).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +51,9 @@ from . import _arena
 CODECS = ("lossless", "fp8")
 #: Words per block of the lossless code (one exponent base; one program of the device decoder).
 BLOCK = 2048
+#: Blocks per segment of the lossless code: a segment is the unit a part of a copy decodes from
+#: (1 MiB of raw bytes).
+SEG_BLOCKS = 256
 #: Words encoded at a time on the host (bounds the encoder's temporary memory: about 40 bytes a
 #: word).
 _CHUNK = BLOCK * 4096
@@ -74,22 +83,57 @@ class Encoded:
 
 @dataclass(frozen=True)
 class _Lossless:
+    """The layout of a lossless region (see the module's documentation): ``n`` words in ``nb``
+    blocks with ``m`` escapes, in segments of ``seg_blocks`` blocks; ``ends``: where each segment
+    ends in the region (the last one: the region's size)."""
+
     n: int  # words
     nb: int  # blocks
     m: int  # escapes
-    o_codes: int
-    o_top: int
-    o_start: int
-    o_esc: int
+    seg_blocks: int
+    ends: tuple[int, ...]
+
+    @property
+    def seg_words(self) -> int:
+        return self.seg_blocks * BLOCK
+
+    @property
+    def ns(self) -> int:
+        return len(self.ends)
+
+    @property
+    def o_seg(self) -> int:
+        """Where the first segment begins: after the table of the blocks' escape starts."""
+        return 4 * self.nb
+
+    @property
+    def fixed(self) -> int:
+        """Bytes of a whole segment besides its escapes."""
+        w = self.seg_words
+        return w + 3 * (w // 8) + self.seg_blocks
+
+    @functools.cached_property
+    def escapes(self) -> int:
+        """The escape bytes its segments hold (``ends`` less each segment's other bytes)."""
+        return sum(self.ends[k] - self.seg(k)[5] for k in range(self.ns))
+
+    def seg(self, k: int) -> tuple[int, int, int, int, int, int]:
+        """Segment ``k``: (first word, words, its start, its codes, its tops, its escapes), the
+        last four as offsets in the region (from ``ends``: the encoder's own)."""
+        first = k * self.seg_words
+        words = min(self.seg_words, self.n - first)
+        base = self.o_seg if k == 0 else self.ends[k - 1]
+        codes = base + words
+        top = codes + 3 * (-(-words // 8))
+        return first, words, base, codes, top, top + -(-words // BLOCK)
 
 
-def _lossless_layout(n: int, m: int) -> _Lossless:
-    nb = -(-n // BLOCK)
-    o_codes = n
-    o_top = o_codes + 3 * (-(-n // 8))
-    o_start = -(-(o_top + nb) // 4) * 4
-    o_esc = o_start + 4 * nb
-    return _Lossless(n, nb, m, o_codes, o_top, o_start, o_esc)
+def _seg_codes(data: torch.Tensor, at: int, words: int) -> torch.Tensor:
+    """The 3-bit codes of ``words`` words, packed at ``data[at:]``."""
+    ng = -(-words // 8)
+    g = data[at : at + 3 * ng].view(ng, 3).to(torch.int32)
+    v = g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16)
+    return ((v.unsqueeze(1) >> _SHIFTS.to(v.device)) & 7).view(-1)[:words]
 
 
 def _encode_words(w16: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -134,27 +178,41 @@ def encode_lossless(flat: torch.Tensor, nbytes: int) -> Encoded | None:
         return None
     words = flat[:nbytes].view(torch.int16)
     n = words.numel()
-    parts = [_encode_words(words[i : i + _CHUNK]) for i in range(0, n, _CHUNK)]
+    sb = SEG_BLOCKS
+    sw = sb * BLOCK
+    chunk = max(1, _CHUNK // sw) * sw  # whole segments a chunk
+    parts = [_encode_words(words[i : i + chunk]) for i in range(0, n, chunk)]
     counts = torch.cat([p[3] for p in parts])
+    nb = counts.numel()
     m = int(counts.sum())
-    lay = _lossless_layout(n, m)
-    total = lay.o_esc + m
-    data = _arena.host_bytes(total)
-    at_lo, at_codes, at_top, at_esc = 0, lay.o_codes, lay.o_top, lay.o_esc
-    for lo, packed, top, _, escapes in parts:
-        data[at_lo : at_lo + lo.numel()].copy_(lo)
-        data[at_codes : at_codes + packed.numel()].copy_(packed)
-        data[at_top : at_top + top.numel()].copy_(top)
-        data[at_esc : at_esc + escapes.numel()].copy_(escapes)
-        at_lo += lo.numel()
-        at_codes += packed.numel()
-        at_top += top.numel()
-        at_esc += escapes.numel()
-    data[at_top : lay.o_start].zero_()
-    start = torch.zeros(lay.nb, dtype=torch.int64)
+    ns = -(-n // sw)
+    seg_m = torch.nn.functional.pad(counts, (0, ns * sb - nb)).view(ns, sb).sum(1).tolist()
+    ends: list[int] = []
+    at = 4 * nb
+    for k in range(ns):
+        words_k = min(sw, n - k * sw)
+        at += words_k + 3 * (-(-words_k // 8)) + -(-words_k // BLOCK) + seg_m[k]
+        ends.append(at)
+    lay = _Lossless(n, nb, m, sb, tuple(ends))
+    data = _arena.host_bytes(at)
+    start = torch.zeros(nb, dtype=torch.int64)
     start[1:] = counts.cumsum(0)[:-1]
-    data[lay.o_start : lay.o_esc].view(torch.int32).copy_(start)
-    return Encoded("lossless", data, total, nbytes, lay)
+    data[: lay.o_seg].view(torch.int32).copy_(start)
+    k = 0
+    for lo, packed, top, _, escapes in parts:
+        e_at = 0
+        for j in range(-(-lo.numel() // sw)):  # the chunk's segments
+            first, words_k, base, o_codes, o_top, o_esc = lay.seg(k)
+            w0 = j * sw
+            data[base : base + words_k].copy_(lo[w0 : w0 + words_k])
+            g0 = w0 // 8 * 3
+            data[o_codes:o_top].copy_(packed[g0 : g0 + o_top - o_codes])
+            b0 = w0 // BLOCK
+            data[o_top:o_esc].copy_(top[b0 : b0 + o_esc - o_top])
+            data[o_esc : lay.ends[k]].copy_(escapes[e_at : e_at + seg_m[k]])
+            e_at += seg_m[k]
+            k += 1
+    return Encoded("lossless", data, at, nbytes, lay)
 
 
 def validate(enc: Encoded) -> None:
@@ -167,47 +225,71 @@ def validate(enc: Encoded) -> None:
     if enc.codec != "lossless":
         raise ValueError(f"unknown codec {enc.codec!r}")
     lay = enc.meta
-    if not isinstance(lay, _Lossless) or lay != _lossless_layout(lay.n, lay.m):
-        raise ValueError("lossless region: its offsets do not follow from its word and escape counts")
-    if enc.raw != 2 * lay.n or enc.nbytes != lay.o_esc + lay.m or enc.data.numel() < enc.nbytes:
+    if not isinstance(lay, _Lossless) or lay.seg_blocks < 1 or lay.n < 1:
+        raise ValueError("lossless region: no layout of words in segments")
+    if lay.nb != -(-lay.n // BLOCK) or lay.ns != -(-lay.n // lay.seg_words):
+        raise ValueError("lossless region: its block and segment counts do not follow from its words")
+    if enc.raw != 2 * lay.n or enc.nbytes != lay.ends[-1] or enc.data.numel() < enc.nbytes:
         raise ValueError(
             f"lossless region: {enc.data.numel()} bytes for {lay.n} words and {lay.m} escapes "
-            f"(needs {lay.o_esc + lay.m}, decoding to {enc.raw})"
+            f"(needs {lay.ends[-1]}, decoding to {enc.raw})"
         )
-    code = _codes(enc.data, lay)
-    esc = code == 7
-    counts = torch.nn.functional.pad(esc, (0, lay.nb * BLOCK - lay.n)).view(lay.nb, BLOCK).sum(1)
-    if int(counts.sum()) != lay.m:
-        raise ValueError(f"lossless region: {int(counts.sum())} escape codes for {lay.m} escape bytes")
-    start = enc.data[lay.o_start : lay.o_esc].view(torch.int32).to(torch.int64)
+    counts = []
+    found = 0
+    for k in range(lay.ns):
+        first, words, base, o_codes, o_top, o_esc = lay.seg(k)
+        if lay.ends[k] < o_esc:
+            raise ValueError(f"lossless region: segment {k} ends before its escapes begin")
+        code = _seg_codes(enc.data, o_codes, words)
+        esc = code == 7
+        nbk = o_esc - o_top
+        per = torch.nn.functional.pad(esc, (0, nbk * BLOCK - words)).view(nbk, BLOCK).sum(1)
+        if int(per.sum()) != lay.ends[k] - o_esc:
+            raise ValueError(
+                f"lossless region: segment {k} has {int(per.sum())} escape codes for "
+                f"{lay.ends[k] - o_esc} escape bytes"
+            )
+        counts.append(per)
+        found += int(per.sum())
+        top = enc.data[o_top:o_esc].to(torch.int32).repeat_interleave(BLOCK)[:words]
+        if bool(((top - code < 0) & ~esc).any()):
+            raise ValueError("lossless region: a code below its block's top exponent by more than the top")
+    if found != lay.m:
+        raise ValueError(f"lossless region: {found} escape codes for {lay.m} escape bytes")
+    per_block = torch.cat(counts)
+    start = enc.data[: lay.o_seg].view(torch.int32).to(torch.int64)
     want = torch.zeros_like(start)
-    want[1:] = counts.cumsum(0)[:-1]
+    want[1:] = per_block.cumsum(0)[:-1]
     if not torch.equal(start, want):
         raise ValueError("lossless region: the blocks' escape starts do not match their escape codes")
-    top = enc.data[lay.o_top : lay.o_top + lay.nb].to(torch.int32).repeat_interleave(BLOCK)[: lay.n]
-    if bool(((top - code < 0) & ~esc).any()):
-        raise ValueError("lossless region: a code below its block's top exponent by more than the top")
 
 
-def _codes(data: torch.Tensor, lay: _Lossless) -> torch.Tensor:
-    ng = -(-lay.n // 8)
-    g = data[lay.o_codes : lay.o_codes + 3 * ng].view(ng, 3).to(torch.int32)
-    v = g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16)
-    return ((v.unsqueeze(1) >> _SHIFTS.to(v.device)) & 7).view(-1)[: lay.n]
-
-
-def _decode_lossless_torch(src: torch.Tensor, lay: _Lossless, out: torch.Tensor) -> None:
-    lo = src[: lay.n].to(torch.int32)
-    code = _codes(src, lay)
-    hi = src[lay.o_top : lay.o_top + lay.nb].to(torch.int32).repeat_interleave(BLOCK)[: lay.n] - code
-    esc = code == 7
-    if lay.m:
+def _decode_lossless_torch(
+    src: torch.Tensor, lay: _Lossless, out: torch.Tensor, lo: int = 0, hi: int | None = None
+) -> None:
+    """The torch decoder: the words that raw bytes ``[lo, hi)`` lie in, segment by segment."""
+    if lay.escapes != lay.m:
+        raise ValueError(f"lossless region: {lay.escapes} escape bytes in its segments for {lay.m} escapes")
+    w_lo = lo // 2
+    w_hi = lay.n if hi is None else min(lay.n, -(-hi // 2))
+    if w_hi <= w_lo:
+        return
+    words_out = out[: 2 * lay.n].view(torch.int16)
+    for k in range(w_lo // lay.seg_words, (w_hi - 1) // lay.seg_words + 1):
+        first, words, base, o_codes, o_top, o_esc = lay.seg(k)
+        low = src[base : base + words].to(torch.int32)
+        code = _seg_codes(src, o_codes, words)
+        hi_b = src[o_top:o_esc].to(torch.int32).repeat_interleave(BLOCK)[:words] - code
+        esc = code == 7
+        m = lay.ends[k] - o_esc
         found = int(esc.sum())
-        if found != lay.m:
-            raise ValueError(f"lossless region: {found} escape codes for {lay.m} escape bytes")
-        hi[esc] = src[lay.o_esc : lay.o_esc + lay.m].to(torch.int32)
-    w = ((lo & 0x80) << 8) | ((hi & 0xFF) << 7) | (lo & 0x7F)
-    out[: 2 * lay.n].view(torch.int16).copy_(((w ^ 0x8000) - 0x8000).to(torch.int16))
+        if found != m:
+            raise ValueError(f"lossless region: {found} escape codes for {m} escape bytes in segment {k}")
+        if m:
+            hi_b[esc] = src[o_esc : lay.ends[k]].to(torch.int32)
+        w = ((low & 0x80) << 8) | ((hi_b & 0xFF) << 7) | (low & 0x7F)
+        a, b = max(w_lo, first), min(w_hi, first + words)
+        words_out[a:b].copy_(((w[a - first : b - first] ^ 0x8000) - 0x8000).to(torch.int16))
 
 
 # -- fp8 -------------------------------------------------------------------------------------
@@ -314,8 +396,8 @@ def _decode_fp8(src: torch.Tensor, leaves: tuple[_Leaf, ...], out: torch.Tensor,
 
 def by_parts(codec: str) -> bool:
     """Whether a region of ``codec`` decodes by parts (:func:`decode` with ``lo``, ``hi``), each
-    part once the encoded bytes of :func:`encoded_upto` have landed."""
-    return codec == "fp8"
+    part once the encoded bytes of :func:`encoded_upto` have landed (both codecs do)."""
+    return codec in CODECS
 
 
 def encoded_upto(enc: Encoded, raw: int) -> int:
@@ -323,6 +405,10 @@ def encoded_upto(enc: Encoded, raw: int) -> int:
     decode from: ``enc.nbytes`` where the codec does not decode by parts."""
     if not by_parts(enc.codec):
         return enc.nbytes
+    if enc.codec == "lossless":
+        lay = enc.meta
+        words = min(lay.n, -(-raw // 2))
+        return 0 if words <= 0 else lay.ends[(words - 1) // lay.seg_words]
     end = 0
     for leaf in enc.meta:
         if leaf.src >= raw:
@@ -386,9 +472,9 @@ def decode(
     if out.is_cuda:
         kernel = _triton_decoder()
         if kernel is not None:
-            kernel(src, meta, out, BLOCK)
+            kernel(src, meta, out, BLOCK, lo, hi)
             return
-    _decode_lossless_torch(src, meta, out)
+    _decode_lossless_torch(src, meta, out, lo, hi)
 
 
 def encode(codec: str, flat: torch.Tensor, entries: list[Any], nbytes: int) -> Encoded | None:

@@ -13,47 +13,93 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total", "n", "nb", "m", "fixed", "b0", "w_lo", "w_hi"])
 def _decode_kernel(
     src,  # noqa: ANN001 - a Triton kernel's pointer or scalar
-    start_ptr,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    start,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     out,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    total,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     n,  # noqa: ANN001 - a Triton kernel's pointer or scalar
-    o_codes,  # noqa: ANN001 - a Triton kernel's pointer or scalar
-    o_top,  # noqa: ANN001 - a Triton kernel's pointer or scalar
-    o_esc,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    nb,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     m,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    seg_blocks,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    fixed,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    b0,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    w_lo,  # noqa: ANN001 - a Triton kernel's pointer or scalar
+    w_hi,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     WORDS: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    i = b * WORDS + tl.arange(0, WORDS)
-    inside = i < n
-    lo = tl.load(src + i, mask=inside, other=0).to(tl.int32)
-    g = o_codes + (i // 8) * 3
-    c0 = tl.load(src + g, mask=inside, other=0).to(tl.int32)
-    c1 = tl.load(src + g + 1, mask=inside, other=0).to(tl.int32)
-    c2 = tl.load(src + g + 2, mask=inside, other=0).to(tl.int32)
+    # Block ``b`` of segment ``k``; the segment's place from the table of escape starts at the
+    # region's head. Every load is masked to the region: a corrupt table gives wrong words, never
+    # a read outside it.
+    b = b0 + tl.program_id(0).to(tl.int64)
+    k = b // seg_blocks
+    kb = k * seg_blocks
+    before = tl.load(start + kb).to(tl.int64)  # escapes before the segment
+    nxt = kb + seg_blocks
+    after = tl.load(start + nxt, mask=nxt < nb, other=0).to(tl.int64)
+    after = tl.where(nxt < nb, after, m)  # escapes up to the segment's end
+    base = 4 * nb + k * fixed + before
+    sw = seg_blocks * WORDS
+    words = tl.minimum(sw, n - k * sw)
+    o_codes = base + words
+    o_top = o_codes + 3 * ((words + 7) // 8)
+    o_esc = o_top + (words + WORDS - 1) // WORDS
+    j = (b - kb) * WORDS + tl.arange(0, WORDS)  # the words' places in the segment
+    gi = k * sw + j
+    inside = j < words
+    a = base + j
+    lo = tl.load(src + a, mask=inside & (a >= 0) & (a < total), other=0).to(tl.int32)
+    g = o_codes + (j // 8) * 3
+    ok_g = inside & (g >= 0) & (g + 2 < total)
+    c0 = tl.load(src + g, mask=ok_g, other=0).to(tl.int32)
+    c1 = tl.load(src + g + 1, mask=ok_g, other=0).to(tl.int32)
+    c2 = tl.load(src + g + 2, mask=ok_g, other=0).to(tl.int32)
     v = c0 | (c1 << 8) | (c2 << 16)
-    code = (v >> ((i % 8) * 3).to(tl.int32)) & 7
-    top = tl.load(src + o_top + b).to(tl.int32)
-    first = tl.load(start_ptr + b).to(tl.int64)
+    code = (v >> ((j % 8) * 3).to(tl.int32)) & 7
+    t = o_top + (b - kb)
+    top = tl.load(src + t, mask=(t >= 0) & (t < total), other=0).to(tl.int32)
+    first = tl.load(start + b).to(tl.int64) - before
     esc = (code == 7) & inside
-    k = first + tl.cumsum(esc.to(tl.int64), 0) - 1
-    ok = esc & (k >= 0) & (k < m)
-    e = tl.load(src + o_esc + k, mask=ok, other=0).to(tl.int32)
+    e_k = first + tl.cumsum(esc.to(tl.int64), 0) - 1
+    e_at = o_esc + e_k
+    ok = esc & (e_k >= 0) & (e_k < after - before) & (e_at >= 0) & (e_at < total)
+    e = tl.load(src + e_at, mask=ok, other=0).to(tl.int32)
     hi = tl.where(esc, e, top - code) & 0xFF
     w = ((lo & 0x80) << 8) | (hi << 7) | (lo & 0x7F)
-    tl.store(out + i, w.to(tl.int16), mask=inside)
+    tl.store(out + gi, w.to(tl.int16), mask=inside & (gi >= w_lo) & (gi < w_hi))
 
 
-def decode_lossless(src: torch.Tensor, lay: Any, out: torch.Tensor, block: int) -> None:
-    """Decodes the lossless region ``src`` (``uint8``) described by ``lay`` (blocks of ``block``
-    words) into ``out``."""
-    if lay.n == 0:
+def decode_lossless(
+    src: torch.Tensor, lay: Any, out: torch.Tensor, block: int, lo: int = 0, hi: int | None = None
+) -> None:
+    """Decodes the words that raw bytes ``[lo, hi)`` lie in from the lossless region ``src``
+    (``uint8``) described by ``lay`` (blocks of ``block`` words) into ``out``: a program per block
+    of the segments they lie in."""
+    w_lo = lo // 2
+    w_hi = lay.n if hi is None else min(lay.n, -(-hi // 2))
+    if w_hi <= w_lo:
         return
-    start = src[lay.o_start : lay.o_esc].view(torch.int32)
+    b_lo = w_lo // lay.seg_words * lay.seg_blocks
+    b_hi = min(lay.nb, ((w_hi - 1) // lay.seg_words + 1) * lay.seg_blocks)
     words = out[: 2 * lay.n].view(torch.int16)
-    _decode_kernel[(lay.nb,)](src, start, words, lay.n, lay.o_codes, lay.o_top, lay.o_esc, lay.m, WORDS=block)
+    total = min(src.numel(), lay.ends[-1])
+    start = src[: lay.o_seg].view(torch.int32)
+    _decode_kernel[(b_hi - b_lo,)](
+        src,
+        start,
+        words,
+        total,
+        lay.n,
+        lay.nb,
+        lay.m,
+        lay.seg_blocks,
+        lay.fixed,
+        b_lo,
+        w_lo,
+        w_hi,
+        WORDS=block,
+    )
 
 
 @triton.jit
