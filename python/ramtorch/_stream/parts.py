@@ -21,8 +21,8 @@ so a read that the watched forward did not see (a branch taken later) gets the h
 fails on their device, never bytes that have not landed. Not cut either: a forward inside
 another torch function mode, a recomputation, a unit whose layers carry other forward hooks or a
 forward of their own (they may read the weights before ours waits), a unit streamed in a codec
-that decodes whole (``compress="lossless"``; an ``"fp8"`` unit decodes part by part, each part
-once its encoded bytes have crossed), and a process that has compiled anything with
+that decodes only whole (none of ``compress=``'s: both decode part by part, each part once the
+encoded bytes it reads have crossed), and a process that has compiled anything with
 ``torch.compile`` (a graph may read the weights without the layers' hooks in between).
 
 The layer whose bytes come last in a cut unit, where it is a large ``nn.Linear``, is cut further

@@ -120,7 +120,7 @@ def row_blocks(weight: tuple[int, int], rows: int, bias_end: int = 0) -> list[tu
 
 def decodes_by_parts(u: _Unit) -> bool:
     """Whether ``u``'s bytes can be had part by part: it streams raw, or in a codec that decodes
-    by parts (``offload(compress="fp8")``; a ``"lossless"`` region decodes whole)."""
+    by parts (``offload(compress="fp8")`` and ``"lossless"``: :func:`ramtorch._codec.by_parts`)."""
     return u.codec is None or _codec.by_parts(u.codec)
 
 
