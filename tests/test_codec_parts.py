@@ -312,13 +312,20 @@ def test_an_fp8_units_last_linear_goes_by_rows_within_its_parts(device, monkeypa
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
-def test_fp8_units_on_disk_decode_by_parts_as_in_memory(tmp_path):
+@pytest.mark.parametrize("codec", ["fp8", "lossless"])
+def test_units_on_disk_decode_by_parts_as_in_memory(tmp_path, codec, monkeypatch):
     """A disk unit's encoded bytes are read into a staging buffer, whose copy is cut at the same
     encoded offsets: the outputs equal the same model's in host memory, and the units are cut."""
-    ram = _offloaded("cpu", "fp8")
-    disk = ramtorch.offload(Net(), device="cpu", compress="fp8", host_budget=0, disk=tmp_path)
+    if codec == "lossless":
+        monkeypatch.setattr(_codec, "SEG_BLOCKS", 1)
+        monkeypatch.setattr(_codec, "MAX_RATIO", 1.0)  # (small random weights compress little)
+    ram = _offloaded("cpu", codec)
+    disk = ramtorch.offload(Net(), device="cpu", compress=codec, host_budget=0, disk=tmp_path)
     want, got = _outputs(ram, "cpu"), _outputs(disk, "cpu")
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    if codec == "lossless":
+        for a, b in zip(got, _outputs(Net(), "cpu")):
+            assert torch.equal(a, b)  # bit for bit the plain model
     s = ramtorch.stats(disk)
     assert s["forwards_by_parts"] == 3 * 3 and s["forwards_by_rows"] == 4
