@@ -36,7 +36,7 @@ the pass's last byte is then its last part's compute, not all of it), and the la
 computed before that one (:func:`before_end`). That last one matters where a unit's compute is
 near its copy's time (a unit streamed in fp8 crosses in half the time of its raw bytes): whole,
 it starts computing only once its last byte has landed, and the last unit's compute then waits
-for it after the link has gone quiet (W1 in fp8: 1.9 ms of a 72 ms pass). Elsewhere, where units
+for it after the link has gone quiet (W1 in fp8: 1.2 ms of a 72 ms pass). Elsewhere, where units
 are alike, each one's copy lands while the one before computes and a cut gains nothing. A
 ResNet's forward on an H200 took 40.4 ms cut against 47.1 ms whole (BENCHMARKS.md).
 ``RAMTORCH_UNIT_PARTS_MIN_BYTES`` (bytes, or a size such as ``"64MiB"``; ``"off"``) sets the least
