@@ -133,3 +133,26 @@ def test_generate_prefetches_across_passes_and_sees_edits_between_calls_on_the_g
     # what the 8 extra decode steps copied, each unit once at most.
     two, ten = copied(2), copied(10)
     assert ten - two <= 8 * per_pass, (two, ten, per_pass)
+
+
+def test_an_edit_right_after_a_forward_returns_does_not_reach_it_on_the_gpu() -> None:
+    """The host queues a pass's copies ahead of the device (it blocks only at the pass's end, for
+    the copies still reading host weights): a forward whose units each compute longer than they
+    copy returns with the device still on its last units, and an edit of every weight made at
+    once through ``.data`` reaches neither the output nor a copy of that pass still queued."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)]).cuda()
+    for m in plain:
+        nn.init.normal_(m.weight, std=2048**-0.5)  # outputs of the order of one at every depth
+    streamed = ramtorch.offload(copy.deepcopy(plain).cpu(), device="cuda")
+    x = torch.randn(16384, 2048, device="cuda")
+    with torch.no_grad():
+        want = plain(x)
+        for _ in range(2):
+            streamed(x)  # the itinerary is learned: the next pass copies ahead along it
+        torch.cuda.synchronize()
+        out = streamed(x)
+        for p in streamed.parameters():  # no synchronisation: the device is still computing
+            p.data.zero_()
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(streamed(x), torch.zeros_like(want))

@@ -57,6 +57,9 @@ class Prefetcher:
     held: int
     lock: threading.RLock
     counters: dict[str, int]
+    #: Whether each forward pass ends with a hook that waits for the pass's copies (a model's
+    #: ``Streamer``; not the per-layer ``LayerStreamer``).
+    pass_ends: bool = False
     # Per taken slot that holds an encoded unit (offload(compress=...)): the buffer its bytes were
     # decoded into, whose views are the unit's weights while the slot is held.
     decoded: dict[int, torch.Tensor]
@@ -124,6 +127,14 @@ class Prefetcher:
             self.eng.release(slot)
             self.counters["prefetch_wasted"] += 1
 
+    def _copies_ahead(self) -> int:
+        """How many copies the host may have in flight before a prefetch blocks: where the pass's
+        end waits for its copies (an edit after the forward returns cannot reach one still
+        reading the weights), :data:`~ramtorch._engine.COPIES_AHEAD`, so that the host queues a
+        unit's kernels while the copies ahead wait on the device for their slots; elsewhere
+        ``max_inflight``."""
+        return _engine.COPIES_AHEAD if self.pass_ends else self.max_inflight
+
     def _prefetch(self, u: _Unit, key: int, keep: list[int]) -> int:
         assert u.layout is not None and u.flat is not None
         if self._free_slots() <= 0 and self.ahead:
@@ -137,14 +148,14 @@ class Prefetcher:
         src, nbytes = self._source(u, True)  # type: ignore[misc]
         try:
             slot, _ = self.eng.prefetch(
-                key, src, nbytes, self.max_inflight, keep, u.tag, id(self), _copy_parts(u)
+                key, src, nbytes, self._copies_ahead(), keep, u.tag, id(self), _copy_parts(u)
             )
         except _core.SlotsExhausted:
             # The device's slots are shared with other models and layers: ask every holder of a
             # speculative prefetch to give it back, then try once more.
             self.eng.reclaim()
             slot, _ = self.eng.prefetch(
-                key, src, nbytes, self.max_inflight, keep, u.tag, id(self), _copy_parts(u)
+                key, src, nbytes, self._copies_ahead(), keep, u.tag, id(self), _copy_parts(u)
             )
         return slot
 
@@ -388,7 +399,7 @@ class Prefetcher:
                 src, nbytes = got
                 key = u.key()
                 slot, _ = self.eng.prefetch(
-                    key, src, nbytes, self.max_inflight, keep, u.tag, id(self), _copy_parts(u)
+                    key, src, nbytes, self._copies_ahead(), keep, u.tag, id(self), _copy_parts(u)
                 )
             except (_core.SlotsExhausted, ValueError):
                 break  # speculative: never worth an error (nor a key an interrupt left held)

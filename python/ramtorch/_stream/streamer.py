@@ -351,6 +351,19 @@ class Streamer(Prefetcher, GradientHooks):
         if PassState.FORWARD not in self.state:
             return
         self._settle_mapped_reads()
+        # The host queues copies ahead of the device (``_copies_ahead``): some of this pass's may
+        # still be reading host weights, which user code may edit once the forward returns. They
+        # are waited for below (by then the device is computing the last units: nothing it needs
+        # is held back); the next pass's copies queued here are not.
+        copies = self.eng.copies_marker()
+        try:
+            self._close_pass()
+        finally:
+            self.eng.wait_copies(copies)
+
+    def _close_pass(self) -> None:
+        """:meth:`_end_pass` under the lock: the itinerary, the flags near the pass's end, and the
+        next pass's first copies where it will take them."""
         with self.lock:
             self.state &= ~PassState.FORWARD
             self.fwd_itin = self.cur_fwd
