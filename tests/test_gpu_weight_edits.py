@@ -136,10 +136,10 @@ def test_generate_prefetches_across_passes_and_sees_edits_between_calls_on_the_g
 
 
 def test_an_edit_right_after_a_forward_returns_does_not_reach_it_on_the_gpu() -> None:
-    """The host queues a pass's copies ahead of the device (it blocks only at the pass's end, for
-    the copies still reading host weights): a forward whose units each compute longer than they
-    copy returns with the device still on its last units, and an edit of every weight made at
-    once through ``.data`` reaches neither the output nor a copy of that pass still queued."""
+    """The host queues a pass's copies ahead of the device, and its end waits for those still
+    reading host weights: a forward whose units each compute longer than they copy returns with
+    the device still on its last units, and an edit of every weight made at once through
+    ``.data`` reaches neither the output nor a copy of that pass still queued."""
     torch.manual_seed(0)
     plain = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)]).cuda()
     for m in plain:

@@ -364,14 +364,16 @@ _flatten: Callable[[Sequence[torch.Tensor]], torch.Tensor] = torch._C._nn.flatte
 #: The engine's bound on copies in flight per lane.
 _MAX_GRADIENT_COPIES = 64
 
-#: How many copies into slots the host may queue ahead of the device before it blocks on the
-#: oldest, for callers that wait for their pass's copies at its end (``Streamer._end_pass``).
-#: The slots (``max_inflight + 1``) already order the copies on the device: each waits there for
-#: its slot's last reader. Blocking the host on ``max_inflight`` of them as well stopped it before
-#: it had queued the kernels of the unit it was starting, so a device that computes a unit in
-#: about the time the link copies one drained its queue at every unit and then ran at the pace
-#: of the host's kernel launches (an int8 LoRA step of the 8B shape: 352 -> 317 ms a step).
-COPIES_AHEAD = 64
+#: How many copies into slots the host may have in flight before a prefetch along the itinerary
+#: blocks on the oldest, for callers that wait for their pass's copies at its end
+#: (``Streamer._end_pass``); ``None``: ``max_inflight``, the default. The slots (``max_inflight +
+#: 1``) order the copies on the device by themselves: each waits there for its slot's last reader.
+#: Blocking the host on ``max_inflight`` copies stops it before it has queued the kernels of the
+#: unit it is starting (a trace of an int8 LoRA step of the 8B shape had it blocked 4-10 ms at a
+#: unit's start while the device ran short of queued kernels), but letting it run ahead (64) is
+#: not shown faster on that step: one-process-per-setting runs on one H200 spread over 315-430 ms
+#: either way. ``bench/copies_ahead.py`` compares the two inside one process.
+COPIES_AHEAD: int | None = None
 
 #: A gradient of at most this many bytes (a norm's, a bias's) waits on the device and crosses
 #: together with others of its dtype: one copy and one set of events for many tensors, where each
@@ -783,8 +785,7 @@ class DeviceEngine:
         holder, see :meth:`reconcile`); returns ``(slot, copied)``. A slot still holding ``key``
         is reused without a copy. ``parts``: byte offsets where the copy is cut, an event after
         each part (see :meth:`claim_part`). ``max_inflight``: the host blocks while that many
-        copies are in flight (:data:`COPIES_AHEAD` for a caller that waits for its copies with
-        :meth:`copies_marker` at the end of its pass)."""
+        copies are in flight."""
         with self._lock:
             self._ensure_slots()
             settled = not self._unsettled

@@ -58,7 +58,7 @@ class Prefetcher:
     lock: threading.RLock
     counters: dict[str, int]
     #: Whether each forward pass ends with a hook that waits for the pass's copies (a model's
-    #: ``Streamer``; not the per-layer ``LayerStreamer``).
+    #: ``Streamer``; not the per-layer ``LayerStreamer``, whose layers run outside any pass).
     pass_ends: bool = False
     # Per taken slot that holds an encoded unit (offload(compress=...)): the buffer its bytes were
     # decoded into, whose views are the unit's weights while the slot is held.
@@ -128,12 +128,11 @@ class Prefetcher:
             self.counters["prefetch_wasted"] += 1
 
     def _copies_ahead(self) -> int:
-        """How many copies the host may have in flight before a prefetch blocks: where the pass's
-        end waits for its copies (an edit after the forward returns cannot reach one still
-        reading the weights), :data:`~ramtorch._engine.COPIES_AHEAD`, so that the host queues a
-        unit's kernels while the copies ahead wait on the device for their slots; elsewhere
-        ``max_inflight``."""
-        return _engine.COPIES_AHEAD if self.pass_ends else self.max_inflight
+        """How many copies the host may have in flight before a prefetch blocks:
+        ``max_inflight``, or :data:`~ramtorch._engine.COPIES_AHEAD` where it is set and the
+        pass's end waits for the pass's copies."""
+        ahead = _engine.COPIES_AHEAD
+        return ahead if ahead is not None and self.pass_ends else self.max_inflight
 
     def _prefetch(self, u: _Unit, key: int, keep: list[int]) -> int:
         assert u.layout is not None and u.flat is not None

@@ -351,10 +351,11 @@ class Streamer(Prefetcher, GradientHooks):
         if PassState.FORWARD not in self.state:
             return
         self._settle_mapped_reads()
-        # The host queues copies ahead of the device (``_copies_ahead``): some of this pass's may
-        # still be reading host weights, which user code may edit once the forward returns. They
-        # are waited for below (by then the device is computing the last units: nothing it needs
-        # is held back); the next pass's copies queued here are not.
+        # Copies of this pass's last units may still be reading host weights (the host runs
+        # ahead of the device by up to max_inflight copies, ``_copies_ahead``), and user code may
+        # edit them once the forward returns (``param.data``, an optimizer): they are waited for
+        # below. By then their units' kernels are queued, so the device is not held back; the
+        # next pass's first copies, queued here inside a decoding span, are not waited for.
         copies = self.eng.copies_marker()
         try:
             self._close_pass()

@@ -1,0 +1,80 @@
+"""How far the host may queue copies ahead of the device, A/B inside one process: the int8 LoRA
+step of ``bench/lora.py`` (the 8B shape, ``--layers`` deep, rank 16 on all projections, one
+sequence of ``--tokens``), offloaded with default options, timed in rounds that alternate
+``ramtorch._engine.COPIES_AHEAD`` between its default (``None``: the host blocks while
+``max_inflight`` copies are in flight) and ``--other`` (64: it runs ahead, the slots alone order
+the copies on the device). One process, so that the spread between processes (315-430 ms a step
+on one H200) does not enter the comparison. Prints one JSON line per round.
+
+    python3 bench/copies_ahead.py [--layers 32] [--rounds 6] [--steps 4] [--other 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lora  # noqa: E402
+from arch import build, free_device, inputs  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--other", type=int, default=64)
+    a = ap.parse_args()
+    import ramtorch
+    import ramtorch._engine as eng
+    import ramtorch.optim as ropt
+
+    torch.manual_seed(0)
+    model = build("llama", a.layers, False, "cuda", torch.bfloat16)
+    lora.quantize_int8(model)
+    model, _ = lora.add_adapters(model, 16, "auto")
+    x, _ = inputs("llama", a.tokens, False, "cuda")
+    model.to("cpu")
+    free_device()
+    ramtorch.offload(model, device="cuda")
+    model.train()
+    opt = ropt.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step() -> None:
+        model(**x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(a.warmup):
+        step()
+    opt.synchronize()
+    torch.cuda.synchronize()
+    default = eng.COPIES_AHEAD
+    for r in range(a.rounds):
+        ahead = default if r % 2 == 0 else a.other
+        eng.COPIES_AHEAD = ahead
+        step()  # one step at the new setting before the timed ones
+        opt.synchronize()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        opt.synchronize()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) / a.steps * 1e3
+        row = {"round": r, "copies_ahead": ahead, "ms_per_step": round(ms, 1), "layers": a.layers}
+        print(json.dumps(row))
+    eng.COPIES_AHEAD = default
+
+
+if __name__ == "__main__":
+    main()
