@@ -7,6 +7,7 @@ the copies on the device). One process, so that the spread between processes (31
 on one H200) does not enter the comparison. Prints one JSON line per round.
 
     python3 bench/copies_ahead.py [--layers 32] [--rounds 6] [--steps 4] [--other 64]
+    python3 bench/copies_ahead.py --smoke        # tiny Llama on the CPU device: checks the script
 """
 
 from __future__ import annotations
@@ -33,19 +34,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--other", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU device, 2 rounds")
     a = ap.parse_args()
+    device = "cpu" if a.smoke else "cuda"
+    if a.smoke:
+        a.layers, a.tokens, a.rounds, a.steps, a.warmup = 2, 16, 2, 1, 1
     import ramtorch
     import ramtorch._engine as eng
     import ramtorch.optim as ropt
 
     torch.manual_seed(0)
-    model = build("llama", a.layers, False, "cuda", torch.bfloat16)
+    model = build("llama", a.layers, a.smoke, device, torch.bfloat16)
     lora.quantize_int8(model)
     model, _ = lora.add_adapters(model, 16, "auto")
-    x, _ = inputs("llama", a.tokens, False, "cuda")
+    x, _ = inputs("llama", a.tokens, a.smoke, device)
     model.to("cpu")
     free_device()
-    ramtorch.offload(model, device="cuda")
+    ramtorch.offload(model, device=device)
     model.train()
     opt = ropt.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
@@ -56,20 +61,23 @@ def main() -> None:
 
     for _ in range(a.warmup):
         step()
-    opt.synchronize()
-    torch.cuda.synchronize()
+
+    def sync() -> None:
+        opt.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
     default = eng.COPIES_AHEAD
     for r in range(a.rounds):
         ahead = default if r % 2 == 0 else a.other
         eng.COPIES_AHEAD = ahead
         step()  # one step at the new setting before the timed ones
-        opt.synchronize()
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         for _ in range(a.steps):
             step()
-        opt.synchronize()
-        torch.cuda.synchronize()
+        sync()
         ms = (time.perf_counter() - t) / a.steps * 1e3
         row = {"round": r, "copies_ahead": ahead, "ms_per_step": round(ms, 1), "layers": a.layers}
         print(json.dumps(row))
