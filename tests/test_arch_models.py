@@ -170,15 +170,29 @@ def test_forward_backward_and_accumulation_match_the_plain_model(name):
 def test_adamw_steps_match_torch(name):
     ref, ours = pair(name)
     kind = MODELS[name][1]
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    opt = ropt.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.01)
-    for step in range(2):
+    lr, steps = 1e-2, 2
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+    opt = ropt.AdamW(ours.parameters(), lr=lr, weight_decay=0.01)
+    largest: dict[str, float] = {}  # per parameter, the largest reference gradient seen
+    for step in range(steps):
         x = inputs(kind, 2, 10 + step)
         for model, o in ((ref, opt_ref), (ours, opt)):
             (loss_of(model, x) / 100).backward()
+            if model is ref:
+                for pname, p in ref.named_parameters():
+                    g = 0.0 if p.grad is None else float(p.grad.abs().max())
+                    largest[pname] = max(largest.get(pname, 0.0), g)
             o.step()
             o.zero_grad(set_to_none=True)
+    top = max(largest.values())
     for (pname, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters(), strict=True):
+        if largest[pname] <= 1e-6 * top:
+            # A gradient that is zero in exact arithmetic (an attention key's bias: softmax ignores
+            # what it adds to a query's scores) is rounding, which AdamW divides by its own scale:
+            # each step then moves the parameter by a noise-driven fraction of the learning rate,
+            # whatever computed the rounding. Such a parameter is checked to have moved no more.
+            assert (q.detach() - p.detach()).abs().max() <= steps * lr, f"{pname} moved too far"
+            continue
         assert_close(p, q, f"{pname} after two steps", scale=10)
     x = inputs(kind, 2, 99)
     with torch.no_grad():

@@ -175,9 +175,13 @@ def test_budget_per_device_and_recompute_over_stages(recompute):
     xs = [torch.randn(4, 8, generator=g) for _ in range(2)]
     got = _train(model, ramtorch.optim.AdamW, xs)
     ref = _train(copy.deepcopy(plain), ramtorch.optim.AdamW, xs)
-    for a, b in zip(got[0], ref[0]):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    # Before any step, only the micro-batches' products round unlike the whole batch's (a CPU's
+    # matmul may block rows of 2 and of 4 differently: 2e-7 here on an AVX-512 host).
+    assert torch.allclose(got[0][0], ref[0][0], atol=1e-6, rtol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(got[1][0], ref[1][0]))
+    # After a step the outputs come from weights that agree as closely as the states below do.
+    for a, b in zip(got[0][1:], ref[0][1:]):
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
     # (AdamW divides by the gradient's running scale: where a gradient is near zero, the rounding
     # of the micro-batches' sum moves the step by up to a fraction of the learning rate, 1e-2, and
     # the next gradients with it.)
