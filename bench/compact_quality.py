@@ -113,17 +113,18 @@ def minilm_config(**overrides: object) -> object:
 
 
 #: ``--pretrain-steps``: the weights each seed's pretraining ended with (both optimizers start
-#: from them), so that it runs once a seed.
+#: from them), so that it runs once a seed and process.
 _PRETRAINED: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
 
 def pretrained_minilm(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """The starting weights of ``--pretrain-steps``: the randomly initialised model of ``--seed``
     trained that many steps with torch's AdamW (fp32, lr 1e-4 after a warm-up of a tenth) on
-    another rule of the same kind (the weighting of seed 8 instead of 7), then cast to bf16. The
-    fine-tuning that follows then starts from features that already tell the tokens apart, as a
-    fine-tune of a pretrained model does, rather than from a random model whose loss first sits
-    at ln 2 and then drops at a step that varies from run to run."""
+    another rule of the same kind (the weighting of seed 8 instead of 7), then cast to bf16. Meant
+    to start the fine-tune from features that already tell the tokens apart, so that its loss
+    would not sit near ln 2 and then drop at a step that varies from run to run. At seed 0 it did
+    not help: both optimizers sat near 0.68 for 450 of 500 steps and one of them broke away in the
+    last 50 (``BENCHMARKS.md``)."""
     from transformers import BertForSequenceClassification
 
     key = (args.seed, args.pretrain_steps)
