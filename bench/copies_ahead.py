@@ -4,7 +4,10 @@ sequence of ``--tokens``), offloaded with default options, timed in rounds that 
 ``ramtorch._engine.COPIES_AHEAD`` between its default (``None``: the host blocks while
 ``max_inflight`` copies are in flight) and ``--other`` (64: it runs ahead, the slots alone order
 the copies on the device). One process, so that the spread between processes (315-430 ms a step
-on one H200) does not enter the comparison. Prints one JSON line per round.
+on one H200) does not enter the comparison. Prints one JSON line per round, with the engine's
+time per step that the host blocked on copies in flight (``throttle_wait``), that the compute
+stream waited for copies (``stall``) and that the host waited for the engine's streams to drain
+at the end of each backward (``sync_wait``).
 
     python3 bench/copies_ahead.py [--layers 32] [--rounds 6] [--steps 4] [--other 64]
     python3 bench/copies_ahead.py --smoke        # tiny Llama on the CPU device: checks the script
@@ -62,6 +65,11 @@ def main() -> None:
     for _ in range(a.warmup):
         step()
 
+    def engine_seconds() -> dict[str, float]:
+        st = ramtorch.stats()["devices"]
+        keys = ("throttle_wait_seconds", "stall_seconds", "sync_wait_seconds")
+        return {k: sum(float(d.get(k, 0.0)) for d in st.values()) for k in keys}
+
     def sync() -> None:
         opt.synchronize()
         if device == "cuda":
@@ -74,12 +82,19 @@ def main() -> None:
         eng.COPIES_AHEAD = ahead
         step()  # one step at the new setting before the timed ones
         sync()
+        before = engine_seconds()
         t = time.perf_counter()
         for _ in range(a.steps):
             step()
         sync()
         ms = (time.perf_counter() - t) / a.steps * 1e3
-        row = {"round": r, "copies_ahead": ahead, "ms_per_step": round(ms, 1), "layers": a.layers}
+        row: dict[str, object] = {"round": r, "copies_ahead": ahead, "ms_per_step": round(ms, 1)}
+        after = engine_seconds()
+        # Per step: the host blocked on copies in flight (throttle_wait), the compute stream waited
+        # for copies (stall), the host waited for the lanes at the end of backward (sync_wait).
+        for k in after:
+            row[f"{k.removesuffix('_seconds')}_ms_per_step"] = round((after[k] - before[k]) / a.steps * 1e3, 2)
+        row["layers"] = a.layers
         print(json.dumps(row))
     eng.COPIES_AHEAD = default
 
