@@ -93,7 +93,8 @@ def main() -> None:
         # Per step: the host blocked on copies in flight (throttle_wait), the compute stream waited
         # for copies (stall), the host waited for the lanes at the end of backward (sync_wait).
         for k in after:
-            row[f"{k.removesuffix('_seconds')}_ms_per_step"] = round((after[k] - before[k]) / a.steps * 1e3, 2)
+            per_step = (after[k] - before[k]) / a.steps
+            row[f"{k.removesuffix('_seconds')}_ms_per_step"] = round(per_step * 1e3, 2)
         row["layers"] = a.layers
         print(json.dumps(row))
     eng.COPIES_AHEAD = default
