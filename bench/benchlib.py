@@ -238,7 +238,8 @@ def ramtorch_fields(before: dict, after: dict, reps: int, phase: str, weight_byt
     """Fields a ``ramtorch`` record carries next to the raw stats: the offloaded model's plan
     (``stats()["models"]``: resident units, GPU bytes, bytes streamed per pass) and what the
     device counters measured over the timed repetitions (bytes copied and reused per repetition,
-    achieved H2D bandwidth, seconds the compute stream waited on copies)."""
+    achieved H2D bandwidth, seconds the compute stream waited on copies and the host waited on the
+    engine)."""
     out: dict = {"stats": after}
     models = after.get("models") or []
     if models:
@@ -267,7 +268,16 @@ def ramtorch_fields(before: dict, after: dict, reps: int, phase: str, weight_byt
             out["link_shares"] = d1.get("link_shares")  # each path's measured bytes per second
             out.setdefault("options", {})["links"] = d1.get("link_relays")
         d0 = devs0.get(name, {})
-        for k in ("h2d_bytes", "reused_bytes", "d2h_bytes", "stall_seconds"):
+        # (throttle_wait: the host blocked on copies in flight; sync_wait: on the lanes draining at
+        # the end of each backward.)
+        for k in (
+            "h2d_bytes",
+            "reused_bytes",
+            "d2h_bytes",
+            "stall_seconds",
+            "throttle_wait_seconds",
+            "sync_wait_seconds",
+        ):
             if _num(d1.get(k)) and reps > 0:
                 out[f"{k}_per_rep"] = (d1[k] - d0.get(k, 0)) / reps
         out["ramtorch_h2d_gbps"] = d1.get("h2d_gbps")
