@@ -10,6 +10,7 @@ stream waited for copies (``stall``) and that the host waited for the engine's s
 at the end of each backward (``sync_wait``).
 
     python3 bench/copies_ahead.py [--layers 32] [--rounds 6] [--steps 4] [--other 64]
+    python3 bench/copies_ahead.py --workload decode   # the same for lora (bf16 base), train, decode
     python3 bench/copies_ahead.py --smoke        # tiny Llama on the CPU device: checks the script
 """
 
@@ -37,6 +38,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--other", type=int, default=64)
+    ap.add_argument(
+        "--workload",
+        choices=("qlora", "lora", "train", "decode"),
+        default="qlora",
+        help="qlora: int8 base + rank-16 adapters, AdamW step (default); lora: the same on a bf16 base; "
+        "train: full forward+backward, no optimizer; decode: greedy generate() of --new tokens at B=1",
+    )
+    ap.add_argument("--gpu-budget", default=None, help="offload's gpu_budget (e.g. 8GiB); default none")
+    ap.add_argument("--new", type=int, default=16, help="decode: tokens generated per step")
     ap.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU device, 2 rounds")
     a = ap.parse_args()
     device = "cpu" if a.smoke else "cuda"
@@ -48,19 +58,40 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = build("llama", a.layers, a.smoke, device, torch.bfloat16)
-    lora.quantize_int8(model)
-    model, _ = lora.add_adapters(model, 16, "auto")
+    if a.workload == "qlora":
+        lora.quantize_int8(model)
+    if a.workload in ("qlora", "lora"):
+        model, _ = lora.add_adapters(model, 16, "auto")
     x, _ = inputs("llama", a.tokens, a.smoke, device)
     model.to("cpu")
     free_device()
-    ramtorch.offload(model, device=device)
-    model.train()
-    opt = ropt.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ramtorch.offload(model, device=device, gpu_budget=a.gpu_budget)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = ropt.AdamW(trainable, lr=1e-4) if a.workload in ("qlora", "lora") else None
+    prompt = x["input_ids"][:, : min(128, a.tokens)]
 
     def step() -> None:
+        if a.workload == "decode":
+            model.eval()
+            with torch.no_grad():
+                model.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=a.new,
+                    min_new_tokens=a.new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            return
+        model.train()
         model(**x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            ramtorch.synchronize()
+            for p in trainable:
+                p.grad = None
 
     for _ in range(a.warmup):
         step()
@@ -71,7 +102,8 @@ def main() -> None:
         return {k: sum(float(d.get(k, 0.0)) for d in st.values()) for k in keys}
 
     def sync() -> None:
-        opt.synchronize()
+        if opt is not None:
+            opt.synchronize()
         if device == "cuda":
             torch.cuda.synchronize()
 
@@ -96,6 +128,8 @@ def main() -> None:
             per_step = (after[k] - before[k]) / a.steps
             row[f"{k.removesuffix('_seconds')}_ms_per_step"] = round(per_step * 1e3, 2)
         row["layers"] = a.layers
+        row["workload"] = a.workload
+        row["gpu_budget"] = a.gpu_budget
         print(json.dumps(row))
     eng.COPIES_AHEAD = default
 

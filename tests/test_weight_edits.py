@@ -373,3 +373,28 @@ def test_parameters_replaced_by_larger_ones_are_a_clear_error_at_every_pass() ->
                 m(x.float())
         m.load_state_dict(plain.state_dict(), assign=True)
         assert torch.equal(m(x), plain(x))
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_the_host_queues_copies_ahead_only_where_the_pass_waits_for_them(max_inflight: int) -> None:
+    """An offloaded model's passes wait at their end for their own copies, so the host may queue
+    ``COPIES_AHEAD`` of them; the free-standing layers' streamer has no pass end and keeps
+    ``max_inflight``. Either way an edit right after a forward reaches the next forward only."""
+    from ramtorch import _engine
+    from ramtorch._stream.shared import for_device
+
+    assert _engine.COPIES_AHEAD is not None and _engine.COPIES_AHEAD > max_inflight
+    torch.manual_seed(0)
+    plain = Net(d=16, layers=4)
+    streamed = ramtorch.offload(copy.deepcopy(plain), device="cpu", max_inflight=max_inflight)
+    assert streamed._ramtorch_streamer._copies_ahead() == _engine.COPIES_AHEAD
+    layers = ramtorch.replace_linear(copy.deepcopy(plain), device="cpu", max_inflight=max_inflight)
+    with torch.no_grad():
+        layers(_x(0))
+    shared = for_device(torch.device("cpu"))
+    assert shared._copies_ahead() == shared.max_inflight >= max_inflight
+    with torch.no_grad():
+        for k in range(3):
+            torch.testing.assert_close(streamed(_x(k)), plain(_x(k)), rtol=0, atol=0)
+            _data_mul(plain)
+            _data_mul(streamed)

@@ -129,10 +129,12 @@ class Prefetcher:
 
     def _copies_ahead(self) -> int:
         """How many copies the host may have in flight before a prefetch blocks:
-        ``max_inflight``, or :data:`~ramtorch._engine.COPIES_AHEAD` where it is set and the
-        pass's end waits for the pass's copies."""
+        ``max_inflight``, or :data:`~ramtorch._engine.COPIES_AHEAD` (if larger) where it is set
+        and the pass's end waits for the pass's copies."""
         ahead = _engine.COPIES_AHEAD
-        return ahead if ahead is not None and self.pass_ends else self.max_inflight
+        if ahead is None or not self.pass_ends:
+            return self.max_inflight
+        return max(ahead, self.max_inflight)
 
     def _prefetch(self, u: _Unit, key: int, keep: list[int]) -> int:
         assert u.layout is not None and u.flat is not None
