@@ -1,15 +1,17 @@
 """How far the host may queue copies ahead of the device, A/B inside one process: the int8 LoRA
 step of ``bench/lora.py`` (the 8B shape, ``--layers`` deep, rank 16 on all projections, one
 sequence of ``--tokens``), offloaded with default options, timed in rounds that alternate
-``ramtorch._engine.COPIES_AHEAD`` between its default (``None``: the host blocks while
-``max_inflight`` copies are in flight) and ``--other`` (64: it runs ahead, the slots alone order
-the copies on the device). One process, so that the spread between processes (315-430 ms a step
-on one H200) does not enter the comparison. Prints one JSON line per round, with the engine's
+``ramtorch._engine.COPIES_AHEAD`` between its default (64: the host runs ahead, the slots alone
+order the copies on the device) and ``--other`` (``none``: the host blocks while ``max_inflight``
+copies are in flight); or (``--vary sync``) a device synchronize after every step against none.
+One process, so that the spread between processes (300-430 ms a step on one H200) does not enter
+the comparison. Prints one JSON line per round, with the engine's
 time per step that the host blocked on copies in flight (``throttle_wait``), that the compute
 stream waited for copies (``stall``) and that the host waited for the engine's streams to drain
 at the end of each backward (``sync_wait``).
 
-    python3 bench/copies_ahead.py [--layers 32] [--rounds 6] [--steps 4] [--other 64]
+    python3 bench/copies_ahead.py [--layers 32] [--rounds 6] [--steps 4] [--other none]
+    python3 bench/copies_ahead.py --vary sync [--resident-first 3]
     python3 bench/copies_ahead.py --workload decode   # the same for lora (bf16 base), train, decode
     python3 bench/copies_ahead.py --smoke        # tiny Llama on the CPU device: checks the script
 """
@@ -37,7 +39,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--other", type=int, default=64)
+    ap.add_argument(
+        "--other",
+        type=lambda v: None if v == "none" else int(v),
+        default=None,
+        help="the setting the default's rounds alternate with (none: max_inflight)",
+    )
+    ap.add_argument(
+        "--vary",
+        choices=("copies_ahead", "sync"),
+        default="copies_ahead",
+        help="what alternates between rounds: COPIES_AHEAD (default and --other), or a device "
+        "synchronize after every step (as a loop that reads the loss each step) against none",
+    )
+    ap.add_argument(
+        "--resident-first",
+        type=int,
+        default=0,
+        help="steps of the model trained on the GPU (torch's fused AdamW) before it is offloaded, "
+        "as bench/lora.py does",
+    )
     ap.add_argument(
         "--workload",
         choices=("qlora", "lora", "train", "decode"),
@@ -63,6 +84,15 @@ def main() -> None:
     if a.workload in ("qlora", "lora"):
         model, _ = lora.add_adapters(model, 16, "auto")
     x, _ = inputs("llama", a.tokens, a.smoke, device)
+    if a.resident_first:
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        ref = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
+        for _ in range(a.resident_first):
+            model(**x).loss.backward()
+            ref.step()
+            ref.zero_grad(set_to_none=True)
+        del ref
     model.to("cpu")
     free_device()
     ramtorch.offload(model, device=device, gpu_budget=a.gpu_budget)
@@ -110,7 +140,9 @@ def main() -> None:
     sync()
     default = eng.COPIES_AHEAD
     for r in range(a.rounds):
-        ahead = default if r % 2 == 0 else a.other
+        other = r % 2 == 1
+        ahead = a.other if other and a.vary == "copies_ahead" else default
+        each = other and a.vary == "sync"
         eng.COPIES_AHEAD = ahead
         step()  # one step at the new setting before the timed ones
         sync()
@@ -118,9 +150,12 @@ def main() -> None:
         t = time.perf_counter()
         for _ in range(a.steps):
             step()
+            if each and device == "cuda":
+                torch.cuda.synchronize()
         sync()
         ms = (time.perf_counter() - t) / a.steps * 1e3
-        row: dict[str, object] = {"round": r, "copies_ahead": ahead, "ms_per_step": round(ms, 1)}
+        row: dict[str, object] = {"round": r, "copies_ahead": ahead, "sync_each_step": each}
+        row["ms_per_step"] = round(ms, 1)
         after = engine_seconds()
         # Per step: the host blocked on copies in flight (throttle_wait), the compute stream waited
         # for copies (stall), the host waited for the lanes at the end of backward (sync_wait).
@@ -130,6 +165,7 @@ def main() -> None:
         row["layers"] = a.layers
         row["workload"] = a.workload
         row["gpu_budget"] = a.gpu_budget
+        row["resident_first"] = a.resident_first
         print(json.dumps(row))
     eng.COPIES_AHEAD = default
 
