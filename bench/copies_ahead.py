@@ -12,7 +12,7 @@ at the end of each backward (``sync_wait``).
 
     python3 bench/copies_ahead.py [--layers 32] [--rounds 6] [--steps 4] [--other none]
     python3 bench/copies_ahead.py --vary sync [--resident-first 3]
-    python3 bench/copies_ahead.py --workload decode   # the same for lora (bf16 base), train, decode
+    python3 bench/copies_ahead.py --workload decode   # or lora (bf16 base), train, forward
     python3 bench/copies_ahead.py --smoke        # tiny Llama on the CPU device: checks the script
 """
 
@@ -61,10 +61,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--workload",
-        choices=("qlora", "lora", "train", "decode"),
+        choices=("qlora", "lora", "train", "forward", "decode"),
         default="qlora",
         help="qlora: int8 base + rank-16 adapters, AdamW step (default); lora: the same on a bf16 base; "
-        "train: full forward+backward, no optimizer; decode: greedy generate() of --new tokens at B=1",
+        "train: full forward+backward, no optimizer; forward: one forward without grad; "
+        "decode: greedy generate() of --new tokens at B=1",
     )
     ap.add_argument("--gpu-budget", default=None, help="offload's gpu_budget (e.g. 8GiB); default none")
     ap.add_argument("--new", type=int, default=16, help="decode: tokens generated per step")
@@ -112,6 +113,11 @@ def main() -> None:
                     do_sample=False,
                     pad_token_id=0,
                 )
+            return
+        if a.workload == "forward":
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=x["input_ids"])
             return
         model.train()
         model(**x).loss.backward()
