@@ -292,6 +292,34 @@ def _num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def host_pace(device: str) -> dict[str, float]:
+    """How fast this machine's host runs the work that paces a host-bound step: nanoseconds an
+    iteration of a plain Python loop, and (on CUDA) microseconds to queue a small op on the idle
+    current stream; medians of 5. The same code measured 300-400 ms a step on different machines
+    of one kind where the host, not the link, set the pace: this tells such machines apart."""
+    loops = []
+    for _ in range(5):
+        t = time.perf_counter()
+        acc = 0
+        for i in range(200_000):
+            acc += i & 7
+        loops.append((time.perf_counter() - t) / 200_000 * 1e9)
+    out = {"python_loop_ns": round(statistics.median(loops), 2)}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        x = torch.ones(256, device=device)
+        y = torch.empty_like(x)
+        launches = []
+        for _ in range(5):
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            for _ in range(500):
+                torch.add(x, x, out=y)
+            launches.append((time.perf_counter() - t) / 500 * 1e6)
+        torch.cuda.synchronize(device)
+        out["launch_us"] = round(statistics.median(launches), 2)
+    return out
+
+
 def measure(
     fn: Callable[[], object],
     *,
@@ -347,6 +375,7 @@ def measure(
         "host_rss_bytes": rss(),
         "weight_bytes": weight_bytes,
         "params": params,
+        "host_pace": host_pace(device),
     }
     if system == "ramtorch":
         rec.update(ramtorch_fields(before, ramtorch_stats(), reps, phase, weight_bytes))

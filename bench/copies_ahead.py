@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import benchlib  # noqa: E402
 import lora  # noqa: E402
 from arch import build, free_device, inputs  # noqa: E402
 
@@ -144,6 +145,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     sync()
+    print(json.dumps({"host_pace": benchlib.host_pace(device)}))
     default = eng.COPIES_AHEAD
     for r in range(a.rounds):
         other = r % 2 == 1
