@@ -3,7 +3,7 @@ the streaming's own Python work shows: a small Llama with torchao int8 weight-on
 projections and rank-4 LoRA adapters (``--base bf16``: no quantization), offloaded to the CPU
 device; prints the median forward and forward+backward times.
 
-    python bench/host_overhead.py --base int8 --layers 8 --reps 40
+    python bench/host_overhead.py --base int8 --layers 8 --reps 40 [--hidden 256]
 
 Run two checkouts interleaved (``PYTHONPATH=<checkout>/python``) to compare them: absolute times
 depend on the machine and its load, the difference between the two does not."""
@@ -22,6 +22,12 @@ def main() -> None:
     ap.add_argument("--base", choices=["int8", "bf16"], default="int8")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        default=64,
+        help="width (FFN twice it); from 256 the rank-4 adapters are light and stay on the device",
+    )
     a = ap.parse_args()
 
     import peft
@@ -31,8 +37,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=a.hidden,
+        intermediate_size=2 * a.hidden,
         num_hidden_layers=a.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
