@@ -331,10 +331,10 @@ def test_a_cut_forward_queues_the_copies_ahead_after_its_layers(monkeypatch):
         lambda self, i, upto, tag=0: log.append(("part", tag)) or part(self, i, upto, tag),
     )
 
-    def logged(self, itin, pos, current):
+    def logged(self, itin, pos, current, *rest):
         if current is not None:
             log.append(("ahead", current.tag))
-        return along(self, itin, pos, current)
+        return along(self, itin, pos, current, *rest)
 
     monkeypatch.setattr(Streamer, "_prefetch_along", logged)
     ours = Net(stages=4)

@@ -384,11 +384,23 @@ class Prefetcher:
             self.staged[u.uid] = (u.key(), read)
             self.counters["disk_reads_ahead"] += 1
 
-    def _prefetch_along(self, itin: list[int], pos: int, current: _Unit | None) -> None:
+    def _prefetch_along(
+        self,
+        itin: list[int],
+        pos: int,
+        current: _Unit | None,
+        ahead: tuple[list[_Unit], list[int]] | None = None,
+    ) -> None:
+        """Queues the copies of the units next on ``itin`` from ``pos`` (not ``current``) into
+        free slots. ``ahead``: those units (``_lookahead(itin, pos)``) and their keys, where the
+        caller has just computed them under the lock with no user code run since."""
         self._read_ahead(itin, pos)
-        nxt = self._lookahead(itin, pos)
-        keep = [u.key() for u in nxt]
-        for u in nxt:
+        if ahead is None:
+            nxt = self._lookahead(itin, pos)
+            keep = [u.key() for u in nxt]
+        else:
+            nxt, keep = ahead
+        for u, key in zip(nxt, keep):
             if u is current or u.uid in self.ahead or u.fwd or u.bwd is not None:
                 continue
             if self._free_slots() <= 0 or not u.is_home() or _engine.updating(u.params):
@@ -398,7 +410,6 @@ class Prefetcher:
                 if got is None:
                     break  # its extent is still being read: copied when it is there
                 src, nbytes = got
-                key = u.key()
                 slot, _ = self.eng.prefetch(
                     key, src, nbytes, self._copies_ahead(), keep, u.tag, id(self), _copy_parts(u)
                 )

@@ -458,7 +458,9 @@ class Streamer(Prefetcher, GradientHooks):
                     u.forget_copies()
                     itin, pos = [], 0
                 whole = blocks is None and (cut is None or cut[1])
-                slot = self._take(u, [x.key() for x in self._lookahead(itin, pos)], claim=whole)
+                nxt = self._lookahead(itin, pos)
+                keep = [x.key() for x in nxt]
+                slot = self._take(u, keep, claim=whole)
                 own = True
                 u.ahead_after = None
                 if itin and not whole:
@@ -468,7 +470,7 @@ class Streamer(Prefetcher, GradientHooks):
                     # kernels that compute on its first parts.
                     u.ahead_after = (itin, pos)
                 elif itin:
-                    self._prefetch_along(itin, pos, u)
+                    self._prefetch_along(itin, pos, u, (nxt, keep))
                 elif self.disk_store is not None and PassState.FORWARD in self.state:
                     # No itinerary yet (the first pass): the disk units that have not run are
                     # read ahead in the order the model registers them.
@@ -564,9 +566,8 @@ class Streamer(Prefetcher, GradientHooks):
         # weights in place (an EMA codebook, a clamp, ``nn.Embedding(max_norm=...)``) bumps it.
         u.fwd.append((slot, own, ctx, addr, before, fetch, rng, buf, buf._version, own and self._probe(u)))
         if grad and not recompute:
-            flat_args, _ = tree_flatten((args, kwargs))
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_args):
-                args, kwargs = self._wrap_inputs(u, args, kwargs)
+            # (Only the top-level tensors are wrapped: no need to flatten nested inputs first.)
+            args, kwargs = self._wrap_inputs(u, args, kwargs)
         return args, kwargs
 
     def _gather_forward(
@@ -1033,8 +1034,10 @@ class Streamer(Prefetcher, GradientHooks):
         if first:
             self.cur_bwd.append(u.uid)
             self.bwd_pos = self._advance(self.bwd_itin, self.bwd_pos, u.uid)
+        nxt = self._lookahead(self.bwd_itin, self.bwd_pos)
+        keep = [x.key() for x in nxt]
         if u.bwd is None:
-            u.bwd = self._take(u, [x.key() for x in self._lookahead(self.bwd_itin, self.bwd_pos)])
+            u.bwd = self._take(u, keep)
             u.phase = BackwardPhase.HELD
             self.eng.mark(u.tag, MARK_BWD_BEGIN)
             if _profile.active():
@@ -1046,7 +1049,7 @@ class Streamer(Prefetcher, GradientHooks):
             views = _leaves(views, u.params)
             for e in u.entries:
                 e.owner._parameters[e.name] = views[e.index]  # type: ignore[assignment]
-        self._prefetch_along(self.bwd_itin, self.bwd_pos, u)
+        self._prefetch_along(self.bwd_itin, self.bwd_pos, u, (nxt, keep))
 
     def weights_backward(self, u: _Unit, grads: Sequence[torch.Tensor | None], sent: set[int]) -> None:
         """:class:`_Fetch`'s backward: gradients of the unit's weights not ``sent`` already leave for

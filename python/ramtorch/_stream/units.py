@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fnmatch
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -760,13 +761,12 @@ class _Unit:
         are read by the callers); a new one is seen."""
         c = self._leaf_cache
         params = self.params
-        if (
-            c is not None
-            and len(c[0]) == len(params)
-            and all(a is b for a, b in zip(c[0], params))
-            and all(getattr(h, n, None) is x for h, n, x in c[1])
-        ):
-            return c[2], c[3]
+        if c is not None and len(c[0]) == len(params) and all(map(operator.is_, c[0], params)):
+            for h, n, x in c[1]:
+                if getattr(h, n, None) is not x:
+                    break
+            else:
+                return c[2], c[3]
         leaves, tree = stream_tensors(params)
         checks: list[tuple[torch.Tensor, str, torch.Tensor]] = []
         for p in params:
@@ -776,12 +776,16 @@ class _Unit:
 
     def _is_home_tree(self, lay: _engine.Layout) -> bool:
         leaves, plain = self.stream_leaves()
-        if plain or len(leaves) != len(self.home):
+        n = len(leaves)
+        if plain or n != len(self.home):
             return False
-        for t, ptr, e in zip(leaves, self.home, lay.entries):
-            if t.device.type != "cpu" or t.data_ptr() != ptr or e is None or t.dtype != e[2]:
-                return False
-        return True
+        # (As for plain parameters: a device tensor's address is never one of the host region's.)
+        dtypes = lay.dtypes[:n]
+        return (
+            [t.data_ptr() for t in leaves] == self.home
+            and None not in dtypes
+            and [t.dtype for t in leaves] == dtypes
+        )
 
     def key(self) -> int:
         """Names the bytes of a device copy of this unit: equal keys, equal weights (the region's
