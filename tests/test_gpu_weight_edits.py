@@ -156,3 +156,33 @@ def test_an_edit_right_after_a_forward_returns_does_not_reach_it_on_the_gpu() ->
             p.data.zero_()
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(streamed(x), torch.zeros_like(want))
+
+
+@pytest.mark.parametrize("budget", [None, "resident"])
+def test_a_deep_copy_on_the_gpu_is_a_model_of_its_own(budget: str | None) -> None:
+    """``copy.deepcopy`` of a model streaming to the GPU, some units resident: the copy computes
+    what a copy of the plain model does, on the GPU, and trains apart from the original (an EMA
+    model through ``AveragedModel`` follows torch's)."""
+    torch.manual_seed(0)
+    plain = Net(d=512, layers=6).cuda()
+    block = sum(p.numel() * 4 for p in plain.blocks[0].parameters())
+    gpu_budget = None if budget is None else int(4.5 * block)
+    ours = ramtorch.offload(copy.deepcopy(plain).cpu(), gpu_budget=gpu_budget, device="cuda")
+    ema = torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    avg_plain = torch.optim.swa_utils.AveragedModel(plain, multi_avg_fn=ema)
+    avg_ours = torch.optim.swa_utils.AveragedModel(ours, multi_avg_fn=ema)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, ours)]
+    for k in range(3):
+        for m, o in zip((plain, ours), opts):
+            o.zero_grad()
+            m(_x(k)).pow(2).mean().backward()
+            o.step()
+        avg_plain.update_parameters(plain)
+        avg_ours.update_parameters(ours)
+    mine, theirs = copy.deepcopy(ours), copy.deepcopy(plain)
+    with torch.no_grad():
+        torch.testing.assert_close(mine(_x(7)), theirs(_x(7)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(avg_ours(_x(8)), avg_plain(_x(8)), rtol=1e-5, atol=1e-5)
+        for p in mine.parameters():
+            p.data.mul_(0.5)
+        torch.testing.assert_close(ours(_x(9)), plain(_x(9)), rtol=1e-5, atol=1e-5)

@@ -614,17 +614,18 @@ def test_an_input_a_unit_does_not_use_gets_no_gradient():
         assert x.grad is not None and y.grad is None
 
 
-def test_copying_or_pickling_an_offloaded_model_is_a_clear_error(tmp_path):
-    """A copy would share the engine, hooks and units of the model (and deepcopy used to fail on
-    an internal object); the error says how to copy the weights instead."""
+def test_shallow_copying_or_pickling_an_offloaded_model_is_a_clear_error(tmp_path):
+    """A shallow copy would share the engine, hooks and units of the model, and a pickle cannot
+    hold them; the error says how to copy the weights instead (a deep copy is a model of its own:
+    tests/test_copy.py)."""
     import pickle
 
     from ramtorch._offload import detach_streamer
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     ramtorch.offload(model, device="cpu")
-    for attempt in (copy.deepcopy, copy.copy, pickle.dumps, lambda m: torch.save(m, tmp_path / "m.pt")):
-        with pytest.raises(TypeError, match="cannot be copied or pickled.*state_dict"):
+    for attempt in (copy.copy, pickle.dumps, lambda m: torch.save(m, tmp_path / "m.pt")):
+        with pytest.raises(TypeError, match="cannot be pickled or shallow-copied.*state_dict"):
             attempt(model)
     torch.save(model.state_dict(), tmp_path / "sd.pt")  # the weights save as usual
     detach_streamer(model)

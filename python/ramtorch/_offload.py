@@ -9,6 +9,7 @@ entry point :func:`offload` (plan, pack, hook), model surgery (``.to()``, copy a
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -548,6 +549,21 @@ def offload(
         )
     )
     model._ramtorch_streamer = streamer  # type: ignore[assignment]
+    # What a deep copy of the model is offloaded with (see _copy_offloaded); None: no copy.
+    copyable = compress is None and host_budget is None and disk is None and links is None
+    model._ramtorch_copy_options = (  # type: ignore[assignment]
+        {
+            "gpu_budget": gpu_budget,
+            "unit": unit,
+            "device": dev,
+            "max_inflight": max_inflight,
+            "progress": progress,
+            "recompute": recompute,
+            "gather_rows": gather_rows,
+        }
+        if copyable
+        else None
+    )
     _guard(model, streamer, [(streamer, units)])
     kept = None if store is None else store.kept
     if kept is not None:
@@ -609,7 +625,7 @@ def _guard(model: nn.Module, streamer: Streamer, units: list[tuple[Streamer, lis
     # a class that says how to copy or pickle itself (ramtorch.nn's layers) keeps its way.
     cls = type(model)
     if not hasattr(cls, "__deepcopy__"):
-        model.__deepcopy__ = _refuse_copy  # type: ignore[method-assign]
+        model.__deepcopy__ = _DeepCopy(model)  # type: ignore[method-assign]
     pickling = (cls.__reduce_ex__, cls.__reduce__, cls.__getstate__)
     if pickling == (object.__reduce_ex__, object.__reduce__, nn.Module.__getstate__):
         model.__reduce_ex__ = _refuse_copy  # type: ignore[method-assign]
@@ -1406,13 +1422,100 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
 
 def _refuse_copy(*_: Any) -> Any:
-    """``copy.deepcopy``, ``copy.copy`` and pickling (``torch.save(model)``) of an offloaded model."""
+    """``copy.copy`` and pickling (``torch.save(model)``) of an offloaded model, and
+    ``copy.deepcopy`` of one that :func:`_copy_offloaded` does not copy."""
     raise TypeError(
-        "ramtorch.offload: an offloaded model cannot be copied or pickled (its hooks and host memory "
-        "belong to this process's streaming engine). Copy its weights instead: build a fresh model, "
-        "load this one's state_dict() into it (or use ramtorch.save_checkpoint / load_checkpoint), "
-        "and offload the copy if it should stream too."
+        "ramtorch.offload: an offloaded model cannot be pickled or shallow-copied, nor deep-copied "
+        "when offloaded with compress, host_budget, disk, links or devices, or before ramtorch.load "
+        "has filled it (its hooks and host memory belong to this process's streaming engine). Copy "
+        "its weights instead: build a fresh model, load this one's state_dict() into it (or use "
+        "ramtorch.save_checkpoint / load_checkpoint), and offload the copy if it should stream too."
     )
+
+
+class _DeepCopy:
+    """An offloaded model's ``__deepcopy__`` (see :func:`_copy_offloaded`); holds the model weakly
+    (a strong reference from its own attribute would keep it alive until a full collection)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = weakref.ref(model)
+
+    def __call__(self, memo: dict[int, Any]) -> nn.Module:
+        model = self.model()
+        if model is None:
+            _refuse_copy()
+        return _copy_offloaded(model, memo)
+
+
+#: Hook tables of a module (``nn.Module.__dict__``), whose ramtorch entries a copy leaves out.
+_HOOK_TABLES = ("hooks", "hooks_with_kwargs", "hooks_always_called")
+
+
+def _ours(value: Any) -> bool:
+    """Whether ``value`` (a hook, a method set on a module) is ramtorch's own code."""
+    f = getattr(value, "func", value)  # functools.partial
+    f = getattr(f, "__func__", f)  # a bound method
+    return str(getattr(f, "__module__", "") or "").startswith("ramtorch.")
+
+
+@contextlib.contextmanager
+def _without_streaming(model: nn.Module, hook_ids: set[int]) -> Iterator[None]:
+    """``model`` as it was before :func:`offload` while the block runs, as far as copying sees
+    it: the hooks whose ids are ``hook_ids`` out of its modules' hook tables (each table swapped
+    for a filtered one, so the handles keep theirs), ramtorch's attributes and methods out of the
+    modules' ``__dict__``, the classes ramtorch gave them (``RowsLinear``, a compute-device view)
+    back to their own. All put back as they were on the way out."""
+    undo: list[tuple[dict[str, Any], str, Any]] = []
+    classes: list[tuple[nn.Module, type]] = []
+    try:
+        for m in model.modules():
+            d = m.__dict__
+            for name, v in list(d.items()):
+                if name.endswith(_HOOK_TABLES) and isinstance(v, dict) and any(k in hook_ids for k in v):
+                    d[name] = type(v)((k, x) for k, x in v.items() if k not in hook_ids)
+                    undo.append((d, name, v))
+                elif name.startswith("_ramtorch_") or (
+                    name in ("_apply", "__deepcopy__", "__reduce_ex__", "forward") and _ours(v)
+                ):
+                    undo.append((d, name, d.pop(name)))
+            cls = type(m)
+            base = cls.__dict__.get("_ramtorch_base_class")
+            if cls is _rows.RowsLinear:
+                base = nn.Linear
+            if base is not None:
+                classes.append((m, cls))
+                m.__class__ = base
+        yield
+    finally:
+        for m, cls in reversed(classes):
+            m.__class__ = cls
+        for d, name, v in reversed(undo):
+            d[name] = v
+
+
+def _copy_offloaded(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy(model)`` of an offloaded model: a model of its own, offloaded with the same
+    options to the same device (an EMA model, ``torch.optim.swa_utils.AveragedModel``, a frozen
+    reference model for DPO): the modules deep-copied without ramtorch's hooks and attributes,
+    then :func:`offload` of the copy. Its weights are those the model has now (every pending
+    optimizer update written first); host memory holds them twice for a while (the copy's plain
+    tensors, then their packed copy). Refused, with the reason, inside a forward or backward of the
+    model, for a pipeline (``devices``), for the options whose stores a copy cannot share
+    (``compress``, ``host_budget``, ``disk``, ``links``) and for weights ``ramtorch.load`` has not
+    filled yet."""
+    streamer = model.__dict__.get("_ramtorch_streamer")
+    opts = model.__dict__.get("_ramtorch_copy_options")
+    if streamer is None or opts is None or model.__dict__.get("_ramtorch_unwritten"):
+        _refuse_copy()
+    if streamer.state:
+        raise RuntimeError(
+            "ramtorch.offload: copy.deepcopy of an offloaded model inside its forward or backward; "
+            "copy it between passes"
+        )
+    _engine.wait_updates([p for u in streamer.units for p in u.params])  # pending optimizer writes
+    with _without_streaming(model, {h.id for h in streamer.hook_handles}):
+        plain = copy.deepcopy(model, memo)
+    return offload(plain, **opts)
 
 
 def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:
