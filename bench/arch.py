@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from benchlib import env_options, gpu_peak, reset_peak, rss, sync
+from benchlib import env_options, gpu_peak, host_pace, reset_peak, rss, sync
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -481,6 +481,7 @@ def time_phase(
         "per_call": each,
         "gpu_peak_bytes": gpu_peak(device),
         "host_rss_bytes": rss(),
+        "host_pace": host_pace(device),
     }
     if offloaded:
         rec.update({f"{k}_per_rep": v / reps for k, v in moved.items()})
