@@ -117,6 +117,27 @@ def test_a_deep_copy_of_a_transformers_model_generates_as_the_original() -> None
         torch.testing.assert_close(ref(ids).logits, ours(ids).logits, rtol=0, atol=0)
 
 
+def test_a_deep_copy_copies_the_streamed_weights_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed weights go from the model's host region into the copy's: deepcopy makes no
+    plain copy of them first (host memory would hold them twice)."""
+    torch.manual_seed(4)
+    ours = ramtorch.offload(Net(d=16, layers=3), device="cpu")
+    streamed = {id(p) for u in ours._ramtorch_streamer.units if not u.resident for p in u.params}
+    copied: list[int] = []
+    real = nn.Parameter.__deepcopy__
+
+    def recorded(self: nn.Parameter, memo: dict[int, object]) -> nn.Parameter:
+        copied.append(id(self))
+        return real(self, memo)
+
+    monkeypatch.setattr(nn.Parameter, "__deepcopy__", recorded)
+    mine = copy.deepcopy(ours)
+    assert streamed and not streamed & set(copied)
+    assert not mine.__dict__.get("_ramtorch_unwritten")
+    with torch.no_grad():
+        torch.testing.assert_close(mine(_x(3)), ours(_x(3)), rtol=0, atol=0)
+
+
 def test_copies_that_cannot_be_made_are_clear_errors() -> None:
     torch.manual_seed(3)
     ours = ramtorch.offload(Net(d=16, layers=2), device="cpu")

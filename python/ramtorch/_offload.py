@@ -1498,11 +1498,11 @@ def _copy_offloaded(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
     options to the same device (an EMA model, ``torch.optim.swa_utils.AveragedModel``, a frozen
     reference model for DPO): the modules deep-copied without ramtorch's hooks and attributes,
     then :func:`offload` of the copy. Its weights are those the model has now (every pending
-    optimizer update written first); host memory holds them twice for a while (the copy's plain
-    tensors, then their packed copy). Refused, with the reason, inside a forward or backward of the
-    model, for a pipeline (``devices``), for the options whose stores a copy cannot share
-    (``compress``, ``host_budget``, ``disk``, ``links``) and for weights ``ramtorch.load`` has not
-    filled yet."""
+    optimizer update written first), copied from the model's host region into the copy's (units
+    with a tensor subclass, a quantized weight, are deep-copied whole first). Refused, with the
+    reason, inside a forward or backward of the model, for a pipeline (``devices``), for the
+    options whose stores a copy cannot share (``compress``, ``host_budget``, ``disk``, ``links``)
+    and for weights ``ramtorch.load`` has not filled yet."""
     streamer = model.__dict__.get("_ramtorch_streamer")
     opts = model.__dict__.get("_ramtorch_copy_options")
     if streamer is None or opts is None or model.__dict__.get("_ramtorch_unwritten"):
@@ -1513,9 +1513,34 @@ def _copy_offloaded(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
             "copy it between passes"
         )
     _engine.wait_updates([p for u in streamer.units for p in u.params])  # pending optimizer writes
+    # The streamed weights are not copied by deepcopy (a plain copy of each, then its packed copy,
+    # would hold them twice in host memory): they go in as meta tensors, which offload allocates
+    # in the copy's host region, and are copied there from the model's.
+    sources: dict[int, nn.Parameter] = {}
+    for u in streamer.units:
+        plain_params = all(type(p) is nn.Parameter and not is_traceable_wrapper_subclass(p) for p in u.params)
+        if u.resident or not plain_params:
+            continue  # (a unit packs its tensors together: all of them meta, or none)
+        for p in u.params:
+            if id(p) not in memo:
+                stand_in = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                memo[id(p)] = stand_in
+                sources[id(stand_in)] = p
     with _without_streaming(model, {h.id for h in streamer.hook_handles}):
         plain = copy.deepcopy(model, memo)
-    return offload(plain, **opts)
+    twin = offload(plain, **opts)
+    written = []
+    with torch.no_grad():
+        for p in twin.parameters():
+            src = sources.get(id(p))
+            if src is not None:
+                p.copy_(src)  # (a write its version counter sees: the load check counts it)
+                written.append(p)
+    unwritten = twin.__dict__.get("_ramtorch_unwritten")
+    if unwritten:
+        done = {id(p) for p in written}
+        twin._ramtorch_unwritten = {n: v for n, v in unwritten.items() if id(v[0]) not in done}  # type: ignore[assignment]
+    return twin
 
 
 def _guarded_apply(model: nn.Module, streamer: Streamer) -> Any:
