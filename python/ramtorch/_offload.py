@@ -1529,13 +1529,23 @@ def _copy_offloaded(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
     with _without_streaming(model, {h.id for h in streamer.hook_handles}):
         plain = copy.deepcopy(model, memo)
     twin = offload(plain, **opts)
+    pairs = [(p, sources[id(p)]) for p in twin.parameters() if id(p) in sources]
+    total = sum(p.numel() * p.element_size() for p, _ in pairs)
+    show = opts["progress"] if opts["progress"] is not None else total > _GIB
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="ramtorch: copying weights", leave=False)
     written = []
     with torch.no_grad():
-        for p in twin.parameters():
-            src = sources.get(id(p))
-            if src is not None:
-                p.copy_(src)  # (a write its version counter sees: the load check counts it)
-                written.append(p)
+        for p, src in pairs:
+            p.copy_(src)  # (a write its version counter sees: the load check counts it)
+            written.append(p)
+            if bar is not None:
+                bar.update(p.numel() * p.element_size())
+    if bar is not None:
+        bar.close()
     unwritten = twin.__dict__.get("_ramtorch_unwritten")
     if unwritten:
         done = {id(p) for p in written}
