@@ -138,6 +138,23 @@ def test_a_deep_copy_copies_the_streamed_weights_once(monkeypatch: pytest.Monkey
         torch.testing.assert_close(mine(_x(3)), ours(_x(3)), rtol=0, atol=0)
 
 
+def test_a_deep_copy_keeps_ramtorch_layers_inside_streaming() -> None:
+    """A ``ramtorch.nn.Linear`` inside an offloaded model copies as such layers do: streaming on
+    the device's shared streamer, its weights its own."""
+    import ramtorch.nn as rnn
+
+    torch.manual_seed(5)
+    ours = ramtorch.offload(
+        nn.Sequential(nn.Linear(8, 16), rnn.Linear(16, 16, device="cpu"), nn.Linear(16, 4)), device="cpu"
+    )
+    mine = copy.deepcopy(ours)
+    assert type(mine[1]) is rnn.Linear and mine[1].weight.data_ptr() != ours[1].weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(mine(_x(4)), ours(_x(4)), rtol=0, atol=0)
+        mine[1].weight.mul_(2)
+        assert not torch.equal(mine(_x(4)), ours(_x(4)))
+
+
 def test_copies_that_cannot_be_made_are_clear_errors() -> None:
     torch.manual_seed(3)
     ours = ramtorch.offload(Net(d=16, layers=2), device="cpu")
