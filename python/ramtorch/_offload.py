@@ -1537,18 +1537,16 @@ def _copy_offloaded(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="ramtorch: copying weights", leave=False)
-    written = []
     with torch.no_grad():
         for p, src in pairs:
-            p.copy_(src)  # (a write its version counter sees: the load check counts it)
-            written.append(p)
+            p.copy_(src)
             if bar is not None:
                 bar.update(p.numel() * p.element_size())
     if bar is not None:
         bar.close()
     unwritten = twin.__dict__.get("_ramtorch_unwritten")
-    if unwritten:
-        done = {id(p) for p in written}
+    if unwritten:  # (the load check would count the writes too, by version, at the next forward)
+        done = {id(p) for p, _ in pairs}
         twin._ramtorch_unwritten = {n: v for n, v in unwritten.items() if id(v[0]) not in done}  # type: ignore[assignment]
     return twin
 
