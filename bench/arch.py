@@ -597,6 +597,19 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     return records
 
 
+def greedy(model: nn.Module, ids: torch.Tensor, n: int) -> None:
+    """Greedy ``generate()`` of exactly ``n`` new tokens after ``ids`` (no padding), no grad."""
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
 def decode_records(
     a: argparse.Namespace,
     model: nn.Module,
@@ -620,15 +633,7 @@ def decode_records(
         ids = torch.randint(3, vocab, (b, a.prompt), generator=g).to(dev)
 
         def gen(n: int, ids: torch.Tensor = ids) -> None:
-            with torch.no_grad():
-                model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=n,
-                    min_new_tokens=n,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
+            greedy(model, ids, n)
 
         try:
             gen(a.new)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import benchlib  # noqa: E402
 import lora  # noqa: E402
-from arch import build, free_device, inputs  # noqa: E402
+from arch import build, free_device, greedy, inputs  # noqa: E402
 
 
 def main() -> None:
@@ -105,15 +105,7 @@ def main() -> None:
     def step() -> None:
         if a.workload == "decode":
             model.eval()
-            with torch.no_grad():
-                model.generate(
-                    prompt,
-                    attention_mask=torch.ones_like(prompt),
-                    max_new_tokens=a.new,
-                    min_new_tokens=a.new,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
+            greedy(model, prompt, a.new)
             return
         if a.workload == "forward":
             model.eval()

@@ -94,15 +94,7 @@ def main() -> None:
             model: torch.nn.Module = model, x: dict = x, params: list = params, ids: torch.Tensor | None = ids
         ) -> None:
             if ids is not None:
-                with torch.no_grad():
-                    model.generate(
-                        ids,
-                        attention_mask=torch.ones_like(ids),
-                        max_new_tokens=a.new,
-                        min_new_tokens=a.new,
-                        do_sample=False,
-                        pad_token_id=0,
-                    )
+                arch.greedy(model, ids, a.new)
                 return
             if a.forward:
                 with torch.no_grad():
