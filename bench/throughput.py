@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import budget_arg, git_commit, llama_config, rss  # noqa: E402
+from benchlib import budget_arg, git_commit, llama_config, peak_rss, rss  # noqa: E402
 
 OPTIMIZER_NAMES = {
     "fp32-master": "fp32 master",
@@ -233,6 +233,8 @@ def run_steps(
     emit: Any,
 ) -> None:
     """The timed steps of one optimizer, for each ``--accum``."""
+    import ramtorch
+
     for n, accum in enumerate(a.accum):
         batches = micro_batches(argparse.Namespace(**{**vars(a), "accum": accum}))
 
@@ -276,8 +278,15 @@ def run_steps(
             "setup_seconds": setup,
             "host_rss_bytes": host,
             "host_bytes_per_param": host / params,
+            "host_peak_rss_bytes": peak_rss(),
             "gpu_peak_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else 0,
             "optimizer_timings": dict(getattr(opt, "timings", {})),
+            # Where the host's bytes are, after the step's zero_grad: the arena (parameters,
+            # states, gradients, spare buffers; pooled = freed and kept for reuse) and the
+            # default schedule's spare buffers (made, and parameters refused one for lack of memory).
+            "host_arena": {k: v for k, v in ramtorch.stats()["host"].items() if k.endswith("_bytes")},
+            "spare_buffer_bytes": getattr(getattr(opt, "_shadows", None), "nbytes", 0),
+            "spare_buffers_refused": len(getattr(getattr(opt, "_shadows", None), "_refused", ())),
         }
         if a.gpu_budget is not None:
             rec["gpu_budget"] = a.gpu_budget
