@@ -248,8 +248,11 @@ def run_steps(
             opt.synchronize()
             sync(a.device)
 
+        warm = []
         for _ in range(a.warmup if n == 0 else min(a.warmup, 2)):  # the schedule is chosen once
+            s = time.perf_counter()
             step()
+            warm.append(time.perf_counter() - s)  # not settled: the next step waits for it
         settle()
         if a.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
@@ -273,6 +276,7 @@ def run_steps(
             "schedule_chosen": getattr(getattr(opt, "_auto", None), "choice", None),
             "seconds": seconds,
             "seconds_all": times,
+            "warmup_seconds_all": warm,
             "model_tflops": flops,
             "of_resident": None if res_flops is None else flops / res_flops,
             "setup_seconds": setup,
