@@ -57,6 +57,44 @@ def test_peft_merge_and_unload_on_the_gpu() -> None:
             torch.testing.assert_close(streamed_merged(_x(k)), plain_merged(_x(k)), rtol=1e-5, atol=1e-5)
 
 
+def test_peft_dora_trains_and_merges_on_the_gpu() -> None:
+    """DoRA's magnitudes stay on the GPU with the adapters while the base weights stream; its merge
+    divides the magnitudes by a norm of the base weight, which lives in host RAM: merging runs
+    with the layer's adapters there (``_AdaptersOnBaseDevice``) and puts them back after."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = Net(d=256, layers=4)
+    config = peft.LoraConfig(target_modules=["up", "down"], r=2, init_lora_weights=False, use_dora=True)
+    torch.manual_seed(1)
+    plain = peft.get_peft_model(copy.deepcopy(base), config).cuda()
+    torch.manual_seed(1)
+    streamed = peft.get_peft_model(copy.deepcopy(base), config)
+    streamed.load_state_dict(plain.state_dict())
+    ramtorch.offload(streamed, device="cuda")
+    train = [p for p in streamed.parameters() if p.requires_grad]
+    assert any(p.is_cuda for p in train)
+    opts = [
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (plain, streamed)
+    ]
+    for k in range(3):
+        for m, opt in zip((plain, streamed), opts):
+            m(_x(k)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    devices = [p.device for p in train]
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(_x(3)), plain(_x(3)), rtol=1e-4, atol=1e-5)
+        for m in (plain, streamed):
+            m.base_model.merge_adapter()
+        torch.testing.assert_close(streamed(_x(4)), plain(_x(4)), rtol=1e-4, atol=1e-5)
+        for m in (plain, streamed):
+            m.base_model.unmerge_adapter()
+        assert [p.device for p in train] == devices
+        torch.testing.assert_close(streamed(_x(5)), plain(_x(5)), rtol=1e-4, atol=1e-5)
+        plain_merged, streamed_merged = plain.merge_and_unload(), streamed.merge_and_unload()
+        torch.testing.assert_close(streamed_merged(_x(6)), plain_merged(_x(6)), rtol=1e-4, atol=1e-5)
+
+
 def test_each_inference_pass_streams_its_units_once() -> None:
     torch.manual_seed(0)
     model = ramtorch.offload(nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]), device="cuda")

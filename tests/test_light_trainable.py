@@ -128,3 +128,44 @@ def test_peft_merges_into_the_streamed_base_with_adapters_kept_on_the_device():
         torch.testing.assert_close(ours(x), plain(x))
         merged, merged_ref = ours.merge_and_unload(), plain.merge_and_unload()
         torch.testing.assert_close(merged(x), merged_ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_peft_dora_trains_and_merges_as_on_a_plain_model():
+    """DoRA (peft's ``use_dora=True``): its magnitudes stay on the device with the adapters; its
+    forward reads the base weight inside the unit, and its merge divides the magnitudes by a norm
+    of the base weight, so ``merge``/``unmerge`` run with the layer's adapters on the base weight's
+    device (``_AdaptersOnBaseDevice``; on the GPU suite the two differ) and put them back after."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    config = peft.LoraConfig(target_modules=["0", "2"], r=2, init_lora_weights=False, use_dora=True)
+    plain = peft.get_peft_model(copy.deepcopy(base), config)
+    ours = copy.deepcopy(plain)
+    ramtorch.offload(ours, device="cpu")
+    layers = [m for m in ours.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    assert layers and all(type(m.__dict__.get("merge")).__name__ == "_AdaptersOnBaseDevice" for m in layers)
+    train = [p for p in ours.parameters() if p.requires_grad]
+    assert any("magnitude" in n for n, p in ours.named_parameters() if p.requires_grad)
+    assert not any(_engine.is_streamed(p) for p in train)
+    o_ref = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    o_ours = ropt.AdamW(train, lr=1e-2)
+    for k in range(3):
+        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(k))
+        for model, opt in ((plain, o_ref), (ours, o_ours)):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(plain.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), plain(x), rtol=1e-5, atol=1e-5)
+        for m in (plain, ours):
+            m.base_model.merge_adapter()
+        torch.testing.assert_close(ours(x), plain(x), rtol=1e-5, atol=1e-5)
+        for m in (plain, ours):
+            m.base_model.unmerge_adapter()
+        torch.testing.assert_close(ours(x), plain(x), rtol=1e-5, atol=1e-5)
+        assert [p.device for p in train] == [torch.device("cpu")] * len(train)
+        merged, merged_ref = ours.merge_and_unload(), plain.merge_and_unload()
+        torch.testing.assert_close(merged(x), merged_ref(x), rtol=1e-5, atol=1e-5)

@@ -1017,9 +1017,42 @@ class _DeltaOnBaseDevice:
         return delta
 
 
+class _AdaptersOnBaseDevice:
+    """A peft LoRA layer's ``merge`` or ``unmerge``, run with the layer's own parameters (its
+    adapters, DoRA's magnitudes) moved for the call to the device of its base weight and back
+    after. A DoRA merge computes the weight's norm from the base weight and divides the
+    magnitudes by it: with the adapters kept on the GPU and the base weight in host RAM, moving
+    the delta alone (:class:`_DeltaOnBaseDevice`) leaves that division between two devices. The
+    merged weight is computed where the base weight lives and written there, as on a model that
+    is not offloaded."""
+
+    def __init__(self, layer: nn.Module, name: str) -> None:
+        self.layer = layer
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        layer = self.layer
+        run = getattr(type(layer), self.name)
+        base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer.base_layer
+        weight = getattr(base, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return run(layer, *args, **kwargs)
+        inner = {id(q) for q in base.parameters()}
+        away = [(p, p.device) for p in layer.parameters() if id(p) not in inner and p.device != weight.device]
+        for p, _ in away:
+            move_param(p, weight.device)
+        try:
+            return run(layer, *args, **kwargs)
+        finally:
+            for p, dev in away:
+                move_param(p, dev)
+
+
 def _deltas_to_base_weights(model: nn.Module, moved: set[int]) -> None:
     """Gives every peft LoRA layer (a module with ``base_layer`` and ``get_delta_weight``) whose
-    adapters were moved to the device (``moved``: parameter ids) a :class:`_DeltaOnBaseDevice`."""
+    adapters were moved to the device (``moved``: parameter ids) a :class:`_DeltaOnBaseDevice`,
+    and a ``merge`` and ``unmerge`` that run with its adapters on the base weight's device
+    (:class:`_AdaptersOnBaseDevice`)."""
     for m in model.modules():
         if not hasattr(m, "base_layer") or not callable(getattr(type(m), "get_delta_weight", None)):
             continue
@@ -1027,6 +1060,9 @@ def _deltas_to_base_weights(model: nn.Module, moved: set[int]) -> None:
         own = [p for p in m.parameters() if all(p is not q for q in base.parameters())]
         if any(id(p) in moved for p in own):
             m.get_delta_weight = _DeltaOnBaseDevice(m)  # type: ignore[method-assign]
+            for name in ("merge", "unmerge"):
+                if callable(getattr(type(m), name, None)):
+                    setattr(m, name, _AdaptersOnBaseDevice(m, name))
 
 
 def _move(p: nn.Parameter, dev: torch.device) -> None:
