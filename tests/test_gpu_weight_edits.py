@@ -57,14 +57,21 @@ def test_peft_merge_and_unload_on_the_gpu() -> None:
             torch.testing.assert_close(streamed_merged(_x(k)), plain_merged(_x(k)), rtol=1e-5, atol=1e-5)
 
 
-def test_peft_dora_trains_and_merges_on_the_gpu() -> None:
-    """DoRA's magnitudes stay on the GPU with the adapters while the base weights stream; its merge
-    divides the magnitudes by a norm of the base weight, which lives in host RAM: merging runs
-    with the layer's adapters there (``_AdaptersOnBaseDevice``) and puts them back after."""
+@pytest.mark.parametrize("tuner", ["dora", "ia3"])
+def test_peft_tuners_train_and_merge_on_the_gpu(tuner: str) -> None:
+    """DoRA's magnitudes and IA3's scales stay on the GPU while the base weights stream; their
+    merges combine them with the base weight, which lives in host RAM (DoRA divides by its norm,
+    IA3 multiplies): merging runs with the layer's own parameters there
+    (``_AdaptersOnBaseDevice``) and puts them back after."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     base = Net(d=256, layers=4)
-    config = peft.LoraConfig(target_modules=["up", "down"], r=2, init_lora_weights=False, use_dora=True)
+    if tuner == "ia3":
+        config = peft.IA3Config(
+            target_modules=["up", "down"], feedforward_modules=["down"], init_ia3_weights=False
+        )
+    else:
+        config = peft.LoraConfig(target_modules=["up", "down"], r=2, init_lora_weights=False, use_dora=True)
     torch.manual_seed(1)
     plain = peft.get_peft_model(copy.deepcopy(base), config).cuda()
     torch.manual_seed(1)

@@ -130,23 +130,33 @@ def test_peft_merges_into_the_streamed_base_with_adapters_kept_on_the_device():
         torch.testing.assert_close(merged(x), merged_ref(x), rtol=1e-5, atol=1e-5)
 
 
-def test_peft_dora_trains_and_merges_as_on_a_plain_model():
-    """DoRA (peft's ``use_dora=True``): its magnitudes stay on the device with the adapters; its
-    forward reads the base weight inside the unit, and its merge divides the magnitudes by a norm
-    of the base weight, so ``merge``/``unmerge`` run with the layer's adapters on the base weight's
-    device (``_AdaptersOnBaseDevice``; on the GPU suite the two differ) and put them back after."""
+def _tuner_config(peft: object, tuner: str, targets: list[str]) -> object:
+    """A peft config of ``tuner``: LoRA, DoRA (LoRA with learned magnitudes) or IA3, adapters
+    initialised away from the identity so that merging changes the weights."""
+    if tuner == "ia3":
+        return peft.IA3Config(
+            target_modules=targets, feedforward_modules=targets[-1:], init_ia3_weights=False
+        )
+    return peft.LoraConfig(target_modules=targets, r=2, init_lora_weights=False, use_dora=tuner == "dora")
+
+
+@pytest.mark.parametrize("tuner", ["lora", "dora", "ia3"])
+def test_peft_tuners_train_and_merge_as_on_a_plain_model(tuner: str):
+    """peft's tuners whose own parameters stay on the device (LoRA's adapters, DoRA's magnitudes,
+    IA3's scales) while the base weights stream: they train as on a plain model, and their merges,
+    which combine those parameters with the base weight (DoRA divides the magnitudes by its norm,
+    IA3 multiplies it by the scales), run with them on the base weight's device
+    (``_AdaptersOnBaseDevice``; on the GPU suite the two differ) and put them back after."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
-    config = peft.LoraConfig(target_modules=["0", "2"], r=2, init_lora_weights=False, use_dora=True)
-    plain = peft.get_peft_model(copy.deepcopy(base), config)
+    plain = peft.get_peft_model(copy.deepcopy(base), _tuner_config(peft, tuner, ["0", "2"]))
     ours = copy.deepcopy(plain)
     ramtorch.offload(ours, device="cpu")
-    layers = [m for m in ours.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    layers = [m for m in ours.modules() if hasattr(m, "base_layer")]
     assert layers and all(type(m.__dict__.get("merge")).__name__ == "_AdaptersOnBaseDevice" for m in layers)
     train = [p for p in ours.parameters() if p.requires_grad]
-    assert any("magnitude" in n for n, p in ours.named_parameters() if p.requires_grad)
-    assert not any(_engine.is_streamed(p) for p in train)
+    assert train and not any(_engine.is_streamed(p) for p in train)
     o_ref = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
     o_ours = ropt.AdamW(train, lr=1e-2)
     for k in range(3):

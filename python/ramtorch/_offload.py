@@ -1049,20 +1049,22 @@ class _AdaptersOnBaseDevice:
 
 
 def _deltas_to_base_weights(model: nn.Module, moved: set[int]) -> None:
-    """Gives every peft LoRA layer (a module with ``base_layer`` and ``get_delta_weight``) whose
-    adapters were moved to the device (``moved``: parameter ids) a :class:`_DeltaOnBaseDevice`,
-    and a ``merge`` and ``unmerge`` that run with its adapters on the base weight's device
-    (:class:`_AdaptersOnBaseDevice`)."""
+    """Gives every peft tuner layer (a module with a ``base_layer``: LoRA, DoRA, IA3, ...) whose
+    own parameters were moved to the device (``moved``: parameter ids) a ``merge`` and ``unmerge``
+    that run with them on the base weight's device (:class:`_AdaptersOnBaseDevice`), and a LoRA
+    layer's ``get_delta_weight`` a :class:`_DeltaOnBaseDevice`."""
     for m in model.modules():
-        if not hasattr(m, "base_layer") or not callable(getattr(type(m), "get_delta_weight", None)):
+        base = getattr(m, "base_layer", None)
+        if not isinstance(base, nn.Module):
             continue
-        base = m.base_layer
-        own = [p for p in m.parameters() if all(p is not q for q in base.parameters())]
-        if any(id(p) in moved for p in own):
+        inner = {id(q) for q in base.parameters()}
+        if not any(id(p) in moved for p in m.parameters() if id(p) not in inner):
+            continue
+        if callable(getattr(type(m), "get_delta_weight", None)):
             m.get_delta_weight = _DeltaOnBaseDevice(m)  # type: ignore[method-assign]
-            for name in ("merge", "unmerge"):
-                if callable(getattr(type(m), name, None)):
-                    setattr(m, name, _AdaptersOnBaseDevice(m, name))
+        for name in ("merge", "unmerge"):
+            if callable(getattr(type(m), name, None)):
+                setattr(m, name, _AdaptersOnBaseDevice(m, name))
 
 
 def _move(p: nn.Parameter, dev: torch.device) -> None:
