@@ -1018,13 +1018,13 @@ class _DeltaOnBaseDevice:
 
 
 class _AdaptersOnBaseDevice:
-    """A peft LoRA layer's ``merge`` or ``unmerge``, run with the layer's own parameters (its
-    adapters, DoRA's magnitudes) moved for the call to the device of its base weight and back
-    after. A DoRA merge computes the weight's norm from the base weight and divides the
-    magnitudes by it: with the adapters kept on the GPU and the base weight in host RAM, moving
-    the delta alone (:class:`_DeltaOnBaseDevice`) leaves that division between two devices. The
-    merged weight is computed where the base weight lives and written there, as on a model that
-    is not offloaded."""
+    """A peft tuner layer's ``merge`` or ``unmerge``, run with the layer's own parameters (LoRA's
+    adapters, DoRA's magnitudes, IA3's scales) moved for the call to the device of its base weight
+    and back after. The merges combine them with the base weight (a DoRA merge divides the
+    magnitudes by the weight's norm, IA3's multiplies the weight by the scales): with them kept on
+    the GPU and the base weight in host RAM, the two would be on different devices. The merged
+    weight is computed where the base weight lives and written there, as on a model that is not
+    offloaded."""
 
     def __init__(self, layer: nn.Module, name: str) -> None:
         self.layer = layer
