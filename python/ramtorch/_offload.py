@@ -993,6 +993,12 @@ def weights_unchanged(model: nn.Module) -> Iterator[nn.Module]:
                 st.unchanged -= 1
 
 
+def _base_of(layer: nn.Module) -> tuple[nn.Module, Any]:
+    """A peft tuner layer's base layer and that layer's ``weight`` (``None`` if it has none)."""
+    base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer.base_layer
+    return base, getattr(base, "weight", None)
+
+
 class _DeltaOnBaseDevice:
     """A peft LoRA layer's ``get_delta_weight``, its result moved to the device of the layer's
     base weight. peft merges (``merge_and_unload``, ``merge``, ``unmerge``) by adding the delta,
@@ -1006,8 +1012,7 @@ class _DeltaOnBaseDevice:
     def __call__(self, adapter: str) -> torch.Tensor:
         layer = self.layer
         delta = type(layer).get_delta_weight(layer, adapter)  # type: ignore[attr-defined]
-        base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer.base_layer
-        weight = getattr(base, "weight", None)
+        _, weight = _base_of(layer)
         if (
             isinstance(weight, torch.Tensor)
             and isinstance(delta, torch.Tensor)
@@ -1033,8 +1038,7 @@ class _AdaptersOnBaseDevice:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer = self.layer
         run = getattr(type(layer), self.name)
-        base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer.base_layer
-        weight = getattr(base, "weight", None)
+        base, weight = _base_of(layer)
         if not isinstance(weight, torch.Tensor):
             return run(layer, *args, **kwargs)
         inner = {id(q) for q in base.parameters()}
