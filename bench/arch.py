@@ -571,6 +571,24 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             p.grad = None
         records.append({**common, **extra, "phase": phase, "system": "ramtorch", **r})
         log(name, phase, "ramtorch", r["seconds"])
+    grad_phases = [p for p in ("forward_backward", "forward_backward_accumulate") if p in a.phases]
+    if a.head_grad_whole and grad_phases:
+        # The A/B of the default: the head's weight gradient computed whole and sent once its
+        # node is done (the hook every other weight gets), not by blocks as they are computed.
+        import ramtorch._stream.rows as stream_rows
+
+        by_blocks = stream_rows.ByRowsBackward
+        stream_rows.ByRowsBackward = None  # the graph walk then hooks the node as any other
+        opts = {**common.get("options", {}), "head_grad": "whole"}
+        for phase in grad_phases:
+            model.train()
+            before, fn = phase_fns(model, x, offloaded=True)[phase]
+            r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
+            for p in model.parameters():
+                p.grad = None
+            records.append({**common, **extra, "phase": phase, "system": "ramtorch", "options": opts, **r})
+            log(name, f"{phase} (head gradient whole)", "ramtorch", r["seconds"])
+        stream_rows.ByRowsBackward = by_blocks
     ab_phases = [p for p in ("forward", "forward_backward") if p in a.phases]
     if (a.whole_head or a.whole_units) and ab_phases:
         # The A/B of the default: the same forward (and forward+backward) with no Linear computed
@@ -756,6 +774,8 @@ def child_args(a: argparse.Namespace, name: str) -> list[str]:
         out.append("--whole-head")
     if a.whole_units:
         out.append("--whole-units")
+    if a.head_grad_whole:
+        out.append("--head-grad-whole")
     return out
 
 
@@ -840,6 +860,13 @@ def main() -> None:
         action="store_true",
         help="an A/B: the forward (and forward+backward) again with no Linear computed by blocks "
         "of rows as its copy lands (the default cuts the LM head); records carry options",
+    )
+    ap.add_argument(
+        "--head-grad-whole",
+        action="store_true",
+        help="an A/B: forward+backward (and accumulating) again with the LM head's weight gradient "
+        "sent whole once its backward is done (the default sends it by blocks of rows as they are "
+        "computed, before the input's gradient); records carry options",
     )
     ap.add_argument(
         "--whole-units",

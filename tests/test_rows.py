@@ -10,7 +10,7 @@ import copy
 import pytest
 import ramtorch
 import torch
-from ramtorch import _offload
+from ramtorch import _engine, _offload
 from ramtorch._stream import rows
 from torch import nn
 
@@ -204,6 +204,68 @@ def test_a_head_run_twice_in_a_pass_and_accumulating_gradients():
     for a, b in zip(ref.parameters(), ours.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
     assert by_rows(ours) >= 4
+
+
+@pytest.mark.parametrize("case", ["fresh", "accumulating", "hooked", "frozen-input"])
+def test_the_head_weight_gradient_leaves_by_blocks_as_computed(device, case, monkeypatch):
+    """The head's weight gradient is computed first and by the forward's blocks of rows, each
+    block's copy queued as soon as the block is computed: gradients, accumulated gradients (the
+    device sum crossing by blocks) and optimizer steps equal torch's. A gradient hook on the
+    weight reads it whole: then it is computed whole and crosses in one copy."""
+    wide, vocab = 64, 1024  # a 256 KiB head: above the size whose gradient waits for a batch
+    calls: list[int] = []
+    sizes: list[int] = []
+    real_push, real_copy = _engine.DeviceEngine.push_grad_by_rows, _engine.DeviceEngine._queue_copy
+
+    def push(self, param, dtype, blocks, fill, *a, **k):
+        calls.append(len(blocks))
+        return real_push(self, param, dtype, blocks, fill, *a, **k)
+
+    def queue(self, dst, src, nbytes, *a, **k):
+        sizes.append(nbytes)
+        return real_copy(self, dst, src, nbytes, *a, **k)
+
+    monkeypatch.setattr(_engine.DeviceEngine, "push_grad_by_rows", push)
+    monkeypatch.setattr(_engine.DeviceEngine, "_queue_copy", queue)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, wide), nn.GELU(), nn.Linear(wide, vocab, bias=False))
+
+    ref, ours = make().to(device), make()
+    ramtorch.offload(ours, device=device)
+    if case == "hooked":
+        for m in (ref, ours):
+            m[2].weight.register_hook(lambda g: g * 2)
+    if case == "frozen-input":
+        for m in (ref, ours):
+            m[0].requires_grad_(False)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for _ in range(2 if case == "accumulating" else 1):
+            x = torch.randn(3, 7, 16, generator=gen).to(device)
+            w = torch.randn(3, 7, vocab, generator=gen).to(device)
+            (ref(x) * w).sum().backward()
+            (ours(x) * w).sum().backward()
+        for a, b in zip(ref.parameters(), ours.parameters()):
+            if a.requires_grad:
+                torch.testing.assert_close(b.grad.to(a.device), a.grad, rtol=1e-5, atol=1e-5)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.detach().to(a.device), a.detach(), rtol=1e-5, atol=1e-5)
+    n = len(rows.blocks_of(ours[2]._ramtorch_unit).blocks)
+    assert n >= 2 and calls == [n] * len(calls) and len(calls) == (6 if case == "accumulating" else 3)
+    block = 4 * wide * rows.blocks_of(ours[2]._ramtorch_unit).blocks[0][1]
+    whole = 4 * wide * vocab
+    if case == "hooked":
+        assert whole in sizes and block not in sizes
+    else:
+        assert block in sizes and whole not in sizes
 
 
 @pytest.mark.gpu

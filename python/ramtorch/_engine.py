@@ -885,31 +885,7 @@ class DeviceEngine:
         nbytes = grad.numel() * grad.element_size()
         small = small_grad(nbytes)  # crosses in a batch (see _add_small)
         pid = id(param)
-        entry = self._pending.get(pid)
-        if entry is None:
-            entry = _Pending(param)
-            prior = param.grad
-            s = self._sums.get(pid)
-            if s is not None and not s.holds(param, prior):
-                self._drop_sum(pid)  # ``.grad`` was emptied, replaced or written since
-                s = None
-            if prior is not None:
-                self._accumulated = True
-                if s is None:
-                    if not self._keep_sums:  # the loop accumulates: keep sums from now on
-                        self._keep_sums = True
-                        self._update_sum_cap()
-                    s = self._start_sum(param, prior, nbytes)
-            if s is not None:
-                # The sum crosses whole into a buffer that becomes ``.grad``'s memory at the end
-                # of backward (not into ``.grad`` itself: a backward that raises leaves it as it was).
-                entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
-                entry.replaces = prior
-            elif prior is None and self._keep_sums and self._sum_room(nbytes):
-                s = self._sums[pid] = _Sum(param)
-                self._sum_bytes += nbytes
-                entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
-            self._pending[pid] = entry  # one step: an interrupt leaves it recorded or not
+        entry = self._pending_entry(param, nbytes, small)
         s = self._sums.get(pid) if entry.target is not None else None
         if s is not None:
             # The running sum, out of place: the sum being copied stays intact until its copy
@@ -940,6 +916,103 @@ class DeviceEngine:
             if not entry.bufs and entry.target is None:
                 del self._pending[pid]
             raise
+
+    def push_grad_by_rows(
+        self,
+        param: torch.nn.Parameter,
+        dtype: torch.dtype,
+        rows: Sequence[tuple[int, int]],
+        fill: Callable[[int, int, torch.Tensor], None],
+        max_inflight: int,
+        tag: int = 0,
+    ) -> torch.Tensor:
+        """:meth:`push_grad` for a gradient computed by blocks of rows: ``fill(r0, r1, out)``
+        writes rows ``r0:r1`` of it (of ``dtype``) into ``out``, and each block's copy is queued as
+        soon as its rows are computed, so the link starts on the first block while the device
+        computes the others. Returns the whole gradient.
+
+        Where the gradient cannot cross as it is computed (gradient hooks or a ZeRO listener read
+        it whole first, it is of another dtype than the parameter, or small), it is computed whole
+        and handed to :meth:`push_grad`."""
+        shape = tuple(param.shape)
+        grad = torch.empty(shape, dtype=dtype, device=self.device)
+        nbytes = grad.numel() * grad.element_size()
+        if (
+            getattr(param, "_backward_hooks", None)
+            or self._listeners
+            or dtype != param.dtype
+            or len(shape) < 1
+            or small_grad(nbytes)
+        ):
+            for r0, r1 in rows:
+                fill(r0, r1, grad[r0:r1])
+            self.push_grad(param, grad, max_inflight, tag)
+            return grad
+        pid = id(param)
+        row_bytes = nbytes // shape[0] if shape[0] else 0
+        entry = self._pending_entry(param, nbytes, False)
+        s = self._sums.get(pid) if entry.target is not None else None
+        if s is not None:
+            src = grad if s.dev is None else torch.empty_like(grad)  # the running sum, out of place
+            dst = entry.target
+        else:
+            src = grad
+            dst = _arena.host_empty(param.shape, param.dtype)
+            entry.bufs.append(dst)
+        assert dst is not None
+        queued = False
+        try:
+            for r0, r1 in rows:
+                fill(r0, r1, grad[r0:r1])
+                if src is not grad:
+                    assert s is not None and s.dev is not None
+                    torch.add(s.dev[r0:r1], grad[r0:r1], out=src[r0:r1])
+                self._queue_copy(dst[r0:r1], src[r0:r1], (r1 - r0) * row_bytes, max_inflight, tag)
+                queued = True
+            if s is not None:
+                s.dev = src
+        except BaseException:
+            if queued:
+                self._core.synchronize()  # blocks already queued write into ``dst``
+            self._drop_sum(pid)  # its device sum may be ahead of ``.grad`` now
+            if entry.bufs and entry.bufs[-1] is dst:
+                entry.bufs.pop()
+            if not entry.bufs and entry.target is None:
+                del self._pending[pid]
+            raise
+        return grad
+
+    def _pending_entry(self, param: torch.nn.Parameter, nbytes: int, small: bool) -> _Pending:
+        """``param``'s record in the running backward, made at its first gradient: where the
+        gradients of this backward go (a device sum crossing into ``target``, or buffers of
+        their own), decided from ``.grad`` and the sums kept."""
+        pid = id(param)
+        entry = self._pending.get(pid)
+        if entry is None:
+            entry = _Pending(param)
+            prior = param.grad
+            s = self._sums.get(pid)
+            if s is not None and not s.holds(param, prior):
+                self._drop_sum(pid)  # ``.grad`` was emptied, replaced or written since
+                s = None
+            if prior is not None:
+                self._accumulated = True
+                if s is None:
+                    if not self._keep_sums:  # the loop accumulates: keep sums from now on
+                        self._keep_sums = True
+                        self._update_sum_cap()
+                    s = self._start_sum(param, prior, nbytes)
+            if s is not None:
+                # The sum crosses whole into a buffer that becomes ``.grad``'s memory at the end
+                # of backward (not into ``.grad`` itself: a backward that raises leaves it as it was).
+                entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
+                entry.replaces = prior
+            elif prior is None and self._keep_sums and self._sum_room(nbytes):
+                s = self._sums[pid] = _Sum(param)
+                self._sum_bytes += nbytes
+                entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
+            self._pending[pid] = entry  # one step: an interrupt leaves it recorded or not
+        return entry
 
     def _queue_copy(
         self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, max_inflight: int, tag: int

@@ -4,7 +4,7 @@ into its slot, and the graph walk that sends each weight's gradient as soon as i
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import _engine
+from . import rows
 from .compiling import run_eagerly
 from .units import _Unit
 
@@ -125,6 +126,22 @@ class _EarlyGrad:
         h.eng.push_grad(u.params[i], g, h.max_inflight, u.tag)
         h._delivered(u, i)
 
+    def by_rows(
+        self,
+        dtype: torch.dtype,
+        blocks: list[tuple[int, int]],
+        fill: Callable[[int, int, torch.Tensor], None],
+    ) -> torch.Tensor:
+        """Called by the node itself (a :class:`~ramtorch._stream.rows._ByRows` backward, which
+        then gets no hook): the weight's gradient, computed by ``fill`` block by block of rows, each
+        block leaving for the host as soon as it is computed (before the node computes its input's
+        gradient). Returns the whole gradient."""
+        h, u, i = self.hooks, self.u, self.i
+        self.fetch.sent.add(i)
+        g = h.eng.push_grad_by_rows(u.params[i], dtype, blocks, fill, h.max_inflight, u.tag)
+        h._delivered(u, i)
+        return g
+
 
 class GradientHooks:
     """The gradient half of :class:`~ramtorch._stream.streamer.Streamer`: early weight gradients
@@ -176,7 +193,11 @@ class GradientHooks:
             # end of the unit's backward, which saves a hook and its call for each.
             if len(edges) == 1 and p.requires_grad and not _engine.small_grad(p.numel() * p.element_size()):
                 node, j = edges[0]
-                node.register_hook(_EarlyGrad(self, u, fetch, i, j))
+                early = _EarlyGrad(self, u, fetch, i, j)
+                if type(node) is rows.ByRowsBackward and j == rows.WEIGHT_INPUT:
+                    node.send_weight_grad = early  # sends the blocks itself, as it computes them
+                else:
+                    node.register_hook(early)
 
     def _delivered(self, u: _Unit, i: int) -> None:
         """Parameter ``i`` of ``u`` got its gradient from one more forward of the step; once every

@@ -11,8 +11,11 @@ rows each, with an event after each part (the engine's ``prefetch(parts=...)``);
 computes the output's columns block by block, each after the part that holds its rows
 (``claim_part``), the first while the others are still crossing. What is left after the last byte
 is one block's product. Each block's product is written into its columns of the output in place
-(``torch.mm(..., out=...)`` with the output's row stride), and the backward is
-``F.linear``'s, made of the same products.
+(``torch.mm(..., out=...)`` with the output's row stride). The backward is ``F.linear``'s, made of
+the same products, with the weight's gradient first and by the same blocks: each block leaves for
+the host as soon as it is computed (the engine's ``push_grad_by_rows``), so the gradients' copies
+down start a block's product after the LM head's backward begins rather than after all of it, and
+the input's gradient is computed while they cross.
 
 The module's class becomes :class:`RowsLinear` (an ``nn.Linear`` with this forward; its state,
 ``repr`` and ``isinstance`` are ``nn.Linear``'s) while it streams. A forward runs by blocks only
@@ -254,17 +257,39 @@ class _ByRows(torch.autograd.Function):
             wait_all()  # what follows on this stream may read any of the unit's bytes
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
+        ctx.rows = [(r0, r1) for r0, r1, _ in blocks.blocks]
+        # Set by the unit's graph walk when the weight's gradient leaves early (see
+        # ``functions._EarlyGrad.by_rows``): this node then sends it itself, block by block.
+        ctx.send_weight_grad = None
         return out.view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         x, w = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = g2.mm(w).view(x.shape)
+        # The weight's gradient first, by the forward's blocks of rows, each block sent to the host
+        # as soon as it is computed: at the turn from forward to backward (the LM head's backward
+        # comes first) nothing else is there for the link to carry, and the input's gradient is
+        # computed while the first blocks cross.
         if ctx.needs_input_grad[1]:
-            gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
+            send = ctx.send_weight_grad
+            if send is None:
+                gw = g2.t().mm(x2)
+            else:
+
+                def fill(r0: int, r1: int, out: torch.Tensor) -> None:
+                    torch.mm(g2[:, r0:r1].t(), x2, out=out)
+
+                gw = send.by_rows(g2.dtype, ctx.rows, fill)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
+        if ctx.needs_input_grad[0]:
+            gx = g2.mm(w).view(x.shape)
         return gx, gw, gb, None
+
+
+#: The node of a forward computed by rows, and the position of the weight among its inputs.
+ByRowsBackward = _ByRows._backward_cls
+WEIGHT_INPUT = 1
