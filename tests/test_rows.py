@@ -206,12 +206,16 @@ def test_a_head_run_twice_in_a_pass_and_accumulating_gradients():
     assert by_rows(ours) >= 4
 
 
-@pytest.mark.parametrize("case", ["fresh", "accumulating", "hooked", "frozen-input"])
+@pytest.mark.parametrize(
+    "case", ["fresh", "accumulating", "hooked", "frozen-input", "ramtorch-optim", "opaque-listener"]
+)
 def test_the_head_weight_gradient_leaves_by_blocks_as_computed(device, case, monkeypatch):
     """The head's weight gradient is computed first and by the forward's blocks of rows, each
     block's copy queued as soon as the block is computed: gradients, accumulated gradients (the
-    device sum crossing by blocks) and optimizer steps equal torch's. A gradient hook on the
-    weight reads it whole: then it is computed whole and crosses in one copy."""
+    device sum crossing by blocks) and optimizer steps equal torch's, with torch's optimizer or
+    ramtorch's (an engine listener that reduces nothing here). A gradient hook on the weight, or
+    a listener that cannot say whether it reduces the gradient, reads it whole: then it is
+    computed whole and crosses in one copy."""
     wide, vocab = 64, 1024  # a 256 KiB head: above the size whose gradient waits for a batch
     calls: list[int] = []
     sizes: list[int] = []
@@ -240,8 +244,26 @@ def test_the_head_weight_gradient_leaves_by_blocks_as_computed(device, case, mon
     if case == "frozen-input":
         for m in (ref, ours):
             m[0].requires_grad_(False)
+    if case == "opaque-listener":
+
+        class Opaque:  # no ``reduces_grad``: taken to read every gradient whole
+            def on_grads(self, _eng, _params):
+                pass
+
+            def reduce_grad(self, _param, _grad):
+                return None
+
+            def before_finish(self, _eng):
+                pass
+
+            def after_finish(self):
+                pass
+
+        listener = Opaque()
+        ours._ramtorch_streamer.eng.add_listener(listener)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    make_opt = ramtorch.optim.AdamW if case == "ramtorch-optim" else torch.optim.AdamW
+    opt = make_opt(ours.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         for _ in range(2 if case == "accumulating" else 1):
@@ -258,11 +280,13 @@ def test_the_head_weight_gradient_leaves_by_blocks_as_computed(device, case, mon
         opt.zero_grad()
     for a, b in zip(ref.parameters(), ours.parameters()):
         torch.testing.assert_close(b.detach().to(a.device), a.detach(), rtol=1e-5, atol=1e-5)
+    if case == "ramtorch-optim":
+        assert opt in set(ours._ramtorch_streamer.eng._listeners)  # it listened to the backward
     n = len(rows.blocks_of(ours[2]._ramtorch_unit).blocks)
     assert n >= 2 and calls == [n] * len(calls) and len(calls) == (6 if case == "accumulating" else 3)
     block = 4 * wide * rows.blocks_of(ours[2]._ramtorch_unit).blocks[0][1]
     whole = 4 * wide * vocab
-    if case == "hooked":
+    if case in ("hooked", "opaque-listener"):
         assert whole in sizes and block not in sizes
     else:
         assert block in sizes and whole not in sizes

@@ -931,7 +931,7 @@ class DeviceEngine:
         soon as its rows are computed, so the link starts on the first block while the device
         computes the others. Returns the whole gradient.
 
-        Where the gradient cannot cross as it is computed (gradient hooks or a ZeRO listener read
+        Where the gradient cannot cross as it is computed (gradient hooks or a ZeRO-2 listener read
         it whole first, it is of another dtype than the parameter, or small), it is computed whole
         and handed to :meth:`push_grad`."""
         shape = tuple(param.shape)
@@ -939,7 +939,7 @@ class DeviceEngine:
         nbytes = grad.numel() * grad.element_size()
         if (
             getattr(param, "_backward_hooks", None)
-            or self._listeners
+            or (self._listeners and self._reduced(param))
             or dtype != param.dtype
             or len(shape) < 1
             or small_grad(nbytes)
@@ -981,6 +981,15 @@ class DeviceEngine:
                 del self._pending[pid]
             raise
         return grad
+
+    def _reduced(self, param: torch.nn.Parameter) -> bool:
+        """Whether a listener reads ``param``'s gradients whole before they leave (ZeRO-2 reduces
+        them onto their owner: ``reduce_grad``): one that cannot say is taken to."""
+        for listener in list(self._listeners):
+            reduces = getattr(listener, "reduces_grad", None)
+            if reduces is None or reduces(param):
+                return True
+        return False
 
     def _pending_entry(self, param: torch.nn.Parameter, nbytes: int, small: bool) -> _Pending:
         """``param``'s record in the running backward, made at its first gradient: where the
@@ -1374,7 +1383,9 @@ class DeviceEngine:
     def add_listener(self, listener: Any) -> None:
         """``listener.on_grads(engine, params)`` is called during backward when every gradient of
         ``params`` for this backward is on its way to the host; ``listener.before_finish(engine)`` before
-        the gradients are written to ``.grad``."""
+        the gradients are written to ``.grad``; ``listener.reduce_grad(param, grad)`` with each
+        gradient before it leaves, whole, unless ``listener.reduces_grad(param)`` says it has
+        nothing to do with ``param``'s (then a gradient may leave by parts as it is computed)."""
         self._listeners.add(listener)
 
     def grads_complete(self, params: list[torch.nn.Parameter]) -> None:

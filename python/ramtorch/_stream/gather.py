@@ -505,6 +505,10 @@ class RowGrads:
     def on_grads(self, eng: _engine.DeviceEngine, params: Sequence[nn.Parameter]) -> None:
         """(Engine listener) nothing: the optimizers listen to the hand-off."""
 
+    def reduces_grad(self, p: torch.Tensor) -> bool:
+        """(Engine listener) no gradient is reduced."""
+        return False
+
     def reduce_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool | None:
         """(Engine listener) nothing to reduce."""
         return None

@@ -245,13 +245,20 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
         self._clip_request = (norm, max_norm)
         return torch.tensor(norm, dtype=torch.float32)
 
+    def reduces_grad(self, p: torch.Tensor) -> bool:
+        """Whether :meth:`reduce_grad` reads ``p``'s gradients (ZeRO-2's, of the parameters it
+        shards)."""
+        zero = self._zero
+        return zero is not None and zero.stage == 2 and id(p) in zero.owner
+
     def reduce_grad(self, p: torch.Tensor, grad: torch.Tensor) -> bool | None:
         """Called by the engine with each gradient of a streamed parameter on the compute device,
         before it leaves for the host. ZeRO-2 reduces it there, onto its owner (over NVLink/PCIe
         with NCCL, not through host RAM); returns whether this rank keeps it (None: not ours)."""
         zero = self._zero
-        if zero is None or zero.stage != 2 or id(p) not in zero.owner:
+        if not self.reduces_grad(p):
             return None
+        assert zero is not None
         zero.reduce_one(p, grad)
         self._reduced_dev.add(id(p))
         return zero.owns(p)
