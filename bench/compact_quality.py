@@ -328,6 +328,81 @@ def run_minilm_mlm(precision: str, args: argparse.Namespace) -> dict[str, object
     }
 
 
+def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, object]:
+    """A MiniLM-shaped BERT (:func:`minilm_config`, random initialisation of ``--seed``, bf16
+    weights) trained to reproduce another one's last hidden states (a teacher of the same shape,
+    random initialisation of seed ``--seed`` + 1000, float32, frozen): mean squared error over
+    every position of sequences of ``--seq`` ids drawn uniformly from the first ``--task-vocab``.
+    A regression onto a fixed continuous target, which the student approaches gradually (it
+    learns the teacher's token-wise map first and its attention after), rather than a rule
+    learned at a step that varies from run to run. Learning rate (``--minilm-lr``): linear
+    warm-up over the first tenth, then a cosine to a tenth of the peak. Returns its record."""
+    import math
+
+    from transformers import BertModel
+
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed + 1000)
+    teacher = BertModel(minilm_config(), add_pooling_layer=False).eval().to(device)
+    torch.manual_seed(args.seed)
+    model = BertModel(minilm_config(), add_pooling_layer=False).to(torch.bfloat16)
+    ramtorch.offload(model, device=device)
+    opt = ramtorch.optim.AdamW(model.parameters(), lr=args.minilm_lr, weight_decay=0.01, precision=precision)
+    warmup = max(1, args.steps // 10)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return args.minilm_lr * (step + 1) / warmup
+        t = (step - warmup) / max(1, args.steps - warmup)
+        return args.minilm_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    def loss_of(ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(device)
+        with torch.no_grad():
+            target = teacher(input_ids=ids).last_hidden_state
+        return F.mse_loss(model(input_ids=ids).last_hidden_state.float(), target)
+
+    def batch(gen: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, args.task_vocab, (args.batch, args.seq), generator=gen)
+
+    gen = torch.Generator().manual_seed(args.seed)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss = loss_of(batch(gen))
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ramtorch.synchronize()
+    seconds = time.perf_counter() - t0
+    eval_gen = torch.Generator().manual_seed(args.seed + 1)
+    with torch.no_grad():
+        held_out = [loss_of(batch(eval_gen)).item() for _ in range(EVAL_BATCHES)]
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "workload": "minilm-distill",
+        "phase": "quality",
+        "system": "ramtorch",
+        "device": str(device),
+        "optimizer": OPTIMIZERS[precision],
+        "precision": precision,
+        "params": params,
+        "weights": "bfloat16",
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "task_vocab": args.task_vocab,
+        "lr": args.minilm_lr,
+        "final_train_loss": sum(losses[-LAST:]) / min(LAST, len(losses)),
+        "held_out_loss": sum(held_out) / len(held_out),
+        "seconds": seconds,
+        "losses": losses,
+    }
+
+
 def svg(records: list[dict[str, object]], title: str) -> str:
     """A line plot of each record's losses (a 20-step moving average), hand-written SVG."""
     w, h, pad = 720, 420, 60
@@ -396,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workload", choices=["bytelm", "minilm", "minilm-mlm"], default="bytelm")
+    workloads = ["bytelm", "minilm", "minilm-mlm", "minilm-distill"]
+    p.add_argument("--workload", choices=workloads, default="bytelm")
     p.add_argument("--task-vocab", type=int, default=2000, help="minilm: the ids its sequences draw from")
     p.add_argument("--minilm-lr", type=float, default=1e-4, help="minilm: the peak learning rate")
     p.add_argument(
@@ -404,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--mask-prob", type=float, default=0.15, help="minilm-mlm: the share of positions masked")
     p.add_argument(
-        "--device", default="cpu", help="minilm-mlm: the compute device (the updates stay on the host)"
+        "--device",
+        default="cpu",
+        help="minilm-mlm, minilm-distill: the compute device (the updates stay on the host)",
     )
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     args = p.parse_args(argv)
@@ -419,8 +497,10 @@ def main(argv: list[str] | None = None) -> int:
             r = run(precision, args, data)
         elif args.workload == "minilm":
             r = run_minilm(precision, args)
-        else:
+        elif args.workload == "minilm-mlm":
             r = run_minilm_mlm(precision, args)
+        else:
+            r = run_minilm_distill(precision, args)
         r.update(commit=commit, command=command, threads=torch.get_num_threads())
         print(
             f"{precision}: last {LAST} steps {r['final_train_loss']:.4f}, held out {r['held_out_loss']:.4f}, "
@@ -439,9 +519,10 @@ def main(argv: list[str] | None = None) -> int:
         "bytelm": "byte LM",
         "minilm": "MiniLM-shaped BERT, synthetic classification",
         "minilm-mlm": "MiniLM-shaped BERT, masked LM on a Markov chain",
+        "minilm-distill": "MiniLM-shaped BERT distilled from another",
     }[args.workload]
     where = "CPU"
-    if args.workload == "minilm-mlm" and args.device != "cpu":
+    if args.workload.startswith("minilm-") and args.device != "cpu":
         where = f"{args.device} (updates on the host)"
     title = f"{what}, {ref['params'] / 1e6:.2f} M params, bf16 weights, {where}: AdamW fp32-master vs compact"
     args.out.with_suffix(".svg").write_text(svg(records, title))
