@@ -296,6 +296,66 @@ def test_the_head_weight_gradient_leaves_by_blocks_as_computed(device, case, mon
         assert block in sizes and whole not in sizes
 
 
+@pytest.mark.parametrize("accumulating", [False, True], ids=["fresh", "accumulating"])
+def test_a_head_backward_failing_between_blocks_leaves_grad_as_it_was(accumulating, monkeypatch):
+    """The head's gradient fails after some of its blocks were queued (an out-of-memory error in a
+    block's product): the backward raises that error, ``.grad`` is what it was before it (no
+    block landed in it; a device sum that may hold some is dropped), and the next backwards
+    are torch's."""
+    wide, vocab = 64, 1024
+    real_push = _engine.DeviceEngine.push_grad_by_rows
+    fail = {"on": False}
+
+    class Boom(Exception):
+        pass
+
+    def push(self, param, dtype, blocks, fill, *a, **k):
+        def failing(r0, r1, out):
+            if fail["on"] and r0 > 0:
+                raise Boom
+            fill(r0, r1, out)
+
+        return real_push(self, param, dtype, blocks, failing, *a, **k)
+
+    monkeypatch.setattr(_engine.DeviceEngine, "push_grad_by_rows", push)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, wide), nn.GELU(), nn.Linear(wide, vocab, bias=False))
+
+    ref, ours = make(), make()
+    ramtorch.offload(ours, device="cpu")
+    monkeypatch.setattr(ours._ramtorch_streamer.eng, "_listeners", weakref.WeakSet())
+    gen = torch.Generator().manual_seed(1)
+
+    def both() -> None:
+        x, w = torch.randn(3, 16, generator=gen), torch.randn(3, vocab, generator=gen)
+        (ref(x) * w).sum().backward()
+        (ours(x) * w).sum().backward()
+
+    for _ in range(2 if accumulating else 1):  # two: the engine keeps device sums from then on
+        both()
+    if not accumulating:
+        ref.zero_grad()
+        ours.zero_grad()
+    before = {n: None if p.grad is None else p.grad.clone() for n, p in ours.named_parameters()}
+    fail["on"] = True
+    x = torch.randn(3, 16, generator=gen)
+    with pytest.raises(Boom):
+        (ours(x) * torch.randn(3, vocab, generator=gen)).sum().backward()
+    fail["on"] = False
+    ramtorch.synchronize()
+    for n, p in ours.named_parameters():
+        if before[n] is None:
+            assert p.grad is None
+        else:
+            assert torch.equal(p.grad, before[n])
+    for _ in range(2):
+        both()
+        for a, b in zip(ref.parameters(), ours.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_a_large_head_by_rows_on_cuda(monkeypatch):
     """At the real thresholds: a 128 MiB bf16 head is cut, its logits and gradients are torch's
