@@ -356,6 +356,60 @@ def test_a_head_backward_failing_between_blocks_leaves_grad_as_it_was(accumulati
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_under_autocast_a_head_of_autocasts_dtype_goes_by_rows_as_torch(device, bias, monkeypatch):
+    """Under autocast (a training loop's ``torch.autocast(dtype=torch.bfloat16)``, as the
+    Trainer's ``bf16=True`` runs it) a bf16 head is cut as without it: its input, float32 out of
+    a LayerNorm that autocast runs in float32, is cast to bf16 as autocast casts a linear's
+    input, and the weight's gradient leaves by blocks. Outputs, gradients and optimizer steps
+    are those of the same model resident under the same autocast."""
+    pushed: list[int] = []
+    real_push = _engine.DeviceEngine.push_grad_by_rows
+
+    def push(self, param, dtype, blocks, fill, *a, **k):
+        pushed.append(len(blocks))
+        return real_push(self, param, dtype, blocks, fill, *a, **k)
+
+    monkeypatch.setattr(_engine.DeviceEngine, "push_grad_by_rows", push)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 1024, bias=bias)).to(
+            torch.bfloat16
+        )
+
+    ref, ours = make().to(device), make()
+    ramtorch.offload(ours, device=device)
+    monkeypatch.setattr(ours._ramtorch_streamer.eng, "_listeners", weakref.WeakSet())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    kind = torch.device(device).type
+    steps = 3
+    for _ in range(steps):
+        x = torch.randn(3, 5, 16, generator=gen).to(device)
+        w = torch.randn(3, 5, 1024, generator=gen).to(device)
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            y_ref, y = ref(x), ours(x)
+        assert y.dtype == y_ref.dtype == torch.bfloat16
+        torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+        (y_ref.float() * w).sum().backward()
+        (y.float() * w).sum().backward()
+        for a, b in zip(ref.parameters(), ours.parameters()):
+            assert b.grad.dtype == a.grad.dtype
+            torch.testing.assert_close(b.grad.to(a.device).float(), a.grad.float(), rtol=3e-2, atol=3e-2)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.detach().to(a.device).float(), a.detach().float(), rtol=2e-2, atol=2e-2)
+    cut = rows.blocks_of(ours[2]._ramtorch_unit) is not None
+    assert cut == (not bias or _bias_first(ours[2]._ramtorch_unit))
+    assert by_rows(ours) == (steps if cut else 0)
+    assert len(pushed) == (steps if cut else 0)
+
+
 @pytest.mark.gpu
 def test_a_large_head_by_rows_on_cuda(monkeypatch):
     """At the real thresholds: a 128 MiB bf16 head is cut, its logits and gradients are torch's

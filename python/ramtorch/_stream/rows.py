@@ -19,13 +19,14 @@ the input's gradient is computed while they cross.
 
 The module's class becomes :class:`RowsLinear` (an ``nn.Linear`` with this forward; its state,
 ``repr`` and ``isinstance`` are ``nn.Linear``'s) while it streams. A forward runs by blocks only
-where nothing else can read the weight in between: one input of the weight's dtype on its device,
-no autocast, no other hooks, not a recomputation; else the unit's copy is waited for whole, as for
-any unit. Traced by ``torch.compile``, the forward waits for the whole copy before the graph's
-product (:func:`settle`, a graph break). The kernel that computes a block's product may round
-differently from the one that computes the whole product (as cuBLAS's choices may from run to
-run): under ``torch.use_deterministic_algorithms(True)``, where the offloaded model's outputs are
-bitwise the resident model's, the forward is never cut.
+where nothing else can read the weight in between: one input of the weight's dtype on its device
+(under autocast, of any floating dtype where the weight has autocast's dtype: the input is then
+cast to it, as autocast casts a linear's inputs), no other hooks, not a recomputation; else the
+unit's copy is waited for whole, as for any unit. Traced by ``torch.compile``, the forward waits
+for the whole copy before the graph's product (:func:`settle`, a graph break). The kernel that
+computes a block's product may round differently from the one that computes the whole product
+(as cuBLAS's choices may from run to run): under ``torch.use_deterministic_algorithms(True)``,
+where the offloaded model's outputs are bitwise the resident model's, the forward is never cut.
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def by_rows(u: _Unit, module: nn.Module, args: tuple, kwargs: dict, device: torc
 
 def takes(module: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> bool:
     """Whether ``module``'s forward on ``args`` can be computed by blocks of rows: a
-    :class:`RowsLinear` given one input of its weight's dtype on ``device``, no autocast, no
-    hooks but the unit's two, not under deterministic algorithms."""
+    :class:`RowsLinear` given one input on ``device`` of its weight's dtype (under autocast, of
+    any floating dtype where the weight has autocast's: :func:`compute_dtype`), no hooks but the
+    unit's two, not under deterministic algorithms."""
     if type(module) is not RowsLinear or "forward" in module.__dict__ or kwargs or len(args) != 1:
         return False
     if torch.are_deterministic_algorithms_enabled():
@@ -160,10 +162,9 @@ def takes(module: nn.Module, args: tuple, kwargs: dict, device: torch.device) ->
     if (
         type(x) is not torch.Tensor
         or x.device != device
-        or x.dtype != weight.dtype
         or x.dim() < 2
         or x.shape[-1] != weight.shape[1]
-        or torch.is_autocast_enabled(device.type)
+        or compute_dtype(module, x) is None
     ):
         return False
     # Nothing may read the weight between the pre-hook and the forward, nor after the forward
@@ -172,6 +173,21 @@ def takes(module: nn.Module, args: tuple, kwargs: dict, device: torch.device) ->
         return False
     hooks = nn.modules.module
     return not (hooks._global_forward_pre_hooks or hooks._global_forward_hooks)
+
+
+def compute_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``module``'s product on input ``x`` computes in, where it can go by rows: the
+    weight's, for an input of that dtype; under autocast, the autocast dtype where the weight
+    (and bias) have it already, a floating-point input then cast to it as autocast casts a
+    linear's inputs. ``None`` otherwise (another op would run: a cast weight, a promoted input),
+    and the product goes whole."""
+    weight, bias = module.weight, module.bias
+    if not torch.is_autocast_enabled(x.device.type):
+        return weight.dtype if x.dtype == weight.dtype else None
+    dt = torch.get_autocast_dtype(x.device.type)
+    if weight.dtype != dt or (bias is not None and bias.dtype != dt) or not x.is_floating_point():
+        return None
+    return dt
 
 
 class RowsLinear(nn.Linear):
@@ -192,7 +208,14 @@ class RowsLinear(nn.Linear):
         if armed is None:
             return F.linear(input, self.weight, self.bias)
         self.__dict__["_ramtorch_armed"] = None
-        return _ByRows.apply(input, self.weight, self.bias, armed)
+        dt = compute_dtype(self, input)
+        if dt is None:  # (the pre-hook saw the input, so this does not happen)
+            settle_armed(armed)
+            return F.linear(input, self.weight, self.bias)
+        if input.dtype != dt:
+            input = input.to(dt)  # what autocast does to a linear's input (the weight has dt)
+        with torch.autocast(input.device.type, enabled=False):  # the products take dt as given
+            return _ByRows.apply(input, self.weight, self.bias, armed)
 
 
 RowsLinear.__name__ = RowsLinear.__qualname__ = "Linear"  # prints as the nn.Linear it stands for
@@ -216,6 +239,11 @@ def release(module: nn.Module) -> None:
 
 def arm(module: nn.Module, armed: tuple[Callable[[int], None], Callable[[], None], Blocks]) -> None:
     module.__dict__["_ramtorch_armed"] = armed
+
+
+def settle_armed(armed: tuple[Callable[[int], None], Callable[[], None], Blocks]) -> None:
+    """Waits (on the current stream) for the whole copy that ``armed`` stands for."""
+    armed[1]()
 
 
 def settle(module: nn.Module) -> None:
