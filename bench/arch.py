@@ -816,8 +816,11 @@ def table(records: list[dict[str, Any]]) -> str:
         workload = r["workload"]
         if "lora_rank" in r:
             workload += f" (LoRA r={r['lora_rank']}, {r['base']} base)"
+        system = r["system"]
+        if r.get("options"):  # an A/B beside the default
+            system += " (" + ", ".join(f"{k} {v}" for k, v in r["options"].items()) + ")"
         rows.append(
-            f"| {workload} | {r['phase']} | {r['system']} | {r['tokens']} | {r['layers']} | "
+            f"| {workload} | {r['phase']} | {system} | {r['tokens']} | {r['layers']} | "
             f"{r['params'] / 1e9:.2f}e9 | {ms(r.get('seconds'))} | {ms(r.get('limit_seconds'))} | "
             f"{ms(parts.get('link_seconds'))} | {ms(parts.get('compute_seconds'))} | "
             f"{'' if ratio is None else f'{ratio:.3f}'} | {r.get('gpu_peak_bytes', 0) / 2**30:.2f} |"
