@@ -122,6 +122,8 @@ class _EarlyGrad:
         if g is None:
             return  # not needed by this backward: _Fetch's backward does not run either
         h, u, i = self.hooks, self.u, self.i
+        if not u.early_grads:
+            return  # a create_graph backward reached the weight by another path: _Fetch sends the sum
         self.fetch.sent.add(i)
         h.eng.push_grad(u.params[i], g, h.max_inflight, u.tag)
         h._delivered(u, i)
@@ -244,11 +246,27 @@ class GradientHooks:
 
     def _unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, _SlotRef):
+            if torch.is_grad_enabled():
+                self._second_path(obj.unit)
             return self.weight_for_backward(obj)
         if type(obj) is _SubRef:
+            if torch.is_grad_enabled():
+                for ref in obj.inner.values():
+                    if isinstance(ref, _SlotRef):
+                        self._second_path(ref.unit)
             inner = {n: self._unpack(x) for n, x in obj.inner.items()}
             return obj.cls.__tensor_unflatten__(inner, obj.ctx, obj.size, obj.stride)  # type: ignore[attr-defined]
         return obj
+
+    @staticmethod
+    def _second_path(u: _Unit) -> None:
+        """A backward with ``create_graph`` (a gradient penalty's) unpacks one of ``u``'s weights
+        as saved: the graph it records reaches that weight's ``_Fetch`` output directly, not
+        through the node that consumed it in the forward, so a later backward brings the weight's
+        gradient by two paths. The hook on the consuming node would send only the one through
+        it, and ``_Fetch``'s backward drop the other as sent: from now on the unit's gradients
+        leave from ``_Fetch``, which receives their sum."""
+        u.early_grads = False
 
     def weight_for_backward(self, ref: _SlotRef) -> torch.Tensor:
         u = ref.unit

@@ -302,7 +302,11 @@ class _ByRows(torch.autograd.Function):
         # comes first) nothing else is there for the link to carry, and the input's gradient is
         # computed while the first blocks cross.
         if ctx.needs_input_grad[1]:
-            send = ctx.send_weight_grad
+            # (With ``create_graph`` the products are recorded, which ``out=`` forbids: whole.
+            # A unit whose weights a create_graph backward reached sends none early.)
+            send = None if torch.is_grad_enabled() else ctx.send_weight_grad
+            if send is not None and not send.u.early_grads:
+                send = None
             if send is None:
                 gw = g2.t().mm(x2)
             else:

@@ -550,6 +550,11 @@ class _Unit:
         self.ready_numel = 0
         self.done = 0
         self.trainable = 0
+        # Whether its weights' gradients may leave from the node that consumes each one (the
+        # graph walk's hooks) rather than only from its ``_Fetch`` node: cleared for good once a
+        # backward with ``create_graph`` unpacks one of its weights (see
+        # ``GradientHooks._unpack``), whose graph then reaches the weight by a second path.
+        self.early_grads = True
 
     def per_layout(self, name: str, make: Callable[[_Unit], Any]) -> Any:
         """``make(self)``, kept under ``name`` while the unit's layout is the one it was made for
