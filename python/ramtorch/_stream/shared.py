@@ -29,7 +29,7 @@ from .. import _core, _engine
 from . import gather
 from .compiling import is_compiling, opaque, run_eagerly
 from .streamer import PassState, Streamer, inside_ddp_forward, refuse_ddp
-from .units import _packed_bytes, _Unit, check_streamable
+from .units import _packed_bytes, _Unit, check_streamable, is_override
 
 
 class LayerStreamer(Streamer):
@@ -136,7 +136,14 @@ class LayerStreamer(Streamer):
         """Takes ``module``'s parameters again if one was replaced or removed since the unit was
         packed (``layer.weight = nn.Parameter(...)``, ``load_state_dict(..., assign=True)``,
         ``layer.bias = None``): the unit is packed again, with what the module holds now."""
-        now = [(n, p) for n, p in module._parameters.items() if p is not None]
+        # A tensor torch.func.functional_call put in for one call is not a replacement: the unit
+        # keeps its own parameter (units.is_override).
+        own = {e.name: u.params[e.index] for e in u.entries}
+        now = [
+            (n, own.get(n, p) if is_override(p) else p)
+            for n, p in module._parameters.items()
+            if p is not None
+        ]
         if len(now) == len(u.entries) and all(
             e.name == n and u.params[e.index] is p for e, (n, p) in zip(u.entries, now)
         ):

@@ -426,6 +426,20 @@ class Streamer(Prefetcher, GradientHooks):
         if self.touched and not recompute and PassState.FORWARD not in self.state:
             with self.lock:
                 added.check(self)  # a unit run on its own
+        # Tensors that ``torch.func.functional_call`` put in for this call stand for those
+        # parameters (units.is_override): the module computes on them, and only the unit's
+        # other parameters stream. Given them all, nothing streams (nor goes through autograd
+        # functions of ours, so torch.func's transforms work over the call).
+        over = frozenset() if recompute or u.fwd or u.bwd is not None else u.overridden()
+        if over:
+            if len(over) == len(u.entries):
+                return args, kwargs
+            if u.gather:
+                raise RuntimeError(
+                    f"ramtorch.offload: unit {u.name!r} streams its table by rows, and a call "
+                    "(torch.func.functional_call) gave some of its parameters but not all; give "
+                    "all of them or none"
+                )
         if u.gather:
             gathered = self._gather_forward(u, module, args, kwargs, recompute)
             if gathered is not None:
@@ -435,10 +449,10 @@ class Streamer(Prefetcher, GradientHooks):
         rng = _profile.begin(f"ramtorch.forward {u.name}") if _profile.active() else None
         # A large Linear computed by blocks of rows as they land (.rows): its copy is waited for
         # part by part in its forward, not here.
-        blocks = None if recompute or traced else rows.by_rows(u, module, args, kwargs, self.device)
+        blocks = None if recompute or traced or over else rows.by_rows(u, module, args, kwargs, self.device)
         # A large unit of torch's layers computed by parts as they land (.parts): each layer's
         # forward waits for its own part (its first forward in a mode waits for all, watched).
-        cut = None if recompute or traced or blocks is not None else parts.by_parts(u, module)
+        cut = None if recompute or traced or over or blocks is not None else parts.by_parts(u, module)
         with self.lock:
             if recompute:
                 if u.bwd is None:
@@ -542,8 +556,9 @@ class Streamer(Prefetcher, GradientHooks):
             # never bytes that have not landed.
             u.parts_armed.append(dev)
         else:
-            for e in u.entries:
-                e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
+            for k, e in enumerate(u.entries):
+                if k not in over:  # (a tensor given for the call stays: the module computes on it)
+                    e.owner._parameters[e.name] = dev[e.index]  # type: ignore[assignment]
         if cut is not None and cut[1]:
             weights: dict[int, set[int]] = {}
             for e in u.entries:

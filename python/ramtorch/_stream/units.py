@@ -454,6 +454,15 @@ class UnitState(enum.Flag):
     BACKWARD = enum.auto()
 
 
+def is_override(t: object) -> bool:
+    """Whether ``t``, found in a module's ``_parameters`` while its unit does not run, was put
+    there for one call by ``torch.func.functional_call`` (``torch.nn.utils.stateless``), which
+    swaps plain tensors in for parameters and swaps the parameters back after the call: a tensor
+    that is not a ``Parameter`` (``module.weight = tensor`` is refused by torch, so nothing else
+    puts one there)."""
+    return isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+
+
 class _Unit:
     """One streamed (or resident) unit."""
 
@@ -555,6 +564,13 @@ class _Unit:
         # backward with ``create_graph`` unpacks one of its weights (see
         # ``GradientHooks._unpack``), whose graph then reaches the weight by a second path.
         self.early_grads = True
+
+    def overridden(self) -> frozenset[int]:
+        """Positions in ``entries`` whose module holds a tensor ``functional_call`` put in for the
+        running call (see :func:`is_override`); call it only while the unit does not run."""
+        return frozenset(
+            k for k, e in enumerate(self.entries) if is_override(e.owner._parameters.get(e.name))
+        )
 
     def per_layout(self, name: str, make: Callable[[_Unit], Any]) -> Any:
         """``make(self)``, kept under ``name`` while the unit's layout is the one it was made for
@@ -810,16 +826,19 @@ class _Unit:
         unit holds (weights tied after ``offload``), is a ``RuntimeError``."""
         params = self.params
         for e in self.entries:
-            if e.owner._parameters.get(e.name) is not params[e.index]:
+            p = e.owner._parameters.get(e.name)
+            if p is not params[e.index] and not is_override(p):
                 break
         else:
-            return False
+            return False  # (a tensor functional_call put in for one call is not a replacement)
         own = {id(p) for p in params}
         new: list[nn.Parameter] = []
         seen: dict[int, int] = {}
         entries = []
         for e in self.entries:
             p = e.owner._parameters.get(e.name)
+            if is_override(p):
+                p = params[e.index]  # for one call: the unit keeps its own
             if p is None:
                 raise RuntimeError(
                     f"ramtorch.offload: parameter {e.name!r} of unit {self.name!r} was removed after "

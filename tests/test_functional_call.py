@@ -1,0 +1,86 @@
+"""``torch.func.functional_call`` on an offloaded model: the tensors given for the call stand for
+those parameters (the module computes on them; the unit's other parameters stream), gradients
+reach both, the model is itself again after the call, and ``torch.func``'s transforms work over a
+call given every parameter. Against the same calls on plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import ramtorch
+import ramtorch.nn as rnn
+import torch
+from torch import nn
+from torch.func import functional_call, grad
+
+
+def mlp(linear: type[nn.Module] = nn.Linear) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(linear(12, 256), nn.Tanh(), linear(256, 128), nn.Tanh(), linear(128, 3))
+
+
+def twins(kind: str) -> tuple[nn.Module, nn.Module]:
+    if kind == "per-layer":
+        return mlp(), mlp(rnn.Linear)
+    ref, ours = mlp(), mlp()
+    ramtorch.offload(ours, device="cpu")
+    return ref, ours
+
+
+KINDS = ["offload", "per-layer"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("given", ["all", "some"])
+def test_functional_call_computes_on_the_given_tensors(kind, given):
+    ref, ours = twins(kind)
+    names = [n for n, _ in ref.named_parameters()]
+    chosen = names if given == "all" else names[::2]
+    gen = torch.Generator().manual_seed(1)
+    shapes = {n: p.shape for n, p in ref.named_parameters()}
+    new = {n: torch.randn(shapes[n], generator=gen).requires_grad_() for n in chosen}
+    mine = {n: t.detach().clone().requires_grad_() for n, t in new.items()}
+    x = torch.randn(5, 12, generator=gen)
+    y_ref = functional_call(ref, new, (x,))
+    y = functional_call(ours, mine, (x,))
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    y_ref.square().sum().backward()
+    y.square().sum().backward()
+    for n in chosen:  # the given tensors get their gradients
+        torch.testing.assert_close(mine[n].grad, new[n].grad, rtol=1e-5, atol=1e-6)
+    for (n, a), b in zip(ref.named_parameters(), ours.parameters()):  # the model's, for the rest
+        if n in chosen:
+            assert a.grad is None and b.grad is None, n
+        else:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+    # The model is itself again: its own parameters, trained as torch's.
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for _ in range(2):
+        x = torch.randn(5, 12, generator=gen)
+        ref(x).square().mean().backward()
+        ours(x).square().mean().backward()
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_func_grad_over_functional_call(kind):
+    """``torch.func.grad`` of a loss of ``functional_call`` given every parameter (a MAML inner
+    step, per-sample gradients): nothing of ramtorch's runs inside the transform."""
+    ref, ours = twins(kind)
+    x = torch.randn(5, 12)
+
+    def loss(model: nn.Module):
+        return lambda p: functional_call(model, p, (x,)).square().mean()
+
+    p_ref = {n: t.detach() for n, t in ref.named_parameters()}
+    p_ours = {n: t.detach().clone() for n, t in ours.named_parameters()}
+    g_ref = grad(loss(ref))(p_ref)
+    g = grad(loss(ours))(p_ours)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
