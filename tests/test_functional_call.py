@@ -10,7 +10,7 @@ import ramtorch
 import ramtorch.nn as rnn
 import torch
 from torch import nn
-from torch.func import functional_call, grad
+from torch.func import functional_call, grad, jacrev, vmap
 
 
 def mlp(linear: type[nn.Module] = nn.Linear) -> nn.Module:
@@ -84,3 +84,28 @@ def test_torch_func_grad_over_functional_call(kind):
     for n in g_ref:
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vmap_and_jacrev_over_functional_call(kind):
+    """Per-sample gradients (``vmap`` of ``grad``) and a Jacobian (``jacrev``) with respect to the
+    parameters given to ``functional_call``: torch's."""
+    ref, ours = twins(kind)
+    x = torch.randn(4, 12)
+
+    def per_sample(model: nn.Module) -> dict[str, torch.Tensor]:
+        p = {n: t.detach().clone() for n, t in model.named_parameters()}
+
+        def f(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, p, (xi.unsqueeze(0),)).square().sum()
+
+        return vmap(grad(f), in_dims=(None, 0))(p, x)
+
+    def jacobian(model: nn.Module) -> dict[str, torch.Tensor]:
+        p = {n: t.detach().clone() for n, t in model.named_parameters()}
+        return jacrev(lambda p: functional_call(model, p, (x,)))(p)
+
+    for fn in (per_sample, jacobian):
+        want, got = fn(ref), fn(ours)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
