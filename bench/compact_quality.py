@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -226,6 +228,51 @@ def run_minilm(precision: str, args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def warmup_cosine(args: argparse.Namespace) -> Callable[[int], float]:
+    """The learning rate of step ``k`` for the MiniLM workloads that train from scratch: linear
+    warm-up to ``--minilm-lr`` over the first tenth of the steps, then a cosine to a tenth of it."""
+    warmup = max(1, args.steps // 10)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return args.minilm_lr * (step + 1) / warmup
+        t = (step - warmup) / max(1, args.steps - warmup)
+        return args.minilm_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    return lr_at
+
+
+def minilm_record(
+    workload: str,
+    precision: str,
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    losses: list[float],
+    held_out: list[float],
+    seconds: float,
+) -> dict[str, object]:
+    """The record of one MiniLM-shaped run of ``--device`` (``minilm-mlm``, ``minilm-distill``)."""
+    return {
+        "workload": workload,
+        "phase": "quality",
+        "system": "ramtorch",
+        "device": str(torch.device(args.device)),
+        "optimizer": OPTIMIZERS[precision],
+        "precision": precision,
+        "params": sum(p.numel() for p in model.parameters()),
+        "weights": "bfloat16",
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "task_vocab": args.task_vocab,
+        "lr": args.minilm_lr,
+        "final_train_loss": sum(losses[-LAST:]) / min(LAST, len(losses)),
+        "held_out_loss": sum(held_out) / len(held_out),
+        "seconds": seconds,
+        "losses": losses,
+    }
+
+
 #: ``--workload minilm-mlm``: token ids of the chain's text start here (clear of BERT's special
 #: tokens), and masked positions read BERT's ``[MASK]``.
 _MLM_FIRST_ID = 1000
@@ -264,8 +311,6 @@ def run_minilm_mlm(precision: str, args: argparse.Namespace) -> dict[str, object
     decays along a cosine to a tenth of its peak. Unlike the classification task, whose loss sits
     near ln 2 until a drop at a step that varies from run to run, this loss falls smoothly: the
     final losses of two optimizers can be compared. Returns its record."""
-    import math
-
     from transformers import BertForMaskedLM
 
     device = torch.device(args.device)
@@ -274,13 +319,7 @@ def run_minilm_mlm(precision: str, args: argparse.Namespace) -> dict[str, object
     ramtorch.offload(model, device=device)
     opt = ramtorch.optim.AdamW(model.parameters(), lr=args.minilm_lr, weight_decay=0.01, precision=precision)
     chain = markov_chain(args.task_vocab)
-    warmup = max(1, args.steps // 10)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.minilm_lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, args.steps - warmup)
-        return args.minilm_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    lr_at = warmup_cosine(args)
 
     def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=ids.to(device)).logits.float()
@@ -305,26 +344,9 @@ def run_minilm_mlm(precision: str, args: argparse.Namespace) -> dict[str, object
             loss_of(*mlm_batch(chain, args.batch, args.seq, args.mask_prob, eval_gen)).item()
             for _ in range(4 * EVAL_BATCHES)
         ]
-    params = sum(p.numel() for p in model.parameters())
     return {
-        "workload": "minilm-markov-mlm",
-        "phase": "quality",
-        "system": "ramtorch",
-        "device": str(device),
-        "optimizer": OPTIMIZERS[precision],
-        "precision": precision,
-        "params": params,
-        "weights": "bfloat16",
-        "steps": args.steps,
-        "batch": args.batch,
-        "seq": args.seq,
-        "task_vocab": args.task_vocab,
+        **minilm_record("minilm-markov-mlm", precision, args, model, losses, held_out, seconds),
         "mask_prob": args.mask_prob,
-        "lr": args.minilm_lr,
-        "final_train_loss": sum(losses[-LAST:]) / min(LAST, len(losses)),
-        "held_out_loss": sum(held_out) / len(held_out),
-        "seconds": seconds,
-        "losses": losses,
     }
 
 
@@ -337,8 +359,6 @@ def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, ob
     learns the teacher's token-wise map first and its attention after), rather than a rule
     learned at a step that varies from run to run. Learning rate (``--minilm-lr``): linear
     warm-up over the first tenth, then a cosine to a tenth of the peak. Returns its record."""
-    import math
-
     from transformers import BertModel
 
     device = torch.device(args.device)
@@ -348,13 +368,7 @@ def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, ob
     model = BertModel(minilm_config(), add_pooling_layer=False).to(torch.bfloat16)
     ramtorch.offload(model, device=device)
     opt = ramtorch.optim.AdamW(model.parameters(), lr=args.minilm_lr, weight_decay=0.01, precision=precision)
-    warmup = max(1, args.steps // 10)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.minilm_lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, args.steps - warmup)
-        return args.minilm_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    lr_at = warmup_cosine(args)
 
     def loss_of(ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(device)
@@ -381,26 +395,7 @@ def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, ob
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     with torch.no_grad():
         held_out = [loss_of(batch(eval_gen)).item() for _ in range(EVAL_BATCHES)]
-    params = sum(p.numel() for p in model.parameters())
-    return {
-        "workload": "minilm-distill",
-        "phase": "quality",
-        "system": "ramtorch",
-        "device": str(device),
-        "optimizer": OPTIMIZERS[precision],
-        "precision": precision,
-        "params": params,
-        "weights": "bfloat16",
-        "steps": args.steps,
-        "batch": args.batch,
-        "seq": args.seq,
-        "task_vocab": args.task_vocab,
-        "lr": args.minilm_lr,
-        "final_train_loss": sum(losses[-LAST:]) / min(LAST, len(losses)),
-        "held_out_loss": sum(held_out) / len(held_out),
-        "seconds": seconds,
-        "losses": losses,
-    }
+    return minilm_record("minilm-distill", precision, args, model, losses, held_out, seconds)
 
 
 def svg(records: list[dict[str, object]], title: str) -> str:

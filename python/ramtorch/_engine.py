@@ -910,11 +910,7 @@ class DeviceEngine:
         try:
             self._queue_copy(dst, src, nbytes, max_inflight, tag)
         except Exception:
-            self._drop_sum(pid)  # its device sum may be ahead of ``.grad`` now
-            if entry.bufs and entry.bufs[-1] is dst:
-                entry.bufs.pop()
-            if not entry.bufs and entry.target is None:
-                del self._pending[pid]
+            self._undo_push(pid, entry, dst)
             raise
 
     def push_grad_by_rows(
@@ -974,13 +970,18 @@ class DeviceEngine:
         except BaseException:
             if queued:
                 self._core.synchronize()  # blocks already queued write into ``dst``
-            self._drop_sum(pid)  # its device sum may be ahead of ``.grad`` now
-            if entry.bufs and entry.bufs[-1] is dst:
-                entry.bufs.pop()
-            if not entry.bufs and entry.target is None:
-                del self._pending[pid]
+            self._undo_push(pid, entry, dst)
             raise
         return grad
+
+    def _undo_push(self, pid: int, entry: _Pending, dst: torch.Tensor) -> None:
+        """A gradient of parameter ``pid`` whose copy into ``dst`` could not be queued (nothing
+        of it in flight any more): its records are undone."""
+        self._drop_sum(pid)  # its device sum may be ahead of ``.grad`` now
+        if entry.bufs and entry.bufs[-1] is dst:
+            entry.bufs.pop()
+        if not entry.bufs and entry.target is None:
+            del self._pending[pid]
 
     def _reduced(self, param: torch.nn.Parameter) -> bool:
         """Whether a listener reads ``param``'s gradients whole before they leave (ZeRO-2 reduces
