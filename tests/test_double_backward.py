@@ -134,3 +134,23 @@ def test_only_units_a_create_graph_backward_reached_stop_sending_early(small_hea
     penalty_loss(penalised, x).backward()
     assert all(u.early_grads for u in plain._ramtorch_streamer.units)
     assert not all(u.early_grads for u in penalised._ramtorch_streamer.units)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # torch's own
+def test_backward_with_create_graph_is_refused_clearly_and_the_model_trains_on():
+    """``loss.backward(create_graph=True)`` would leave a graph in each weight's ``.grad``; a
+    streamed weight's ``.grad`` lives in host RAM and cannot keep one, so the backward is refused
+    with a message that says what to do, leaving ``.grad`` as it was; the next backward is torch's."""
+    torch.manual_seed(0)
+    ref = mlp()
+    torch.manual_seed(0)
+    ours = mlp()
+    ramtorch.offload(ours, device="cpu")
+    x = torch.randn(4, 12)
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*torch\.autograd\.grad\(loss, inputs"):
+        ours(x).square().sum().backward(create_graph=True)
+    assert all(p.grad is None for p in ours.parameters())
+    ref(x).square().sum().backward()
+    ours(x).square().sum().backward()
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)

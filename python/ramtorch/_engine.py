@@ -866,6 +866,16 @@ class DeviceEngine:
         only once the training loop has been seen to accumulate, and only while ``.grad`` is the
         tensor this engine wrote, unchanged since (its version counter). Otherwise the gradient
         lands in a buffer of its own, added into ``.grad`` at the end of backward."""
+        if grad.requires_grad and torch.is_grad_enabled():
+            # torch would keep the graph in ``.grad`` (for gradients of gradients); host memory
+            # cannot: refused rather than a ``.grad`` that silently has none.
+            raise RuntimeError(
+                f"ramtorch: backward(create_graph=True) computed the gradient of a streamed weight "
+                f"(shape {tuple(param.shape)}) with a graph, which its .grad in host RAM cannot keep. "
+                "For gradients of gradients, take the first gradient with respect to inputs "
+                "(torch.autograd.grad(loss, inputs, create_graph=True)) and backward through it, or "
+                "keep the module resident"
+            )
         hooks = getattr(param, "_backward_hooks", None)
         if hooks:
             for hook in list(hooks.values()):
