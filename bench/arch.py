@@ -571,40 +571,10 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
             p.grad = None
         records.append({**common, **extra, "phase": phase, "system": "ramtorch", **r})
         log(name, phase, "ramtorch", r["seconds"])
-    grad_phases = [p for p in ("forward_backward", "forward_backward_accumulate") if p in a.phases]
-    if a.head_grad_whole and grad_phases:
-        # The A/B of the default: the head's weight gradient computed whole and sent once its
-        # node is done (the hook every other weight gets), not by blocks as they are computed.
-        import ramtorch._stream.rows as stream_rows
 
-        by_blocks = stream_rows.ByRowsBackward
-        stream_rows.ByRowsBackward = None  # the graph walk then hooks the node as any other
-        opts = {**common.get("options", {}), "head_grad": "whole"}
-        for phase in grad_phases:
-            model.train()
-            before, fn = phase_fns(model, x, offloaded=True)[phase]
-            r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
-            for p in model.parameters():
-                p.grad = None
-            records.append({**common, **extra, "phase": phase, "system": "ramtorch", "options": opts, **r})
-            log(name, f"{phase} (head gradient whole)", "ramtorch", r["seconds"])
-        stream_rows.ByRowsBackward = by_blocks
-    ab_phases = [p for p in ("forward", "forward_backward") if p in a.phases]
-    if (a.whole_head or a.whole_units) and ab_phases:
-        # The A/B of the default: the same forward (and forward+backward) with no Linear computed
-        # by blocks of rows (--whole-head) and no unit computed by parts (--whole-units) as its
-        # copy lands.
-        import ramtorch._stream.parts as stream_parts
-        import ramtorch._stream.rows as stream_rows
-
-        opts = dict(common.get("options", {}))
-        if a.whole_head:
-            stream_rows.by_rows = lambda *args, **kw: None
-            opts["head"] = "whole"
-        if a.whole_units:
-            stream_parts.by_parts = lambda *args, **kw: None
-            opts["units"] = "whole"
-        for phase in ab_phases:
+    def ab(phases: list[str], opts: dict[str, str]) -> None:
+        """The offloaded phases again with the options ``opts`` (an A/B of the default)."""
+        for phase in phases:
             model.train(phase != "forward")
             before, fn = phase_fns(model, x, offloaded=True)[phase]
             r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=True)
@@ -612,6 +582,30 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
                 p.grad = None
             records.append({**common, **extra, "phase": phase, "system": "ramtorch", "options": opts, **r})
             log(name, f"{phase} ({', '.join(f'{k} {v}' for k, v in opts.items())})", "ramtorch", r["seconds"])
+
+    import ramtorch._stream.parts as stream_parts
+    import ramtorch._stream.rows as stream_rows
+
+    grad_phases = [p for p in ("forward_backward", "forward_backward_accumulate") if p in a.phases]
+    if a.head_grad_whole and grad_phases:
+        # The head's weight gradient computed whole and sent once its node is done (the hook
+        # every other weight gets), not by blocks as they are computed.
+        by_blocks = stream_rows.ByRowsBackward
+        stream_rows.ByRowsBackward = None  # the graph walk then hooks the node as any other
+        ab(grad_phases, {**common.get("options", {}), "head_grad": "whole"})
+        stream_rows.ByRowsBackward = by_blocks
+    ab_phases = [p for p in ("forward", "forward_backward") if p in a.phases]
+    if (a.whole_head or a.whole_units) and ab_phases:
+        # The same forward (and forward+backward) with no Linear computed by blocks of rows
+        # (--whole-head) and no unit computed by parts (--whole-units) as its copy lands.
+        opts = dict(common.get("options", {}))
+        if a.whole_head:
+            stream_rows.by_rows = lambda *args, **kw: None
+            opts["head"] = "whole"
+        if a.whole_units:
+            stream_parts.by_parts = lambda *args, **kw: None
+            opts["units"] = "whole"
+        ab(ab_phases, opts)
     return records
 
 

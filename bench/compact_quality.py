@@ -204,27 +204,12 @@ def run_minilm(precision: str, args: argparse.Namespace) -> dict[str, object]:
             held_out.append(F.cross_entropy(logits, y).item())
             correct += int((logits.argmax(1) == y).sum())
             total += y.numel()
-    params = sum(p.numel() for p in model.parameters())
     return {
-        "workload": "minilm-synthetic-classification",
-        "phase": "quality",
-        "system": "ramtorch",
-        "device": "cpu",
-        "optimizer": OPTIMIZERS[precision],
-        "precision": precision,
-        "params": params,
-        "weights": "bfloat16",
-        "steps": args.steps,
-        "batch": args.batch,
-        "seq": args.seq,
-        "task_vocab": args.task_vocab,
-        "lr": args.minilm_lr,
+        **minilm_record(
+            "minilm-synthetic-classification", precision, args, device, model, losses, held_out, seconds
+        ),
         "pretrain_steps": args.pretrain_steps,
-        "final_train_loss": sum(losses[-LAST:]) / min(LAST, len(losses)),
-        "held_out_loss": sum(held_out) / len(held_out),
         "held_out_accuracy": correct / total,
-        "seconds": seconds,
-        "losses": losses,
     }
 
 
@@ -246,17 +231,18 @@ def minilm_record(
     workload: str,
     precision: str,
     args: argparse.Namespace,
+    device: torch.device,
     model: torch.nn.Module,
     losses: list[float],
     held_out: list[float],
     seconds: float,
 ) -> dict[str, object]:
-    """The record of one MiniLM-shaped run of ``--device`` (``minilm-mlm``, ``minilm-distill``)."""
+    """The record of one run of a MiniLM-shaped workload on ``device``."""
     return {
         "workload": workload,
         "phase": "quality",
         "system": "ramtorch",
-        "device": str(torch.device(args.device)),
+        "device": str(device),
         "optimizer": OPTIMIZERS[precision],
         "precision": precision,
         "params": sum(p.numel() for p in model.parameters()),
@@ -345,7 +331,7 @@ def run_minilm_mlm(precision: str, args: argparse.Namespace) -> dict[str, object
             for _ in range(4 * EVAL_BATCHES)
         ]
     return {
-        **minilm_record("minilm-markov-mlm", precision, args, model, losses, held_out, seconds),
+        **minilm_record("minilm-markov-mlm", precision, args, device, model, losses, held_out, seconds),
         "mask_prob": args.mask_prob,
     }
 
@@ -395,7 +381,7 @@ def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, ob
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     with torch.no_grad():
         held_out = [loss_of(batch(eval_gen)).item() for _ in range(EVAL_BATCHES)]
-    return minilm_record("minilm-distill", precision, args, model, losses, held_out, seconds)
+    return minilm_record("minilm-distill", precision, args, device, model, losses, held_out, seconds)
 
 
 def svg(records: list[dict[str, object]], title: str) -> str:
