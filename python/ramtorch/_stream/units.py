@@ -460,7 +460,8 @@ def is_override(t: object) -> bool:
     swaps plain tensors in for parameters and swaps the parameters back after the call: a tensor
     that is not a ``Parameter`` (``module.weight = tensor`` is refused by torch, so nothing else
     puts one there)."""
-    return isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+    # (Checked for every entry of a unit on each forward: a plain Parameter is settled first.)
+    return type(t) is not nn.Parameter and isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
 
 
 class _Unit:
