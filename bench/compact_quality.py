@@ -45,6 +45,28 @@ OPTIMIZERS = {
 }
 
 
+def train(
+    opt: torch.optim.Optimizer,
+    steps: int,
+    lr_at: Callable[[int], float],
+    step_loss: Callable[[], torch.Tensor],
+) -> tuple[list[float], float]:
+    """``steps`` optimizer steps, each on ``step_loss()`` at learning rate ``lr_at(step)``;
+    returns every step's loss and the seconds the steps took (their updates landed)."""
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss = step_loss()
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ramtorch.synchronize()
+    return losses, time.perf_counter() - t0
+
+
 def run(precision: str, args: argparse.Namespace, data: torch.Tensor) -> dict[str, object]:
     """Trains one model with ``precision``; returns its record."""
     device = torch.device("cpu")
@@ -56,19 +78,12 @@ def run(precision: str, args: argparse.Namespace, data: torch.Tensor) -> dict[st
     )
     gen = torch.Generator().manual_seed(args.seed)
     warmup = max(1, min(30, args.steps // 10))
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = demo.lr_at(step, args.steps, args.lr, warmup)
+
+    def step_loss() -> torch.Tensor:
         x, y = demo.get_batch(data, args.batch, args.seq, device, gen)
-        loss = F.cross_entropy(model(x).float().view(-1, demo.VOCAB), y.reshape(-1))
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    ramtorch.synchronize()
-    seconds = time.perf_counter() - t0
+        return F.cross_entropy(model(x).float().view(-1, demo.VOCAB), y.reshape(-1))
+
+    losses, seconds = train(opt, args.steps, lambda k: demo.lr_at(k, args.steps, args.lr, warmup), step_loss)
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     with torch.no_grad():
         held_out = []
@@ -182,19 +197,12 @@ def run_minilm(precision: str, args: argparse.Namespace) -> dict[str, object]:
         return ids, (rule[ids].sum(1) > 0).long()
 
     gen = torch.Generator().manual_seed(args.seed)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = args.minilm_lr * min(1.0, (step + 1) / warmup)
+
+    def step_loss() -> torch.Tensor:
         ids, y = batch(gen)
-        loss = F.cross_entropy(model(input_ids=ids).logits.float(), y)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    ramtorch.synchronize()
-    seconds = time.perf_counter() - t0
+        return F.cross_entropy(model(input_ids=ids).logits.float(), y)
+
+    losses, seconds = train(opt, args.steps, lambda k: args.minilm_lr * min(1.0, (k + 1) / warmup), step_loss)
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     held_out, correct, total = [], 0, 0
     with torch.no_grad():
@@ -312,18 +320,9 @@ def run_minilm_mlm(precision: str, args: argparse.Namespace) -> dict[str, object
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.to(device).view(-1))
 
     gen = torch.Generator().manual_seed(args.seed)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        loss = loss_of(*mlm_batch(chain, args.batch, args.seq, args.mask_prob, gen))
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    ramtorch.synchronize()
-    seconds = time.perf_counter() - t0
+    losses, seconds = train(
+        opt, args.steps, lr_at, lambda: loss_of(*mlm_batch(chain, args.batch, args.seq, args.mask_prob, gen))
+    )
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     with torch.no_grad():
         held_out = [
@@ -366,18 +365,7 @@ def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, ob
         return torch.randint(0, args.task_vocab, (args.batch, args.seq), generator=gen)
 
     gen = torch.Generator().manual_seed(args.seed)
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        loss = loss_of(batch(gen))
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    ramtorch.synchronize()
-    seconds = time.perf_counter() - t0
+    losses, seconds = train(opt, args.steps, lr_at, lambda: loss_of(batch(gen)))
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     with torch.no_grad():
         held_out = [loss_of(batch(eval_gen)).item() for _ in range(EVAL_BATCHES)]

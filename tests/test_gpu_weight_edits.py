@@ -5,6 +5,7 @@ once."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import ramtorch
@@ -38,17 +39,23 @@ def test_data_edits_between_passes_are_seen_on_the_gpu(budget: str | None) -> No
                 w.data = torch.full_like(w.data, k / 100)  # a new tensor where the weight lives
 
 
-def test_peft_merge_and_unload_on_the_gpu() -> None:
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(0)
-    base = Net(d=256, layers=4)
-    config = peft.LoraConfig(target_modules=["up", "down"], r=8, init_lora_weights=False)
+def _peft_pair(peft: Any, base: nn.Module, config: Any) -> tuple[nn.Module, nn.Module]:
+    """``base`` under ``config``: resident on the GPU, and offloaded to it with the same weights."""
     torch.manual_seed(1)
     plain = peft.get_peft_model(copy.deepcopy(base), config).cuda()
     torch.manual_seed(1)
     streamed = peft.get_peft_model(copy.deepcopy(base), config)
     streamed.load_state_dict(plain.state_dict())
     ramtorch.offload(streamed, device="cuda")
+    return plain, streamed
+
+
+def test_peft_merge_and_unload_on_the_gpu() -> None:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = Net(d=256, layers=4)
+    config = peft.LoraConfig(target_modules=["up", "down"], r=8, init_lora_weights=False)
+    plain, streamed = _peft_pair(peft, base, config)
     with torch.no_grad():
         for k in range(2):
             torch.testing.assert_close(streamed(_x(k)), plain(_x(k)), rtol=1e-5, atol=1e-5)
@@ -72,12 +79,7 @@ def test_peft_tuners_train_and_merge_on_the_gpu(tuner: str) -> None:
         )
     else:
         config = peft.LoraConfig(target_modules=["up", "down"], r=2, init_lora_weights=False, use_dora=True)
-    torch.manual_seed(1)
-    plain = peft.get_peft_model(copy.deepcopy(base), config).cuda()
-    torch.manual_seed(1)
-    streamed = peft.get_peft_model(copy.deepcopy(base), config)
-    streamed.load_state_dict(plain.state_dict())
-    ramtorch.offload(streamed, device="cuda")
+    plain, streamed = _peft_pair(peft, base, config)
     train = [p for p in streamed.parameters() if p.requires_grad]
     assert any(p.is_cuda for p in train)
     opts = [
