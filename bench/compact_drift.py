@@ -3,13 +3,19 @@ are stored (and so rounded) at every step, on the gradients of one trajectory.
 
 A MiniLM-shaped BERT (``bench/compact_quality.py``'s ``--workload minilm-distill`` task: distil a
 frozen teacher's last hidden states, float32 here) is trained with torch's AdamW; beside it, on the
-same gradients, moments are kept as the compact format keeps them: each step's new first and
-second moments are computed from the stored ones and stored again through the engine's block
-quantizer (``_core.q8_quantize``/``q8_dequantize``, the kernel's encoder: 256-element blocks,
-dynamic map, round to nearest). At the given steps it prints and records, over all parameters,
-the norm of the update those moments make against the exact moments' update, their cosine, and
-the ratio of the sums of ``sqrt(v)``. A diagnostic of the state format alone: the weights follow
-torch's trajectory, not the compact optimizer's.
+same gradients, moments are kept in the compact format two ways:
+
+- ``kernel``: by the engine's own AdamW kernel (``_core.optim_step`` in the compact format with a
+  learning rate of 0, so only the moments move): 256-element blocks, dynamic map, the first moment
+  rounded to nearest, the second stochastically;
+- ``nearest``: each step's new moments computed from the stored ones and stored again through the
+  block quantizer rounding to nearest (``_core.q8_quantize``/``q8_dequantize``), as the kernel
+  stored both moments before it rounded the second stochastically.
+
+At the given steps it prints and records, over all parameters and for each way, the norm of the
+update those moments make against the exact moments' update, their cosine, and the ratio of the
+sums of ``sqrt(v)``. A diagnostic of the state format alone: the weights follow torch's
+trajectory, not the compact optimizer's.
 
     OMP_NUM_THREADS=1 python bench/compact_drift.py --steps 300 --out bench/results/compact-drift.json
 """
@@ -23,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +53,41 @@ def round_trip(x: torch.Tensor, signed: bool) -> torch.Tensor:
     return out.view(x.shape)
 
 
+class KernelMoments:
+    """The moments of one parameter as the engine's compact AdamW keeps them: its kernel run with
+    a learning rate of 0 on a zero bf16 weight (which stays zero), so only the states move."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.p = torch.zeros(n, dtype=torch.bfloat16)
+        self.comp = torch.zeros(n, dtype=torch.bfloat16)
+        self.codes = [torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)]
+        self.scales = [torch.zeros((n + 255) // 256), torch.zeros((n + 255) // 256)]
+
+    def step(self, grad: torch.Tensor, step: int, beta1: float, beta2: float, eps: float) -> None:
+        h = {
+            "step": step,
+            "lr": 0.0,
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": eps,
+            "weight_decay": 0.0,
+            "maximize": False,
+            "grad_scale": 1.0,
+            "seed": step,
+        }
+        g = grad.detach().reshape(-1).float().contiguous()
+        _core.optim_step("adamw", h, self.p, g, self.codes, comp=self.comp, scales=self.scales)
+
+    def moments(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for codes, scales, signed in zip(self.codes, self.scales, (True, False)):
+            x = torch.empty(self.n)
+            _core.q8_dequantize(codes, scales, x, signed)
+            out.append(x.view(shape))
+        return out[0], out[1]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
@@ -64,6 +106,7 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(beta1, beta2), eps=eps, weight_decay=0.01)
     gen = torch.Generator().manual_seed(a.seed)
     stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    kernel = {name: KernelMoments(q.numel()) for name, q in model.named_parameters()}
     warmup = max(1, a.steps // 10)
     rows = []
     t0 = time.perf_counter()
@@ -83,43 +126,46 @@ def main() -> int:
                     round_trip(m.lerp(g, 1 - beta1), True),
                     round_trip(v * beta2 + (1 - beta2) * g * g, False),
                 )
+                kernel[name].step(g, step, beta1, beta2, eps)
         opt.step()
         opt.zero_grad()
         if step in a.at:
-            num = den = dot = vq_sum = v_sum = 0.0
             bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-            for name, q in model.named_parameters():
-                st = opt.state[q]
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                mq, vq = stored[name]
-                u = (m / bc1) / ((v / bc2).sqrt() + eps)
-                uq = (mq / bc1) / ((vq / bc2).sqrt() + eps)
-                num += uq.square().sum().item()
-                den += u.square().sum().item()
-                dot += (u * uq).sum().item()
-                vq_sum += vq.sqrt().sum().item()
-                v_sum += v.sqrt().sum().item()
-            row = {
-                "step": step,
-                "loss": loss.item(),
-                "update_norm_ratio": math.sqrt(num / den),
-                "update_cosine": dot / math.sqrt(num * den),
-                "sqrt_v_sum_ratio": vq_sum / v_sum,
-            }
+            row: dict[str, Any] = {"step": step, "loss": loss.item()}
+            line = f"step {step}: loss {row['loss']:.4f}"
+            for way in ("kernel", "nearest"):
+                num = den = dot = vq_sum = v_sum = 0.0
+                for name, q in model.named_parameters():
+                    st = opt.state[q]
+                    m, v = st["exp_avg"], st["exp_avg_sq"]
+                    mq, vq = kernel[name].moments(q.shape) if way == "kernel" else stored[name]
+                    u = (m / bc1) / ((v / bc2).sqrt() + eps)
+                    uq = (mq / bc1) / ((vq / bc2).sqrt() + eps)
+                    num += uq.square().sum().item()
+                    den += u.square().sum().item()
+                    dot += (u * uq).sum().item()
+                    vq_sum += vq.sqrt().sum().item()
+                    v_sum += v.sqrt().sum().item()
+                row[way] = {
+                    "update_norm_ratio": math.sqrt(num / den),
+                    "update_cosine": dot / math.sqrt(num * den),
+                    "sqrt_v_sum_ratio": vq_sum / v_sum,
+                }
+                line += (
+                    f" | {way}: |update(stored)|/|update(exact)| {row[way]['update_norm_ratio']:.4f}, "
+                    f"cosine {row[way]['update_cosine']:.4f}, "
+                    f"sum sqrt(v) stored/exact {row[way]['sqrt_v_sum_ratio']:.4f}"
+                )
             rows.append(row)
-            print(
-                f"step {step}: loss {row['loss']:.4f}, |update(stored)|/|update(exact)| "
-                f"{row['update_norm_ratio']:.4f}, cosine {row['update_cosine']:.4f}, "
-                f"sum sqrt(v) stored/exact {row['sqrt_v_sum_ratio']:.4f}",
-                flush=True,
-            )
+            print(line, flush=True)
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     record = {
         "workload": "minilm-distill",
         "phase": "state-drift",
-        "optimizer": "torch AdamW trajectory; moments stored in the compact format beside it",
+        "optimizer": "torch AdamW trajectory; moments stored in the compact format beside it "
+        "(kernel: the engine's AdamW kernel; nearest: both moments rounded to nearest)",
         "steps": a.steps,
         "lr": a.lr,
         "seed": a.seed,

@@ -10,7 +10,8 @@ constants come from the Rust code (``_core.optim_constants``), products are not 
 correctly rounded ones, bf16 rounding and the random words of stochastic rounding are the Rust
 bit manipulations (``hash32`` of each element's index under keys from ``_core``), and an 8-bit
 state is encoded by the binary search over the map that the Rust table encoder is checked against
-on every float. NaNs are the one exception: a NaN the arithmetic makes is positive with CUDA
+on every float (the second moment's then rounded stochastically, as ``quant::Map::round_stochastic``
+does). NaNs are the one exception: a NaN the arithmetic makes is positive with CUDA
 and negative on x86 (it is NaN in the same places). A block's scale is the largest magnitude of
 its new values (NaN, and codes 0, if one is not finite; 0 and the code of 0 if all are zero).
 
@@ -99,6 +100,17 @@ def _encode(q, vmap):  # noqa: ANN001, ANN202 - Triton values
 
 
 @triton.jit
+def _round_stochastic(q, near, vmap, r):  # noqa: ANN001, ANN202 - Triton values
+    """``quant::Map::round_stochastic``: from the nearest code ``near``, the lower of the two map
+    values that bracket ``q`` or the upper one, by the top 24 bits of ``r``."""
+    c = near - tl.where((near > 0) & (q < tl.load(vmap + near)), 1, 0)
+    lo = tl.load(vmap + c)
+    hi = tl.load(vmap + tl.minimum(c + 1, 255))
+    u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08
+    return c + tl.where(q - lo > u * (hi - lo), 1, 0)
+
+
+@triton.jit
 def _load_state(src, scales, vmap, offs, rows, mask, row_ok, MODE: tl.constexpr):  # noqa: ANN001, ANN202
     if MODE == 0:
         return tl.load(src + offs, mask=mask, other=0.0)
@@ -111,7 +123,7 @@ def _load_state(src, scales, vmap, offs, rows, mask, row_ok, MODE: tl.constexpr)
 
 
 @triton.jit
-def _store_state(dst, scales, vmap, x, r, offs, rows, mask, row_ok, MODE: tl.constexpr):  # noqa: ANN001, ANN202
+def _store_state(dst, scales, vmap, x, r, offs, rows, mask, row_ok, MODE: tl.constexpr, SR: tl.constexpr):  # noqa: ANN001, ANN202, E501
     if MODE == 0:
         tl.store(dst + offs, x, mask=mask)
     elif MODE == 1:
@@ -123,7 +135,10 @@ def _store_state(dst, scales, vmap, x, r, offs, rows, mask, row_ok, MODE: tl.con
         zero = amax_bits == 0
         amax = _f32(amax_bits)
         div = tl.where(bad | zero, 1.0, amax)
-        code = _encode(tl.div_rn(x, div[:, None]), vmap)
+        q = tl.div_rn(x, div[:, None])
+        code = _encode(q, vmap)
+        if SR:
+            code = _round_stochastic(q, code, vmap, r)
         zero_code = _encode(tl.zeros((1,), tl.float32), vmap)
         code = tl.where(bad[:, None], 0, tl.where(zero[:, None], zero_code, code))
         tl.store(dst + offs, code.to(tl.uint8), mask=mask)
@@ -226,8 +241,9 @@ def _adamw_kernel(
         low = tl.where((_u32(low) & 0x7FFFFFFF) < 0x7F800000, low, 0.0)
         _store_bits16(p_out, offs, hi, mask)
         _store_bits16(c_out, offs, _bf16_sr(low, r0), mask)
-    _store_state(a_out, as_out, smap, m, r0 >> 16, offs, rows, mask, row_ok, AMODE)
-    _store_state(b_out, bs_out, umap, v, r1, offs, rows, mask, row_ok, BMODE)
+    # An 8-bit second moment is rounded stochastically, an 8-bit first moment to nearest.
+    _store_state(a_out, as_out, smap, m, r0 >> 16, offs, rows, mask, row_ok, AMODE, False)
+    _store_state(b_out, bs_out, umap, v, r1, offs, rows, mask, row_ok, BMODE, True)
 
 
 def launch(

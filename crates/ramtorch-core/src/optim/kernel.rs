@@ -662,7 +662,9 @@ impl StateIo for &mut [bf16] {
 }
 
 impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
-    const SR: bool = false;
+    /// An unsigned state (AdamW's second moment, whose step-to-step change is far below a code's
+    /// width) is rounded stochastically, a signed one to nearest (see [`quant::encode_block_sr`]).
+    const SR: bool = !SIGNED;
     #[inline(always)]
     fn fits(&self, n: usize) -> bool {
         self.0.len() == n && self.1.len() == quant::blocks(n)
@@ -677,9 +679,14 @@ impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
         prefetch_block(self.0, at);
     }
     #[inline(always)]
-    fn store(&mut self, at: usize, x: &[f32], _: &[u32]) {
+    fn store(&mut self, at: usize, x: &[f32], r: &[u32]) {
         let codes = &mut self.0[at..at + x.len()];
-        self.1[at / BLOCK] = quant::encode_block(quant::map(SIGNED), x, codes);
+        let map = quant::map(SIGNED);
+        self.1[at / BLOCK] = if Self::SR {
+            quant::encode_block_sr(map, x, codes, r)
+        } else {
+            quant::encode_block(map, x, codes)
+        };
     }
     #[inline]
     fn fill(&mut self, old: State<'_>) {
@@ -1278,6 +1285,8 @@ impl States for StateMode<'_> {
             StateMode::F32(a) => go(step, p, g, a, NoState, old),
             StateMode::Bf16(a) => go(step, p, g, a, NoState, old),
             StateMode::Q8(c, s, true) => go(step, p, g, Q8::<true>(c, s), NoState, old),
+            // Lion and SGD validate their state with the signed map. An unsigned one here would
+            // be rounded stochastically by the 16 bits of the first state's word, too few.
             StateMode::Q8(c, s, false) => go(step, p, g, Q8::<false>(c, s), NoState, old),
         }
     }

@@ -169,7 +169,25 @@ impl Map {
         let e = self.table[idx & (TABLE - 1)];
         ((e >> 16) + u32::from(low > (e & 0xFFFF))) as u8
     }
+
+    /// Stochastic rounding of `y` from its nearest code `near` (as [`Map::encode`] gives it):
+    /// between the map values `lo <= y < hi` that bracket it, `hi` when `y - lo > u * (hi - lo)`
+    /// with `u` the top 24 bits of `r` as a fraction in `[0, 1)`, so `hi` with probability about
+    /// `(y - lo) / (hi - lo)` and the code is right on average. A value on the map (0 and 1
+    /// among them) keeps its code; one below the map takes code 0. `y` must not be NaN.
+    #[inline(always)]
+    pub(super) fn round_stochastic(&self, y: f32, near: u8, r: u32) -> u8 {
+        let m = &self.values;
+        let near = near as usize;
+        let c = near - usize::from(near > 0 && y < m[near]);
+        let (lo, hi) = (m[c], m[(c + 1).min(255)]);
+        let u = (r >> 8) as f32 * SR_UNIT;
+        (c + usize::from(y - lo > u * (hi - lo))) as u8
+    }
 }
+
+/// `2^-24`: the weight of the lowest of the 24 random bits of [`Map::round_stochastic`].
+const SR_UNIT: f32 = 1.0 / 16_777_216.0;
 
 /// The reference encoder: a branch-free binary search over the sorted map for the largest value
 /// at or below `x` (code 0 if none), then the nearer of it and the next value (ties to the upper
@@ -225,6 +243,22 @@ fn decode_scalar(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
 /// spread through an unquantized state).
 #[inline(always)]
 pub(super) fn encode_block(map: &Map, x: &[f32], codes: &mut [u8]) -> f32 {
+    encode_block_as::<false>(map, x, codes, &[])
+}
+
+/// [`encode_block`] with stochastic rounding ([`Map::round_stochastic`]): `r` holds one random
+/// word per element (at least `x.len()`). Used for a state whose small changes from step to step
+/// would otherwise round back to the stored code every time (an AdamW second moment moves by a
+/// thousandth of itself a step, far less than a code's width): rounded to nearest, such a state
+/// stays where it was while the block's scale moves, and drifts; rounded stochastically, it is
+/// right on average.
+#[inline(always)]
+pub(super) fn encode_block_sr(map: &Map, x: &[f32], codes: &mut [u8], r: &[u32]) -> f32 {
+    encode_block_as::<true>(map, x, codes, r)
+}
+
+#[inline(always)]
+fn encode_block_as<const SR: bool>(map: &Map, x: &[f32], codes: &mut [u8], r: &[u32]) -> f32 {
     // The largest magnitude as the largest of the bits without the sign (the same order for
     // non-NaN floats; infinities and NaNs are the bits from 0x7F80_0000 up).
     let amax_bits = x
@@ -240,24 +274,34 @@ pub(super) fn encode_block(map: &Map, x: &[f32], codes: &mut [u8]) -> f32 {
         codes.fill(zero);
         return 0.0;
     }
+    // With stochastic rounding every element needs its random word.
+    let n = if SR { x.len().min(r.len()) } else { x.len() };
+    let (x, codes) = (&x[..n], &mut codes[..n]);
     #[cfg(target_arch = "x86_64")]
     match super::kernel::isa() {
         // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ on this CPU.
-        super::kernel::Isa::Avx512 => unsafe { x86::encode_avx512(map, x, amax, codes) },
+        super::kernel::Isa::Avx512 => unsafe { x86::encode_avx512::<SR>(map, x, amax, codes, r) },
         // SAFETY: `isa()` found AVX2 and F16C on this CPU.
-        super::kernel::Isa::Avx2 => unsafe { x86::encode_avx2(map, x, amax, codes) },
-        super::kernel::Isa::Base => encode_scalar(map, x, amax, codes),
+        super::kernel::Isa::Avx2 => unsafe { x86::encode_avx2::<SR>(map, x, amax, codes, r) },
+        super::kernel::Isa::Base => encode_scalar::<SR>(map, x, amax, codes, r),
     }
     #[cfg(not(target_arch = "x86_64"))]
-    encode_scalar(map, x, amax, codes);
+    encode_scalar::<SR>(map, x, amax, codes, r);
     amax
 }
 
-/// `codes[i] = map.encode(x[i] / amax)`.
+/// `codes[i] = map.encode(x[i] / amax)`, rounded stochastically by `r[i]` when `SR`.
 #[inline(always)]
-fn encode_scalar(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
-    for (c, &v) in codes.iter_mut().zip(x) {
-        *c = map.encode(v / amax);
+fn encode_scalar<const SR: bool>(map: &Map, x: &[f32], amax: f32, codes: &mut [u8], r: &[u32]) {
+    if SR {
+        for ((c, &v), &r) in codes.iter_mut().zip(x).zip(r) {
+            let y = v / amax;
+            *c = map.round_stochastic(y, map.encode(y), r);
+        }
+    } else {
+        for (c, &v) in codes.iter_mut().zip(x) {
+            *c = map.encode(v / amax);
+        }
     }
 }
 
@@ -322,16 +366,28 @@ mod x86 {
 
     /// [`super::encode_scalar`] in AVX2, in three passes over the block: the quotients' table
     /// indices and low bits eight at a time, the table look-ups one element at a time (cheaper
-    /// than gathers on CPUs whose gathers are microcoded), the codes eight at a time.
+    /// than gathers on CPUs whose gathers are microcoded), the codes eight at a time. With `SR`, a last pass rounds the codes stochastically by `r` (one word per element), as
+    /// the scalar code does, one element at a time.
     ///
     /// # Safety
     /// The CPU must have AVX2.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn encode_avx2(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
+    pub(super) unsafe fn encode_avx2<const SR: bool>(
+        map: &Map,
+        x: &[f32],
+        amax: f32,
+        codes: &mut [u8],
+        r: &[u32],
+    ) {
         let n = x.len().min(codes.len());
         for (x, codes) in x[..n].chunks(BLOCK).zip(codes[..n].chunks_mut(BLOCK)) {
             // SAFETY: the caller's CPU has AVX2.
             unsafe { encode_avx2_chunk(map, x, amax, codes) };
+        }
+        if SR {
+            for ((c, &v), &r) in codes[..n].iter_mut().zip(&x[..n]).zip(r) {
+                *c = map.round_stochastic(v / amax, *c, r);
+            }
         }
     }
 
@@ -400,7 +456,7 @@ mod x86 {
             }
             i += 8;
         }
-        super::encode_scalar(map, &x[whole..n], amax, &mut codes[whole..n]);
+        super::encode_scalar::<false>(map, &x[whole..n], amax, &mut codes[whole..n], &[]);
     }
 
     /// [`super::decode_scalar`] for AVX2: one look-up per element (cheaper than gathers on CPUs
@@ -413,13 +469,23 @@ mod x86 {
         super::decode_scalar(map, codes, scale, out);
     }
 
-    /// [`super::encode_scalar`] in AVX-512.
+    /// [`super::encode_scalar`] in AVX-512 (with `SR`, rounded stochastically by `rand`).
     ///
     /// # Safety
     /// The CPU must have AVX-512 F, BW, VL and DQ.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")]
-    pub(super) unsafe fn encode_avx512(map: &Map, x: &[f32], amax: f32, codes: &mut [u8]) {
-        let n = x.len().min(codes.len());
+    pub(super) unsafe fn encode_avx512<const SR: bool>(
+        map: &Map,
+        x: &[f32],
+        amax: f32,
+        codes: &mut [u8],
+        rand: &[u32],
+    ) {
+        let n = if SR {
+            x.len().min(codes.len()).min(rand.len())
+        } else {
+            x.len().min(codes.len())
+        };
         let a = _mm512_set1_ps(amax);
         // `x / amax` without a division where `amax` is not tiny: `q = x * (1 / amax)`, then
         // two corrections `q += (x - q * amax) * (1 / amax)` with the remainder computed exactly
@@ -433,7 +499,8 @@ mod x86 {
         let table = &map.table;
         let mut i = 0;
         while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`, within both slices; the gather's indices as in `codes8`.
+            // SAFETY: `i + 16 <= n`, within `x`, `codes` and (with `SR`) `r`; the table gather's
+            // indices as in `codes8`, the map gathers' within 0..=255 (codes, clamped).
             unsafe {
                 let v = _mm512_loadu_ps(x.as_ptr().add(i));
                 let y = if fast {
@@ -469,12 +536,33 @@ mod x86 {
                 let e = _mm512_i32gather_epi32::<4>(idx, table.as_ptr().cast());
                 let up = _mm512_cmpgt_epi32_mask(low, _mm512_and_si512(e, low16));
                 let base = _mm512_srli_epi32::<16>(e);
-                let c = _mm512_mask_add_epi32(base, up, base, _mm512_set1_epi32(1));
+                let one = _mm512_set1_epi32(1);
+                let mut c = _mm512_mask_add_epi32(base, up, base, one);
+                if SR {
+                    // `Map::round_stochastic`, sixteen lanes at a time.
+                    let m = map.values.as_ptr();
+                    let near = _mm512_i32gather_ps::<4>(c, m);
+                    let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(y, near)
+                        & _mm512_cmpgt_epi32_mask(c, _mm512_setzero_si512());
+                    c = _mm512_mask_sub_epi32(c, below, c, one);
+                    let lo = _mm512_i32gather_ps::<4>(c, m);
+                    let c1 = _mm512_min_epi32(_mm512_add_epi32(c, one), _mm512_set1_epi32(255));
+                    let hi = _mm512_i32gather_ps::<4>(c1, m);
+                    let words = _mm512_loadu_si512(rand.as_ptr().add(i).cast());
+                    let u = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(words)),
+                        _mm512_set1_ps(super::SR_UNIT),
+                    );
+                    let d = _mm512_sub_ps(y, lo);
+                    let t = _mm512_mul_ps(u, _mm512_sub_ps(hi, lo));
+                    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask::<_CMP_GT_OQ>(d, t), c, one);
+                }
                 _mm_storeu_si128(codes.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c));
             }
             i += 16;
         }
-        super::encode_scalar(map, &x[i..n], amax, &mut codes[i..n]);
+        let tail = if SR { &rand[i.min(rand.len())..] } else { &[][..] };
+        super::encode_scalar::<SR>(map, &x[i..n], amax, &mut codes[i..n], tail);
     }
 
     /// [`super::decode_scalar`] in AVX-512.
@@ -768,10 +856,13 @@ mod tests {
     /// Blocks through every instruction set the codec is compiled for: the same codes, scales and
     /// decoded values as the scalar code.
     /// Codes, scale bits and decoded bits of block `x` with the codec of instruction set `isa`.
-    fn codec_on(mp: &Map, x: &[f32], isa: Isa) -> (Vec<u8>, u32, Vec<u32>) {
+    fn codec_on(mp: &Map, x: &[f32], isa: Isa, words: Option<&[u32]>) -> (Vec<u8>, u32, Vec<u32>) {
         FORCE_ISA.with(|f| f.set(Some(isa)));
         let mut codes = vec![0u8; x.len()];
-        let s = encode_block(mp, x, &mut codes);
+        let s = match words {
+            Some(r) => encode_block_sr(mp, x, &mut codes, r),
+            None => encode_block(mp, x, &mut codes),
+        };
         let mut y = vec![0f32; x.len()];
         decode_block(mp, &codes, s, &mut y);
         FORCE_ISA.with(|f| f.set(None));
@@ -806,17 +897,82 @@ mod tests {
         for signed in [true, false] {
             let mp = map(signed);
             for x in &blocks {
-                let run = |isa: Isa| codec_on(mp, x, isa);
-                let base = run(Isa::Base);
-                for (i, (&c, &v)) in base.0.iter().zip(x).enumerate() {
-                    if base.1 != f32::NAN.to_bits() && base.1 != 0 {
-                        let want = encode_by_search(&mp.values, v / f32::from_bits(base.1));
-                        assert_eq!(c, want, "element {i}");
+                let words: Vec<u32> = x.iter().map(|_| lcg(&mut z) as u32).collect();
+                for sr in [None, Some(&words[..])] {
+                    let run = |isa: Isa| codec_on(mp, x, isa, sr);
+                    let base = run(Isa::Base);
+                    for (i, (&c, &v)) in base.0.iter().zip(x).enumerate() {
+                        if base.1 != f32::NAN.to_bits() && base.1 != 0 {
+                            let y = v / f32::from_bits(base.1);
+                            let near = encode_by_search(&mp.values, y);
+                            if sr.is_none() {
+                                assert_eq!(c, near, "element {i}");
+                            } else {
+                                assert_sr_brackets(mp, y, c, i);
+                            }
+                        }
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    for isa in [Isa::Avx2, Isa::Avx512] {
+                        assert!(run(isa) == base, "{isa:?} differs from the scalar codec ({sr:?})");
                     }
                 }
-                #[cfg(target_arch = "x86_64")]
-                for isa in [Isa::Avx2, Isa::Avx512] {
-                    assert!(run(isa) == base, "{isa:?} differs from the scalar codec");
+            }
+        }
+    }
+
+    /// A stochastically rounded code is one of the two map values around `y` (the value itself
+    /// when it is on the map; the map's end when `y` is past it).
+    fn assert_sr_brackets(mp: &Map, y: f32, c: u8, i: usize) {
+        let m = &mp.values;
+        let c = c as usize;
+        let ok = if m.contains(&y) {
+            m[c] == y
+        } else if y < m[0] {
+            c == 0
+        } else if y > m[255] {
+            c == 255
+        } else {
+            (m[c] < y && c < 255 && y < m[c + 1]) || (c > 0 && m[c - 1] < y && y < m[c])
+        };
+        assert!(ok, "element {i}: {y} took code {c} ({})", m[c]);
+    }
+
+    /// Stochastic rounding is right on average: over many random words the mean decoded value of
+    /// a point between two map values is that point (within the sampling error), a point on the
+    /// map always keeps its code, and the nearest code is not what every word gives.
+    #[test]
+    fn stochastic_rounding_is_unbiased() {
+        let mut z = 0x5151_2026u64;
+        for signed in [true, false] {
+            let mp = map(signed);
+            let m = &mp.values;
+            for c in (0..255).step_by(7) {
+                for t in [0.0f32, 0.1, 0.37, 0.5, 0.93] {
+                    let y = m[c] + t * (m[c + 1] - m[c]);
+                    let trials = 20_000;
+                    let mut sum = 0f64;
+                    let mut ups = 0;
+                    for _ in 0..trials {
+                        let got = mp.round_stochastic(y, mp.encode(y), lcg(&mut z) as u32);
+                        assert!(got as usize == c || got as usize == c + 1 || m[c] == y);
+                        ups += usize::from(got as usize == c + 1);
+                        sum += f64::from(m[got as usize]);
+                    }
+                    let w = f64::from(m[c + 1] - m[c]);
+                    let mean = sum / trials as f64;
+                    let p = (f64::from(y) - f64::from(m[c])) / w;
+                    // Binomial sampling error: 5 standard deviations of the mean.
+                    let tol = 5.0 * w * (p * (1.0 - p) / trials as f64).sqrt() + 1e-6 * w;
+                    assert!(
+                        (mean - f64::from(y)).abs() <= tol,
+                        "signed {signed}, code {c}, t {t}: mean {mean} for {y}"
+                    );
+                    if t == 0.0 {
+                        assert_eq!(ups, 0);
+                    } else {
+                        assert!(ups > 0 && ups < trials, "code {c}, t {t}: {ups} of {trials}");
+                    }
                 }
             }
         }
@@ -825,7 +981,8 @@ mod tests {
     /// Blocks that mix edge values (zeros of both signs, denormals, the smallest normals, values
     /// spanning forty binades, the block's own maximum of either sign) at every length from 1 to
     /// [`BLOCK`], plus all-zero, non-finite and NaN blocks: every instruction set gives the scalar
-    /// codec's codes, scale and decoded values, and the codes are the binary search's.
+    /// codec's codes, scale and decoded values, and the codes are the binary search's (rounded to
+    /// nearest) or one of the two map values around the value (rounded stochastically).
     #[test]
     fn every_instruction_set_codes_edge_blocks_alike() {
         let mut z = 0x0bad_cafe_u64;
@@ -866,17 +1023,24 @@ mod tests {
         for signed in [true, false] {
             let mp = map(signed);
             for x in &blocks {
-                let run = |isa: Isa| codec_on(mp, x, isa);
-                let base = run(Isa::Base);
-                let scale = f32::from_bits(base.1);
-                if scale.is_finite() && scale != 0.0 {
-                    for (&c, &v) in base.0.iter().zip(x) {
-                        assert_eq!(c, encode_by_search(&mp.values, v / scale));
+                let words: Vec<u32> = x.iter().map(|_| lcg(&mut z) as u32).collect();
+                for sr in [None, Some(&words[..])] {
+                    let run = |isa: Isa| codec_on(mp, x, isa, sr);
+                    let base = run(Isa::Base);
+                    let scale = f32::from_bits(base.1);
+                    if scale.is_finite() && scale != 0.0 {
+                        for (i, (&c, &v)) in base.0.iter().zip(x).enumerate() {
+                            if sr.is_none() {
+                                assert_eq!(c, encode_by_search(&mp.values, v / scale));
+                            } else {
+                                assert_sr_brackets(mp, v / scale, c, i);
+                            }
+                        }
                     }
-                }
-                #[cfg(target_arch = "x86_64")]
-                for isa in [Isa::Avx2, Isa::Avx512] {
-                    assert!(run(isa) == base, "{isa:?}, length {}", x.len());
+                    #[cfg(target_arch = "x86_64")]
+                    for isa in [Isa::Avx2, Isa::Avx512] {
+                        assert!(run(isa) == base, "{isa:?}, length {}, {sr:?}", x.len());
+                    }
                 }
             }
         }
