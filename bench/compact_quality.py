@@ -454,11 +454,15 @@ def main(argv: list[str] | None = None) -> int:
         help="minilm-mlm, minilm-distill: the compute device (the updates stay on the host)",
     )
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
+    p.add_argument("--commit", default=None, help="the library's commit (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
     data = demo.load_corpus(ROOT)[0] if args.workload == "bytelm" else torch.empty(0)
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     command = "python bench/compact_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     records = []
     for precision in OPTIMIZERS:
