@@ -335,7 +335,9 @@ def run_minilm_mlm(precision: str, args: argparse.Namespace) -> dict[str, object
     }
 
 
-def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, object]:
+def run_minilm_distill(
+    precision: str, args: argparse.Namespace, rounding_seed: int | None = None
+) -> dict[str, object]:
     """A MiniLM-shaped BERT (:func:`minilm_config`, random initialisation of ``--seed``, bf16
     weights) trained to reproduce another one's last hidden states (a teacher of the same shape,
     random initialisation of seed ``--seed`` + 1000, float32, frozen): mean squared error over
@@ -353,6 +355,8 @@ def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, ob
     model = BertModel(minilm_config(), add_pooling_layer=False).to(torch.bfloat16)
     ramtorch.offload(model, device=device)
     opt = ramtorch.optim.AdamW(model.parameters(), lr=args.minilm_lr, weight_decay=0.01, precision=precision)
+    if rounding_seed is not None:
+        opt._seed = rounding_seed  # the key of the stochastic rounding's random words
     lr_at = warmup_cosine(args)
 
     def loss_of(ids: torch.Tensor) -> torch.Tensor:
@@ -369,7 +373,10 @@ def run_minilm_distill(precision: str, args: argparse.Namespace) -> dict[str, ob
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     with torch.no_grad():
         held_out = [loss_of(batch(eval_gen)).item() for _ in range(EVAL_BATCHES)]
-    return minilm_record("minilm-distill", precision, args, device, model, losses, held_out, seconds)
+    r = minilm_record("minilm-distill", precision, args, device, model, losses, held_out, seconds)
+    if rounding_seed is not None:
+        r["rounding_seed"] = rounding_seed
+    return r
 
 
 def svg(records: list[dict[str, object]], title: str) -> str:
@@ -393,7 +400,7 @@ def svg(records: list[dict[str, object]], title: str) -> str:
         y = h - pad - (h - 2 * pad) * (v - lo) / (hi - lo)
         return f"{x:.1f},{y:.1f}"
 
-    colors = ["#1f77b4", "#d62728"]
+    colors = ["#1f77b4", "#d62728", "#2ca02c"]
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
         'font-family="sans-serif" font-size="12">',
@@ -418,8 +425,8 @@ def svg(records: list[dict[str, object]], title: str) -> str:
     for k, (r, color) in enumerate(zip(records, colors)):
         y = pad + 10 + 18 * k
         label = (
-            f"{r['precision']}: last {LAST} steps {r['final_train_loss']:.4f}, "
-            f"held out {r['held_out_loss']:.4f}"
+            f"{r['precision']}{' (other rounding)' if 'rounding_seed' in r else ''}: "
+            f"last {LAST} steps {r['final_train_loss']:.4f}, held out {r['held_out_loss']:.4f}"
         )
         x0 = w - pad - 330
         out.append(f'<line x1="{x0}" y1="{y}" x2="{x0 + 20}" y2="{y}" stroke="{color}" stroke-width="2"/>')
@@ -453,6 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="minilm-mlm, minilm-distill: the compute device (the updates stay on the host)",
     )
+    p.add_argument(
+        "--rounding-seed",
+        type=int,
+        default=None,
+        help="minilm-distill: run compact a second time with its stochastic rounding keyed by this seed "
+        "(a third record: how far two compact runs that differ only in their random words end apart)",
+    )
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     p.add_argument("--commit", default=None, help="the library's commit (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
@@ -481,11 +495,29 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         records.append(r)
-    ref, new = records
+    if args.rounding_seed is not None and args.workload == "minilm-distill":
+        r = run_minilm_distill("compact", args, args.rounding_seed)
+        r.update(commit=commit, command=command, threads=torch.get_num_threads())
+        print(
+            f"compact, rounding seed {args.rounding_seed}: last {LAST} steps {r['final_train_loss']:.4f}, "
+            f"held out {r['held_out_loss']:.4f}, {r['seconds']:.0f} s",
+            flush=True,
+        )
+        records.append(r)
+    ref, new = records[:2]
     for key in ("final_train_loss", "held_out_loss"):
         rel = (float(new[key]) - float(ref[key])) / float(ref[key])  # type: ignore[arg-type]
         new[f"{key}_rel_diff"] = rel
         print(f"{key}: compact vs fp32-master {rel * 100:+.2f}%")
+        for other in records[2:]:
+            rel = (float(other[key]) - float(ref[key])) / float(ref[key])  # type: ignore[arg-type]
+            other[f"{key}_rel_diff"] = rel
+            twin = (float(other[key]) - float(new[key])) / float(new[key])  # type: ignore[arg-type]
+            other[f"{key}_rel_diff_to_compact"] = twin
+            print(
+                f"{key}: compact (other rounding) vs fp32-master {rel * 100:+.2f}%, "
+                f"vs compact {twin * 100:+.2f}%"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n")
     what = {
