@@ -628,7 +628,11 @@ mod x86 {
             }
             i += 16;
         }
-        let tail = if SR { &rand[i.min(rand.len())..] } else { &[][..] };
+        let tail = if SR {
+            &rand[i.min(rand.len())..]
+        } else {
+            &[][..]
+        };
         super::encode_scalar::<SR>(map, table, &x[i..n], amax, &mut codes[i..n], tail);
     }
 
@@ -853,7 +857,11 @@ mod tests {
                     assert_eq!(mp.encode(x), want, "x = {x:e}");
                     assert_eq!(old.encode(x), want, "old, x = {x:e}");
                     if let Some(floor) = mp.floor_table() {
-                        assert_eq!(lookup(floor, x), floor_by_search(&mp.values, x), "floor, {x:e}");
+                        assert_eq!(
+                            lookup(floor, x),
+                            floor_by_search(&mp.values, x),
+                            "floor, {x:e}"
+                        );
                     }
                 }
             });
@@ -991,7 +999,10 @@ mod tests {
                     }
                     #[cfg(target_arch = "x86_64")]
                     for isa in [Isa::Avx2, Isa::Avx512] {
-                        assert!(run(isa) == base, "{isa:?} differs from the scalar codec ({sr:?})");
+                        assert!(
+                            run(isa) == base,
+                            "{isa:?} differs from the scalar codec ({sr:?})"
+                        );
                     }
                 }
             }
@@ -1024,7 +1035,9 @@ mod tests {
     fn stochastic_rounding_is_unbiased() {
         let mut z = 0x5151_2026u64;
         let mp = map(false);
-        let floor = mp.floor_table().expect("the unsigned map has a floor table");
+        let floor = mp
+            .floor_table()
+            .expect("the unsigned map has a floor table");
         let m = &mp.values;
         let by_definition = |y: f32, r: u32| -> u8 {
             let near = mp.encode(y) as usize;
@@ -1059,14 +1072,21 @@ mod tests {
                 if t == 0.0 {
                     assert_eq!(ups, 0);
                 } else {
-                    assert!(ups > 0 && ups < trials, "code {c}, t {t}: {ups} of {trials}");
+                    assert!(
+                        ups > 0 && ups < trials,
+                        "code {c}, t {t}: {ups} of {trials}"
+                    );
                 }
             }
         }
         for y in [0.0f32, -0.0, 1.0, -1e-30, 2e-7] {
             for _ in 0..100 {
                 let r = lcg(&mut z) as u32;
-                assert_eq!(mp.round_stochastic(floor, y, r), by_definition(y, r), "{y:e}");
+                assert_eq!(
+                    mp.round_stochastic(floor, y, r),
+                    by_definition(y, r),
+                    "{y:e}"
+                );
             }
         }
     }
