@@ -54,7 +54,9 @@ both directions at once move ``duplex_gbps`` in total, measured as the others); 
 resident model's time for the same phase. ``limit_seconds`` = max(link, compute), ``limit_parts`` =
 ``{"link_seconds", "compute_seconds"}``, ``ratio`` (= ``limit_over_measured``) = limit / measured,
 ``vs_resident`` = resident seconds / ramtorch seconds. If the resident model does not fit, its
-records carry ``"error"`` and the limit is the link alone (``compute_seconds`` null).
+records carry ``"error"`` and the limit is the link alone (``compute_seconds`` null); with
+``--resident-layers LO HI`` the resident records are instead extrapolated linearly in the layers
+from resident models of LO and HI layers (records carry ``"how"`` and both measured times).
 """
 
 from __future__ import annotations
@@ -488,6 +490,73 @@ def time_phase(
     return rec
 
 
+def resident_records(
+    a: argparse.Namespace, model: nn.Module, name: str, common: dict[str, Any], x: Any
+) -> list[dict[str, Any]]:
+    """The resident model's records of every phase (the compute floor), on the GPU."""
+    records: list[dict[str, Any]] = []
+    for phase in a.phases:
+        if phase == "decode":
+            records += decode_records(a, model, name, common, {}, "resident")
+            continue
+        model.train(phase != "forward")
+        before, fn = phase_fns(model, x, offloaded=False)[phase]
+        try:
+            r = time_phase(before, fn, a.reps, a.warmup, a.device, offloaded=False)
+        except torch.OutOfMemoryError as e:
+            r = {"seconds": None, "error": f"resident: {str(e)[:200]}"}
+        for p in model.parameters():
+            p.grad = None
+        free_device()
+        records.append({**common, "phase": phase, "system": "resident", **r})
+        log(name, phase, "resident", r.get("seconds"))
+    return records
+
+
+def extrapolated_resident(
+    a: argparse.Namespace, name: str, layers: int, common: dict[str, Any], x: Any
+) -> list[dict[str, Any]]:
+    """Resident records at ``layers`` from resident models of ``--resident-layers LO HI`` layers:
+    ``t(layers) = t(LO) + (t(HI) - t(LO)) / (HI - LO) * (layers - LO)``, per phase (decode
+    steps are not extrapolated). Each record carries both measured times and ``"how"``."""
+    lo, hi = a.resident_layers
+    dtype = torch.float32 if a.smoke else torch.bfloat16
+    measured: dict[int, dict[str, dict[str, Any]]] = {}
+    for depth in (lo, hi):
+        model = build(name, depth, a.smoke, a.device, dtype)
+        sub = {**common, "layers": depth}
+        phases = [p for p in a.phases if p != "decode"]
+        got = resident_records(argparse.Namespace(**{**vars(a), "phases": phases}), model, name, sub, x)
+        measured[depth] = {r["phase"]: r for r in got}
+        del model
+        free_device()
+    records = []
+    for phase in a.phases:
+        if phase == "decode":
+            continue
+        t_lo, t_hi = (measured[d][phase].get("seconds") for d in (lo, hi))
+        how = f"extrapolated from resident models of {lo} and {hi} layers"
+        if t_lo is None or t_hi is None:
+            errors = [measured[d][phase].get("error") for d in (lo, hi)]
+            r: dict[str, Any] = {"seconds": None, "error": f"resident at {lo}/{hi} layers: {errors}"}
+        elif t_hi <= t_lo:
+            r = {"seconds": None, "error": f"resident time does not grow with depth: {t_lo} s, {t_hi} s"}
+        else:
+            r = {"seconds": t_lo + (t_hi - t_lo) / (hi - lo) * (layers - lo)}
+        records.append(
+            {
+                **common,
+                "phase": phase,
+                "system": "resident",
+                **r,
+                "how": how,
+                "resident_measured": {str(lo): t_lo, str(hi): t_hi},
+            }
+        )
+        log(name, phase, "resident (extrapolated)", r.get("seconds"))
+    return records
+
+
 def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     """Resident then offloaded measurements of one architecture; records without limits."""
     import ramtorch
@@ -519,21 +588,15 @@ def run_arch(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     if ARCHS[name].kind == "cnn":
         common["depths"] = list(model.config.depths)
     records: list[dict[str, Any]] = []
-    for phase in a.phases:  # the compute floor, while the model is on the GPU
-        if phase == "decode":
-            records += decode_records(a, model, name, common, {}, "resident")
-            continue
-        model.train(phase != "forward")
-        before, fn = phase_fns(model, x, offloaded=False)[phase]
-        try:
-            r = time_phase(before, fn, a.reps, a.warmup, dev, offloaded=False)
-        except torch.OutOfMemoryError as e:
-            r = {"seconds": None, "error": f"resident: {str(e)[:200]}"}
-        for p in model.parameters():
-            p.grad = None
+    if a.resident_layers and ARCHS[name].kind != "cnn":
+        # The compute floor of a model whose resident passes do not fit: the same layers resident
+        # at two smaller depths, extrapolated linearly in the layers (exact for a stack of
+        # identical blocks; the embeddings and head are in both).
+        model.to("cpu")
         free_device()
-        records.append({**common, "phase": phase, "system": "resident", **r})
-        log(name, phase, "resident", r.get("seconds"))
+        records += extrapolated_resident(a, name, layers, common, x)
+    else:
+        records += resident_records(a, model, name, common, x)
     model.to("cpu")
     free_device()
     if a.host_gather:  # the A/B of the default: lookups without gradient gather on the host
@@ -770,6 +833,8 @@ def child_args(a: argparse.Namespace, name: str) -> list[str]:
         out.append("--whole-units")
     if a.head_grad_whole:
         out.append("--head-grad-whole")
+    if a.resident_layers:
+        out += ["--resident-layers", *map(str, a.resident_layers)]
     return out
 
 
@@ -839,6 +904,15 @@ def main() -> None:
         "--layers", type=int, default=None, help="blocks of every model (default: per architecture)"
     )
     ap.add_argument(
+        "--resident-layers",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="the resident records (the compute floor) extrapolated from resident models of LO and HI "
+        "layers, for models whose resident passes do not fit (not the ResNet); records carry how",
+    )
+    ap.add_argument(
         "--full-depth",
         action="store_true",
         help="each model at its real depth (full_layers; not with --smoke)",
@@ -884,6 +958,8 @@ def main() -> None:
         if "--reps" not in sys.argv:
             a.reps = 1
     a.device = a.device or "cuda"
+    if a.resident_layers and not 0 < a.resident_layers[0] < a.resident_layers[1]:
+        ap.error("--resident-layers LO HI needs 0 < LO < HI")
     if a.child is not None:
         torch.manual_seed(0)
         for r in run_arch(a, a.child):
