@@ -156,3 +156,47 @@ def test_calls_interleaved_with_training_passes():
         opt_ref.zero_grad()
         opt.zero_grad()
     torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("given", ["all", "some"])
+def test_another_modules_parameters_are_for_the_call_only(kind, given):
+    """``functional_call(model, dict(other.named_parameters()))``: another module's ``Parameter``s
+    stand for the model's for that call (outputs and gradients as torch's), the other module is
+    left as it was (its parameters' storage and values), and the model is itself again after the
+    call, for forwards and for a training step. Before, such a ``Parameter`` was adopted as a
+    replacement of the model's weight, moving the other module's parameter into the model's
+    storage, and the model then refused its own parameter when the call put it back."""
+    ref, ours = twins(kind)
+    other = mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5).add_(0.01)
+    names = [n for n, _ in ref.named_parameters()]
+    chosen = set(names if given == "all" else names[1::2])
+    params = {n: p for n, p in other.named_parameters() if n in chosen}
+    before = {n: (p.data_ptr(), p.device, p.detach().clone()) for n, p in params.items()}
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        y_ref, y = functional_call(ref, params, (x,)), functional_call(ours, params, (x,))
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+        y_ref.square().sum().backward()
+        want = {n: p.grad.clone() for n, p in params.items()}
+        other.zero_grad()
+        y.square().sum().backward()
+        for n, p in params.items():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6)
+        other.zero_grad()
+        ref.zero_grad()
+        ours.zero_grad()
+    for n, p in params.items():
+        ptr, dev, val = before[n]
+        assert (p.data_ptr(), p.device) == (ptr, dev), n
+        torch.testing.assert_close(p.detach(), val, rtol=0, atol=0)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    for model, o in ((ref, opt_ref), (ours, opt)):
+        model(x).square().mean().backward()
+        o.step()
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)

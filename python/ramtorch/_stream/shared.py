@@ -140,7 +140,7 @@ class LayerStreamer(Streamer):
         # keeps its own parameter (units.is_override).
         own = {e.name: u.params[e.index] for e in u.entries}
         now = [
-            (n, own.get(n, p) if is_override(p) else p)
+            (n, own.get(n, p) if is_override(p, own.get(n)) else p)
             for n, p in module._parameters.items()
             if p is not None
         ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import fnmatch
+import functools
 import operator
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,14 +457,58 @@ class UnitState(enum.Flag):
     BACKWARD = enum.auto()
 
 
-def is_override(t: object) -> bool:
-    """Whether ``t``, found in a module's ``_parameters`` while its unit does not run, was put
-    there for one call by ``torch.func.functional_call`` (``torch.nn.utils.stateless``), which
-    swaps plain tensors in for parameters and swaps the parameters back after the call: a tensor
-    that is not a ``Parameter`` (``module.weight = tensor`` is refused by torch, so nothing else
-    puts one there)."""
+class _Reparametrizing(threading.local):
+    """How many ``torch.nn.utils.stateless._reparametrize_module`` blocks this thread is in."""
+
+    depth = 0
+
+
+_REPARAM = _Reparametrizing()
+
+
+def _count_reparametrizing() -> None:
+    """Wraps ``torch.nn.utils.stateless._reparametrize_module`` (the block in which
+    ``torch.func.functional_call`` swaps the given tensors into a module's ``_parameters`` and
+    swaps the module's own back after the call) so that this thread knows when it is inside one:
+    there a ``Parameter`` of another module passed to ``functional_call`` is for that call only,
+    not a replacement (``module.weight = nn.Parameter(...)``) to adopt. Without the function
+    (another torch), such parameters are taken as replacements."""
+    from torch.nn.utils import stateless
+
+    inner = getattr(stateless, "_reparametrize_module", None)
+    if inner is None or getattr(inner, "_ramtorch_counted", False):
+        return
+
+    @contextlib.contextmanager
+    def counted(*args: Any, **kwargs: Any) -> Iterator[None]:
+        with inner(*args, **kwargs):
+            _REPARAM.depth += 1
+            try:
+                yield
+            finally:
+                _REPARAM.depth -= 1
+
+    functools.update_wrapper(counted, inner)
+    counted._ramtorch_counted = True  # type: ignore[attr-defined]
+    stateless._reparametrize_module = counted
+
+
+_count_reparametrizing()
+
+
+def is_override(t: object, own: object = None) -> bool:
+    """Whether ``t``, found in a module's ``_parameters`` while its unit does not run in place of
+    the unit's parameter ``own``, was put there for one call by ``torch.func.functional_call``
+    (``torch.nn.utils.stateless``), which swaps the given tensors in for parameters and swaps the
+    parameters back after the call: a tensor that is not a ``Parameter`` (``module.weight =
+    tensor`` is refused by torch, so nothing else puts one there), or any tensor but ``own``
+    inside ``functional_call`` (a ``Parameter`` of another module passed to it)."""
     # (Checked for every entry of a unit on each forward: a plain Parameter is settled first.)
-    return type(t) is not nn.Parameter and isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+    if type(t) is nn.Parameter:
+        return _REPARAM.depth > 0 and own is not None and t is not own
+    return isinstance(t, torch.Tensor) and (
+        not isinstance(t, nn.Parameter) or (_REPARAM.depth > 0 and own is not None and t is not own)
+    )
 
 
 class _Unit:
@@ -570,7 +617,9 @@ class _Unit:
         """Positions in ``entries`` whose module holds a tensor ``functional_call`` put in for the
         running call (see :func:`is_override`); call it only while the unit does not run."""
         return frozenset(
-            k for k, e in enumerate(self.entries) if is_override(e.owner._parameters.get(e.name))
+            k
+            for k, e in enumerate(self.entries)
+            if is_override(e.owner._parameters.get(e.name), self.params[e.index])
         )
 
     def per_layout(self, name: str, make: Callable[[_Unit], Any]) -> Any:
@@ -828,7 +877,7 @@ class _Unit:
         params = self.params
         for e in self.entries:
             p = e.owner._parameters.get(e.name)
-            if p is not params[e.index] and not is_override(p):
+            if p is not params[e.index] and not is_override(p, params[e.index]):
                 break
         else:
             return False  # (a tensor functional_call put in for one call is not a replacement)
@@ -838,7 +887,7 @@ class _Unit:
         entries = []
         for e in self.entries:
             p = e.owner._parameters.get(e.name)
-            if is_override(p):
+            if is_override(p, params[e.index]):
                 p = params[e.index]  # for one call: the unit keeps its own
             if p is None:
                 raise RuntimeError(
