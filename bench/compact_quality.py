@@ -479,6 +479,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     command = "python bench/compact_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     records = []
+
+    def keep(r: dict[str, object], label: str) -> None:
+        """Adds the run's provenance to its record, prints its losses, keeps it."""
+        r.update(commit=commit, command=command, threads=torch.get_num_threads())
+        print(
+            f"{label}: last {LAST} steps {r['final_train_loss']:.4f}, held out {r['held_out_loss']:.4f}, "
+            f"{r['seconds']:.0f} s",
+            flush=True,
+        )
+        records.append(r)
+
     for precision in OPTIMIZERS:
         if args.workload == "bytelm":
             r = run(precision, args, data)
@@ -488,22 +499,12 @@ def main(argv: list[str] | None = None) -> int:
             r = run_minilm_mlm(precision, args)
         else:
             r = run_minilm_distill(precision, args)
-        r.update(commit=commit, command=command, threads=torch.get_num_threads())
-        print(
-            f"{precision}: last {LAST} steps {r['final_train_loss']:.4f}, held out {r['held_out_loss']:.4f}, "
-            f"{r['seconds']:.0f} s",
-            flush=True,
-        )
-        records.append(r)
+        keep(r, precision)
     if args.rounding_seed is not None and args.workload == "minilm-distill":
-        r = run_minilm_distill("compact", args, args.rounding_seed)
-        r.update(commit=commit, command=command, threads=torch.get_num_threads())
-        print(
-            f"compact, rounding seed {args.rounding_seed}: last {LAST} steps {r['final_train_loss']:.4f}, "
-            f"held out {r['held_out_loss']:.4f}, {r['seconds']:.0f} s",
-            flush=True,
+        keep(
+            run_minilm_distill("compact", args, args.rounding_seed),
+            f"compact, rounding seed {args.rounding_seed}",
         )
-        records.append(r)
     ref, new = records[:2]
     for key in ("final_train_loss", "held_out_loss"):
         rel = (float(new[key]) - float(ref[key])) / float(ref[key])  # type: ignore[arg-type]
