@@ -113,3 +113,30 @@ def test_transformers_gradient_checkpointing_with_use_reentrant():
         ours(ids, labels=ids).loss.backward()
     ramtorch.synchronize()
     _close_grads(ref, ours)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_region_spanning_more_units_than_slots_is_refused_clearly(reentrant: bool):
+    """A checkpointed region recomputed in backward keeps each streamed unit it spans on its slot
+    until that unit's backward, so one region over more units than the device has slots cannot
+    run: the backward raises an error that names checkpointing and what to do (not the generic
+    "nested deeper" one), and the model trains as the plain one afterwards."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            *[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)], nn.Linear(32, 4)
+        )
+
+    ref, ours = make(), make()
+    ramtorch.offload(ours, device="cpu")
+    assert ramtorch.stats(ours)["slot_count"] < 7
+    x = torch.randn(8, 32)
+    out = checkpoint(ours, x.clone().requires_grad_(), use_reentrant=reentrant).square().sum()
+    with pytest.raises(RuntimeError, match="checkpoint each block apart"):
+        out.backward()
+    ours.zero_grad(set_to_none=True)
+    ref(x).square().sum().backward()
+    ours(x).square().sum().backward()
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)

@@ -141,6 +141,17 @@ class Prefetcher:
         if self._free_slots() <= 0 and self.ahead:
             self._drop_ahead()
         if self._free_slots() <= 0:
+            if torch._C._current_graph_task_id() != -1:
+                # Inside backward: a checkpointed region's recomputation, whose units each keep
+                # their slot until their own backward.
+                raise RuntimeError(
+                    f"ramtorch.offload: all {self.slots} device slots are held while unit {u.name!r} "
+                    "needs one inside backward: an activation-checkpointed region "
+                    "(torch.utils.checkpoint) is recomputed there, and each streamed unit it spans "
+                    "keeps its slot until its own backward, so a region may span at most as many "
+                    "units as there are slots; checkpoint each block apart (as transformers' "
+                    "gradient_checkpointing_enable does), or raise gpu_budget or max_inflight"
+                )
             raise RuntimeError(
                 f"ramtorch.offload: all {self.slots} device slots are held while unit {u.name!r} "
                 "needs one (units nested deeper than the slots allow); raise gpu_budget or "
