@@ -102,11 +102,11 @@ def _encode(q, vmap):  # noqa: ANN001, ANN202 - Triton values
 @triton.jit
 def _round_stochastic(q, near, vmap, r):  # noqa: ANN001, ANN202 - Triton values
     """``quant::Map::round_stochastic``: from the nearest code ``near``, the lower of the two map
-    values that bracket ``q`` or the upper one, by the top 24 bits of ``r``."""
+    values that bracket ``q`` or the upper one, by the low 16 bits of ``r``."""
     c = near - tl.where((near > 0) & (q < tl.load(vmap + near)), 1, 0)
     lo = tl.load(vmap + c)
     hi = tl.load(vmap + tl.minimum(c + 1, 255))
-    u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08
+    u = (r & 0xFFFF).to(tl.float32) * 1.52587890625e-05
     return c + tl.where(q - lo > u * (hi - lo), 1, 0)
 
 
@@ -241,9 +241,15 @@ def _adamw_kernel(
         low = tl.where((_u32(low) & 0x7FFFFFFF) < 0x7F800000, low, 0.0)
         _store_bits16(p_out, offs, hi, mask)
         _store_bits16(c_out, offs, _bf16_sr(low, r0), mask)
-    # An 8-bit second moment is rounded stochastically, an 8-bit first moment to nearest.
+    # An 8-bit second moment is rounded stochastically, an 8-bit first moment to nearest; where
+    # the first state rounds to nearest, an 8-bit second one takes word 0's bits 16..32
+    # (``StateIo::SR16``), else word 1.
     _store_state(a_out, as_out, smap, m, r0 >> 16, offs, rows, mask, row_ok, AMODE, False)
-    _store_state(b_out, bs_out, umap, v, r1, offs, rows, mask, row_ok, BMODE, True)
+    rb = r1
+    if BMODE == 2:
+        if AMODE != 1:
+            rb = r0 >> 16
+    _store_state(b_out, bs_out, umap, v, rb, offs, rows, mask, row_ok, BMODE, True)
 
 
 def launch(

@@ -356,6 +356,10 @@ pub(super) trait GradIo: Split + Copy + Sync {
 pub(super) trait StateIo: Split {
     /// Whether `store` uses random bits.
     const SR: bool;
+    /// Whether `store` reads only the low 16 bits of each random word: as the second state, it
+    /// then takes word 0's bits 16..32 where the first state rounds to nearest (one hash an
+    /// element fewer), else word 1.
+    const SR16: bool = false;
     /// Whether the state has `n` elements (always true when absent).
     fn fits(&self, n: usize) -> bool;
     fn load(&self, at: usize, out: &mut [f32]);
@@ -665,6 +669,7 @@ impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
     /// An unsigned state (AdamW's second moment, whose step-to-step change is far below a code's
     /// width) is rounded stochastically, a signed one to nearest (see [`quant::encode_block_sr`]).
     const SR: bool = !SIGNED;
+    const SR16: bool = true;
     #[inline(always)]
     fn fits(&self, n: usize) -> bool {
         self.0.len() == n && self.1.len() == quant::blocks(n)
@@ -1091,7 +1096,10 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
         }
         old.fill(&mut p, &mut a, &mut b);
         // Random word 0 of an element rounds the param (bits 0..16) and the first state (bits
-        // 16..32); word 1 rounds the second state. Pieces do not straddle a multiple of 2^32.
+        // 16..32); word 1 rounds the second state, or word 0's bits 16..32 do where the first
+        // state rounds to nearest and the second reads 16 bits (`StateIo::SR16`: the compact
+        // format's second moment). Pieces do not straddle a multiple of 2^32.
+        let b_shares = B::SR && B::SR16 && !A::SR;
         let start = start as u64 + self.stream.offset;
         let hi = start >> 32;
         let lo = start as u32;
@@ -1121,7 +1129,7 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
             a.load(at, xa);
             b.load(at, xb);
             let base = lo.wrapping_add(at as u32);
-            if P::SR || A::SR {
+            if P::SR || A::SR || b_shares {
                 for (i, rp) in rp[..len].iter_mut().enumerate() {
                     *rp = hash32(base.wrapping_add(i as u32), k0, k1);
                 }
@@ -1131,7 +1139,11 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
                     }
                 }
             }
-            if B::SR {
+            if b_shares {
+                for (rb, &r) in rb[..len].iter_mut().zip(&rp[..len]) {
+                    *rb = r >> 16;
+                }
+            } else if B::SR {
                 for (i, rb) in rb[..len].iter_mut().enumerate() {
                     *rb = hash32(base.wrapping_add(i as u32), k2, k3);
                 }

@@ -195,14 +195,14 @@ impl Map {
 
     /// Stochastic rounding of `y` (not NaN) by the random word `r`, with this map's `floor`
     /// table (the unsigned map's [`Map::floor_table`]): between the map values `lo <= y < hi`
-    /// around it, `hi` when `y - lo > u * (hi - lo)` with `u` the top 24 bits of `r` as a fraction
-    /// in `[0, 1)`, so `hi` with probability about `(y - lo) / (hi - lo)` and the code is right on
-    /// average. A value on the map (0 and 1 among them) keeps its code; one below the map takes
+    /// around it, `hi` when `y - lo > u * (hi - lo)` with `u` the low 16 bits of `r` as a fraction
+    /// in `[0, 1)`, so `hi` with probability `(y - lo) / (hi - lo)` to 2^-16 and the code is right
+    /// on average. A value on the map (0 and 1 among them) keeps its code; one below the map takes
     /// code 0.
     #[inline(always)]
     pub(super) fn round_stochastic(&self, floor: &[u32; TABLE], y: f32, r: u32) -> u8 {
         let c = lookup(floor, y) as usize;
-        let u = (r >> 8) as f32 * SR_UNIT;
+        let u = (r & 0xFFFF) as f32 * SR_UNIT;
         (c + usize::from(y - self.values[c] > u * self.gaps[c])) as u8
     }
 
@@ -230,8 +230,8 @@ fn floor_by_search(m: &[f32; 256], x: f32) -> u8 {
     c as u8
 }
 
-/// `2^-24`: the weight of the lowest of the 24 random bits of [`Map::round_stochastic`].
-const SR_UNIT: f32 = 1.0 / 16_777_216.0;
+/// `2^-16`: the weight of the lowest of the 16 random bits of [`Map::round_stochastic`].
+const SR_UNIT: f32 = 1.0 / 65_536.0;
 
 /// The reference encoder: a branch-free binary search over the sorted map for the largest value
 /// at or below `x` (code 0 if none), then the nearer of it and the next value (ties to the upper
@@ -615,7 +615,7 @@ mod x86 {
                     let gap = _mm512_i32gather_ps::<4>(c, map.gaps.as_ptr());
                     let words = _mm512_loadu_si512(rand.as_ptr().add(i).cast());
                     let u = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(words)),
+                        _mm512_cvtepi32_ps(_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF))),
                         _mm512_set1_ps(super::SR_UNIT),
                     );
                     let step = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(
@@ -1043,7 +1043,7 @@ mod tests {
             let near = mp.encode(y) as usize;
             let c = near - usize::from(near > 0 && y < m[near]);
             let (lo, hi) = (m[c], m[(c + 1).min(255)]);
-            let u = (r >> 8) as f32 * SR_UNIT;
+            let u = (r & 0xFFFF) as f32 * SR_UNIT;
             (c + usize::from(y - lo > u * (hi - lo))) as u8
         };
         for c in (0..255).step_by(3) {
