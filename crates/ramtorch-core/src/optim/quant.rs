@@ -291,7 +291,7 @@ pub(super) fn encode_block(map: &Map, x: &[f32], codes: &mut [u8]) -> f32 {
 }
 
 /// [`encode_block`] with stochastic rounding ([`Map::round_stochastic`]): `r` holds one random
-/// word per element (at least `x.len()`). Used for a state whose small changes from step to step
+/// word per element (with fewer words than elements the block is rounded to nearest). Used for a state whose small changes from step to step
 /// would otherwise round back to the stored code every time (an AdamW second moment moves by a
 /// thousandth of itself a step, far less than a code's width): rounded to nearest, such a state
 /// stays where it was while the block's scale moves, and drifts; rounded stochastically, it is
@@ -300,8 +300,8 @@ pub(super) fn encode_block(map: &Map, x: &[f32], codes: &mut [u8]) -> f32 {
 #[inline(always)]
 pub(super) fn encode_block_sr(map: &Map, x: &[f32], codes: &mut [u8], r: &[u32]) -> f32 {
     match map.floor_table() {
-        Some(floor) => encode_block_as::<true>(map, floor, x, codes, r),
-        None => encode_block(map, x, codes),
+        Some(floor) if r.len() >= x.len() => encode_block_as::<true>(map, floor, x, codes, r),
+        _ => encode_block(map, x, codes),
     }
 }
 
@@ -329,9 +329,6 @@ fn encode_block_as<const SR: bool>(
         codes.fill(zero);
         return 0.0;
     }
-    // With stochastic rounding every element needs its random word.
-    let n = if SR { x.len().min(r.len()) } else { x.len() };
-    let (x, codes) = (&x[..n], &mut codes[..n]);
     #[cfg(target_arch = "x86_64")]
     match super::kernel::isa() {
         // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ on this CPU.
