@@ -233,7 +233,12 @@ class GradientHooks:
                 if addr <= p < end or (p == end and t.numel() == 0):
                     offset, rest = divmod(p - addr, t.element_size())
                     return t if rest else _SlotRef(u, t, offset)
-        return t
+        # Anything else is kept detached: a node that saves its own output (``tanh``, ``exp``,
+        # ``sigmoid``) would otherwise hold that output and so its own ``grad_fn``, a cycle
+        # through autograd's C++ objects that Python's collector cannot free, and the graph of a
+        # forward whose backward never runs would leak. Autograd gives the unpacked tensor its
+        # ``grad_fn`` back from what it saved (and ``detach`` shares the version counter).
+        return t.detach() if t.requires_grad and not t.is_leaf else t
 
     def _pack_subclass(self, t: torch.Tensor) -> Any:
         """A saved tensor subclass (a quantized weight): its inner tensors that live in a slot
