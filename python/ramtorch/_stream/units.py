@@ -504,10 +504,12 @@ def is_override(t: object, own: object = None) -> bool:
     tensor`` is refused by torch, so nothing else puts one there), or any tensor but ``own``
     inside ``functional_call`` (a ``Parameter`` of another module passed to it)."""
     # (Checked for every entry of a unit on each forward: a plain Parameter is settled first.)
+    if t is own:
+        return False
     if type(t) is nn.Parameter:
-        return _REPARAM.depth > 0 and own is not None and t is not own
+        return own is not None and _REPARAM.depth > 0
     return isinstance(t, torch.Tensor) and (
-        not isinstance(t, nn.Parameter) or (_REPARAM.depth > 0 and own is not None and t is not own)
+        not isinstance(t, nn.Parameter) or (own is not None and _REPARAM.depth > 0)
     )
 
 
