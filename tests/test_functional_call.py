@@ -29,18 +29,26 @@ def twins(kind: str) -> tuple[nn.Module, nn.Module]:
 KINDS = ["offload", "per-layer"]
 
 
+def step_both(
+    ref: nn.Module,
+    ours: nn.Module,
+    opt_ref: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+) -> None:
+    """One training step of each model on ``x`` (mean square of the output), gradients zeroed."""
+    for model, o in ((ref, opt_ref), (ours, opt)):
+        model(x).square().mean().backward()
+        o.step()
+        o.zero_grad()
+
+
 def trains_alike(ref: nn.Module, ours: nn.Module, gen: torch.Generator) -> None:
     """The model is itself again after the calls: its own parameters, trained as torch's."""
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     for _ in range(2):
-        x = torch.randn(5, 12, generator=gen)
-        ref(x).square().mean().backward()
-        ours(x).square().mean().backward()
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad()
-        opt.zero_grad()
+        step_both(ref, ours, opt_ref, opt, torch.randn(5, 12, generator=gen))
     for a, b in zip(ref.parameters(), ours.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
 
@@ -137,12 +145,7 @@ def test_calls_interleaved_with_training_passes():
     gen = torch.Generator().manual_seed(2)
     for r in range(4):
         x = torch.randn(8, 64, generator=gen)
-        ref(x).square().mean().backward()
-        ours(x).square().mean().backward()
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad()
-        opt.zero_grad()
+        step_both(ref, ours, opt_ref, opt, x)
         given = names if r % 2 == 0 else names[::3]
         base = {n: t.detach() * 0.9 for n, t in ref.named_parameters() if n in given}
         p_ref = {n: t.clone().requires_grad_() for n, t in base.items()}
