@@ -37,6 +37,10 @@ pub(super) enum Isa {
     /// AVX-512 F, BW, VL and DQ.
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    /// AVX-512 F, BW, VL and DQ with VBMI: the block codec looks map values up by byte permutes
+    /// instead of gathers (`quant.rs`); the leaves are [`Isa::Avx512`]'s.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vbmi,
 }
 
 #[cfg(test)]
@@ -62,6 +66,9 @@ pub(super) fn best_isa() -> Isa {
         {
             use std::arch::is_x86_feature_detected as has;
             if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq") {
+                if has!("avx512vbmi") {
+                    return Isa::Avx512Vbmi;
+                }
                 return Isa::Avx512;
             }
             if has!("avx2") && has!("f16c") {
@@ -95,7 +102,7 @@ pub(super) fn leaf_on<P, L: Leaf<P>>(want: Isa, leaf: &L, start: usize, parts: P
         Isa::Avx2 => unsafe { leaf_avx2(leaf, start, parts) },
         // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ on this CPU.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { leaf_avx512(leaf, start, parts) },
+        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { leaf_avx512(leaf, start, parts) },
     }
 }
 

@@ -19,8 +19,12 @@
 //! bucket and where in the bucket the next code begins, so a code is one look-up and one integer
 //! compare (checked on every float against the binary search). Decoding is a table look-up and a
 //! multiply. On x86-64 the arithmetic runs eight or sixteen elements at a time (AVX2, AVX-512),
-//! with the bits of the scalar code; AVX-512 looks up with gathers, AVX2 one element at a time
-//! (on CPUs with microcoded gathers, such as AMD's up to Zen 3, those are the slower way).
+//! with the bits of the scalar code; AVX-512 looks up the encoder's tables with gathers, AVX2 one
+//! element at a time (on CPUs with microcoded gathers, such as AMD's up to Zen 3, those are the
+//! slower way). Where the CPU has AVX-512 VBMI, the map's values and gaps (decoding, and the two
+//! look-ups of stochastic rounding) are looked up 64 codes at a time by byte permutes from the
+//! tables' byte planes ([`Planes`]): on a Sapphire Rapids core this took the compact AdamW step
+//! from 2.65 to 2.38 ns a parameter in cache, and from 1.30 to 1.13 on two threads out of it.
 //! Both are pure functions of the block, so results do not depend on threads or chunking.
 
 use std::sync::OnceLock;
@@ -100,6 +104,26 @@ pub(super) struct Map {
     table: Box<[u32; TABLE]>,
     floor: Option<Box<[u32; TABLE]>>,
     gaps: [f32; 256],
+    /// `values` and `gaps` as byte planes, for look-ups by byte permutes ([`Planes`]).
+    planes: Box<[Planes; 2]>,
+}
+
+/// A table of 256 `f32` as four byte planes (plane `k` holds byte `k` of every entry, in code
+/// order): the look-up of 64 codes is then eight two-source byte permutes and the interleaving of
+/// their bytes (`x86::lookup64`), where a gather loads each element on its own.
+#[repr(C, align(64))]
+pub(super) struct Planes([[u8; 256]; 4]);
+
+impl Planes {
+    fn new(t: &[f32; 256]) -> Planes {
+        let mut p = [[0u8; 256]; 4];
+        for (c, v) in t.iter().enumerate() {
+            for (k, b) in v.to_le_bytes().into_iter().enumerate() {
+                p[k][c] = b;
+            }
+        }
+        Planes(p)
+    }
 }
 
 /// The bucket of `x`'s bits `b` (see [`Map`]) and `x`'s low 16 bits in value order.
@@ -124,11 +148,13 @@ impl Map {
         for (c, g) in gaps.iter_mut().enumerate().take(255) {
             *g = values[c + 1] - values[c];
         }
+        let planes = Box::new([Planes::new(&values), Planes::new(&gaps)]);
         Map {
             values,
             table,
             floor,
             gaps,
+            planes,
         }
     }
 
@@ -265,6 +291,10 @@ pub(super) fn map(signed: bool) -> &'static Map {
 pub(super) fn decode_block(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     match super::kernel::isa() {
+        // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ and VBMI on this CPU.
+        super::kernel::Isa::Avx512Vbmi => {
+            return unsafe { x86::decode_vbmi(map, codes, scale, out) }
+        }
         // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ on this CPU.
         super::kernel::Isa::Avx512 => return unsafe { x86::decode_avx512(map, codes, scale, out) },
         // SAFETY: `isa()` found AVX2 and F16C on this CPU.
@@ -333,7 +363,11 @@ fn encode_block_as<const SR: bool>(
     match super::kernel::isa() {
         // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ on this CPU.
         super::kernel::Isa::Avx512 => unsafe {
-            x86::encode_avx512::<SR>(map, floor, x, amax, codes, r)
+            x86::encode_avx512::<SR>(map, floor, x, amax, codes, r, false)
+        },
+        // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ and VBMI on this CPU.
+        super::kernel::Isa::Avx512Vbmi => unsafe {
+            x86::encode_avx512::<SR>(map, floor, x, amax, codes, r, true)
         },
         // SAFETY: `isa()` found AVX2 and F16C on this CPU.
         super::kernel::Isa::Avx2 => unsafe {
@@ -372,7 +406,7 @@ fn encode_scalar<const SR: bool>(
 /// a time (the look-ups are gathers), the same bits.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Map, BINADES, BLOCK, LOW_EXP, MANT_BITS, TABLE};
+    use super::{Map, Planes, BINADES, BLOCK, LOW_EXP, MANT_BITS, TABLE};
     use std::arch::x86_64::*;
 
     /// The table indices and the low 16 bits in value order of the eight floats of bits `b` (one
@@ -535,10 +569,74 @@ mod x86 {
         super::decode_scalar(map, codes, scale, out);
     }
 
-    /// [`super::encode_scalar`] in AVX-512 (with `SR`, rounded stochastically by `rand`).
+    /// `x / amax` for sixteen lanes, with the bits of the division (`r` = `1 / amax`, `fast` as in
+    /// [`encode_avx512`]).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn quotient16(v: __m512, a: __m512, r: __m512, fast: bool) -> __m512 {
+        if fast {
+            let q = _mm512_mul_ps(v, r);
+            let q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, a, v), r, q);
+            _mm512_fmadd_ps(_mm512_fnmadd_ps(q, a, v), r, q)
+        } else {
+            _mm512_div_ps(v, a)
+        }
+    }
+
+    /// The codes of sixteen quotients `y` in an encoder's `table` (see [`Map`]), as
+    /// [`super::lookup`]: the bucket's entry by a gather, then one compare.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F, BW, VL and DQ.
+    /// The CPU must have AVX-512 F; `table` is an encoder's table.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn lookup16(table: &[u32; TABLE], y: __m512) -> __m512i {
+        let b = _mm512_castps_si512(y);
+        let sign = _mm512_srli_epi32::<31>(b);
+        let exp = _mm512_and_si512(_mm512_srli_epi32::<23>(b), _mm512_set1_epi32(0xFF));
+        let binade = _mm512_min_epi32(
+            _mm512_max_epi32(
+                _mm512_sub_epi32(exp, _mm512_set1_epi32(LOW_EXP as i32)),
+                _mm512_setzero_si512(),
+            ),
+            _mm512_set1_epi32(BINADES as i32 - 1),
+        );
+        let top = _mm512_and_si512(
+            _mm512_srli_epi32::<16>(b),
+            _mm512_set1_epi32((1 << MANT_BITS) - 1),
+        );
+        let idx = _mm512_or_si512(
+            _mm512_or_si512(
+                _mm512_slli_epi32::<12>(sign),
+                _mm512_slli_epi32::<{ MANT_BITS }>(binade),
+            ),
+            top,
+        );
+        let low16 = _mm512_set1_epi32(0xFFFF);
+        let low = _mm512_and_si512(_mm512_xor_si512(b, _mm512_srai_epi32::<31>(b)), low16);
+        // SAFETY: every index is below `TABLE` (sign bit 12, binade below 2^5 at bit 7, top below
+        // 2^7).
+        let e = unsafe { _mm512_i32gather_epi32::<4>(idx, table.as_ptr().cast()) };
+        let up = _mm512_cmpgt_epi32_mask(low, _mm512_and_si512(e, low16));
+        let base = _mm512_srli_epi32::<16>(e);
+        _mm512_mask_add_epi32(base, up, base, _mm512_set1_epi32(1))
+    }
+
+    /// The uniform fractions `u` of [`Map::round_stochastic`] from sixteen random words.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn unit16(words: __m512i) -> __m512 {
+        _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF))),
+            _mm512_set1_ps(super::SR_UNIT),
+        )
+    }
+
+    /// [`super::encode_scalar`] in AVX-512 (with `SR`, rounded stochastically by `rand`; with
+    /// `vbmi`, by [`encode_sr_vbmi`] where it can).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW, VL and DQ, and VBMI if `vbmi`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")]
     pub(super) unsafe fn encode_avx512<const SR: bool>(
         map: &Map,
@@ -547,13 +645,13 @@ mod x86 {
         amax: f32,
         codes: &mut [u8],
         rand: &[u32],
+        vbmi: bool,
     ) {
         let n = if SR {
             x.len().min(codes.len()).min(rand.len())
         } else {
             x.len().min(codes.len())
         };
-        let a = _mm512_set1_ps(amax);
         // `x / amax` without a division where `amax` is not tiny: `q = x * (1 / amax)`, then
         // two corrections `q += (x - q * amax) * (1 / amax)` with the remainder computed exactly
         // by a fused multiply-add; the first brings `q` within one ulp of the quotient, the second
@@ -562,64 +660,32 @@ mod x86 {
         // every remainder that matters is exact (a quotient below 2^-26 codes as 0 whatever its
         // last bits: see `BINADES`).
         let fast = amax >= f32::from_bits(0x1F80_0000);
+        let a = _mm512_set1_ps(amax);
         let r = _mm512_set1_ps(1.0 / amax);
+        let mut i = 0;
+        if SR && n >= 64 && vbmi {
+            // SAFETY: the caller's CPU has AVX-512 F/BW/VL/DQ and VBMI; `n` is within `x`,
+            // `codes` and `rand`.
+            i = unsafe { encode_sr_vbmi(map, floor, &x[..n], amax, &mut codes[..n], rand) };
+        }
         // With `SR` the floor's table gives the code below, then one step up by the random word.
         let table = if SR { floor } else { &map.table };
-        let mut i = 0;
         while i + 16 <= n {
-            // SAFETY: `i + 16 <= n`, within `x`, `codes` and (with `SR`) `rand`; the table
-            // gather's indices as in `codes8`, the map's and gaps' within 0..=255 (codes).
+            // SAFETY: `i + 16 <= n`, within `x`, `codes` and (with `SR`) `rand`; the map's and
+            // gaps' gathers index within 0..=255 (codes).
             unsafe {
-                let v = _mm512_loadu_ps(x.as_ptr().add(i));
-                let y = if fast {
-                    let q = _mm512_mul_ps(v, r);
-                    let q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, a, v), r, q);
-                    _mm512_fmadd_ps(_mm512_fnmadd_ps(q, a, v), r, q)
-                } else {
-                    _mm512_div_ps(v, a)
-                };
-                let b = _mm512_castps_si512(y);
-                let sign = _mm512_srli_epi32::<31>(b);
-                let exp = _mm512_and_si512(_mm512_srli_epi32::<23>(b), _mm512_set1_epi32(0xFF));
-                let binade = _mm512_min_epi32(
-                    _mm512_max_epi32(
-                        _mm512_sub_epi32(exp, _mm512_set1_epi32(LOW_EXP as i32)),
-                        _mm512_setzero_si512(),
-                    ),
-                    _mm512_set1_epi32(BINADES as i32 - 1),
-                );
-                let top = _mm512_and_si512(
-                    _mm512_srli_epi32::<16>(b),
-                    _mm512_set1_epi32((1 << MANT_BITS) - 1),
-                );
-                let idx = _mm512_or_si512(
-                    _mm512_or_si512(
-                        _mm512_slli_epi32::<12>(sign),
-                        _mm512_slli_epi32::<{ MANT_BITS }>(binade),
-                    ),
-                    top,
-                );
-                let low16 = _mm512_set1_epi32(0xFFFF);
-                let low = _mm512_and_si512(_mm512_xor_si512(b, _mm512_srai_epi32::<31>(b)), low16);
-                let e = _mm512_i32gather_epi32::<4>(idx, table.as_ptr().cast());
-                let up = _mm512_cmpgt_epi32_mask(low, _mm512_and_si512(e, low16));
-                let base = _mm512_srli_epi32::<16>(e);
-                let one = _mm512_set1_epi32(1);
-                let mut c = _mm512_mask_add_epi32(base, up, base, one);
+                let y = quotient16(_mm512_loadu_ps(x.as_ptr().add(i)), a, r, fast);
+                let mut c = lookup16(table, y);
                 if SR {
                     // `Map::round_stochastic`, sixteen lanes at a time.
                     let lo = _mm512_i32gather_ps::<4>(c, map.values.as_ptr());
                     let gap = _mm512_i32gather_ps::<4>(c, map.gaps.as_ptr());
-                    let words = _mm512_loadu_si512(rand.as_ptr().add(i).cast());
-                    let u = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(_mm512_and_si512(words, _mm512_set1_epi32(0xFFFF))),
-                        _mm512_set1_ps(super::SR_UNIT),
-                    );
+                    let u = unit16(_mm512_loadu_si512(rand.as_ptr().add(i).cast()));
                     let step = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(
                         _mm512_sub_ps(y, lo),
                         _mm512_mul_ps(u, gap),
                     );
-                    c = _mm512_mask_add_epi32(c, step, c, one);
+                    c = _mm512_mask_add_epi32(c, step, c, _mm512_set1_epi32(1));
                 }
                 _mm_storeu_si128(codes.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c));
             }
@@ -631,6 +697,155 @@ mod x86 {
             &[][..]
         };
         super::encode_scalar::<SR>(map, table, &x[i..n], amax, &mut codes[i..n], tail);
+    }
+
+    /// [`encode_avx512`]'s stochastic rounding over the whole multiples of 64 of a block (at most
+    /// [`BLOCK`] elements): the quotients and their floor codes sixteen at a time, then the map
+    /// values and gaps of the codes by byte permutes ([`lookup64`]) instead of two gathers, 64 at
+    /// a time, and the step up. Returns how many elements it coded.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW, VL, DQ and VBMI; `rand` must hold `x.len()` words.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,f16c")]
+    unsafe fn encode_sr_vbmi(
+        map: &Map,
+        floor: &[u32; TABLE],
+        x: &[f32],
+        amax: f32,
+        codes: &mut [u8],
+        rand: &[u32],
+    ) -> usize {
+        let n = x.len().min(codes.len()).min(BLOCK) / 64 * 64;
+        let fast = amax >= f32::from_bits(0x1F80_0000);
+        let a = _mm512_set1_ps(amax);
+        let r = _mm512_set1_ps(1.0 / amax);
+        let mut i = 0;
+        while i < n {
+            // SAFETY: `i + 64 <= n`, within `x`, `codes` and `rand` (the caller's `x.len()`
+            // words).
+            unsafe {
+                let y: [__m512; 4] = std::array::from_fn(|k| {
+                    quotient16(_mm512_loadu_ps(x.as_ptr().add(i + 16 * k)), a, r, fast)
+                });
+                let c: [__m128i; 4] =
+                    std::array::from_fn(|k| _mm512_cvtepi32_epi8(lookup16(floor, y[k])));
+                // The 64 floor codes in one vector (in registers: a store of four parts read
+                // back whole would stall), then in `lookup64`'s order.
+                let all = _mm512_inserti32x4::<3>(
+                    _mm512_inserti32x4::<2>(
+                        _mm512_inserti32x4::<1>(_mm512_castsi128_si512(c[0]), c[1]),
+                        c[2],
+                    ),
+                    c[3],
+                );
+                let ordered =
+                    _mm512_permutexvar_epi8(_mm512_loadu_si512(ORDER.as_ptr().cast()), all);
+                let lo = lookup64(&map.planes[0], ordered);
+                let gap = lookup64(&map.planes[1], ordered);
+                for k in 0..4 {
+                    let at = i + 16 * k;
+                    let u = unit16(_mm512_loadu_si512(rand.as_ptr().add(at).cast()));
+                    let step = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(
+                        _mm512_sub_ps(y[k], _mm512_castsi512_ps(lo[k])),
+                        _mm512_mul_ps(u, _mm512_castsi512_ps(gap[k])),
+                    );
+                    let p = codes.as_mut_ptr().add(at).cast::<__m128i>();
+                    _mm_storeu_si128(p, _mm_mask_add_epi8(c[k], step, c[k], _mm_set1_epi8(1)));
+                }
+            }
+            i += 64;
+        }
+        n
+    }
+
+    /// The byte order that [`lookup64`] takes its 64 codes in: position `16l + 4k + i` holds the
+    /// code of element `16k + 4l + i`, so that the interleaving of the looked-up bytes, which
+    /// works within 128-bit lanes, gives the elements in order.
+    const ORDER: [u8; 64] = {
+        let mut o = [0u8; 64];
+        let mut q = 0;
+        while q < 64 {
+            let (l, k, i) = (q / 16, q % 16 / 4, q % 4);
+            o[q] = (16 * k + 4 * l + i) as u8;
+            q += 1;
+        }
+        o
+    };
+
+    /// `t[c]` for the 64 codes `c` (in [`ORDER`]), as the bits of sixteen `f32` per vector in
+    /// element order: per byte plane, two two-source byte permutes (codes below and from 128)
+    /// and a blend by the code's top bit; then the planes' bytes interleaved into dwords.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VBMI.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn lookup64(t: &Planes, c: __m512i) -> [__m512i; 4] {
+        let top = _mm512_movepi8_mask(c);
+        let plane = |k: usize| {
+            let p = t.0[k].as_ptr().cast::<__m512i>();
+            // SAFETY: `Planes` is 64-byte aligned and each plane is four vectors of 64 bytes.
+            let (a0, a1, a2, a3) = unsafe {
+                (
+                    _mm512_load_si512(p),
+                    _mm512_load_si512(p.add(1)),
+                    _mm512_load_si512(p.add(2)),
+                    _mm512_load_si512(p.add(3)),
+                )
+            };
+            let lo = _mm512_permutex2var_epi8(a0, c, a1);
+            let hi = _mm512_permutex2var_epi8(a2, c, a3);
+            _mm512_mask_blend_epi8(top, lo, hi)
+        };
+        let (b0, b1, b2, b3) = (plane(0), plane(1), plane(2), plane(3));
+        let (w01l, w01h) = (_mm512_unpacklo_epi8(b0, b1), _mm512_unpackhi_epi8(b0, b1));
+        let (w23l, w23h) = (_mm512_unpacklo_epi8(b2, b3), _mm512_unpackhi_epi8(b2, b3));
+        [
+            _mm512_unpacklo_epi16(w01l, w23l),
+            _mm512_unpackhi_epi16(w01l, w23l),
+            _mm512_unpacklo_epi16(w01h, w23h),
+            _mm512_unpackhi_epi16(w01h, w23h),
+        ]
+    }
+
+    /// 64 codes from `codes` put in [`lookup64`]'s order.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VBMI; `codes` must hold 64 bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn load64(codes: *const u8) -> __m512i {
+        // SAFETY: the caller's 64 bytes; `ORDER` is 64 bytes.
+        unsafe {
+            _mm512_permutexvar_epi8(
+                _mm512_loadu_si512(ORDER.as_ptr().cast()),
+                _mm512_loadu_si512(codes.cast()),
+            )
+        }
+    }
+
+    /// [`super::decode_scalar`] by byte permutes ([`lookup64`]), 64 elements at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW, VL, DQ and VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,f16c")]
+    pub(super) unsafe fn decode_vbmi(map: &Map, codes: &[u8], scale: f32, out: &mut [f32]) {
+        let n = out.len().min(codes.len());
+        let s = _mm512_set1_ps(scale);
+        let mut i = 0;
+        while i + 64 <= n {
+            // SAFETY: `i + 64 <= n`, within both slices.
+            unsafe {
+                let v = lookup64(&map.planes[0], load64(codes.as_ptr().add(i)));
+                for (k, v) in v.into_iter().enumerate() {
+                    let o = out.as_mut_ptr().add(i + 16 * k);
+                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_castsi512_ps(v), s));
+                }
+            }
+            i += 64;
+        }
+        // SAFETY: the caller's CPU has AVX-512 F/BW/VL/DQ.
+        unsafe { decode_avx512(map, &codes[i..n], scale, &mut out[i..n]) };
     }
 
     /// [`super::decode_scalar`] in AVX-512.
@@ -925,7 +1140,7 @@ mod tests {
                     };
                     let base = run(Isa::Base);
                     #[cfg(target_arch = "x86_64")]
-                    for isa in [Isa::Avx2, Isa::Avx512] {
+                    for isa in [Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi] {
                         assert!(run(isa) == base, "{isa:?}, amax {amax:e}");
                     }
                 }
@@ -947,6 +1162,45 @@ mod tests {
         decode_block(mp, &codes, s, &mut y);
         FORCE_ISA.with(|f| f.set(None));
         (codes, s.to_bits(), y.iter().map(|v| v.to_bits()).collect())
+    }
+
+    /// Decoding by byte permutes (`Isa::Avx512Vbmi`) and by gathers gives each code's map value
+    /// times the scale, for every code at every position of 64 and the tails after them.
+    #[test]
+    fn every_code_decodes_alike_on_every_instruction_set() {
+        let mut z = 0x00DE_C0DE_u64;
+        for signed in [true, false] {
+            let mp = map(signed);
+            for len in [1usize, 16, 63, 64, 65, 127, 128, 200, 255, 256] {
+                for round in 0..8 {
+                    // Every code appears at every position across the rounds' rotations.
+                    let codes: Vec<u8> = (0..len)
+                        .map(|i| match round {
+                            0 => i as u8,
+                            1 => 255 - i as u8,
+                            _ => lcg(&mut z) as u8,
+                        })
+                        .collect();
+                    for scale in [1.0f32, 0.37, 3.5e-20, f32::NAN] {
+                        let want: Vec<u32> = codes
+                            .iter()
+                            .map(|&c| (mp.values[c as usize] * scale).to_bits())
+                            .collect();
+                        let mut isas = vec![Isa::Base];
+                        #[cfg(target_arch = "x86_64")]
+                        isas.extend([Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi]);
+                        for isa in isas {
+                            FORCE_ISA.with(|f| f.set(Some(isa)));
+                            let mut out = vec![0f32; len];
+                            decode_block(mp, &codes, scale, &mut out);
+                            FORCE_ISA.with(|f| f.set(None));
+                            let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                            assert!(got == want, "{isa:?}, length {len}, scale {scale}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -995,7 +1249,7 @@ mod tests {
                         }
                     }
                     #[cfg(target_arch = "x86_64")]
-                    for isa in [Isa::Avx2, Isa::Avx512] {
+                    for isa in [Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi] {
                         assert!(
                             run(isa) == base,
                             "{isa:?} differs from the scalar codec ({sr:?})"
@@ -1148,7 +1402,7 @@ mod tests {
                         }
                     }
                     #[cfg(target_arch = "x86_64")]
-                    for isa in [Isa::Avx2, Isa::Avx512] {
+                    for isa in [Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi] {
                         assert!(run(isa) == base, "{isa:?}, length {}, {sr:?}", x.len());
                     }
                 }

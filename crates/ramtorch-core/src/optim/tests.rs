@@ -54,7 +54,7 @@ fn every_instruction_set_gives_the_same_bits() {
     };
     let mut isas = vec![Isa::Base];
     #[cfg(target_arch = "x86_64")]
-    isas.extend([Isa::Avx2, Isa::Avx512]);
+    isas.extend([Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi]);
     for want in isas {
         FORCE_ISA.with(|f| f.set(Some(want)));
         assert_eq!(isa(), want.min(best_isa()));
@@ -81,7 +81,7 @@ fn every_instruction_set_adds_the_same_bits() {
     let base = run();
     let mut isas = vec![Isa::Base];
     #[cfg(target_arch = "x86_64")]
-    isas.extend([Isa::Avx2, Isa::Avx512]);
+    isas.extend([Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi]);
     for want in isas {
         FORCE_ISA.with(|f| f.set(Some(want)));
         assert!(run() == base, "{want:?} differs from the baseline");
