@@ -479,15 +479,118 @@ mod x86 {
     ) {
         let n = x.len().min(codes.len());
         if SR {
-            // One element at a time (the look-ups, as in `encode_avx2_chunk`, cost the same
-            // either way on CPUs with microcoded gathers).
-            super::encode_scalar::<true>(map, floor, &x[..n], amax, &mut codes[..n], r);
+            let n = n.min(r.len());
+            for ((x, codes), r) in x[..n]
+                .chunks(BLOCK)
+                .zip(codes[..n].chunks_mut(BLOCK))
+                .zip(r[..n].chunks(BLOCK))
+            {
+                // SAFETY: the caller's CPU has AVX2.
+                unsafe { encode_sr_avx2_chunk(map, floor, x, amax, codes, r) };
+            }
             return;
         }
         for (x, codes) in x[..n].chunks(BLOCK).zip(codes[..n].chunks_mut(BLOCK)) {
             // SAFETY: the caller's CPU has AVX2.
             unsafe { encode_avx2_chunk(map, x, amax, codes) };
         }
+    }
+
+    /// [`encode_avx2`]'s stochastic rounding over at most [`BLOCK`] elements, in three passes:
+    /// the quotients and their buckets eight at a time; the floor codes, map values and gaps one
+    /// element at a time (three dependent loads, cheaper than gathers on CPUs whose gathers are
+    /// microcoded); the step up by the random words eight at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `r` must hold as many words as `x` has elements.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn encode_sr_avx2_chunk(
+        map: &Map,
+        floor: &[u32; TABLE],
+        x: &[f32],
+        amax: f32,
+        codes: &mut [u8],
+        r: &[u32],
+    ) {
+        let n = x.len().min(codes.len()).min(r.len()).min(BLOCK);
+        let whole = n / 8 * 8;
+        let a = _mm256_set1_ps(amax);
+        // Scratch written before it is read (the first `whole` elements only), so not zeroed.
+        let mut ys = std::mem::MaybeUninit::<[f32; BLOCK]>::uninit();
+        let mut idx = std::mem::MaybeUninit::<[u32; BLOCK]>::uninit();
+        let mut low = std::mem::MaybeUninit::<[u32; BLOCK]>::uninit();
+        let mut lo = std::mem::MaybeUninit::<[f32; BLOCK]>::uninit();
+        let mut gap = std::mem::MaybeUninit::<[f32; BLOCK]>::uninit();
+        let (ys_ptr, idx_ptr, low_ptr, lo_ptr, gap_ptr) = (
+            ys.as_mut_ptr().cast::<f32>(),
+            idx.as_mut_ptr().cast::<u32>(),
+            low.as_mut_ptr().cast::<u32>(),
+            lo.as_mut_ptr().cast::<f32>(),
+            gap.as_mut_ptr().cast::<f32>(),
+        );
+        let mut i = 0;
+        while i < whole {
+            // SAFETY: `i + 8 <= whole <= n`, within `x` and the arrays (of `BLOCK >= n`).
+            unsafe {
+                let y = _mm256_div_ps(_mm256_loadu_ps(x.as_ptr().add(i)), a);
+                let (ix, l) = bucket8(_mm256_castps_si256(y));
+                _mm256_storeu_ps(ys_ptr.add(i), y);
+                _mm256_storeu_si256(idx_ptr.add(i).cast(), ix);
+                _mm256_storeu_si256(low_ptr.add(i).cast(), l);
+            }
+            i += 8;
+        }
+        // SAFETY: the loop above wrote the first `whole` elements of `idx` and `low`.
+        let (idx, low) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(idx_ptr, whole),
+                std::slice::from_raw_parts(low_ptr, whole),
+            )
+        };
+        for (k, (c, &l)) in idx.iter_mut().zip(low).enumerate() {
+            // As `super::lookup`: every index is below the table's length (the mask states it).
+            let e = floor[*c as usize & (TABLE - 1)];
+            let code = ((e >> 16) + u32::from(l > (e & 0xFFFF))) as usize & 0xFF;
+            *c = code as u32;
+            // SAFETY: `k < whole`, within both arrays.
+            unsafe {
+                *lo_ptr.add(k) = map.values[code];
+                *gap_ptr.add(k) = map.gaps[code];
+            }
+        }
+        let mut i = 0;
+        while i < whole {
+            // SAFETY: `i + 8 <= whole <= n`, within `codes`, `r` and the written part of every
+            // array.
+            unsafe {
+                let words = _mm256_loadu_si256(r.as_ptr().add(i).cast());
+                let u = _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF))),
+                    _mm256_set1_ps(super::SR_UNIT),
+                );
+                let d = _mm256_sub_ps(
+                    _mm256_loadu_ps(ys_ptr.add(i)),
+                    _mm256_loadu_ps(lo_ptr.add(i)),
+                );
+                let t = _mm256_mul_ps(u, _mm256_loadu_ps(gap_ptr.add(i)));
+                // All ones where `d > t` (ordered): subtracting -1 steps the code up.
+                let step = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(d, t));
+                let c = _mm256_sub_epi32(_mm256_loadu_si256(idx.as_ptr().add(i).cast()), step);
+                let w =
+                    _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+                _mm_storel_epi64(codes.as_mut_ptr().add(i).cast(), _mm_packus_epi16(w, w));
+            }
+            i += 8;
+        }
+        super::encode_scalar::<true>(
+            map,
+            floor,
+            &x[whole..n],
+            amax,
+            &mut codes[whole..n],
+            &r[whole..n],
+        );
     }
 
     /// [`encode_avx2`] over at most [`BLOCK`] elements.
