@@ -156,6 +156,35 @@ def test_second_moment_follows_changes_smaller_than_a_code() -> None:
     assert near_ratio < 0.5, near_ratio
 
 
+def test_a_second_moment_far_below_its_block_never_makes_an_update_of_m_over_eps() -> None:
+    """An element whose second moment is below the smallest code of its block (one 256th of the
+    block's scale's 3.25e-7) while its first moment is not (a steady small gradient beside one
+    large one): stored as 0, its update would be ``m / eps``, here about 100 times AdamW's. The
+    kernel rounds such a moment up to the smallest code instead: every element moves by at most
+    what fp32 AdamW moves it, and the large one as AdamW does."""
+    blocks, steps, lr = 4, 5, 1e-3
+    n = blocks * BLOCK
+    big = torch.zeros(n, dtype=torch.bool)
+    big[::BLOCK] = True
+    grad = torch.where(big, torch.tensor(1.0), torch.tensor(1e-6))
+    p, comp = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    codes = [torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)]
+    scales = [torch.zeros(_blocks(n)), torch.zeros(_blocks(n))]
+    ref = torch.zeros(n, requires_grad=True)
+    opt = torch.optim.AdamW([ref], lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    for t in range(1, steps + 1):
+        _core.optim_step("adamw", _hyper(t, lr=lr), p, grad, codes, comp=comp, scales=scales)
+        ref.grad = grad.clone()
+        opt.step()
+        stored = torch.empty(n)
+        _core.q8_dequantize(codes[1], scales[1], stored, False)
+        assert (stored > 0).all(), f"step {t}: a positive second moment stored as 0"
+    moved = (p.float() + comp.float()).abs()
+    want = ref.detach().abs()
+    assert (moved <= want * 1.01 + 1e-9).all(), (moved.max().item(), want.max().item())
+    assert torch.allclose(moved[big], want[big], rtol=0.01), (moved[big], want[big])
+
+
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> list[float]:
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(123)

@@ -62,6 +62,12 @@ def _operands(
     if special and n > 600:
         m[512:768], v[512:768] = 0.0, 0.0  # an all-zero block of new moments
         g[512:768] = 0.0
+    if special and n > 1100:
+        # A block whose second moments are all far below its largest: rounded up to the smallest
+        # code, never to 0.
+        m[768:1024], v[768:1024] = 0.0, 0.0
+        g[768:1024] = 1e-6
+        g[770] = 1.0
     states, scales = [], []
     for x, fmt, signed in ((m, sformat[0], True), (v, sformat[1], False)):
         if fmt == "f32":

@@ -102,12 +102,14 @@ def _encode(q, vmap):  # noqa: ANN001, ANN202 - Triton values
 @triton.jit
 def _round_stochastic(q, near, vmap, r):  # noqa: ANN001, ANN202 - Triton values
     """``quant::Map::round_stochastic``: from the nearest code ``near``, the lower of the two map
-    values that bracket ``q`` or the upper one, by the low 16 bits of ``r``."""
+    values that bracket ``q`` or the upper one, by the low 16 bits of ``r``; a positive ``q``
+    never takes code 0."""
     c = near - tl.where((near > 0) & (q < tl.load(vmap + near)), 1, 0)
     lo = tl.load(vmap + c)
     hi = tl.load(vmap + tl.minimum(c + 1, 255))
     u = (r & 0xFFFF).to(tl.float32) * 1.52587890625e-05
-    return c + tl.where(q - lo > u * (hi - lo), 1, 0)
+    c = c + tl.where(q - lo > u * (hi - lo), 1, 0)
+    return tl.where((q > 0) & (c == 0), 1, c)
 
 
 @triton.jit

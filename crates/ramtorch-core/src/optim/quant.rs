@@ -11,7 +11,9 @@
 //! a value `x` with `|x| >= scale / 10` comes back within 7.1% of itself (signed) and 3.6%
 //! (unsigned), anything down to `scale * 1e-6` within a few tens of percent, and smaller
 //! magnitudes flush to the nearest of 0 and the smallest code (`3.25e-7 * scale` unsigned,
-//! `5.5e-7 * scale` signed).
+//! `5.5e-7 * scale` signed). Rounded stochastically (the AdamW second moment), a positive value
+//! never takes the code of 0: below the smallest code it is rounded up to it (see
+//! [`Map::round_stochastic`]).
 //!
 //! Encoding rounds `x / scale` to the nearest map value (ties to the upper one), as a binary search
 //! over the sorted map followed by a comparison with the midpoint would: a table indexed by the
@@ -224,12 +226,17 @@ impl Map {
     /// around it, `hi` when `y - lo > u * (hi - lo)` with `u` the low 16 bits of `r` as a fraction
     /// in `[0, 1)`, so `hi` with probability `(y - lo) / (hi - lo)` to 2^-16 and the code is right
     /// on average. A value on the map (0 and 1 among them) keeps its code; one below the map takes
-    /// code 0.
+    /// code 0. Except: a positive value never takes code 0 (the map's 0). Below the smallest
+    /// positive code (`3.25e-7` of the block's scale) it takes that code, rounded up: an AdamW
+    /// second moment stored as 0 beside a first moment that is not makes an update of
+    /// `m / eps`, thousands of times the update AdamW makes (whose `|m| / sqrt(v)` is bounded),
+    /// where a second moment rounded up only slows that element.
     #[inline(always)]
     pub(super) fn round_stochastic(&self, floor: &[u32; TABLE], y: f32, r: u32) -> u8 {
         let c = lookup(floor, y) as usize;
         let u = (r & 0xFFFF) as f32 * SR_UNIT;
-        (c + usize::from(y - self.values[c] > u * self.gaps[c])) as u8
+        let c = c + usize::from(y - self.values[c] > u * self.gaps[c]);
+        c.max(usize::from(y > 0.0)) as u8
     }
 
     /// The floor table, which the unsigned map has.
@@ -569,14 +576,15 @@ mod x86 {
                     _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF))),
                     _mm256_set1_ps(super::SR_UNIT),
                 );
-                let d = _mm256_sub_ps(
-                    _mm256_loadu_ps(ys_ptr.add(i)),
-                    _mm256_loadu_ps(lo_ptr.add(i)),
-                );
+                let y = _mm256_loadu_ps(ys_ptr.add(i));
+                let d = _mm256_sub_ps(y, _mm256_loadu_ps(lo_ptr.add(i)));
                 let t = _mm256_mul_ps(u, _mm256_loadu_ps(gap_ptr.add(i)));
                 // All ones where `d > t` (ordered): subtracting -1 steps the code up.
                 let step = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(d, t));
                 let c = _mm256_sub_epi32(_mm256_loadu_si256(idx.as_ptr().add(i).cast()), step);
+                // A positive value never takes code 0: at least 1 where `y > 0`.
+                let pos = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(y, _mm256_setzero_ps()));
+                let c = _mm256_max_epu32(c, _mm256_and_si256(pos, _mm256_set1_epi32(1)));
                 let w =
                     _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
                 _mm_storel_epi64(codes.as_mut_ptr().add(i).cast(), _mm_packus_epi16(w, w));
@@ -788,7 +796,11 @@ mod x86 {
                         _mm512_sub_ps(y, lo),
                         _mm512_mul_ps(u, gap),
                     );
-                    c = _mm512_mask_add_epi32(c, step, c, _mm512_set1_epi32(1));
+                    let one = _mm512_set1_epi32(1);
+                    c = _mm512_mask_add_epi32(c, step, c, one);
+                    // A positive value never takes code 0.
+                    let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(y, _mm512_setzero_ps());
+                    c = _mm512_mask_max_epu32(c, pos, c, one);
                 }
                 _mm_storeu_si128(codes.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(c));
             }
@@ -852,8 +864,12 @@ mod x86 {
                         _mm512_sub_ps(y[k], _mm512_castsi512_ps(lo[k])),
                         _mm512_mul_ps(u, _mm512_castsi512_ps(gap[k])),
                     );
+                    let one = _mm_set1_epi8(1);
+                    let c = _mm_mask_add_epi8(c[k], step, c[k], one);
+                    // A positive value never takes code 0.
+                    let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(y[k], _mm512_setzero_ps());
                     let p = codes.as_mut_ptr().add(at).cast::<__m128i>();
-                    _mm_storeu_si128(p, _mm_mask_add_epi8(c[k], step, c[k], _mm_set1_epi8(1)));
+                    _mm_storeu_si128(p, _mm_mask_max_epu8(c, pos, c, one));
                 }
             }
             i += 64;
@@ -1374,6 +1390,9 @@ mod tests {
             c == 0
         } else if y > m[255] {
             c == 255
+        } else if y > 0.0 && y < m[1] {
+            // A positive value never takes code 0.
+            c == 1
         } else {
             (m[c] < y && c < 255 && y < m[c + 1]) || (c > 0 && m[c - 1] < y && y < m[c])
         };
@@ -1398,7 +1417,9 @@ mod tests {
             let c = near - usize::from(near > 0 && y < m[near]);
             let (lo, hi) = (m[c], m[(c + 1).min(255)]);
             let u = (r & 0xFFFF) as f32 * SR_UNIT;
-            (c + usize::from(y - lo > u * (hi - lo))) as u8
+            let c = c + usize::from(y - lo > u * (hi - lo));
+            // A positive value never takes code 0.
+            (if y > 0.0 { c.max(1) } else { c }) as u8
         };
         for c in (0..255).step_by(3) {
             for t in [0.0f32, 0.1, 0.37, 0.5, 0.93] {
@@ -1413,6 +1434,11 @@ mod tests {
                     assert!(got as usize == c || got as usize == c + 1 || m[c] == y);
                     ups += usize::from(got as usize == c + 1);
                     sum += f64::from(m[got as usize]);
+                }
+                if c == 0 && t > 0.0 {
+                    // Between 0 and the smallest positive code: rounded up, every time.
+                    assert_eq!(ups, trials, "t {t}");
+                    continue;
                 }
                 let w = f64::from(m[c + 1] - m[c]);
                 let mean = sum / trials as f64;
