@@ -6,7 +6,10 @@ text from a fixed Markov chain, whose loss falls smoothly; ``--device cuda`` run
 GPU, the optimizer's updates staying on the host).
 
 Both runs start from the same initial weights and see the same batches (same seeds); the only
-difference is the optimizer's state format. Reported: the training loss of every step, the mean of
+difference is the optimizer's state format. The byte LM's corpus is this checkout's own source
+files (``demo.load_corpus``), which change from commit to commit: compare the two formats within
+one run, not runs of different commits (each byte LM record names its corpus by size and
+SHA-256). Reported: the training loss of every step, the mean of
 the last 50 steps, and the loss on 16 held-out batches at the end. Writes a JSON list of records
 (one per optimizer) and an SVG plot of both curves::
 
@@ -18,6 +21,7 @@ This is a benchmark (it reports numbers); ``tests/test_optim_compact.py`` holds 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import subprocess
@@ -483,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     def keep(r: dict[str, object], label: str) -> None:
         """Adds the run's provenance to its record, prints its losses, keeps it."""
         r.update(commit=commit, command=command, threads=torch.get_num_threads())
+        if args.workload == "bytelm":
+            digest = hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
+            r.update(corpus_bytes=data.numel(), corpus_sha256=digest)
         print(
             f"{label}: last {LAST} steps {r['final_train_loss']:.4f}, held out {r['held_out_loss']:.4f}, "
             f"{r['seconds']:.0f} s",
