@@ -120,6 +120,7 @@ def main() -> None:
         "numel": a.numel,
         "tensors": a.tensors,
         "device": torch.cuda.get_device_name(),
+        "cpu_kernels": _core.optim_isa(),
         "commit": a.commit or git_commit(),
         "command": "python3 bench/gpu_updates.py " + shlex.join(sys.argv[1:]),
     }

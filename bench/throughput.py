@@ -145,6 +145,7 @@ def main() -> None:
 
     import ramtorch
     import ramtorch.optim as ropt
+    from ramtorch import _core
 
     commit = a.commit or git_commit()
     command = "python3 bench/throughput.py " + shlex.join(sys.argv[1:])
@@ -161,6 +162,7 @@ def main() -> None:
         "batch": a.batch,
         "seq": a.seq,
         "device": device_name,
+        "cpu_kernels": _core.optim_isa(),
         "commit": commit,
         "command": command,
         "gpus": 1,

@@ -464,3 +464,29 @@ def test_zero_elements_is_a_no_op():
     )
     adamw(e, e.clone(), e.clone(), e.clone(), step=1)
     assert _core.grad_stats(0, "bfloat16", 0) == (0.0, False)
+
+
+def test_the_kernels_instruction_set_is_the_best_the_cpu_has() -> None:
+    """``_core.optim_isa()`` (recorded by the benchmarks) names the kernels this CPU runs: on a
+    Linux x86-64 CPU, the best level whose flags ``/proc/cpuinfo`` lists."""
+    from pathlib import Path
+
+    isa = _core.optim_isa()
+    assert isa in ("avx512-vbmi", "avx512", "avx2", "base")
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return
+    flags: set[str] = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if not flags:
+        return  # not x86 (aarch64 lists "Features")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        want = "avx512-vbmi" if "avx512vbmi" in flags else "avx512"
+    elif {"avx2", "f16c"} <= flags:
+        want = "avx2"
+    else:
+        want = "base"
+    assert isa == want, (isa, sorted(f for f in flags if f.startswith("avx")))

@@ -1274,6 +1274,13 @@ fn optim_constants<'py>(
     Ok(d)
 }
 
+/// The instruction set the optimizer kernels run with on this CPU (`"avx512-vbmi"`,
+/// `"avx512"`, `"avx2"` or `"base"`), for benchmark records.
+#[pyfunction]
+fn optim_isa() -> &'static str {
+    optim::kernel_isa()
+}
+
 /// The 256 values of the 8-bit states' dynamic map, ascending: signed (in `[-1, 1]`) or unsigned
 /// (in `[0, 1]`).
 #[pyfunction]
@@ -1302,5 +1309,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(optim_threads, m)?)?;
     m.add_function(wrap_pyfunction!(optim_constants, m)?)?;
     m.add_function(wrap_pyfunction!(q8_map, m)?)?;
+    m.add_function(wrap_pyfunction!(optim_isa, m)?)?;
     Ok(())
 }

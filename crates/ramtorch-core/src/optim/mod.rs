@@ -101,6 +101,20 @@ pub use lion::{lion_step, lion_step_from, lion_update, Lion};
 pub use sgd::{sgd_step, sgd_step_from, sgd_update, Sgd};
 pub use stats::{add_in_place, grad_stats, scale_in_place, stochastic_round_bf16, GradStats};
 
+/// The instruction set the optimizer kernels run with on this CPU: `"avx512-vbmi"` (AVX-512
+/// leaves, the block codec's map look-ups by byte permutes), `"avx512"`, `"avx2"` or `"base"`.
+pub fn kernel_isa() -> &'static str {
+    match kernel::best_isa() {
+        kernel::Isa::Base => "base",
+        #[cfg(target_arch = "x86_64")]
+        kernel::Isa::Avx2 => "avx2",
+        #[cfg(target_arch = "x86_64")]
+        kernel::Isa::Avx512 => "avx512",
+        #[cfg(target_arch = "x86_64")]
+        kernel::Isa::Avx512Vbmi => "avx512-vbmi",
+    }
+}
+
 /// Tensors with at most this many elements are processed on the calling thread; larger ones are
 /// split in halves (at multiples of 1024 elements) until every piece is at most this long, and the
 /// pieces run on the rayon pool.
