@@ -490,3 +490,51 @@ def test_the_kernels_instruction_set_is_the_best_the_cpu_has() -> None:
     else:
         want = "base"
     assert isa == want, (isa, sorted(f for f in flags if f.startswith("avx")))
+
+
+def test_ramtorch_cpu_kernels_caps_the_instruction_set_with_the_same_bits() -> None:
+    """``RAMTORCH_CPU_KERNELS`` (read once per process: run in children) caps the kernels'
+    instruction set, for A/B measurements; the compact AdamW step gives the same bits under
+    every cap; a name it does not know is a ``ValueError`` naming the variable when an optimizer
+    is made."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ramtorch.optim as ro\n"
+        "from ramtorch import _core\n"
+        "n = 5000\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "p = torch.randn(n, generator=g).to(torch.bfloat16); comp = torch.zeros(n, dtype=torch.bfloat16)\n"
+        "codes = [torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)]\n"
+        "scales = [torch.zeros(-(-n // 256)), torch.zeros(-(-n // 256))]\n"
+        "h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False,\n"
+        "         grad_scale=1.0, seed=3)\n"
+        "for t in range(1, 4):\n"
+        "    grad = torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 1, (n,), generator=g)\n"
+        "    _core.optim_step('adamw', {**h, 'step': t}, p, grad, codes, comp=comp, scales=scales)\n"
+        "ro.AdamW([torch.nn.Parameter(torch.zeros(2))])\n"
+        "print(_core.optim_isa(), hash((p.view(torch.int16).tolist().__repr__(), comp.view(torch.int16)"
+        ".tolist().__repr__(), codes[0].tolist().__repr__(), codes[1].tolist().__repr__(), "
+        "scales[0].tolist().__repr__(), scales[1].tolist().__repr__())))\n"
+    )
+
+    def run(cap: str | None) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "RAMTORCH_CPU_KERNELS"}
+        env["PYTHONHASHSEED"] = "0"
+        if cap is not None:
+            env["RAMTORCH_CPU_KERNELS"] = cap
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    best = run(None)
+    assert best.returncode == 0, best.stderr[-2000:]
+    best_isa, digest = best.stdout.split()
+    names = ["base", "avx2", "avx512", "avx512-vbmi"]
+    for cap in names[: names.index(best_isa) + 1]:
+        r = run(cap)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split() == [cap, digest], (cap, r.stdout)
+    bad = run("sse9")
+    assert bad.returncode != 0
+    assert "RAMTORCH_CPU_KERNELS" in bad.stderr and "sse9" in bad.stderr, bad.stderr[-2000:]

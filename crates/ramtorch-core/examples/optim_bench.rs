@@ -161,7 +161,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let single = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
     println!(
         "N = {n}, {reps} reps (best of), pool of {all} threads, kernels: {}",
-        kernel_isa()
+        kernel_isa()?
     );
     let g: Vec<bf16> = (0..n).map(|i| bf16::from_f32(1e-2 * unit(i, 2))).collect();
     let mut rows: Vec<(String, usize, f64)> = Vec::new();

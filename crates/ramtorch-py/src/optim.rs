@@ -1275,10 +1275,11 @@ fn optim_constants<'py>(
 }
 
 /// The instruction set the optimizer kernels run with on this CPU (`"avx512-vbmi"`,
-/// `"avx512"`, `"avx2"` or `"base"`), for benchmark records.
+/// `"avx512"`, `"avx2"` or `"base"`, at most what `RAMTORCH_CPU_KERNELS` names), for benchmark
+/// records; a `ValueError` when that variable names no instruction set.
 #[pyfunction]
-fn optim_isa() -> &'static str {
-    optim::kernel_isa()
+fn optim_isa() -> PyResult<&'static str> {
+    guard("optim_isa", optim::kernel_isa)
 }
 
 /// The 256 values of the 8-bit states' dynamic map, ascending: signed (in `[-1, 1]`) or unsigned

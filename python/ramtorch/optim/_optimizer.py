@@ -74,6 +74,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
         if overlap not in (True, False, "backward"):
             raise ValueError(f"overlap must be True, False or 'backward', got {overlap!r}")
+        _core.optim_isa()  # a RAMTORCH_CPU_KERNELS that names no instruction set: ValueError
         self._check_group(defaults)
         self._init_resident(states)  # before the groups are added: their gradients are hooked
         super().__init__(params, defaults)  # each group is checked in add_param_group

@@ -59,9 +59,71 @@ pub(super) fn isa() -> Isa {
     best
 }
 
+/// The environment variable that caps the instruction set of the optimizer kernels (read once).
+pub(super) const ISA_VAR: &str = "RAMTORCH_CPU_KERNELS";
+
+/// The names of the instruction sets, lowest first (on every target: a cap above what the CPU
+/// has changes nothing).
+pub(super) const ISA_NAMES: [&str; 4] = ["base", "avx2", "avx512", "avx512-vbmi"];
+
+/// The rank in [`ISA_NAMES`] that [`ISA_VAR`] caps the kernels at: `Ok(None)` when it is unset
+/// or empty, `Err` with the value when it names no instruction set.
+pub(super) fn isa_cap() -> std::result::Result<Option<usize>, String> {
+    match std::env::var(ISA_VAR) {
+        Ok(v) if !v.trim().is_empty() => {
+            let name = v.trim().to_ascii_lowercase();
+            match ISA_NAMES.iter().position(|n| *n == name) {
+                Some(rank) => Ok(Some(rank)),
+                None => Err(v),
+            }
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The rank of `isa` in [`ISA_NAMES`].
+pub(super) fn isa_rank(isa: Isa) -> usize {
+    match isa {
+        Isa::Base => 0,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => 1,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => 2,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vbmi => 3,
+    }
+}
+
+/// The best instruction set the CPU has, capped by [`ISA_VAR`] when it names one (a name it
+/// does not know leaves the kernels uncapped; [`super::kernel_isa`] reports it as an error).
 pub(super) fn best_isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
+        let found = detect_isa();
+        match isa_cap() {
+            Ok(Some(cap)) if cap < isa_rank(found) => lower_isa(found, cap),
+            _ => found,
+        }
+    })
+}
+
+/// The highest instruction set at or below `found` whose rank is at most `cap`.
+fn lower_isa(found: Isa, cap: usize) -> Isa {
+    let mut isa = found;
+    while isa_rank(isa) > cap {
+        isa = match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vbmi => Isa::Avx512,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => Isa::Avx2,
+            _ => Isa::Base,
+        };
+    }
+    isa
+}
+
+fn detect_isa() -> Isa {
+    {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;
@@ -76,7 +138,7 @@ pub(super) fn best_isa() -> Isa {
             }
         }
         Isa::Base
-    })
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -102,17 +102,19 @@ pub use sgd::{sgd_step, sgd_step_from, sgd_update, Sgd};
 pub use stats::{add_in_place, grad_stats, scale_in_place, stochastic_round_bf16, GradStats};
 
 /// The instruction set the optimizer kernels run with on this CPU: `"avx512-vbmi"` (AVX-512
-/// leaves, the block codec's map look-ups by byte permutes), `"avx512"`, `"avx2"` or `"base"`.
-pub fn kernel_isa() -> &'static str {
-    match kernel::best_isa() {
-        kernel::Isa::Base => "base",
-        #[cfg(target_arch = "x86_64")]
-        kernel::Isa::Avx2 => "avx2",
-        #[cfg(target_arch = "x86_64")]
-        kernel::Isa::Avx512 => "avx512",
-        #[cfg(target_arch = "x86_64")]
-        kernel::Isa::Avx512Vbmi => "avx512-vbmi",
+/// leaves, the block codec's map look-ups by byte permutes), `"avx512"`, `"avx2"` or `"base"`:
+/// the best the CPU has, at most what the environment variable `RAMTORCH_CPU_KERNELS` names (one
+/// of those four; for A/B measurements). A value it does not name is an error here (the kernels
+/// then run uncapped).
+pub fn kernel_isa() -> Result<&'static str> {
+    if let Err(v) = kernel::isa_cap() {
+        return Err(invalid(format!(
+            "environment variable {}={v:?} names no instruction set; use one of {}",
+            kernel::ISA_VAR,
+            kernel::ISA_NAMES.join(", ")
+        )));
     }
+    Ok(kernel::ISA_NAMES[kernel::isa_rank(kernel::best_isa())])
 }
 
 /// Tensors with at most this many elements are processed on the calling thread; larger ones are
