@@ -107,6 +107,7 @@ pub(super) struct Map {
     floor: Option<Box<[u32; TABLE]>>,
     gaps: [f32; 256],
     /// `values` and `gaps` as byte planes, for look-ups by byte permutes ([`Planes`]).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     planes: Box<[Planes; 2]>,
 }
 
