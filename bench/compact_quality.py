@@ -9,7 +9,8 @@ Both runs start from the same initial weights and see the same batches (same see
 difference is the optimizer's state format. The byte LM's corpus is this checkout's own source
 files (``demo.load_corpus``), which change from commit to commit: compare the two formats within
 one run, not runs of different commits (each byte LM record names its corpus by size and
-SHA-256). Reported: the training loss of every step, the mean of
+SHA-256), or fix the corpus with ``--corpus-rev REV`` (the same files as ``load_corpus`` would
+read from a checkout of ``REV``, from git). Reported: the training loss of every step, the mean of
 the last 50 steps, and the loss on 16 held-out batches at the end. Writes a JSON list of records
 (one per optimizer) and an SVG plot of both curves::
 
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import math
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -439,6 +442,34 @@ def svg(records: list[dict[str, object]], title: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def corpus_at(rev: str) -> torch.Tensor:
+    """``demo.load_corpus``'s corpus as a checkout of ``rev`` would give it: the same files (text
+    suffixes, no hidden or build directories), in ``os.walk``'s order (a directory's files, then
+    its subdirectories, each sorted by name), with the same headers; read from ``git archive``."""
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev], capture_output=True, check=False
+    )
+    if tar.returncode != 0:
+        raise SystemExit(f"--corpus-rev {rev!r}: git archive failed: {tar.stderr.decode().strip()}")
+    files: list[tuple[tuple[tuple[int, str], ...], str, bytes]] = []
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+        for m in t.getmembers():
+            parts = m.name.split("/")
+            *dirs, name = parts
+            if not m.isfile() or Path(name).suffix not in demo.TEXT_SUFFIXES or name.startswith("."):
+                continue
+            if any(d.startswith(".") or d in demo.SKIP_DIRS for d in dirs):
+                continue
+            f = t.extractfile(m)
+            if f is None:
+                continue
+            key = tuple((1, d) for d in dirs) + ((0, name),)
+            files.append((key, m.name, f.read()))
+    files.sort(key=lambda x: x[0])
+    corpus = b"".join(f"\n# ==== {path} ====\n".encode() + data for _, path, data in files)
+    return torch.frombuffer(bytearray(corpus), dtype=torch.uint8).clone()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs both optimizers, writes ``<out>.json`` and ``<out>.svg``; status 1 if the final losses
     differ by more than 1%."""
@@ -471,10 +502,21 @@ def main(argv: list[str] | None = None) -> int:
         help="minilm-distill: run compact a second time with its stochastic rounding keyed by this seed "
         "(a third record: how far two compact runs that differ only in their random words end apart)",
     )
+    p.add_argument(
+        "--corpus-rev",
+        default=None,
+        help="bytelm: read the corpus from this git revision of the repository instead of the working "
+        "tree (so that runs of different commits train on the same text)",
+    )
     p.add_argument("--out", type=Path, required=True, help="output path without suffix")
     p.add_argument("--commit", default=None, help="the library's commit (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
-    data = demo.load_corpus(ROOT)[0] if args.workload == "bytelm" else torch.empty(0)
+    if args.workload != "bytelm":
+        data = torch.empty(0)
+    elif args.corpus_rev is not None:
+        data = corpus_at(args.corpus_rev)
+    else:
+        data = demo.load_corpus(ROOT)[0]
     commit = (
         args.commit
         or subprocess.run(
@@ -489,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         r.update(commit=commit, command=command, threads=torch.get_num_threads())
         if args.workload == "bytelm":
             digest = hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
-            r.update(corpus_bytes=data.numel(), corpus_sha256=digest)
+            r.update(corpus_bytes=data.numel(), corpus_sha256=digest, corpus_rev=args.corpus_rev)
         print(
             f"{label}: last {LAST} steps {r['final_train_loss']:.4f}, held out {r['held_out_loss']:.4f}, "
             f"{r['seconds']:.0f} s",
