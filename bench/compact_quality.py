@@ -114,7 +114,7 @@ def run(precision: str, args: argparse.Namespace, data: torch.Tensor) -> dict[st
         "params": params,
         "weights": "bfloat16",
         "steps": args.steps,
-        "final_train_loss": sum(losses[-LAST:]) / LAST,
+        "final_train_loss": sum(losses[-LAST:]) / min(LAST, len(losses)),
         "held_out_loss": sum(held_out) / len(held_out),
         "optimizer_state_bytes_per_param": state_bytes / params,
         "seconds": seconds,
