@@ -854,8 +854,7 @@ mod x86 {
                     ),
                     c[3],
                 );
-                let ordered =
-                    _mm512_permutexvar_epi8(_mm512_loadu_si512(ORDER.as_ptr().cast()), all);
+                let ordered = order64(all);
                 let lo = lookup64(&map.planes[0], ordered);
                 let gap = lookup64(&map.planes[1], ordered);
                 for k in 0..4 {
@@ -928,20 +927,13 @@ mod x86 {
         ]
     }
 
-    /// 64 codes from `codes` put in [`lookup64`]'s order.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VBMI; `codes` must hold 64 bytes.
+    /// 64 codes in element order put in [`lookup64`]'s order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    unsafe fn load64(codes: *const u8) -> __m512i {
-        // SAFETY: the caller's 64 bytes; `ORDER` is 64 bytes.
-        unsafe {
-            _mm512_permutexvar_epi8(
-                _mm512_loadu_si512(ORDER.as_ptr().cast()),
-                _mm512_loadu_si512(codes.cast()),
-            )
-        }
+    fn order64(codes: __m512i) -> __m512i {
+        // SAFETY: `ORDER` is 64 bytes.
+        let order = unsafe { _mm512_loadu_si512(ORDER.as_ptr().cast()) };
+        _mm512_permutexvar_epi8(order, codes)
     }
 
     /// [`super::decode_scalar`] by byte permutes ([`lookup64`]), 64 elements at a time.
@@ -956,7 +948,8 @@ mod x86 {
         while i + 64 <= n {
             // SAFETY: `i + 64 <= n`, within both slices.
             unsafe {
-                let v = lookup64(&map.planes[0], load64(codes.as_ptr().add(i)));
+                let c = order64(_mm512_loadu_si512(codes.as_ptr().add(i).cast()));
+                let v = lookup64(&map.planes[0], c);
                 for (k, v) in v.into_iter().enumerate() {
                     let o = out.as_mut_ptr().add(i + 16 * k);
                     _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_castsi512_ps(v), s));
