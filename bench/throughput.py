@@ -14,6 +14,7 @@ resident side. One JSON list of records on stdout (and in ``--out``)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -141,6 +142,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="a Chrome trace (ramtorch.trace) of the last timed step to this path",
+    )
     a = ap.parse_args()
 
     import ramtorch
@@ -240,10 +246,15 @@ def run_steps(
     for n, accum in enumerate(a.accum):
         batches = micro_batches(argparse.Namespace(**{**vars(a), "accum": accum}))
 
-        def step(batches: list[torch.Tensor] = batches) -> None:
+        def step(batches: list[torch.Tensor] = batches, marks: list[float] | None = None) -> None:
+            start = time.perf_counter()
             for ids in batches:
                 forward_backward(model, ids, 1.0 / len(batches))
+                if marks is not None:
+                    marks.append(time.perf_counter() - start)  # backward() has returned
             opt.step()
+            if marks is not None:
+                marks.append(time.perf_counter() - start)
             opt.zero_grad(set_to_none=True)
 
         def settle() -> None:
@@ -259,11 +270,17 @@ def run_steps(
         if a.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         times = []
-        for _ in range(a.reps):
-            s = time.perf_counter()
-            step()
-            settle()
-            times.append(time.perf_counter() - s)
+        marks: list[list[float]] = []
+        for rep in range(a.reps):
+            marks.append([])
+            path = None
+            if a.trace is not None and rep == a.reps - 1:
+                path = a.trace if gpu_updates == "off" else a.trace.replace(".json", "") + "-gpu-updates.json"
+            with ramtorch.trace(path) if path else contextlib.nullcontext():
+                s = time.perf_counter()
+                step(marks=marks[-1])
+                settle()
+                times.append(time.perf_counter() - s)
         seconds = sum(times) / len(times)
         tokens = micro * accum
         flops = 6 * params * tokens / seconds / 1e12
@@ -287,6 +304,9 @@ def run_steps(
             "host_peak_rss_bytes": peak_rss(),
             "gpu_peak_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else 0,
             "optimizer_timings": dict(getattr(opt, "timings", {})),
+            # Seconds into each timed step at which each micro-batch's backward() returned, then
+            # step() (the host's view: the device may still be running).
+            "host_marks": marks,
             # Where the host's bytes are, after the step's zero_grad: the arena (parameters,
             # states, gradients, spare buffers; pooled = freed and kept for reuse) and the
             # default schedule's spare buffers (made, and parameters refused one for lack of memory).
