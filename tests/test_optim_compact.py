@@ -337,6 +337,79 @@ def test_speculative_compact_updates_commit_the_bits_of_in_step_updates() -> Non
     assert opt.timings["committed_updates"] > 0
 
 
+@pytest.mark.usefixtures("fresh_engine_sums")
+@pytest.mark.parametrize("precision", ["compact", "fp32-master", "bf16"])
+def test_accumulated_gradients_speculate_from_their_two_parts(precision: str, monkeypatch) -> None:
+    """With no room for running sums, an accumulated gradient is ``.grad`` plus this backward's
+    buffer until the end of backward: the speculative update reads both in the kernel's own pass
+    (no summed copy first) and commits the bits of ``overlap=False``, step after step."""
+    from ramtorch import _engine
+    from ramtorch.optim import _state
+
+    eng = _engine.engine_for(_engine.normalize_device("cpu"))
+    eng.drop_sums()
+    eng.sum_cap = 0  # (restored by the fixture)
+    seen: list[bool] = []
+    kernel = _state._core.optim_step
+
+    def spy(rule: str, hyper: Any, param: Any, grad: Any, *a: Any, **kw: Any) -> None:
+        seen.append(isinstance(grad, list))
+        kernel(rule, hyper, param, grad, *a, **kw)
+
+    monkeypatch.setattr(_state._core, "optim_step", spy)
+    torch.manual_seed(3)
+    ref = Net(d=96, layers=2).to(torch.bfloat16)
+    ours, sync = copy.deepcopy(ref), copy.deepcopy(ref)
+    ramtorch.offload(ours, device="cpu")
+    ramtorch.offload(sync, device="cpu")
+    opt = ropt.AdamW(ours.parameters(), lr=1e-2, precision=precision)
+    o_sync = ropt.AdamW(sync.parameters(), lr=1e-2, precision=precision, overlap=False)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        xs = [torch.randn(5, 8, generator=g).to(torch.bfloat16) for _ in range(3)]
+        for model, o in ((ours, opt), (sync, o_sync)):
+            for x in xs:
+                model(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+        for p, q in zip(ours.parameters(), sync.parameters()):
+            assert torch.equal(p.detach(), q.detach())
+        for a, b in zip(_states(opt), _states(o_sync)):
+            assert torch.equal(a, b)
+    assert opt.timings["committed_updates"] > 0
+    assert any(seen), "no update read a gradient in two parts"
+    assert eng.stats()["grad_sum_bytes"] == 0
+
+
+def test_optim_step_takes_a_gradient_as_the_sum_of_two() -> None:
+    """``_core.optim_step`` with ``grad=[a, b]`` writes the bits it writes with ``a + b``; parts
+    it cannot add are refused by name."""
+    n = 1000
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        a = (torch.randn(n, generator=g) * 1e-3).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        outs = []
+        for grad in (a + b, [a, b]):
+            p = torch.linspace(-1, 1, n, dtype=torch.bfloat16)
+            comp = torch.zeros(n, dtype=torch.bfloat16)
+            codes = [torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)]
+            scales = [torch.zeros(4), torch.zeros(4)]
+            _core.optim_step("adamw", _hyper(1), p, grad, codes, comp=comp, scales=scales)
+            outs.append((p, comp, *codes, *scales))
+        for x, y in zip(*outs):
+            assert torch.equal(x, y), dtype
+    p = torch.zeros(n)
+    states = [torch.zeros(n), torch.zeros(n)]
+    mixed = [torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match="one dtype"):
+        _core.optim_step("adamw", _hyper(1), p, mixed, states)
+    with pytest.raises(ValueError, match="one or two tensors"):
+        _core.optim_step("adamw", _hyper(1), p, [torch.zeros(n)] * 3, states)
+    with pytest.raises(ValueError, match="grad2 has 999 elements"):
+        _core.optim_step("adamw", _hyper(1), p, [torch.zeros(n), torch.zeros(n - 1)], states)
+
+
 def test_state_dict_and_checkpoint_resume_bitwise(tmp_path: Any) -> None:
     """A checkpoint holds the codes, scales and compensation; a run resumed from it takes the
     steps of the uninterrupted run, bitwise."""

@@ -337,3 +337,217 @@ fn mixed_or_mis_sized_compact_operands_are_refused() {
         "{err}"
     );
 }
+
+/// The operands of one update, owned: a weight in one of three formats and two states.
+#[derive(Clone, PartialEq, Debug)]
+struct TwoParts {
+    w: Vec<bf16>,
+    c: Vec<bf16>,
+    w32: Vec<f32>,
+    s32: Vec<f32>,
+    m: Vec<u8>,
+    v: Vec<u8>,
+    ms: Vec<f32>,
+    vs: Vec<f32>,
+    mb: Vec<bf16>,
+    vb: Vec<bf16>,
+}
+
+/// One update of `ops` with `grad`: `format` 0 is compact AdamW (compensated weight, 8-bit
+/// moments: the block path), 1 bf16 AdamW with bf16 moments (the fused path), 2 f32 SGD with
+/// momentum, 3 f32 Lion.
+fn update_with(format: usize, ops: &mut TwoParts, grad: Grad<'_>) -> ramtorch_core::Result<()> {
+    let h = AdamW {
+        step: 4,
+        lr: 1e-2,
+        seed: 9,
+        ..AdamW::default()
+    };
+    let TwoParts {
+        w,
+        c,
+        w32,
+        s32,
+        m,
+        v,
+        ms,
+        vs,
+        mb,
+        vb,
+    } = ops;
+    match format {
+        0 => adamw_update(
+            &h,
+            ParamMut::Compensated { param: w, comp: c },
+            grad,
+            StateMut::Q8 {
+                codes: m,
+                scales: ms,
+            },
+            StateMut::Q8 {
+                codes: v,
+                scales: vs,
+            },
+            &Old::default(),
+        ),
+        1 => adamw_update(
+            &h,
+            ParamMut::Plain(TensorMut::BF16(w)),
+            grad,
+            StateMut::Plain(TensorMut::BF16(mb)),
+            StateMut::Plain(TensorMut::BF16(vb)),
+            &Old::default(),
+        ),
+        2 => sgd_update(
+            &Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+                step: 4,
+                ..Sgd::default()
+            },
+            ParamMut::Plain(TensorMut::F32(w32)),
+            grad,
+            Some(StateMut::Plain(TensorMut::F32(s32))),
+            &Old::default(),
+        ),
+        _ => lion_update(
+            &Lion {
+                lr: 1e-3,
+                step: 4,
+                ..Lion::default()
+            },
+            ParamMut::Plain(TensorMut::F32(w32)),
+            grad,
+            StateMut::Plain(TensorMut::F32(s32)),
+            &Old::default(),
+        ),
+    }
+}
+
+#[test]
+fn a_gradient_in_two_parts_updates_as_their_sum() {
+    let mut rng = Rng(23);
+    let n = 3 * 65_536 + 301; // several pieces, a short last block
+                              // Parts whose sums round (bf16, f16), cancel, overflow f16 and carry non-finite values.
+    let mut a: Vec<f32> = (0..n)
+        .map(|i| rng.unit() * 10f32.powi((i % 9) as i32 - 6))
+        .collect();
+    let mut b: Vec<f32> = (0..n)
+        .map(|i| rng.unit() * 10f32.powi((i % 5) as i32 - 4))
+        .collect();
+    a[7] = f32::NAN;
+    b[11] = f32::INFINITY;
+    a[12] = 60_000.0;
+    b[12] = 60_000.0;
+    b[13] = -a[13];
+    let start = {
+        let mut r = Rng(5);
+        let w: Vec<bf16> = (0..n).map(|_| bf16_rne(r.unit())).collect();
+        let (mut m, mut v) = (vec![0u8; n], vec![0u8; n]);
+        let (mut ms, mut vs) = (vec![0f32; blocks(n)], vec![0f32; blocks(n)]);
+        let mom: Vec<f32> = (0..n).map(|_| r.unit() * 1e-2).collect();
+        let sq: Vec<f32> = (0..n).map(|_| r.unit().abs() * 1e-4).collect();
+        quant::quantize(&mom, &mut m, &mut ms, true).unwrap();
+        quant::quantize(&sq, &mut v, &mut vs, false).unwrap();
+        TwoParts {
+            c: (0..n).map(|_| bf16_rne(r.unit() * 1e-3)).collect(),
+            w32: w.iter().map(|x| x.to_f32()).collect(),
+            s32: mom.clone(),
+            w,
+            m,
+            v,
+            ms,
+            vs,
+            mb: mom.iter().map(|&x| bf16_rne(x)).collect(),
+            vb: sq.iter().map(|&x| bf16_rne(x)).collect(),
+        }
+    };
+    for dtype in 0..3 {
+        for format in 0..4 {
+            let what = format!("grad dtype {dtype}, format {format}");
+            let (mut summed, mut two) = (start.clone(), start.clone());
+            match dtype {
+                0 => {
+                    let mut s = a.clone();
+                    add_in_place(TensorMut::F32(&mut s), Tensor::F32(&b)).unwrap();
+                    update_with(format, &mut summed, Tensor::F32(&s).into()).unwrap();
+                    update_with(
+                        format,
+                        &mut two,
+                        Grad::Sum(Tensor::F32(&a), Tensor::F32(&b)),
+                    )
+                    .unwrap();
+                }
+                1 => {
+                    let (x, y): (Vec<bf16>, Vec<bf16>) = (
+                        a.iter().map(|&v| bf16_rne(v)).collect(),
+                        b.iter().map(|&v| bf16_rne(v)).collect(),
+                    );
+                    let mut s = x.clone();
+                    add_in_place(TensorMut::BF16(&mut s), Tensor::BF16(&y)).unwrap();
+                    update_with(format, &mut summed, Tensor::BF16(&s).into()).unwrap();
+                    update_with(
+                        format,
+                        &mut two,
+                        Grad::Sum(Tensor::BF16(&x), Tensor::BF16(&y)),
+                    )
+                    .unwrap();
+                }
+                _ => {
+                    let (x, y): (Vec<f16>, Vec<f16>) = (
+                        a.iter().map(|&v| f16::from_f32(v)).collect(),
+                        b.iter().map(|&v| f16::from_f32(v)).collect(),
+                    );
+                    let mut s = x.clone();
+                    add_in_place(TensorMut::F16(&mut s), Tensor::F16(&y)).unwrap();
+                    update_with(format, &mut summed, Tensor::F16(&s).into()).unwrap();
+                    update_with(
+                        format,
+                        &mut two,
+                        Grad::Sum(Tensor::F16(&x), Tensor::F16(&y)),
+                    )
+                    .unwrap();
+                }
+            }
+            assert!(summed != start, "{what}: the update changed nothing");
+            // Bitwise (NaN payloads included): compare the bits of every float.
+            let bits = |o: &TwoParts| {
+                (
+                    o.w.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    o.c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    o.w32
+                        .iter()
+                        .chain(&o.s32)
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                    (o.m.clone(), o.v.clone()),
+                    o.ms.iter()
+                        .chain(&o.vs)
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                    o.mb.iter()
+                        .chain(&o.vb)
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                )
+            };
+            assert!(
+                bits(&summed) == bits(&two),
+                "{what}: the two parts update differently from their sum"
+            );
+        }
+    }
+    // Parts that cannot be summed are refused before anything is written.
+    let mut ops = start.clone();
+    let x: Vec<bf16> = a.iter().map(|&v| bf16_rne(v)).collect();
+    let err = update_with(0, &mut ops, Grad::Sum(Tensor::F32(&a), Tensor::BF16(&x))).unwrap_err();
+    assert!(err.to_string().contains("one dtype"), "{err}");
+    let err = update_with(
+        0,
+        &mut ops,
+        Grad::Sum(Tensor::F32(&a), Tensor::F32(&b[1..])),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("second part"), "{err}");
+    assert!(ops == start);
+}

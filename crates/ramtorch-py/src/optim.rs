@@ -8,7 +8,7 @@
 //! checked and raises `ValueError`. The GIL is released while the kernels run.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use ramtorch_core::arena::Lease;
 use ramtorch_core::optim::{self, bf16, f16, Dtype, Old, State, Tensor, TensorMut};
@@ -734,6 +734,8 @@ fn dtype_of(name: &str, obj: &Bound<'_, PyAny>) -> Result<String, Error> {
 /// The buffers of one [`optim_step`], resolved and checked; indices into `all`.
 struct StepBufs {
     all: Vec<Buf>,
+    /// The second part of a gradient given as the sum of two.
+    grad2: Option<usize>,
     master: Option<usize>,
     comp: Option<usize>,
     /// Each state, with its scales when quantized.
@@ -762,7 +764,8 @@ fn nth<'a, 'py>(
 /// fields of `AdamW`, `Sgd` or `Lion`: `lr`, `beta1`, ..., `grad_scale`, `step`, `seed`, and
 /// optionally `index_offset`, when the call updates a piece of a larger tensor). `param`,
 /// `grad` and `states` (as many as the rule keeps: AdamW 2, Lion 1, SGD 0 or 1) are contiguous CPU
-/// tensors; their dtypes say their format: a `uint8` state is block-quantized, with its `float32`
+/// tensors; `grad` may also be a list of two tensors of one dtype, whose sum (as torch's `add`
+/// computes it) is the gradient, read in the update's pass; their dtypes say their format: a `uint8` state is block-quantized, with its `float32`
 /// scales (one per block of 256) at the same position of `scales`. `master`: the float32 master
 /// weights; `comp`: the bfloat16 compensation of a bfloat16 `param`. `old`, for an out-of-place
 /// update: a dict of the old values (`"param"`, `"master"`, `"comp"`, `"states"`, `"scales"`), each
@@ -848,8 +851,40 @@ fn optim_step(
             false,
             &mut keeps,
         )?);
-        let gdt = dtype_of("grad", grad)?;
-        push(resolve("grad", Some(grad), &gdt, numel, false, &mut keeps)?);
+        let parts: Vec<Bound<'_, PyAny>> = if grad.is_instance_of::<PyList>()
+            || grad.is_instance_of::<PyTuple>()
+        {
+            grad.extract()
+                .map_err(|e| invalid(format!("grad must be a tensor or a list of tensors: {e}")))?
+        } else {
+            vec![grad.clone()]
+        };
+        if parts.is_empty() || parts.len() > 2 {
+            return Err(invalid(format!(
+                "grad must be a tensor or a list of one or two tensors (their sum), got a list of {}",
+                parts.len()
+            )));
+        }
+        let gdt = dtype_of("grad", &parts[0])?;
+        push(resolve(
+            "grad",
+            Some(&parts[0]),
+            &gdt,
+            numel,
+            false,
+            &mut keeps,
+        )?);
+        let grad2_dt = match parts.get(1) {
+            Some(g) => Some(dtype_of("grad", g)?),
+            None => None,
+        };
+        if let Some(d) = &grad2_dt {
+            if *d != gdt {
+                return Err(invalid(format!(
+                    "the two parts of grad must have one dtype; got {gdt} and {d}"
+                )));
+            }
+        }
         let master = push(resolve(
             "master", master, "float32", numel, true, &mut keeps,
         )?);
@@ -947,11 +982,16 @@ fn optim_step(
             true,
             &mut keeps,
         )?);
+        let grad2 = match &grad2_dt {
+            Some(d) => push(resolve("grad2", parts.get(1), d, numel, false, &mut keeps)?),
+            None => None,
+        };
         disjoint(&all)?;
         Ok((
             h,
             StepBufs {
                 all,
+                grad2,
                 master,
                 comp,
                 states: st,
@@ -1003,8 +1043,13 @@ unsafe fn run_rule(h: &RuleStep, b: &StepBufs) -> Result<(), Error> {
             (None, None) => ParamMut::Plain(a[0].view_mut()?),
         }
     };
-    // SAFETY: as above (the gradient is only read).
-    let grad = unsafe { a[1].view()? };
+    // SAFETY: as above (the gradient and its second part are only read).
+    let grad = unsafe {
+        match b.grad2 {
+            Some(i) => optim::Grad::Sum(a[1].view()?, a[i].view()?),
+            None => optim::Grad::One(a[1].view()?),
+        }
+    };
     let mut states = Vec::with_capacity(2);
     for &(i, sc) in &b.states {
         // SAFETY: as above; each state and its scales are viewed once.

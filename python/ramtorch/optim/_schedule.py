@@ -19,7 +19,7 @@ from .. import _engine, _profile
 from . import _assist, _gpu_step, _parallel
 from ._jobs import _Jobs
 from ._speculation import Shadows, Speculation, freeze_group, same_group
-from ._state import _is_host
+from ._state import _is_host, grad_arg
 
 
 class Timings(dict):
@@ -298,8 +298,7 @@ class OverlapSchedule(torch.optim.Optimizer):
             if claim is not None and not claim.take("cpu"):
                 return  # the GPU runs it (_assist)
             try:
-                grad = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-                self._update_host_into(p, grad, spec.hyper, spec.step, shadow)
+                self._update_host_into(p, grad_arg(parts, p), spec.hyper, spec.step, shadow)
             except Exception:  # noqa: BLE001 - never committed; step() updates it and meets the error
                 return
             spec.done = True
@@ -433,9 +432,11 @@ class OverlapSchedule(torch.optim.Optimizer):
         eng._core.wait_marker(marker)
         t = time.perf_counter()
         for p, group, parts in work:
-            grad = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+            grad = grad_arg(parts, p)
             if self._zero is not None and id(p) not in self._reduced_dev:
                 # ZeRO-2: this unit's gradients go to their owners now, while backward runs on.
+                if isinstance(grad, list):
+                    grad = grad[0] + grad[1]
                 self._zero.reduce_one(p, grad)
                 if not self._owns(p):
                     continue

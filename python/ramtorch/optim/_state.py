@@ -13,6 +13,32 @@ import torch
 from .. import _arena, _core, _disk
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def grad_arg(parts: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+    """The kernel's gradient for gradient ``parts`` of ``p`` (host tensors whose sum is its
+    gradient): the one tensor; two that the kernel adds in its own pass (as torch's ``add``
+    does: the same bits) where it can read them as they are; else their sum, by torch."""
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        a, b = parts
+        if (
+            a.dtype is b.dtype
+            and a.dtype in _DTYPES
+            and a.device.type == "cpu"
+            and b.device.type == "cpu"
+            and a.is_contiguous()
+            and b.is_contiguous()
+            and a.numel() == b.numel() == p.numel()
+        ):
+            return [a, b]
+    total = parts[0] + parts[1]
+    for g in parts[2:]:
+        total += g
+    return total
+
+
 _PRECISIONS = ("fp32-master", "bf16", "compact")
 
 #: Elements per quantization block of a ``precision="compact"`` state (one float32 scale each);
@@ -198,7 +224,7 @@ class HostStates(torch.optim.Optimizer):
     def _update_host(
         self,
         p: torch.nn.Parameter,
-        grad: torch.Tensor,
+        grad: torch.Tensor | list[torch.Tensor],
         group: dict[str, Any],
         scale: float,
         weight: torch.Tensor | None = None,
@@ -212,6 +238,8 @@ class HostStates(torch.optim.Optimizer):
         state = self._host_state(p)
         state["step"] += 1
         ds = self._disk_states if weight is None else None
+        if isinstance(grad, list) and ds is not None and p in ds:
+            grad = grad[0] if len(grad) == 1 else grad[0] + grad[1]
         if ds is not None and p in ds:
             # States on disk: updated piece by piece in staging buffers, read ahead and written
             # back (_disk).
@@ -232,7 +260,7 @@ class HostStates(torch.optim.Optimizer):
     def _update_host_into(
         self,
         p: torch.nn.Parameter,
-        grad: torch.Tensor,
+        grad: torch.Tensor | list[torch.Tensor],
         group: dict[str, Any],
         step: int,
         shadow: dict[str, torch.Tensor],
@@ -247,7 +275,7 @@ class HostStates(torch.optim.Optimizer):
     def _run_kernel(
         self,
         p: torch.nn.Parameter,
-        grad: torch.Tensor,
+        grad: torch.Tensor | list[torch.Tensor],
         group: dict[str, Any],
         step: int,
         scale: float,
@@ -278,8 +306,9 @@ class HostStates(torch.optim.Optimizer):
         span: tuple[int, int] | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments of ``_core.optim_step`` for :meth:`_run_kernel`'s update (the GPU
-        kernel takes the same: ``_gpu_step``). ``grad`` may be a list of host tensors of ``p``'s
-        dtype, summed by the kernel (the GPU's; the CPU's sums them first)."""
+        kernel takes the same: ``_gpu_step``). ``grad`` may be a list of tensors whose sum is the
+        gradient, which the kernel adds in its pass (:func:`grad_arg` says which the CPU's
+        takes)."""
         w = p if weight is None else weight
         if not w.is_contiguous():
             raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")

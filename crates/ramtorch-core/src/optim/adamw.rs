@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{invalid, Old, ParamMut, StateMut, Tensor, TensorMut};
+use super::{invalid, Grad, Old, ParamMut, StateMut, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -189,17 +189,17 @@ pub fn adamw_step_from(
 /// weight with its compensation), the moments as [`StateMut`], both unquantized (`f32`/`bf16`)
 /// or both block-quantized (`exp_avg` with the signed map, `exp_avg_sq` with the unsigned one).
 /// `old` as for [`adamw_step_from`] (`Old::default()`: in place).
-pub fn adamw_update(
+pub fn adamw_update<'a>(
     h: &AdamW,
     param: ParamMut<'_>,
-    grad: Tensor<'_>,
+    grad: impl Into<Grad<'a>>,
     exp_avg: StateMut<'_>,
     exp_avg_sq: StateMut<'_>,
     old: &Old<'_>,
 ) -> Result<()> {
     let param = param_mode(param)?;
     let n = param.len();
-    check_grad(&grad, n)?;
+    let grad = check_grad(grad.into(), n)?;
     check_offset(h.index_offset, n)?;
     if matches!(exp_avg, StateMut::Q8 { .. }) != matches!(exp_avg_sq, StateMut::Q8 { .. }) {
         return Err(invalid(

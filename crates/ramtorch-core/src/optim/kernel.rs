@@ -7,7 +7,7 @@
 use super::precision::*;
 use super::quant::{self, BLOCK};
 use super::{
-    bf16, f16, invalid, Old, ParamMut, State, StateMut, Tensor, TensorMut, ALIGN, SERIAL_MAX,
+    bf16, f16, invalid, Grad, Old, ParamMut, State, StateMut, Tensor, TensorMut, ALIGN, SERIAL_MAX,
 };
 use crate::Result;
 
@@ -345,8 +345,43 @@ fn check_scales(what: &str, len: usize, n: usize) -> Result<()> {
     Ok(())
 }
 
-pub(super) fn check_grad(grad: &Tensor<'_>, n: usize) -> Result<()> {
-    check_len("grad", grad.len(), n)
+/// A gradient of a piece (validated form of a [`Grad`]): one tensor, or two whose sum it is.
+#[derive(Clone, Copy)]
+pub(super) enum GradMode<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+    SumF32(&'a [f32], &'a [f32]),
+    SumBf16(&'a [bf16], &'a [bf16]),
+    SumF16(&'a [f16], &'a [f16]),
+}
+
+pub(super) fn check_grad<'a>(grad: Grad<'a>, n: usize) -> Result<GradMode<'a>> {
+    let one = |t: Tensor<'a>| match t {
+        Tensor::F32(g) => GradMode::F32(g),
+        Tensor::BF16(g) => GradMode::Bf16(g),
+        Tensor::F16(g) => GradMode::F16(g),
+    };
+    match grad {
+        Grad::One(t) => {
+            check_len("grad", t.len(), n)?;
+            Ok(one(t))
+        }
+        Grad::Sum(a, b) => {
+            check_len("grad", a.len(), n)?;
+            check_len("grad's second part", b.len(), n)?;
+            match (a, b) {
+                (Tensor::F32(a), Tensor::F32(b)) => Ok(GradMode::SumF32(a, b)),
+                (Tensor::BF16(a), Tensor::BF16(b)) => Ok(GradMode::SumBf16(a, b)),
+                (Tensor::F16(a), Tensor::F16(b)) => Ok(GradMode::SumF16(a, b)),
+                _ => Err(invalid(format!(
+                    "the two parts of a gradient must have one dtype; got {:?} and {:?}",
+                    a.dtype(),
+                    b.dtype()
+                ))),
+            }
+        }
+    }
 }
 
 /// A piece of `n` elements starting at element `offset` of a tensor: its random words have the
@@ -687,6 +722,82 @@ impl GradIo for &[f16] {
     #[inline(always)]
     fn get(&self, i: usize) -> f32 {
         f16_to_f32(self[i])
+    }
+}
+
+/// `out[i] = f(a[at + i], b[at + i])` over the block.
+#[inline(always)]
+fn load_sum_with<T: Copy>(a: &[T], b: &[T], at: usize, out: &mut [f32], f: impl Fn(T, T) -> f32) {
+    let n = out.len();
+    for ((o, &x), &y) in out.iter_mut().zip(&a[at..at + n]).zip(&b[at..at + n]) {
+        *o = f(x, y);
+    }
+}
+
+/// A gradient in two parts: their sum as `add_in_place` computes it (`f32`), then decoded.
+impl GradIo for (&[f32], &[f32]) {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    #[inline(always)]
+    fn prefetch(&self, at: usize) {
+        prefetch_block(self.0, at);
+        prefetch_block(self.1, at);
+    }
+    #[inline(always)]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        load_sum_with(self.0, self.1, at, out, |x, y| x + y);
+    }
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        self.0[i] + self.1[i]
+    }
+}
+
+/// As for `f32`: the sum rounded to `bf16` (nearest even) as `add_in_place` stores it.
+impl GradIo for (&[bf16], &[bf16]) {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    #[inline(always)]
+    fn prefetch(&self, at: usize) {
+        prefetch_block(self.0, at);
+        prefetch_block(self.1, at);
+    }
+    #[inline(always)]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        load_sum_with(self.0, self.1, at, out, |x, y| {
+            bf16_to_f32(bf16_rne(bf16_to_f32(x) + bf16_to_f32(y)))
+        });
+    }
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        bf16_to_f32(bf16_rne(bf16_to_f32(self.0[i]) + bf16_to_f32(self.1[i])))
+    }
+}
+
+/// As for `f32`: the sum rounded to `f16` (nearest even) as `add_in_place` stores it.
+impl GradIo for (&[f16], &[f16]) {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    #[inline(always)]
+    fn prefetch(&self, at: usize) {
+        prefetch_block(self.0, at);
+        prefetch_block(self.1, at);
+    }
+    #[inline(always)]
+    fn load(&self, at: usize, out: &mut [f32]) {
+        load_sum_with(self.0, self.1, at, out, |x, y| {
+            f16_to_f32(f16_rne(f16_to_f32(x) + f16_to_f32(y)))
+        });
+    }
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        f16_to_f32(f16_rne(f16_to_f32(self.0[i]) + f16_to_f32(self.1[i])))
     }
 }
 
@@ -1415,14 +1526,17 @@ impl States for Option<StateMode<'_>> {
 pub(super) fn with_grad<R: Rule, P: ParamIo, S: States>(
     step: &Step<R>,
     p: P,
-    grad: Tensor<'_>,
+    grad: GradMode<'_>,
     states: S,
     old: Sources<'_>,
 ) {
     match grad {
-        Tensor::F32(g) => states.run(step, p, g, old),
-        Tensor::BF16(g) => states.run(step, p, g, old),
-        Tensor::F16(g) => states.run(step, p, g, old),
+        GradMode::F32(g) => states.run(step, p, g, old),
+        GradMode::Bf16(g) => states.run(step, p, g, old),
+        GradMode::F16(g) => states.run(step, p, g, old),
+        GradMode::SumF32(a, b) => states.run(step, p, (a, b), old),
+        GradMode::SumBf16(a, b) => states.run(step, p, (a, b), old),
+        GradMode::SumF16(a, b) => states.run(step, p, (a, b), old),
     }
 }
 
@@ -1431,7 +1545,7 @@ pub(super) fn with_grad<R: Rule, P: ParamIo, S: States>(
 fn elem_or_block<R: Rule, P: ElemParam, S: States>(
     step: Step<R>,
     p: P,
-    grad: Tensor<'_>,
+    grad: GradMode<'_>,
     states: S,
     old: Sources<'_>,
 ) {
@@ -1440,9 +1554,12 @@ fn elem_or_block<R: Rule, P: ElemParam, S: States>(
     }
     let step = &Fused(step);
     match grad {
-        Tensor::F32(g) => states.run_fused(step, p, g, old),
-        Tensor::BF16(g) => states.run_fused(step, p, g, old),
-        Tensor::F16(g) => states.run_fused(step, p, g, old),
+        GradMode::F32(g) => states.run_fused(step, p, g, old),
+        GradMode::Bf16(g) => states.run_fused(step, p, g, old),
+        GradMode::F16(g) => states.run_fused(step, p, g, old),
+        GradMode::SumF32(a, b) => states.run_fused(step, p, (a, b), old),
+        GradMode::SumBf16(a, b) => states.run_fused(step, p, (a, b), old),
+        GradMode::SumF16(a, b) => states.run_fused(step, p, (a, b), old),
     }
 }
 
@@ -1454,7 +1571,7 @@ pub(super) fn run_step<R: Rule, S: States>(
     rule: R,
     stream: Stream,
     param: ParamMode<'_>,
-    grad: Tensor<'_>,
+    grad: GradMode<'_>,
     states: S,
     old: Sources<'_>,
 ) {

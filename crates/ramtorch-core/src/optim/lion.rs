@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{Old, ParamMut, StateMut, Tensor, TensorMut};
+use super::{Grad, Old, ParamMut, StateMut, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -121,10 +121,10 @@ pub fn lion_step_from(
 
 /// As [`lion_step_from`], over every storage format ([`ParamMut`], [`StateMut`]; a quantized
 /// `exp_avg` uses the signed map).
-pub fn lion_update(
+pub fn lion_update<'a>(
     h: &Lion,
     param: ParamMut<'_>,
-    grad: Tensor<'_>,
+    grad: impl Into<Grad<'a>>,
     exp_avg: StateMut<'_>,
     old: &Old<'_>,
 ) -> Result<()> {
@@ -135,7 +135,7 @@ pub fn lion_update(
     check_finite("grad_scale", h.grad_scale)?;
     let param = param_mode(param)?;
     let n = param.len();
-    check_grad(&grad, n)?;
+    let grad = check_grad(grad.into(), n)?;
     check_offset(h.index_offset, n)?;
     let state = state_mode("exp_avg", exp_avg, n, true)?;
     let gs = if h.maximize {

@@ -283,6 +283,23 @@ pub struct Old<'a> {
     pub states: [Option<State<'a>>; 2],
 }
 
+/// The gradient an update reads: one tensor, or the sum of two tensors of one dtype and length,
+/// added element by element as torch's `add` does (in `f32`; a `bf16` or `f16` sum rounded to
+/// nearest even), in the update's own pass instead of into a tensor first.
+#[derive(Clone, Copy, Debug)]
+pub enum Grad<'a> {
+    /// One tensor.
+    One(Tensor<'a>),
+    /// The sum of two.
+    Sum(Tensor<'a>, Tensor<'a>),
+}
+
+impl<'a> From<Tensor<'a>> for Grad<'a> {
+    fn from(t: Tensor<'a>) -> Self {
+        Grad::One(t)
+    }
+}
+
 /// A read-only, typed view of a contiguous tensor.
 #[derive(Clone, Copy, Debug)]
 pub enum Tensor<'a> {

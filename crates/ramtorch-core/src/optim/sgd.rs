@@ -2,7 +2,7 @@
 
 use super::kernel::*;
 use super::precision::*;
-use super::{invalid, Old, ParamMut, StateMut, Tensor, TensorMut};
+use super::{invalid, Grad, Old, ParamMut, StateMut, Tensor, TensorMut};
 use crate::Result;
 
 // ---------------------------------------------------------------------------------------------
@@ -136,10 +136,10 @@ pub fn sgd_step_from(
 
 /// As [`sgd_step_from`], over every storage format ([`ParamMut`], [`StateMut`]; a quantized
 /// momentum buffer uses the signed map).
-pub fn sgd_update(
+pub fn sgd_update<'a>(
     h: &Sgd,
     param: ParamMut<'_>,
-    grad: Tensor<'_>,
+    grad: impl Into<Grad<'a>>,
     momentum_buffer: Option<StateMut<'_>>,
     old: &Old<'_>,
 ) -> Result<()> {
@@ -155,7 +155,7 @@ pub fn sgd_update(
     }
     let param = param_mode(param)?;
     let n = param.len();
-    check_grad(&grad, n)?;
+    let grad = check_grad(grad.into(), n)?;
     check_offset(h.index_offset, n)?;
     let has_momentum = h.momentum != 0.0;
     let state = match momentum_buffer {
