@@ -246,12 +246,18 @@ def run_steps(
     for n, accum in enumerate(a.accum):
         batches = micro_batches(argparse.Namespace(**{**vars(a), "accum": accum}))
 
-        def step(batches: list[torch.Tensor] = batches, marks: list[float] | None = None) -> None:
+        def step(
+            batches: list[torch.Tensor] = batches,
+            marks: list[float] | None = None,
+            sums: list[int] | None = None,
+        ) -> None:
             start = time.perf_counter()
             for ids in batches:
                 forward_backward(model, ids, 1.0 / len(batches))
                 if marks is not None:
                     marks.append(time.perf_counter() - start)  # backward() has returned
+            if sums is not None:
+                sums.append(sum(s["grad_sum_bytes"] for s in ramtorch.stats()["devices"].values()))
             opt.step()
             if marks is not None:
                 marks.append(time.perf_counter() - start)
@@ -271,6 +277,7 @@ def run_steps(
             torch.cuda.reset_peak_memory_stats()
         times = []
         marks: list[list[float]] = []
+        sums: list[int] = []  # gradient sums held on the device at the end of each timed step's backwards
         for rep in range(a.reps):
             marks.append([])
             path = None
@@ -278,7 +285,7 @@ def run_steps(
                 path = a.trace if gpu_updates == "off" else a.trace.replace(".json", "") + "-gpu-updates.json"
             with ramtorch.trace(path) if path else contextlib.nullcontext():
                 s = time.perf_counter()
-                step(marks=marks[-1])
+                step(marks=marks[-1], sums=sums)
                 settle()
                 times.append(time.perf_counter() - s)
         seconds = sum(times) / len(times)
@@ -307,6 +314,8 @@ def run_steps(
             # Seconds into each timed step at which each micro-batch's backward() returned, then
             # step() (the host's view: the device may still be running).
             "host_marks": marks,
+            # Bytes of gradients summed on the device (the rest are added on the host).
+            "grad_sum_bytes": sums,
             # Where the host's bytes are, after the step's zero_grad: the arena (parameters,
             # states, gradients, spare buffers; pooled = freed and kept for reuse) and the
             # default schedule's spare buffers (made, and parameters refused one for lack of memory).
