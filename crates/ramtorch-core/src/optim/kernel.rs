@@ -734,72 +734,39 @@ fn load_sum_with<T: Copy>(a: &[T], b: &[T], at: usize, out: &mut [f32], f: impl 
     }
 }
 
-/// A gradient in two parts: their sum as `add_in_place` computes it (`f32`), then decoded.
-impl GradIo for (&[f32], &[f32]) {
-    #[inline(always)]
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    #[inline(always)]
-    fn prefetch(&self, at: usize) {
-        prefetch_block(self.0, at);
-        prefetch_block(self.1, at);
-    }
-    #[inline(always)]
-    fn load(&self, at: usize, out: &mut [f32]) {
-        load_sum_with(self.0, self.1, at, out, |x, y| x + y);
-    }
-    #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        self.0[i] + self.1[i]
-    }
+/// A gradient in two parts of one dtype: their sum as `add_in_place` stores it (`f32`; `bf16`
+/// and `f16` rounded to nearest even), then decoded.
+macro_rules! two_part_grad {
+    ($t:ty, $sum:expr) => {
+        impl GradIo for (&[$t], &[$t]) {
+            #[inline(always)]
+            fn len(&self) -> usize {
+                self.0.len()
+            }
+            #[inline(always)]
+            fn prefetch(&self, at: usize) {
+                prefetch_block(self.0, at);
+                prefetch_block(self.1, at);
+            }
+            #[inline(always)]
+            fn load(&self, at: usize, out: &mut [f32]) {
+                load_sum_with(self.0, self.1, at, out, $sum);
+            }
+            #[inline(always)]
+            fn get(&self, i: usize) -> f32 {
+                ($sum)(self.0[i], self.1[i])
+            }
+        }
+    };
 }
 
-/// As for `f32`: the sum rounded to `bf16` (nearest even) as `add_in_place` stores it.
-impl GradIo for (&[bf16], &[bf16]) {
-    #[inline(always)]
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    #[inline(always)]
-    fn prefetch(&self, at: usize) {
-        prefetch_block(self.0, at);
-        prefetch_block(self.1, at);
-    }
-    #[inline(always)]
-    fn load(&self, at: usize, out: &mut [f32]) {
-        load_sum_with(self.0, self.1, at, out, |x, y| {
-            bf16_to_f32(bf16_rne(bf16_to_f32(x) + bf16_to_f32(y)))
-        });
-    }
-    #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        bf16_to_f32(bf16_rne(bf16_to_f32(self.0[i]) + bf16_to_f32(self.1[i])))
-    }
-}
-
-/// As for `f32`: the sum rounded to `f16` (nearest even) as `add_in_place` stores it.
-impl GradIo for (&[f16], &[f16]) {
-    #[inline(always)]
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    #[inline(always)]
-    fn prefetch(&self, at: usize) {
-        prefetch_block(self.0, at);
-        prefetch_block(self.1, at);
-    }
-    #[inline(always)]
-    fn load(&self, at: usize, out: &mut [f32]) {
-        load_sum_with(self.0, self.1, at, out, |x, y| {
-            f16_to_f32(f16_rne(f16_to_f32(x) + f16_to_f32(y)))
-        });
-    }
-    #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        f16_to_f32(f16_rne(f16_to_f32(self.0[i]) + f16_to_f32(self.1[i])))
-    }
-}
+two_part_grad!(f32, |x: f32, y: f32| x + y);
+two_part_grad!(bf16, |x: bf16, y: bf16| bf16_to_f32(bf16_rne(
+    bf16_to_f32(x) + bf16_to_f32(y)
+)));
+two_part_grad!(f16, |x: f16, y: f16| f16_to_f32(f16_rne(
+    f16_to_f32(x) + f16_to_f32(y)
+)));
 
 impl StateIo for &mut [f32] {
     const SR: bool = false;
