@@ -765,8 +765,9 @@ fn nth<'a, 'py>(
 /// optionally `index_offset`, when the call updates a piece of a larger tensor). `param`,
 /// `grad` and `states` (as many as the rule keeps: AdamW 2, Lion 1, SGD 0 or 1) are contiguous CPU
 /// tensors; `grad` may also be a list of two tensors of one dtype, whose sum (as torch's `add`
-/// computes it) is the gradient, read in the update's pass; their dtypes say their format: a `uint8` state is block-quantized, with its `float32`
-/// scales (one per block of 256) at the same position of `scales`. `master`: the float32 master
+/// computes it) is the gradient, read in the update's pass. Their dtypes say their format: a
+/// `uint8` state is block-quantized, with its `float32` scales (one per block of 256) at the same
+/// position of `scales`. `master`: the float32 master
 /// weights; `comp`: the bfloat16 compensation of a bfloat16 `param`. `old`, for an out-of-place
 /// update: a dict of the old values (`"param"`, `"master"`, `"comp"`, `"states"`, `"scales"`), each
 /// in its operand's format.

@@ -19,7 +19,7 @@ from .. import _engine, _profile
 from . import _assist, _gpu_step, _parallel
 from ._jobs import _Jobs
 from ._speculation import Shadows, Speculation, freeze_group, same_group
-from ._state import _is_host, grad_arg
+from ._state import _is_host, grad_arg, sum_parts
 
 
 class Timings(dict):
@@ -436,7 +436,7 @@ class OverlapSchedule(torch.optim.Optimizer):
             if self._zero is not None and id(p) not in self._reduced_dev:
                 # ZeRO-2: this unit's gradients go to their owners now, while backward runs on.
                 if isinstance(grad, list):
-                    grad = grad[0] + grad[1]
+                    grad = sum_parts(grad)
                 self._zero.reduce_one(p, grad)
                 if not self._owns(p):
                     continue

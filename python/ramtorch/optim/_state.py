@@ -33,9 +33,14 @@ def grad_arg(parts: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor | list[
             and a.numel() == b.numel() == p.numel()
         ):
             return [a, b]
-    total = parts[0] + parts[1]
-    for g in parts[2:]:
-        total += g
+    return sum_parts(parts)
+
+
+def sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The gradient whose ``parts`` these are, as one tensor (summed by torch)."""
+    total = parts[0]
+    for g in parts[1:]:
+        total = total + g
     return total
 
 
@@ -239,7 +244,7 @@ class HostStates(torch.optim.Optimizer):
         state["step"] += 1
         ds = self._disk_states if weight is None else None
         if isinstance(grad, list) and ds is not None and p in ds:
-            grad = grad[0] if len(grad) == 1 else grad[0] + grad[1]
+            grad = sum_parts(grad)
         if ds is not None and p in ds:
             # States on disk: updated piece by piece in staging buffers, read ahead and written
             # back (_disk).
