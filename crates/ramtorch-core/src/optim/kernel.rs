@@ -1490,6 +1490,30 @@ impl States for Option<StateMode<'_>> {
     }
 }
 
+/// `$body` with `$g` bound to the gradient's reader for each [`GradMode`]: its slice, or the
+/// pair of slices added as they are read. One arm list for every driver method.
+macro_rules! each_grad {
+    ($grad:expr, $g:ident => $body:expr) => {
+        match $grad {
+            GradMode::F32($g) => $body,
+            GradMode::Bf16($g) => $body,
+            GradMode::F16($g) => $body,
+            GradMode::SumF32(a, b) => {
+                let $g = (a, b);
+                $body
+            }
+            GradMode::SumBf16(a, b) => {
+                let $g = (a, b);
+                $body
+            }
+            GradMode::SumF16(a, b) => {
+                let $g = (a, b);
+                $body
+            }
+        }
+    };
+}
+
 pub(super) fn with_grad<R: Rule, P: ParamIo, S: States>(
     step: &Step<R>,
     p: P,
@@ -1497,14 +1521,7 @@ pub(super) fn with_grad<R: Rule, P: ParamIo, S: States>(
     states: S,
     old: Sources<'_>,
 ) {
-    match grad {
-        GradMode::F32(g) => states.run(step, p, g, old),
-        GradMode::Bf16(g) => states.run(step, p, g, old),
-        GradMode::F16(g) => states.run(step, p, g, old),
-        GradMode::SumF32(a, b) => states.run(step, p, (a, b), old),
-        GradMode::SumBf16(a, b) => states.run(step, p, (a, b), old),
-        GradMode::SumF16(a, b) => states.run(step, p, (a, b), old),
-    }
+    each_grad!(grad, g => states.run(step, p, g, old))
 }
 
 /// A parameter stored element by element: the fused per-element loop when no state is
@@ -1520,14 +1537,7 @@ fn elem_or_block<R: Rule, P: ElemParam, S: States>(
         return with_grad(&step, p, grad, states, old);
     }
     let step = &Fused(step);
-    match grad {
-        GradMode::F32(g) => states.run_fused(step, p, g, old),
-        GradMode::Bf16(g) => states.run_fused(step, p, g, old),
-        GradMode::F16(g) => states.run_fused(step, p, g, old),
-        GradMode::SumF32(a, b) => states.run_fused(step, p, (a, b), old),
-        GradMode::SumBf16(a, b) => states.run_fused(step, p, (a, b), old),
-        GradMode::SumF16(a, b) => states.run_fused(step, p, (a, b), old),
-    }
+    each_grad!(grad, g => states.run_fused(step, p, g, old))
 }
 
 /// The one entry of every rule: `rule` over `param`, `grad` and up to two states, in place (or
