@@ -101,6 +101,32 @@ def _status_bytes(field: str) -> int:
     return 0
 
 
+def host_cpus() -> dict[str, object]:
+    """The CPUs this process may run on: how many logical CPUs, how many physical cores they are
+    (hyperthread siblings counted once, from sysfs), and the model name. The optimizer's kernels
+    are bound by the execution units, so a rate "on 16 cores" reads differently on 8 physical
+    cores with two threads each."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = set()
+    for c in cpus:
+        base = f"/sys/devices/system/cpu/cpu{c}/topology/"
+        try:
+            with open(base + "physical_package_id") as f, open(base + "core_id") as g:
+                cores.add((f.read().strip(), g.read().strip()))
+        except OSError:
+            cores.add(("?", str(c)))
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"logical": len(cpus), "physical": len(cores), "model": model}
+
+
 def rss() -> int:
     """Resident set size of this process in bytes."""
     return _status_bytes("VmRSS")

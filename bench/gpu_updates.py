@@ -22,7 +22,7 @@ import threading
 import time
 
 import torch
-from benchlib import git_commit
+from benchlib import git_commit, host_cpus
 from ramtorch import _arena, _core
 from ramtorch.optim import _gpu_step
 
@@ -121,6 +121,7 @@ def main() -> None:
         "tensors": a.tensors,
         "device": torch.cuda.get_device_name(),
         "cpu_kernels": _core.optim_isa(),
+        "host_cpus": host_cpus(),
         "commit": a.commit or git_commit(),
         "command": "python3 bench/gpu_updates.py " + shlex.join(sys.argv[1:]),
     }

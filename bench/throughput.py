@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import budget_arg, git_commit, llama_config, peak_rss, rss  # noqa: E402
+from benchlib import budget_arg, git_commit, host_cpus, llama_config, peak_rss, rss  # noqa: E402
 
 OPTIMIZER_NAMES = {
     "fp32-master": "fp32 master",
@@ -169,6 +169,7 @@ def main() -> None:
         "seq": a.seq,
         "device": device_name,
         "cpu_kernels": _core.optim_isa(),
+        "host_cpus": host_cpus(),
         "commit": commit,
         "command": command,
         "gpus": 1,
