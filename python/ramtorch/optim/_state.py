@@ -37,10 +37,13 @@ def grad_arg(parts: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor | list[
 
 
 def sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The gradient whose ``parts`` these are, as one tensor (summed by torch)."""
-    total = parts[0]
-    for g in parts[1:]:
-        total = total + g
+    """The gradient whose ``parts`` these are, as one tensor (summed by torch into one new
+    tensor; a single part is returned as it is)."""
+    if len(parts) == 1:
+        return parts[0]
+    total = parts[0] + parts[1]
+    for g in parts[2:]:
+        total += g
     return total
 
 
