@@ -767,10 +767,9 @@ fn nth<'a, 'py>(
 /// tensors; `grad` may also be a list of two tensors of one dtype, whose sum (as torch's `add`
 /// computes it) is the gradient, read in the update's pass. Their dtypes say their format: a
 /// `uint8` state is block-quantized, with its `float32` scales (one per block of 256) at the same
-/// position of `scales`. `master`: the float32 master
-/// weights; `comp`: the bfloat16 compensation of a bfloat16 `param`. `old`, for an out-of-place
-/// update: a dict of the old values (`"param"`, `"master"`, `"comp"`, `"states"`, `"scales"`), each
-/// in its operand's format.
+/// position of `scales`. `master`: the float32 master weights; `comp`: the bfloat16 compensation
+/// of a bfloat16 `param`. `old`, for an out-of-place update: a dict of the old values (`"param"`,
+/// `"master"`, `"comp"`, `"states"`, `"scales"`), each in its operand's format.
 #[pyfunction]
 #[pyo3(signature = (rule, hyper, param, grad, states, *, master = None, comp = None, scales = None, old = None))]
 #[allow(clippy::too_many_arguments)]

@@ -761,12 +761,8 @@ macro_rules! two_part_grad {
 }
 
 two_part_grad!(f32, |x: f32, y: f32| x + y);
-two_part_grad!(bf16, |x: bf16, y: bf16| bf16_to_f32(bf16_rne(
-    bf16_to_f32(x) + bf16_to_f32(y)
-)));
-two_part_grad!(f16, |x: f16, y: f16| f16_to_f32(f16_rne(
-    f16_to_f32(x) + f16_to_f32(y)
-)));
+two_part_grad!(bf16, |x: bf16, y: bf16| bf16_to_f32(add_bf16(x, y)));
+two_part_grad!(f16, |x: f16, y: f16| f16_to_f32(add_f16(x, y)));
 
 impl StateIo for &mut [f32] {
     const SR: bool = false;

@@ -56,6 +56,13 @@ pub fn f16_to_f32(h: f16) -> f32 {
     f32::from_bits(r | ((h & 0x8000) << 16))
 }
 
+/// `a + b` as torch's `add` computes it for `bf16`: in `f32`, rounded to nearest even. The one
+/// definition of a `bf16` gradient sum (host adds, a gradient read in two parts).
+#[inline(always)]
+pub fn add_bf16(a: bf16, b: bf16) -> bf16 {
+    bf16_rne(bf16_to_f32(a) + bf16_to_f32(b))
+}
+
 /// `f32` to `f16`, round to nearest even (overflow to infinity, NaN to a quiet NaN), after
 /// F. Giesen's branch-free `float_to_half_fast3_rtne`.
 #[inline(always)]
@@ -153,4 +160,11 @@ impl Stream {
         let k = mix64(self.key.wrapping_add((hi << 8 | lane).wrapping_mul(GOLDEN)));
         (k as u32, (k >> 32) as u32)
     }
+}
+
+/// `a + b` as torch's `add` computes it for `f16`: in `f32`, rounded to nearest even (as
+/// [`add_bf16`]).
+#[inline(always)]
+pub fn add_f16(a: f16, b: f16) -> f16 {
+    f16_rne(f16_to_f32(a) + f16_to_f32(b))
 }

@@ -111,14 +111,12 @@ impl<'a> Leaf<(TensorMut<'a>, Tensor<'a>)> for Add {
     fn run(&self, _: usize, (dst, src): (TensorMut<'a>, Tensor<'a>)) {
         match (dst, src) {
             (TensorMut::F32(d), Tensor::F32(s)) => d.iter_mut().zip(s).for_each(|(a, b)| *a += *b),
-            (TensorMut::BF16(d), Tensor::BF16(s)) => d
-                .iter_mut()
-                .zip(s)
-                .for_each(|(a, b)| *a = bf16_rne(bf16_to_f32(*a) + bf16_to_f32(*b))),
-            (TensorMut::F16(d), Tensor::F16(s)) => d
-                .iter_mut()
-                .zip(s)
-                .for_each(|(a, b)| *a = f16_rne(f16_to_f32(*a) + f16_to_f32(*b))),
+            (TensorMut::BF16(d), Tensor::BF16(s)) => {
+                d.iter_mut().zip(s).for_each(|(a, b)| *a = add_bf16(*a, *b))
+            }
+            (TensorMut::F16(d), Tensor::F16(s)) => {
+                d.iter_mut().zip(s).for_each(|(a, b)| *a = add_f16(*a, *b))
+            }
             // Refused by `add_in_place` before any piece runs.
             _ => {}
         }
