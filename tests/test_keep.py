@@ -189,6 +189,62 @@ def test_commit_and_resume_train_as_if_never_stopped(tmp_path, dtype, precision,
     assert len(held) >= 8  # the states of the disk units' parameters stayed in the store
 
 
+def test_a_store_committed_in_the_first_compact_format_resumes_recoded(tmp_path):
+    """Committed moments of the first compact format (codes of its dynamic map, scales named
+    '<state>_scales' in the commit) are read through that map and rewritten in the store in the
+    current format by ``ramtorch.resume``; training goes on from them."""
+    from safetensors import safe_open
+    from test_optim_compact import FIRST, _dequantize, _legacy_codes
+
+    torch.manual_seed(2)
+    xs = [x.to(torch.bfloat16) for x in _batches(5)]
+    m = _offload(Net(dtype=torch.bfloat16), tmp_path, optimizer_on_disk=True)
+    o = ropt.AdamW(m.parameters(), lr=1e-2, precision="compact")
+    for x in xs[:3]:
+        _step(m, o, x)
+    ramtorch.commit(m, o)
+    o.synchronize()
+    # The committed moments rewritten in the first format, in place in the store.
+    want: dict[tuple[int, str], torch.Tensor] = {}
+    for i, p in enumerate(m.parameters()):
+        st = o.state[p]
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            x = _dequantize(st[name], st[f"{name}_block_scales"], signed)
+            codes, scales = _legacy_codes(x, signed)
+            st[name].copy_(codes)
+            st[f"{name}_block_scales"].copy_(scales)
+            table = torch.tensor(ramtorch._core.q8_legacy_map(signed))
+            want[i, name] = table[codes.reshape(-1).long()] * scales.repeat_interleave(256)[: x.numel()]
+    o.synchronize()
+    del m, o
+    # ... and the commit's record of them under the first format's names.
+    rest = next(f for f in os.listdir(tmp_path) if f.startswith("rest-"))
+    with safe_open(str(tmp_path / rest), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert '"exp_avg_block_scales"' in meta["ramtorch.extra"]
+    meta["ramtorch.extra"] = meta["ramtorch.extra"].replace("_block_scales", "_scales")
+    save_file(tensors, str(tmp_path / rest), metadata=meta)
+
+    m2 = _offload(Net(dtype=torch.bfloat16), tmp_path, optimizer_on_disk=True)
+    o2 = ropt.AdamW(m2.parameters(), lr=1e-2, precision="compact")
+    ramtorch.resume(m2, o2)
+    ds = o2._disk_states
+    assert ds is not None and ds.kept is not None and ds.kept.states_opened
+    for i, p in enumerate(m2.parameters()):
+        st = o2.state[p]
+        assert "exp_avg_scales" not in st
+        assert ds.store.holds(st["exp_avg"]) and ds.store.holds(st["exp_avg_block_scales"])
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            got = _dequantize(st[name], st[f"{name}_block_scales"], signed).reshape(-1)
+            x = want[i, name]
+            bound = torch.maximum(x.abs() / 16, FIRST[signed] / 2 * x.abs().max())
+            assert bool(((got - x).abs() <= bound * (1 + 1e-3)).all()), (i, name)
+    for x in xs[3:]:
+        _step(m2, o2, x)
+    assert all(bool(torch.isfinite(p.float()).all()) for p in m2.parameters())
+
+
 def _child(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=_env(), capture_output=True, text=True

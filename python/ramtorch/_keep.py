@@ -534,6 +534,16 @@ def commit(
     _kept_or_raise(model, "commit").commit(model, optimizer, extra)
 
 
+def _legacy_key_home(key: str) -> str:
+    """The key under which the current compact format keeps what the first one kept as ``key``
+    (its per-block scales), else ``key``."""
+    from .optim._state import legacy_scales_name, scales_name
+
+    if key.endswith(legacy_scales_name("")) and not key.endswith(scales_name("")):
+        return scales_name(key.removesuffix(legacy_scales_name("")))
+    return key
+
+
 def resume(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, map_rng: bool = True
 ) -> dict[str, Any] | None:
@@ -584,12 +594,15 @@ def resume(
                     )
                 views = ds.make(p, zero=False)
                 names = list(st.pop("__in_store__"))
-                missing = [k for k in names if k not in views]
+                # A state of the first compact format is where the current format keeps it, under
+                # its old key: the load recodes it in place.
+                where = {k: k if k in views else _legacy_key_home(k) for k in names}
+                missing = [k for k in names if where[k] not in views]
                 if missing:
                     raise ValueError(
                         f"ramtorch.resume: the committed states {missing} are not this optimizer's"
                     )
-                state[i] = {**{k: v for k, v in st.items()}, **{k: views[k] for k in names}}
+                state[i] = {**{k: v for k, v in st.items()}, **{k: views[where[k]] for k in names}}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     out = rest.get("extra")
     return dict(out) if isinstance(out, dict) else {}

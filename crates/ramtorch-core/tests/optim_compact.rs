@@ -25,17 +25,7 @@ impl Rng {
 }
 
 #[test]
-fn the_maps_are_sorted_and_hold_zero_and_one() {
-    for signed in [true, false] {
-        let m = quant::qmap(signed);
-        assert!(m.windows(2).all(|w| w[0] < w[1]), "sorted, no duplicates");
-        assert!(m.contains(&0.0) && m[255] == 1.0);
-        assert_eq!(m[0] < 0.0, signed);
-    }
-}
-
-#[test]
-fn round_trip_error_is_bounded_by_the_maps_gaps() {
+fn round_trip_error_is_within_a_sixteenth() {
     let mut rng = Rng(3);
     for n in [1, 255, 256, 257, 1000, 3 * BLOCK + 7] {
         for signed in [true, false] {
@@ -54,12 +44,14 @@ fn round_trip_error_is_bounded_by_the_maps_gaps() {
             quant::quantize(&x, &mut codes, &mut scales, signed).unwrap();
             let mut y = vec![0f32; n];
             quant::dequantize(&codes, &scales, &mut y, signed).unwrap();
-            let half_gap = if signed { 0.9 / 128.0 } else { 0.9 / 256.0 };
+            // The smallest code, relative to the scale: below it a value may flush to 0.
+            let first = quant::value(1, signed);
             for (b, (xb, yb)) in x.chunks(BLOCK).zip(y.chunks(BLOCK)).enumerate() {
                 let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
                 assert_eq!(scales[b], amax);
                 for (u, v) in xb.iter().zip(yb) {
-                    assert!((u - v).abs() <= half_gap * amax * 1.001, "{u} -> {v}");
+                    let bound = (u.abs() / 16.0).max(first * amax);
+                    assert!((u - v).abs() <= bound * 1.0001, "{u} -> {v}");
                 }
             }
         }

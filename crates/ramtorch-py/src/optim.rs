@@ -1110,8 +1110,8 @@ unsafe fn run_rule(h: &RuleStep, b: &StepBufs) -> Result<(), Error> {
 }
 
 /// Quantizes the float32 tensor `x` block by block (256 elements a block) into `codes` (uint8,
-/// one per element) and `scales` (float32, one per block), with the signed or the unsigned
-/// dynamic map (`ramtorch_core::optim::quant`).
+/// one per element) and `scales` (float32, one per block), rounded to nearest in the signed or
+/// the unsigned 8-bit format of the compact states (`ramtorch_core::optim::quant`).
 #[pyfunction]
 fn q8_quantize(
     py: Python<'_>,
@@ -1319,19 +1319,19 @@ fn optim_constants<'py>(
     Ok(d)
 }
 
-/// The instruction set the optimizer kernels run with on this CPU (`"avx512-vbmi"`,
-/// `"avx512"`, `"avx2"` or `"base"`, at most what `RAMTORCH_CPU_KERNELS` names), for benchmark
+/// The instruction set the optimizer kernels run with on this CPU (`"avx512"`, `"avx2"` or
+/// `"base"`, at most what `RAMTORCH_CPU_KERNELS` names), for benchmark
 /// records; a `ValueError` when that variable names no instruction set.
 #[pyfunction]
 fn optim_isa() -> PyResult<&'static str> {
     guard("optim_isa", optim::kernel_isa)
 }
 
-/// The 256 values of the 8-bit states' dynamic map, ascending: signed (in `[-1, 1]`) or unsigned
-/// (in `[0, 1]`).
+/// The 256 values, ascending, of the dynamic map of the first compact format, signed (in
+/// `[-1, 1]`) or unsigned (in `[0, 1]`): a state saved in that format is `map[code] * scale`.
 #[pyfunction]
-fn q8_map(signed: bool) -> Vec<f32> {
-    optim::quant::qmap(signed).to_vec()
+fn q8_legacy_map(signed: bool) -> Vec<f32> {
+    optim::quant::legacy_map(signed).to_vec()
 }
 
 /// Number of threads the optimizer kernels run on (the rayon pool; set RAYON_NUM_THREADS before
@@ -1354,7 +1354,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(add, m)?)?;
     m.add_function(wrap_pyfunction!(optim_threads, m)?)?;
     m.add_function(wrap_pyfunction!(optim_constants, m)?)?;
-    m.add_function(wrap_pyfunction!(q8_map, m)?)?;
+    m.add_function(wrap_pyfunction!(q8_legacy_map, m)?)?;
     m.add_function(wrap_pyfunction!(optim_isa, m)?)?;
     Ok(())
 }

@@ -9,11 +9,11 @@ constants come from the Rust code (``_core.optim_constants``), products are not 
 (the kernel is compiled with ``enable_fp_fusion=False``), division and square root are the
 correctly rounded ones, bf16 rounding and the random words of stochastic rounding are the Rust
 bit manipulations (``hash32`` of each element's index under keys from ``_core``), and an 8-bit
-state is encoded by the binary search over the map that the Rust table encoder is checked against
-on every float (the second moment's then rounded stochastically, as ``quant::Map::round_stochastic``
-does). NaNs are the one exception: a NaN the arithmetic makes is positive with CUDA
-and negative on x86 (it is NaN in the same places). A block's scale is the largest magnitude of
-its new values (NaN, and codes 0, if one is not finite; 0 and the code of 0 if all are zero).
+state is coded by ``quant.rs``'s integer operations on the bits of each value over its block's
+scale (the first moment rounded to nearest, the second stochastically). NaNs are the one
+exception: a NaN the arithmetic makes is positive with CUDA and negative on x86 (it is NaN in the
+same places). A block's scale is the largest magnitude of its new values (NaN, and codes 0, if one
+is not finite; 0 and codes 0 if it is below the smallest normal float).
 
 Imported only where a step runs on a GPU (``_gpu_step``); ``TRITON_INTERPRET=1`` runs the kernel
 on CPU tensors, which is how the CPU tests compare it with the Rust kernel."""
@@ -87,64 +87,68 @@ def _hash32(x, k1, k2):  # noqa: ANN001, ANN202 - Triton values
     return x ^ (x >> 15)
 
 
-@triton.jit
-def _encode(q, vmap):  # noqa: ANN001, ANN202 - Triton values
-    """``quant::encode_by_search``: the code of the map value nearest ``q`` (ties up)."""
-    c = tl.zeros(q.shape, tl.int32)
-    for k in tl.static_range(7, -1, -1):
-        c += tl.where(q >= tl.load(vmap + c + (1 << k)), 1 << k, 0)
-    up = tl.minimum(c + 1, 255)
-    mc = tl.load(vmap + c)
-    mu = tl.load(vmap + up)
-    return tl.where(q - mc >= (mu - mc) * 0.5, up, c)
+#: ``quant::off`` of the signed and the unsigned format: what a code's magnitude adds to make the
+#: top bits of its f32 (1.0's bits above the 20 a code drops, minus the top magnitude).
+Q8_OFF_SIGNED: tl.constexpr = tl.constexpr((127 << 3) - 0x7F)
+Q8_OFF_UNSIGNED: tl.constexpr = tl.constexpr((127 << 3) - 0xFF)
 
 
 @triton.jit
-def _round_stochastic(q, near, vmap, r):  # noqa: ANN001, ANN202 - Triton values
-    """``quant::Map::round_stochastic``: from the nearest code ``near``, the lower of the two map
-    values that bracket ``q`` or the upper one, by the low 16 bits of ``r``; a positive ``q``
-    never takes code 0."""
-    c = near - tl.where((near > 0) & (q < tl.load(vmap + near)), 1, 0)
-    lo = tl.load(vmap + c)
-    hi = tl.load(vmap + tl.minimum(c + 1, 255))
-    u = (r & 0xFFFF).to(tl.float32) * 1.52587890625e-05
-    c = c + tl.where(q - lo > u * (hi - lo), 1, 0)
-    return tl.where((q > 0) & (c == 0), 1, c)
-
-
-@triton.jit
-def _load_state(src, scales, vmap, offs, rows, mask, row_ok, MODE: tl.constexpr):  # noqa: ANN001, ANN202
+def _load_state(src, scales, offs, rows, mask, row_ok, MODE: tl.constexpr, SIGNED: tl.constexpr):  # noqa: ANN001, ANN202, E501
     if MODE == 0:
         return tl.load(src + offs, mask=mask, other=0.0)
     elif MODE == 1:
         return _load_bf16(src, offs, mask)
     else:
-        code = tl.load(src + offs, mask=mask, other=0).to(tl.int32)
+        # quant::decode_block
+        c = tl.load(src + offs, mask=mask, other=0).to(tl.uint32)
+        if SIGNED:
+            mag = c & 0x7F
+            bits = tl.where(mag == 0, 0, (mag + Q8_OFF_SIGNED) << 20) | ((c & 0x80) << 24)
+        else:
+            bits = tl.where(c == 0, 0, (c + Q8_OFF_UNSIGNED) << 20)
         scale = tl.load(scales + rows, mask=row_ok, other=0.0)
-        return tl.load(vmap + code) * scale[:, None]
+        return _f32(bits) * scale[:, None]
 
 
 @triton.jit
-def _store_state(dst, scales, vmap, x, r, offs, rows, mask, row_ok, MODE: tl.constexpr, SR: tl.constexpr):  # noqa: ANN001, ANN202, E501
+def _store_state(dst, scales, x, r, offs, rows, mask, row_ok, MODE: tl.constexpr, SR: tl.constexpr):  # noqa: ANN001, ANN202, E501
     if MODE == 0:
         tl.store(dst + offs, x, mask=mask)
     elif MODE == 1:
         _store_bits16(dst, offs, _bf16_sr(x, r), mask)
     else:
-        bits = tl.where(mask, _u32(x) & 0x7FFFFFFF, 0)
+        # quant::encode_block: a second moment (SR) is unsigned, a first moment signed.
+        if SR:
+            top = 0xFF
+            off = Q8_OFF_UNSIGNED
+        else:
+            top = 0x7F
+            off = Q8_OFF_SIGNED
+        xb = _u32(x)
+        bits = tl.where(mask, xb & 0x7FFFFFFF, 0)
         amax_bits = tl.max(bits, axis=1)
         bad = amax_bits >= 0x7F800000
-        zero = amax_bits == 0
+        small = amax_bits < 0x00800000
         amax = _f32(amax_bits)
-        div = tl.where(bad | zero, 1.0, amax)
-        q = tl.div_rn(x, div[:, None])
-        code = _encode(q, vmap)
+        inv = tl.div_rn(1.0, tl.where(bad | small, 1.0, amax))
+        y = _u32(_f32(bits) * inv[:, None])
         if SR:
-            code = _round_stochastic(q, code, vmap, r)
-        zero_code = _encode(tl.zeros((1,), tl.float32), vmap)
-        code = tl.where(bad[:, None], 0, tl.where(zero[:, None], zero_code, code))
+            q = (y + ((r & 0xFFFF) << 4)) >> 20
+        else:
+            q = (y + (1 << 19)) >> 20
+        mag = tl.minimum(tl.maximum(q, off), off + top) - off
+        if SR:
+            # A positive value never takes the code of 0.
+            mag = tl.maximum(mag, tl.where(bits != 0, 1, 0).to(tl.uint32))
+            code = mag
+        else:
+            half_first = ((off + 1) << 20) - 0x00800000
+            mag = tl.maximum(mag, tl.where(y >= half_first, 1, 0).to(tl.uint32))
+            code = mag | tl.where(mag == 0, 0, (xb >> 24) & 0x80)
+        code = tl.where((bad | small)[:, None], 0, code)
         tl.store(dst + offs, code.to(tl.uint8), mask=mask)
-        scale = tl.where(bad, float("nan"), tl.where(zero, 0.0, amax))
+        scale = tl.where(bad, float("nan"), tl.where(small, 0.0, amax))
         tl.store(scales + rows, scale, mask=row_ok)
 
 
@@ -153,7 +157,7 @@ def _store_state(dst, scales, vmap, x, r, offs, rows, mask, row_ok, MODE: tl.con
 #: stall of a second or so in the middle of a training step).
 _NO_SPECIALIZE = (
     *("p_in", "c_in", "p_out", "c_out", "w_out", "grad", "a_in", "as_in", "a_out", "as_out"),
-    *("b_in", "bs_in", "b_out", "bs_out", "smap", "umap", "n", "lo", "k0", "k1", "k2", "k3"),
+    *("b_in", "bs_in", "b_out", "bs_out", "n", "lo", "k0", "k1", "k2", "k3"),
 )
 
 
@@ -173,8 +177,6 @@ def _adamw_kernel(
     bs_in,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     b_out,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     bs_out,  # noqa: ANN001 - a Triton kernel's pointer or scalar
-    smap,  # noqa: ANN001 - a Triton kernel's pointer or scalar
-    umap,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     n,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     lo,  # noqa: ANN001 - a Triton kernel's pointer or scalar
     k0,  # noqa: ANN001 - a Triton kernel's pointer or scalar
@@ -216,8 +218,8 @@ def _adamw_kernel(
     else:
         p = _load_bf16(p_in, offs, mask) + _load_bf16(c_in, offs, mask)
     g = tl.load(grad + offs, mask=mask, other=0.0).to(tl.float32)
-    m = _load_state(a_in, as_in, smap, offs, rows, mask, row_ok, AMODE)
-    v = _load_state(b_in, bs_in, umap, offs, rows, mask, row_ok, BMODE)
+    m = _load_state(a_in, as_in, offs, rows, mask, row_ok, AMODE, True)
+    v = _load_state(b_in, bs_in, offs, rows, mask, row_ok, BMODE, False)
 
     # AdamRule::elem, operation by operation.
     g = g * gs
@@ -246,12 +248,12 @@ def _adamw_kernel(
     # An 8-bit second moment is rounded stochastically, an 8-bit first moment to nearest; where
     # the first state rounds to nearest, an 8-bit second one takes word 0's bits 16..32
     # (``StateIo::SR16``), else word 1.
-    _store_state(a_out, as_out, smap, m, r0 >> 16, offs, rows, mask, row_ok, AMODE, False)
+    _store_state(a_out, as_out, m, r0 >> 16, offs, rows, mask, row_ok, AMODE, False)
     rb = r1
     if BMODE == 2:
         if AMODE != 1:
             rb = r0 >> 16
-    _store_state(b_out, bs_out, umap, v, rb, offs, rows, mask, row_ok, BMODE, True)
+    _store_state(b_out, bs_out, v, rb, offs, rows, mask, row_ok, BMODE, True)
 
 
 def launch(
@@ -261,17 +263,16 @@ def launch(
     n: int,
     tensors: dict[str, torch.Tensor],
     consts: dict[str, object],
-    maps: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
     """Runs the kernel over ``n`` elements. ``tensors``: the operands by the kernel's argument
     names (bf16 ones viewed as int16; absent ones may be any tensor of the device, never read);
     ``consts``: ``_core.optim_constants``' dict plus ``"lo"``, the first element's index modulo
-    2^32; ``maps``: the signed and unsigned dynamic maps (fp32, 256 each) on the device."""
+    2^32."""
     if n == 0:
         return
     names = ("p_in", "c_in", "p_out", "c_out", "w_out", "grad", "a_in", "as_in", "a_out", "as_out")
     names += ("b_in", "bs_in", "b_out", "bs_out")
-    dummy = maps[0]
+    dummy = tensors["grad"]
     args = [tensors.get(k, dummy) for k in names]
     keys = consts["keys"]
     assert isinstance(keys, list)
@@ -281,8 +282,6 @@ def launch(
     grid = (triton.cdiv(n, ROWS * BLOCK),)
     _adamw_kernel[grid](
         *args,
-        maps[0],
-        maps[1],
         n,
         *wide,
         *(consts[k] for k in ("gs", "decay", "w1", "w1c", "beta2", "c2", "inv_bc2_sqrt", "eps")),

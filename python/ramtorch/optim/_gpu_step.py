@@ -78,22 +78,6 @@ def layout(
     return pmode, modes[0], modes[1]
 
 
-_MAPS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_MAPS_LOCK = threading.Lock()
-
-
-def _maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The signed and unsigned dynamic maps of 8-bit states, on ``device``."""
-    with _MAPS_LOCK:
-        m = _MAPS.get(device)
-        if m is None:
-            m = _MAPS[device] = (
-                torch.tensor(_core.q8_map(True), dtype=torch.float32, device=device),
-                torch.tensor(_core.q8_map(False), dtype=torch.float32, device=device),
-            )
-        return m
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """bf16 tensors as the kernel reads and writes them (int16 bits); others as they are."""
     return t.view(torch.int16) if t.dtype == _BF16 else t
@@ -218,7 +202,7 @@ def optim_step_here(
     modes, n, offset, ops = _prepare(rule, hyper, param, g, states, master, comp, scales, old)
     tensors = {name: _bits(t) for name, t in (*ops.src.items(), *ops.dst.items())}
     tensors["grad"] = ops.grad[0]
-    k.launch(*modes, n, tensors, _consts(rule, hyper, offset), _maps(param.device))
+    k.launch(*modes, n, tensors, _consts(rule, hyper, offset))
 
 
 class DeviceStepper:
@@ -293,7 +277,6 @@ class DeviceStepper:
             for stream in self._streams:
                 if stream is not None:
                     stream.wait_event(after)
-        maps = _maps(self.device)
         events = []
         for i, a in enumerate(range(0, n, PIECE)):
             b = min(n, a + PIECE)
@@ -340,7 +323,7 @@ class DeviceStepper:
                     d = buf(name, h)
                     tensors[name] = _bits(d)
                     outs.append((h, d))
-                k.launch(*modes, b - a, tensors, _consts(rule, hyper, offset + a), maps)
+                k.launch(*modes, b - a, tensors, _consts(rule, hyper, offset + a))
                 for h, d in outs:
                     h.copy_(d, non_blocking=True)
                     self.down_bytes += h.numel() * h.element_size()

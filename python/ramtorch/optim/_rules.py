@@ -138,8 +138,9 @@ class AdamW(_Rule):
             weight; a step moves 28 host bytes a parameter). ``"bf16"``: bf16 moments, and the
             bf16 weight written with stochastic rounding (no master). ``"compact"``: both
             moments in 8 bits, block-quantized with one fp32 scale per block of 256 elements
-            (``exp_avg`` with a signed, ``exp_avg_sq`` with an unsigned dynamic map, as
-            bitsandbytes' and torchao's 8-bit AdamW), and the master kept as the bf16 weight plus
+            (each a small float relative to its block's largest magnitude: ``exp_avg`` a sign, 4
+            exponent and 3 mantissa bits, ``exp_avg_sq`` 5 and 3), and the master kept as the
+            bf16 weight plus
             a bf16 compensation (the rounding error of its last write; their sum has about 16
             significant bits). For a bf16 parameter that is 6 + 8/256 = 6.03 bytes a parameter
             held (weight 2, compensation 2, moments 1 + 1, scales 0.03), 8.03 with its bf16

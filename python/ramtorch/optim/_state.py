@@ -58,7 +58,54 @@ COMPENSATION = "compensation"
 
 def scales_name(name: str) -> str:
     """The key of the per-block scales of quantized state ``name``."""
+    return f"{name}_block_scales"
+
+
+def legacy_scales_name(name: str) -> str:
+    """The key of the per-block scales of quantized state ``name`` in the first compact format,
+    whose codes index a dynamic map (``_core.q8_legacy_map``)."""
     return f"{name}_scales"
+
+
+def upgrade_legacy_states(saved: Any, names: tuple[str, ...]) -> Any:
+    """One parameter's saved states (``state_dict()["state"][i]``) with those of the first compact
+    format (codes of a dynamic map, scales under :func:`legacy_scales_name`) recoded in the current
+    one, rounded to nearest (``names``: the rule's states; the first is signed, a second one
+    unsigned, as the kernels store them). Anything else is returned as it is: a dict with no such
+    state, tensors on the ``meta`` device (their keys are renamed only: a loader checking shapes
+    before it reads), or tensors that do not fit together (the state check then names the
+    problem)."""
+    if not isinstance(saved, dict) or not any(
+        legacy_scales_name(n) in saved and scales_name(n) not in saved for n in names
+    ):
+        return saved
+    out = dict(saved)
+    for k, n in enumerate(names):
+        if legacy_scales_name(n) not in out or scales_name(n) in out:
+            continue
+        scales = out.pop(legacy_scales_name(n))
+        out[scales_name(n)] = scales
+        codes = out.get(n)
+        if not (
+            isinstance(codes, torch.Tensor)
+            and isinstance(scales, torch.Tensor)
+            and codes.dtype == torch.uint8
+            and scales.dtype == torch.float32
+            and scales.dim() == 1
+            and scales.numel() == -(-codes.numel() // BLOCK)
+        ) or "meta" in (codes.device.type, scales.device.type):
+            continue
+        signed = k == 0
+        table = torch.tensor(_core.q8_legacy_map(signed), dtype=torch.float32)
+        flat = codes.detach().reshape(-1).to("cpu", torch.long)
+        per = scales.detach().to("cpu").repeat_interleave(BLOCK)[: flat.numel()]
+        x = (table[flat] * per).contiguous()
+        new_codes = torch.empty(flat.numel(), dtype=torch.uint8)
+        new_scales = torch.empty(scales.numel(), dtype=torch.float32)
+        _core.q8_quantize(x, new_codes, new_scales, signed)
+        out[n] = new_codes.view(codes.shape)
+        out[scales_name(n)] = new_scales
+    return out
 
 
 def state_specs(
@@ -407,6 +454,7 @@ class HostStates(torch.optim.Optimizer):
         parameter it would be loaded for: shape, dtype of this precision, a state missing (a state
         dict of another model, or of an optimizer that lists the parameters in another order).
         Tensors may be on any device, ``meta`` included (a loader checks before reading)."""
+        state_dict = self._upgraded(state_dict)
         pairs = self._paired_params(state_dict)
         if pairs is None:
             return
@@ -465,7 +513,19 @@ class HostStates(torch.optim.Optimizer):
                 return f"{k!r} has dtype {v.dtype}, expected {dtype} (precision={self.precision!r})"
         return None
 
+    def _upgraded(self, state_dict: Any) -> Any:
+        """``state_dict`` with the states of the first compact format recoded in the current one
+        (:func:`upgrade_legacy_states`); the same object when it has none."""
+        states = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if not isinstance(states, dict):
+            return state_dict
+        new = {i: upgrade_legacy_states(v, self._state_names) for i, v in states.items()}
+        if all(new[i] is states[i] for i in states):
+            return state_dict
+        return {**state_dict, "state": new}
+
     def _load_states(self, state_dict: dict[str, Any], adopt: bool) -> None:
+        state_dict = self._upgraded(state_dict)
         self._check_state_dict(state_dict)  # before anything changes
         self._forget_failed()
         pairs = self._paired_params(state_dict)

@@ -37,10 +37,6 @@ pub(super) enum Isa {
     /// AVX-512 F, BW, VL and DQ.
     #[cfg(target_arch = "x86_64")]
     Avx512,
-    /// AVX-512 F, BW, VL and DQ with VBMI: the block codec looks map values up by byte permutes
-    /// instead of gathers (`quant.rs`); the leaves are [`Isa::Avx512`]'s.
-    #[cfg(target_arch = "x86_64")]
-    Avx512Vbmi,
 }
 
 #[cfg(test)]
@@ -64,7 +60,7 @@ pub(super) const ISA_VAR: &str = "RAMTORCH_CPU_KERNELS";
 
 /// The names of the instruction sets, lowest first (on every target: a cap above what the CPU
 /// has changes nothing).
-pub(super) const ISA_NAMES: [&str; 4] = ["base", "avx2", "avx512", "avx512-vbmi"];
+pub(super) const ISA_NAMES: [&str; 3] = ["base", "avx2", "avx512"];
 
 /// The rank in [`ISA_NAMES`] that [`ISA_VAR`] caps the kernels at: `Ok(None)` when it is unset
 /// or empty, `Err` with the value when it names no instruction set.
@@ -89,8 +85,6 @@ pub(super) fn isa_rank(isa: Isa) -> usize {
         Isa::Avx2 => 1,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => 2,
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vbmi => 3,
     }
 }
 
@@ -113,8 +107,6 @@ fn lower_isa(found: Isa, cap: usize) -> Isa {
     while isa_rank(isa) > cap {
         isa = match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vbmi => Isa::Avx512,
-            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => Isa::Avx2,
             _ => Isa::Base,
         };
@@ -128,9 +120,6 @@ fn detect_isa() -> Isa {
         {
             use std::arch::is_x86_feature_detected as has;
             if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq") {
-                if has!("avx512vbmi") {
-                    return Isa::Avx512Vbmi;
-                }
                 return Isa::Avx512;
             }
             if has!("avx2") && has!("f16c") {
@@ -164,7 +153,7 @@ pub(super) fn leaf_on<P, L: Leaf<P>>(want: Isa, leaf: &L, start: usize, parts: P
         Isa::Avx2 => unsafe { leaf_avx2(leaf, start, parts) },
         // SAFETY: `isa()` found AVX-512 F/BW/VL/DQ on this CPU.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { leaf_avx512(leaf, start, parts) },
+        Isa::Avx512 => unsafe { leaf_avx512(leaf, start, parts) },
     }
 }
 
@@ -810,7 +799,7 @@ impl StateIo for &mut [bf16] {
 
 impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
     /// An unsigned state (AdamW's second moment, whose step-to-step change is far below a code's
-    /// width) is rounded stochastically, a signed one to nearest (see [`quant::encode_block_sr`]).
+    /// width) is rounded stochastically, a signed one to nearest (see [`quant`]).
     const SR: bool = !SIGNED;
     const SR16: bool = true;
     #[inline(always)]
@@ -820,7 +809,7 @@ impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
     #[inline(always)]
     fn load(&self, at: usize, out: &mut [f32]) {
         let codes = &self.0[at..at + out.len()];
-        quant::decode_block(quant::map(SIGNED), codes, self.1[at / BLOCK], out);
+        quant::decode_block::<SIGNED>(codes, self.1[at / BLOCK], out);
     }
     #[inline(always)]
     fn prefetch(&self, at: usize) {
@@ -829,11 +818,10 @@ impl<const SIGNED: bool> StateIo for Q8<'_, SIGNED> {
     #[inline(always)]
     fn store(&mut self, at: usize, x: &[f32], r: &[u32]) {
         let codes = &mut self.0[at..at + x.len()];
-        let map = quant::map(SIGNED);
         self.1[at / BLOCK] = if Self::SR {
-            quant::encode_block_sr(map, x, codes, r)
+            quant::encode_block::<SIGNED, true>(x, codes, r)
         } else {
-            quant::encode_block(map, x, codes)
+            quant::encode_block::<SIGNED, false>(x, codes, r)
         };
     }
     #[inline]

@@ -63,7 +63,8 @@
 //!   hyperparameters, their checks, the per-element update);
 //! - `kernel`: what the rules share (pieces on the rayon pool, instruction-set dispatch, storage
 //!   formats as block codecs, the block-wise driver);
-//! - [`quant`]: 8-bit block quantization of states (the dynamic maps, encode and decode);
+//! - [`quant`]: 8-bit block quantization of states (a small float per element over a scale per
+//!   block, encode and decode);
 //! - [`precision`]: `f32`↔`bf16`/`f16` conversions and stochastic rounding, used crate-wide;
 //! - `stats`: gradient statistics, in-place scaling, stochastic rounding of a whole tensor.
 //!
@@ -101,10 +102,9 @@ pub use lion::{lion_step, lion_step_from, lion_update, Lion};
 pub use sgd::{sgd_step, sgd_step_from, sgd_update, Sgd};
 pub use stats::{add_in_place, grad_stats, scale_in_place, stochastic_round_bf16, GradStats};
 
-/// The instruction set the optimizer kernels run with on this CPU: `"avx512-vbmi"` (AVX-512
-/// leaves, the block codec's map look-ups by byte permutes), `"avx512"`, `"avx2"` or `"base"`:
-/// the best the CPU has, at most what the environment variable `RAMTORCH_CPU_KERNELS` names (one
-/// of those four; for A/B measurements). A value it does not name is an error here (the kernels
+/// The instruction set the optimizer kernels run with on this CPU: `"avx512"`, `"avx2"` or
+/// `"base"`: the best the CPU has, at most what the environment variable `RAMTORCH_CPU_KERNELS`
+/// names (one of those three; for A/B measurements). A value it does not name is an error here (the kernels
 /// then run uncapped).
 pub fn kernel_isa() -> Result<&'static str> {
     if let Err(v) = kernel::isa_cap() {
@@ -226,7 +226,7 @@ pub enum StateMut<'a> {
     /// Block-quantized (see [`quant`]): one code per element, one scale per block of
     /// [`quant::BLOCK`] elements (the last one may be short).
     Q8 {
-        /// Indices into the dynamic map.
+        /// One code per element (`quant`'s format).
         codes: &'a mut [u8],
         /// The largest magnitude of each block.
         scales: &'a mut [f32],
@@ -247,7 +247,7 @@ pub enum State<'a> {
     Plain(Tensor<'a>),
     /// Block-quantized codes and scales.
     Q8 {
-        /// Indices into the dynamic map.
+        /// One code per element (`quant`'s format).
         codes: &'a [u8],
         /// The largest magnitude of each block.
         scales: &'a [f32],
