@@ -6,8 +6,8 @@ frozen teacher's last hidden states, float32 here) is trained with torch's AdamW
 same gradients, moments are kept in the compact format two ways:
 
 - ``kernel``: by the engine's own AdamW kernel (``_core.optim_step`` in the compact format with a
-  learning rate of 0, so only the moments move): 256-element blocks, dynamic map, the first moment
-  rounded to nearest, the second stochastically;
+  learning rate of 0, so only the moments move): 256-element blocks of small floats over each
+  block's scale, the first moment rounded to nearest, the second stochastically;
 - ``nearest``: each step's new moments computed from the stored ones and stored again through the
   block quantizer rounding to nearest (``_core.q8_quantize``/``q8_dequantize``), as the kernel
   stored both moments before it rounded the second stochastically.
