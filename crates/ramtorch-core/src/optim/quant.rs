@@ -7,9 +7,9 @@
 //! code is exactly 1 and the others step by an eighth of their binade. The signed format (the
 //! AdamW first moment) spends bit 7 on the sign and 7 bits on the magnitude: codes down to
 //! `1.25 * 2^-16` of the scale, 16 binades; the unsigned one (the second moment, a square) 8 bits:
-//! down to `1.25 * 2^-32`, 32 binades. Magnitude 0 is 0. Every stored value is within 1/16 of
-//! itself in the signed format (a twentieth on average), the same in the unsigned, where the
-//! second moment enters the update through its square root: within a thirty-second.
+//! down to `1.25 * 2^-32`, 32 binades. Magnitude 0 is 0. Rounded to nearest, a value from the
+//! smallest code up comes back within a sixteenth of itself (the second moment enters AdamW's
+//! update through its square root: within a thirty-second there).
 //!
 //! Encoding divides by the scale (`x * (1 / scale)`, both correctly rounded) and rounds the
 //! quotient's bits: to nearest (ties away from zero) by adding half a step and truncating, or
