@@ -502,8 +502,10 @@ def predict(
         held, step_bytes = optimizer_bytes(p, precision, device=not here)
         if precision == "compact":
             # Its block codec is bound by arithmetic, not memory: on the measured host (16 cores)
-            # a compact update takes about what an fp32-master one does per parameter (0.22 ns),
-            # though it moves half the bytes. Priced as the fp32-master update.
+            # a compact update took about what an fp32-master one does per parameter (0.22 ns),
+            # though it moves half the bytes. Priced as the fp32-master update. (Measured with
+            # the first format's dynamic map; the current codec is 1.7x faster on a core, not
+            # yet measured on that host.)
             step_bytes = max(step_bytes, optimizer_bytes(p, "fp32-master", device=not here)[1])
         if id(p) in states_on_disk:  # its gradient in host RAM, its states on disk
             disk_states += held
