@@ -64,64 +64,6 @@ fn every_instruction_set_gives_the_same_bits() {
     FORCE_ISA.with(|f| f.set(None));
 }
 
-/// A few compact AdamW steps (bf16 weight and compensation, 8-bit moments) on one piece: weight,
-/// compensation, both moments' codes and scales.
-#[allow(clippy::type_complexity)]
-fn compact_run(n: usize) -> (Vec<bf16>, Vec<bf16>, Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>) {
-    let x = |i: usize, k: f32| (i as f32 * 0.618 + k).sin() * 1.7;
-    let mut w: Vec<bf16> = (0..n).map(|i| bf16::from_f32(x(i, 0.0))).collect();
-    let mut c = vec![bf16::ZERO; n];
-    let (mut m, mut v) = (vec![0u8; n], vec![0u8; n]);
-    let nb = quant::blocks(n);
-    let (mut ms, mut vs) = (vec![0f32; nb], vec![0f32; nb]);
-    for t in 1..=3u64 {
-        // Gradients spanning many binades within each block.
-        let g: Vec<bf16> = (0..n)
-            .map(|i| bf16::from_f32(x(i, t as f32) * 10f32.powi(-((i % 9) as i32))))
-            .collect();
-        let h = AdamW {
-            step: t,
-            seed: 5,
-            lr: 1e-3,
-            ..AdamW::default()
-        };
-        adamw_update(
-            &h,
-            ParamMut::Compensated {
-                param: &mut w,
-                comp: &mut c,
-            },
-            Tensor::BF16(&g),
-            StateMut::Q8 {
-                codes: &mut m,
-                scales: &mut ms,
-            },
-            StateMut::Q8 {
-                codes: &mut v,
-                scales: &mut vs,
-            },
-            &Old::default(),
-        )
-        .unwrap();
-    }
-    (w, c, m, v, ms, vs)
-}
-
-#[test]
-fn every_instruction_set_gives_the_same_compact_bits() {
-    let n = SERIAL_MAX - 3; // one piece, on this thread
-    FORCE_ISA.with(|f| f.set(Some(Isa::Base)));
-    let base = compact_run(n);
-    let mut isas = vec![Isa::Base];
-    #[cfg(target_arch = "x86_64")]
-    isas.extend([Isa::Avx2, Isa::Avx512]);
-    for want in isas {
-        FORCE_ISA.with(|f| f.set(Some(want)));
-        assert!(compact_run(n) == base, "{want:?} differs from the baseline");
-    }
-    FORCE_ISA.with(|f| f.set(None));
-}
-
 #[test]
 fn every_instruction_set_adds_the_same_bits() {
     let n = SERIAL_MAX - 3; // one piece, on this thread
