@@ -534,16 +534,6 @@ def commit(
     _kept_or_raise(model, "commit").commit(model, optimizer, extra)
 
 
-def _legacy_key_home(key: str) -> str:
-    """The key under which the current compact format keeps what the first one kept as ``key``
-    (its per-block scales), else ``key``."""
-    from .optim._state import legacy_scales_name, scales_name
-
-    if key.endswith(legacy_scales_name("")) and not key.endswith(scales_name("")):
-        return scales_name(key.removesuffix(legacy_scales_name("")))
-    return key
-
-
 def resume(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, map_rng: bool = True
 ) -> dict[str, Any] | None:
@@ -594,9 +584,10 @@ def resume(
                     )
                 views = ds.make(p, zero=False)
                 names = list(st.pop("__in_store__"))
-                # A state of the first compact format is where the current format keeps it, under
-                # its old key: the load recodes it in place.
-                where = {k: k if k in views else _legacy_key_home(k) for k in names}
+                # A state saved under a key of an earlier format is where the optimizer keeps it
+                # now, under its old key: the load recodes it in place.
+                home = getattr(optimizer, "_current_state_key", lambda k: k)
+                where = {k: k if k in views else home(k) for k in names}
                 missing = [k for k in names if where[k] not in views]
                 if missing:
                     raise ValueError(

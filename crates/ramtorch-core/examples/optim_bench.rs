@@ -110,8 +110,8 @@ fn step(b: &mut Bufs, g: &[bf16], h: &AdamW) -> Result<(), ramtorch_core::Error>
     }
 }
 
-/// The block codec alone, on the calling thread, over 16384 elements (in L1 and L2): ns per
-/// element to quantize (signed and unsigned map) and to dequantize.
+/// The block codec alone over 16384 elements (in L1 and L2; one task of `quantize`): ns per element
+/// to quantize (signed and unsigned format) and to dequantize.
 fn codec() -> Result<(), ramtorch_core::Error> {
     const N: usize = 1 << 14;
     const REPS: usize = 2000;
@@ -135,9 +135,9 @@ fn codec() -> Result<(), ramtorch_core::Error> {
             quant::dequantize(&codes, &scales, &mut y, signed)?;
         }
         let dec = t0.elapsed().as_secs_f64() * 1e9 / (N * REPS) as f64;
-        let map = if signed { "signed" } else { "unsigned" };
+        let format = if signed { "signed" } else { "unsigned" };
         println!(
-            "codec, {map:>8} map: quantize {enc:.3} ns/element, dequantize {dec:.3} ns/element"
+            "codec, {format:>8} format: quantize {enc:.3} ns/element, dequantize {dec:.3} ns/element"
         );
     }
     Ok(())

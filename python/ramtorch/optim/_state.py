@@ -513,6 +513,15 @@ class HostStates(torch.optim.Optimizer):
                 return f"{k!r} has dtype {v.dtype}, expected {dtype} (precision={self.precision!r})"
         return None
 
+    def _current_state_key(self, key: str) -> str:
+        """The key under which this optimizer keeps what was saved as ``key``: the current name
+        of the first compact format's per-block scales (:func:`legacy_scales_name`), else
+        ``key`` (``ramtorch.resume`` finds a kept store's states by it)."""
+        for n in self._state_names:
+            if key == legacy_scales_name(n):
+                return scales_name(n)
+        return key
+
     def _upgraded(self, state_dict: Any) -> Any:
         """``state_dict`` with the states of the first compact format recoded in the current one
         (:func:`upgrade_legacy_states`); the same object when it has none."""

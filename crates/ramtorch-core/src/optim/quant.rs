@@ -150,46 +150,99 @@ fn code<const SIGNED: bool>(mag: u32, v: f32) -> u8 {
     }
 }
 
+/// Blocks a task of [`quantize`] and [`dequantize`] takes (1 MiB of `f32`).
+const TASK_BLOCKS: usize = 1024;
+
 /// Quantizes `x` block by block into `codes` (one per element) and `scales` (one per block,
 /// [`blocks`]`(x.len())`), rounded to nearest, in the signed or the unsigned format. Lengths must
-/// match.
+/// match. Runs on the rayon pool with the kernels' instruction set (the same bits on any).
 pub fn quantize(
     x: &[f32],
     codes: &mut [u8],
     scales: &mut [f32],
     signed: bool,
 ) -> crate::Result<()> {
+    use rayon::prelude::*;
     check(x.len(), codes.len(), scales.len())?;
-    for ((xb, cb), s) in x
-        .chunks(BLOCK)
-        .zip(codes.chunks_mut(BLOCK))
-        .zip(scales.iter_mut())
-    {
-        *s = if signed {
-            encode_block::<true, false>(xb, cb, &[])
-        } else {
-            encode_block::<false, false>(xb, cb, &[])
-        };
-    }
+    x.par_chunks(BLOCK * TASK_BLOCKS)
+        .zip(codes.par_chunks_mut(BLOCK * TASK_BLOCKS))
+        .zip(scales.par_chunks_mut(TASK_BLOCKS))
+        .for_each(|((x, codes), scales)| {
+            let leaf = Codec { signed };
+            super::kernel::leaf_on(
+                super::kernel::isa(),
+                &leaf,
+                0,
+                Coding::Encode(x, codes, scales),
+            );
+        });
     Ok(())
 }
 
-/// Decodes `codes` and `scales` (as written by [`quantize`]) into `out`. Lengths must match.
+/// Decodes `codes` and `scales` (as written by [`quantize`]) into `out`. Lengths must match. Runs
+/// as [`quantize`] does.
 pub fn dequantize(
     codes: &[u8],
     scales: &[f32],
     out: &mut [f32],
     signed: bool,
 ) -> crate::Result<()> {
+    use rayon::prelude::*;
     check(out.len(), codes.len(), scales.len())?;
-    for ((ob, cb), &s) in out.chunks_mut(BLOCK).zip(codes.chunks(BLOCK)).zip(scales) {
-        if signed {
-            decode_block::<true>(cb, s, ob);
-        } else {
-            decode_block::<false>(cb, s, ob);
+    out.par_chunks_mut(BLOCK * TASK_BLOCKS)
+        .zip(codes.par_chunks(BLOCK * TASK_BLOCKS))
+        .zip(scales.par_chunks(TASK_BLOCKS))
+        .for_each(|((out, codes), scales)| {
+            let leaf = Codec { signed };
+            super::kernel::leaf_on(
+                super::kernel::isa(),
+                &leaf,
+                0,
+                Coding::Decode(codes, scales, out),
+            );
+        });
+    Ok(())
+}
+
+/// One task of [`quantize`] or [`dequantize`]: whole blocks (the last may be short).
+enum Coding<'a> {
+    Encode(&'a [f32], &'a mut [u8], &'a mut [f32]),
+    Decode(&'a [u8], &'a [f32], &'a mut [f32]),
+}
+
+/// The codec as a kernel leaf, so that it is compiled for each instruction set.
+struct Codec {
+    signed: bool,
+}
+
+impl<'a> super::kernel::Leaf<Coding<'a>> for Codec {
+    type Out = ();
+
+    #[inline(always)]
+    fn run(&self, _: usize, task: Coding<'a>) {
+        match task {
+            Coding::Encode(x, codes, scales) => {
+                for ((xb, cb), s) in x.chunks(BLOCK).zip(codes.chunks_mut(BLOCK)).zip(scales) {
+                    *s = if self.signed {
+                        encode_block::<true, false>(xb, cb, &[])
+                    } else {
+                        encode_block::<false, false>(xb, cb, &[])
+                    };
+                }
+            }
+            Coding::Decode(codes, scales, out) => {
+                for ((ob, cb), &s) in out.chunks_mut(BLOCK).zip(codes.chunks(BLOCK)).zip(scales) {
+                    if self.signed {
+                        decode_block::<true>(cb, s, ob);
+                    } else {
+                        decode_block::<false>(cb, s, ob);
+                    }
+                }
+            }
         }
     }
-    Ok(())
+
+    fn join(_: (), _: ()) {}
 }
 
 fn check(n: usize, codes: usize, scales: usize) -> crate::Result<()> {
