@@ -164,18 +164,11 @@ pub fn quantize(
 ) -> crate::Result<()> {
     use rayon::prelude::*;
     check(x.len(), codes.len(), scales.len())?;
-    x.par_chunks(BLOCK * TASK_BLOCKS)
+    let tasks = x
+        .par_chunks(BLOCK * TASK_BLOCKS)
         .zip(codes.par_chunks_mut(BLOCK * TASK_BLOCKS))
-        .zip(scales.par_chunks_mut(TASK_BLOCKS))
-        .for_each(|((x, codes), scales)| {
-            let leaf = Codec { signed };
-            super::kernel::leaf_on(
-                super::kernel::isa(),
-                &leaf,
-                0,
-                Coding::Encode(x, codes, scales),
-            );
-        });
+        .zip(scales.par_chunks_mut(TASK_BLOCKS));
+    run_tasks(signed, tasks.map(|((x, c), s)| Coding::Encode(x, c, s)));
     Ok(())
 }
 
@@ -189,19 +182,18 @@ pub fn dequantize(
 ) -> crate::Result<()> {
     use rayon::prelude::*;
     check(out.len(), codes.len(), scales.len())?;
-    out.par_chunks_mut(BLOCK * TASK_BLOCKS)
+    let tasks = out
+        .par_chunks_mut(BLOCK * TASK_BLOCKS)
         .zip(codes.par_chunks(BLOCK * TASK_BLOCKS))
-        .zip(scales.par_chunks(TASK_BLOCKS))
-        .for_each(|((out, codes), scales)| {
-            let leaf = Codec { signed };
-            super::kernel::leaf_on(
-                super::kernel::isa(),
-                &leaf,
-                0,
-                Coding::Decode(codes, scales, out),
-            );
-        });
+        .zip(scales.par_chunks(TASK_BLOCKS));
+    run_tasks(signed, tasks.map(|((o, c), s)| Coding::Decode(c, s, o)));
     Ok(())
+}
+
+/// Runs each task on the rayon pool with the kernels' instruction set.
+fn run_tasks<'a>(signed: bool, tasks: impl rayon::iter::ParallelIterator<Item = Coding<'a>>) {
+    let leaf = Codec { signed };
+    tasks.for_each(|task| super::kernel::leaf_on(super::kernel::isa(), &leaf, 0, task));
 }
 
 /// One task of [`quantize`] or [`dequantize`]: whole blocks (the last may be short).
