@@ -39,14 +39,14 @@ pub const fn blocks(n: usize) -> usize {
 }
 
 /// Mantissa bits a code keeps.
-pub const MANT_BITS: u32 = 3;
+const MANT_BITS: u32 = 3;
 /// The `f32` bits below those a code keeps.
 const SHIFT: u32 = 23 - MANT_BITS;
 /// The sign bit of a signed code.
 const SIGN: u32 = 0x80;
 
 /// The largest magnitude of a code (it stands for exactly 1).
-pub const fn top(signed: bool) -> u32 {
+const fn top(signed: bool) -> u32 {
     if signed {
         0x7F
     } else {
