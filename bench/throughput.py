@@ -36,7 +36,12 @@ OPTIMIZER_NAMES = {
 }
 
 
-SCHEDULES = {"default": "default schedule", "backward": "committed in backward", "off": "in step"}
+SCHEDULES = {
+    "default": "default schedule",
+    "backward": "committed in backward",
+    "off": "in step",
+    "pipeline": "pipelined",
+}
 
 
 def config(a: argparse.Namespace, layers: int) -> Any:
@@ -116,9 +121,11 @@ def main() -> None:
     ap.add_argument("--precision", choices=sorted(OPTIMIZER_NAMES), default="compact")
     ap.add_argument(
         "--overlap",
-        choices=["default", "backward", "off"],
+        choices=["default", "backward", "off", "pipeline"],
         default="default",
-        help="ramtorch.optim.AdamW's overlap: default (True), 'backward', or off (False)",
+        help="ramtorch.optim.AdamW's overlap: default (True), 'backward', off (False), or pipeline "
+        "(pipeline=True: step() returns while updates run on; its steps are timed back to back, the "
+        "last one settled)",
     )
     ap.add_argument("--gpu-budget", default=None, help="ramtorch.offload's gpu_budget (default: none)")
     ap.add_argument(
@@ -210,7 +217,7 @@ def main() -> None:
     model = build(a, a.layers)
     ramtorch.offload(model, device=a.device, gpu_budget=budget_arg(a.gpu_budget))
     free(a.device)
-    overlap: bool | str = {"default": True, "backward": "backward", "off": False}[a.overlap]
+    overlap: bool | str = {"default": True, "backward": "backward", "off": False, "pipeline": True}[a.overlap]
     setup = time.perf_counter() - t0
     print(f"offloaded in {setup:.1f} s", file=sys.stderr)
     for gpu_updates in a.gpu_updates:
@@ -219,6 +226,7 @@ def main() -> None:
             lr=1e-5,
             precision=a.precision,
             overlap=overlap,
+            pipeline=a.overlap == "pipeline",
             gpu_updates=gpu_updates == "on",
         )
         run_steps(a, model, opt, common, params, micro, res_flops, setup, gpu_updates, emit)
@@ -276,6 +284,9 @@ def run_steps(
         settle()
         if a.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
+        # A pipelined step's updates run on into the next step: its steps are timed back to back
+        # (each from its start to the next one's), and the last one waits for its updates.
+        back_to_back = a.overlap == "pipeline"
         times = []
         marks: list[list[float]] = []
         sums: list[int] = []  # gradient sums held on the device at the end of each timed step's backwards
@@ -287,7 +298,8 @@ def run_steps(
             with ramtorch.trace(path) if path else contextlib.nullcontext():
                 s = time.perf_counter()
                 step(marks=marks[-1], sums=sums)
-                settle()
+                if not back_to_back or rep == a.reps - 1:
+                    settle()
                 times.append(time.perf_counter() - s)
         seconds = sum(times) / len(times)
         tokens = micro * accum
