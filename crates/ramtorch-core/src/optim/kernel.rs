@@ -2,7 +2,9 @@
 //! instruction-set dispatch, the storage formats (how a parameter, a gradient and a state are
 //! decoded to `f32` and encoded back, one quantization block at a time) and the driver that runs a
 //! [`Rule`]: every rule and every storage format goes through [`run_step`], which takes a fused
-//! per-element loop when no operand is a block format and the block-wise loop otherwise.
+//! per-element loop when no state is block-quantized, a loop per block that decodes, updates and
+//! keeps the moments for their encoding in one pass ([`FusedQ8`]) for AdamW's two 8-bit moments,
+//! and the block-wise loops otherwise.
 
 use super::precision::*;
 use super::quant::{self, BLOCK};
@@ -44,6 +46,13 @@ thread_local! {
     /// Tests run the kernels of a lower instruction set through this (on the calling thread only,
     /// so with at most [`SERIAL_MAX`] elements).
     pub(super) static FORCE_ISA: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests send block-quantized updates of an element-wise parameter through [`Step`] instead of
+    /// [`FusedQ8`] with this (on the calling thread only), to compare their bits.
+    pub(super) static FORCE_BLOCK_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 pub(super) fn isa() -> Isa {
@@ -426,8 +435,8 @@ pub(super) trait ParamIo: Split {
     fn prefetch(&self, _at: usize) {}
 }
 
-/// A parameter format stored element by element (every one but the compensated pair): the fused
-/// per-element loop of [`Fused`] reads and writes it through these.
+/// A parameter format read and written element by element: the fused loops of [`Fused`] and
+/// [`FusedQ8`] read and write it through these.
 pub(super) trait ElemParam: ParamIo {
     fn get(&self, i: usize) -> f32;
     fn set(&mut self, i: usize, x: f32, r: u32);
@@ -849,6 +858,21 @@ impl StateIo for NoState {
     fn store(&mut self, _: usize, _: &[f32], _: &[u32]) {}
     #[inline]
     fn fill(&mut self, _: State<'_>) {}
+}
+
+impl ElemParam for PComp<'_> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        bf16_to_f32(self.0[i]) + bf16_to_f32(self.1[i])
+    }
+    #[inline(always)]
+    fn set(&mut self, i: usize, x: f32, r: u32) {
+        let hi = bf16_rne(x);
+        // `x - hi` is exact; a non-finite weight keeps no compensation.
+        let lo = x - bf16_to_f32(hi);
+        self.0[i] = hi;
+        self.1[i] = bf16_sr(if lo.is_finite() { lo } else { 0.0 }, r);
+    }
 }
 
 impl ElemParam for PF32<'_> {
@@ -1343,6 +1367,81 @@ impl<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>
     fn join(_: (), _: ()) {}
 }
 
+/// The update of one piece whose states are AdamW's two block-quantized moments and whose
+/// parameter is stored element by element: one loop over each block decodes every operand of an
+/// element, runs the rule, writes the parameter and keeps the new moments (and their largest
+/// magnitudes) for the block's encoding, which follows. Same elements, same random words and same
+/// operations as [`Step`], so the same bits, with two passes over a block instead of a dozen.
+pub(super) struct FusedQ8<R>(Step<R>);
+
+impl<R: Rule, P: ElemParam, G: GradIo> Leaf<(((P, G), (Q8<'_, true>, Q8<'_, false>)), Sources<'_>)>
+    for FusedQ8<R>
+{
+    type Out = ();
+
+    #[inline(always)]
+    fn run(
+        &self,
+        start: usize,
+        (((mut p, g), (mut a, mut b)), old): (((P, G), (Q8<'_, true>, Q8<'_, false>)), Sources<'_>),
+    ) {
+        let n = g.len();
+        // The lengths were validated before the split; stating them lets the compiler drop the
+        // bounds checks in the loop.
+        if p.len() != n || !a.fits(n) || !b.fits(n) {
+            return;
+        }
+        old.fill(&mut p, &mut a, &mut b);
+        // The words of `Step` for these states: word 0 rounds the param (bits 0..16) and, the
+        // first moment rounding to nearest, its bits 16..32 round the second moment.
+        let start = start as u64 + self.0.stream.offset;
+        let hi = start >> 32;
+        let lo = start as u32;
+        let (k0, k1) = self.0.stream.keys(0, hi);
+        let rule = self.0.rule;
+        let (mut xp, mut xg, mut rp) = ([0f32; BLOCK], [0f32; BLOCK], [0u32; BLOCK]);
+        let (mut xa, mut xb, mut rb) = ([0f32; BLOCK], [0f32; BLOCK], [0u32; BLOCK]);
+        let mut at = 0;
+        while at < n {
+            let len = BLOCK.min(n - at);
+            let ahead = at + 2 * BLOCK;
+            p.prefetch(ahead);
+            g.prefetch(ahead);
+            a.prefetch(ahead);
+            b.prefetch(ahead);
+            let (xp, xg, rp) = (&mut xp[..len], &mut xg[..len], &mut rp[..len]);
+            let (xa, xb, rb) = (&mut xa[..len], &mut xb[..len], &mut rb[..len]);
+            p.load(at, xp);
+            g.load(at, xg);
+            let (sa, sb) = (a.1[at / BLOCK], b.1[at / BLOCK]);
+            let (ca, cb) = (&a.0[at..at + len], &b.0[at..at + len]);
+            let base = lo.wrapping_add(at as u32);
+            let (mut amax_a, mut amax_b) = (0u32, 0u32);
+            for i in 0..len {
+                let r = hash32(base.wrapping_add(i as u32), k0, k1);
+                let ma = quant::decode_one::<true>(ca[i], sa);
+                let vb = quant::decode_one::<false>(cb[i], sb);
+                let (np, na, nb) = rule.elem(xp[i], xg[i], ma, vb);
+                xp[i] = np;
+                xa[i] = na;
+                xb[i] = nb;
+                rp[i] = r;
+                rb[i] = r >> 16;
+                amax_a = amax_a.max(quant::magnitude_bits(na));
+                amax_b = amax_b.max(quant::magnitude_bits(nb));
+            }
+            p.store(at, xp, rp);
+            a.1[at / BLOCK] =
+                quant::encode_block_with::<true, false>(xa, &mut a.0[at..at + len], &[], amax_a);
+            b.1[at / BLOCK] =
+                quant::encode_block_with::<false, true>(xb, &mut b.0[at..at + len], rb, amax_b);
+            at += len;
+        }
+    }
+
+    fn join(_: (), _: ()) {}
+}
+
 /// The states of an optimizer, dispatched to their codec types.
 pub(super) trait States {
     /// Whether a state is block-quantized (then the step takes the block path).
@@ -1357,6 +1456,19 @@ pub(super) trait States {
         g: G,
         old: Sources<'_>,
     );
+    /// The block path for a parameter stored element by element: [`FusedQ8`] where it applies,
+    /// else [`run`](States::run).
+    fn run_elem_blocked<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Step<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    ) where
+        Self: Sized,
+    {
+        self.run(step, p, g, old)
+    }
 }
 
 pub(super) fn go<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo>(
@@ -1414,6 +1526,29 @@ impl States for (StateMode<'_>, StateMode<'_>) {
             (StateMode::Bf16(a), StateMode::Bf16(b)) => go_fused(step, p, g, a, b, old),
             // Block-quantized: `run_step` sent them to the block path.
             _ => {}
+        }
+    }
+    fn run_elem_blocked<R: Rule, P: ElemParam, G: GradIo>(
+        self,
+        step: &Step<R>,
+        p: P,
+        g: G,
+        old: Sources<'_>,
+    ) {
+        #[cfg(test)]
+        if FORCE_BLOCK_STEP.with(|f| f.get()) {
+            return self.run(step, p, g, old);
+        }
+        match self {
+            (StateMode::Q8(c, s, _), StateMode::Q8(d, t, _)) => {
+                let fused = FusedQ8(Step {
+                    rule: step.rule,
+                    stream: step.stream,
+                });
+                let parts = (((p, g), (Q8::<true>(c, s), Q8::<false>(d, t))), old);
+                for_pieces(g.len(), parts, &fused)
+            }
+            states => states.run(step, p, g, old),
         }
     }
 }
@@ -1498,18 +1633,8 @@ macro_rules! each_grad {
     };
 }
 
-pub(super) fn with_grad<R: Rule, P: ParamIo, S: States>(
-    step: &Step<R>,
-    p: P,
-    grad: GradMode<'_>,
-    states: S,
-    old: Sources<'_>,
-) {
-    each_grad!(grad, g => states.run(step, p, g, old))
-}
-
 /// A parameter stored element by element: the fused per-element loop when no state is
-/// block-quantized either, else the block path.
+/// block-quantized either, else the block path ([`FusedQ8`] where it applies).
 fn elem_or_block<R: Rule, P: ElemParam, S: States>(
     step: Step<R>,
     p: P,
@@ -1518,16 +1643,17 @@ fn elem_or_block<R: Rule, P: ElemParam, S: States>(
     old: Sources<'_>,
 ) {
     if states.blocked() {
-        return with_grad(&step, p, grad, states, old);
+        return each_grad!(grad, g => states.run_elem_blocked(&step, p, g, old));
     }
     let step = &Fused(step);
     each_grad!(grad, g => states.run_fused(step, p, g, old))
 }
 
 /// The one entry of every rule: `rule` over `param`, `grad` and up to two states, in place (or
-/// reading the old values of `old`), piece by piece on the rayon pool. When no operand is a block
-/// format (no block-quantized state, no compensated parameter), each piece runs one fused loop
-/// over its elements ([`Fused`]); otherwise block by block ([`Step`]). Both give the same bits.
+/// reading the old values of `old`), piece by piece on the rayon pool. When no state is
+/// block-quantized, each piece runs one fused loop over its elements ([`Fused`]); with AdamW's two
+/// 8-bit moments, one loop per block and the block's encoding ([`FusedQ8`]); otherwise the loops of
+/// [`Step`], block by block. All give the same bits.
 pub(super) fn run_step<R: Rule, S: States>(
     rule: R,
     stream: Stream,
@@ -1542,6 +1668,6 @@ pub(super) fn run_step<R: Rule, S: States>(
         ParamMode::Bf16Sr(p) => elem_or_block(step, PBf16Sr(p), grad, states, old),
         ParamMode::MasterBf16(m, p) => elem_or_block(step, PMasterBf16(m, p), grad, states, old),
         ParamMode::MasterF16(m, p) => elem_or_block(step, PMasterF16(m, p), grad, states, old),
-        ParamMode::Compensated(w, c) => with_grad(&step, PComp(w, c), grad, states, old),
+        ParamMode::Compensated(w, c) => elem_or_block(step, PComp(w, c), grad, states, old),
     }
 }

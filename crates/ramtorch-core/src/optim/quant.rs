@@ -74,15 +74,21 @@ pub fn value(code: u8, signed: bool) -> f32 {
 /// Decodes one block: `out[i]` = the value of `codes[i]` times `scale`.
 #[inline(always)]
 pub(super) fn decode_block<const SIGNED: bool>(codes: &[u8], scale: f32, out: &mut [f32]) {
-    let off = off(SIGNED);
     let n = out.len().min(codes.len());
     for (o, &c) in out[..n].iter_mut().zip(&codes[..n]) {
-        let c = c as u32;
-        let mag = if SIGNED { c & !SIGN } else { c };
-        let bits = if mag == 0 { 0 } else { (mag + off) << SHIFT };
-        let sign = if SIGNED { (c & SIGN) << 24 } else { 0 };
-        *o = f32::from_bits(bits | sign) * scale;
+        *o = decode_one::<SIGNED>(c, scale);
     }
+}
+
+/// The value of one code of a block whose scale is `scale` (as [`decode_block`] decodes it).
+#[inline(always)]
+pub(super) fn decode_one<const SIGNED: bool>(c: u8, scale: f32) -> f32 {
+    let off = off(SIGNED);
+    let c = c as u32;
+    let mag = if SIGNED { c & !SIGN } else { c };
+    let bits = if mag == 0 { 0 } else { (mag + off) << SHIFT };
+    let sign = if SIGNED { (c & SIGN) << 24 } else { 0 };
+    f32::from_bits(bits | sign) * scale
 }
 
 /// Encodes one block of `x` (at most [`BLOCK`] values) into `codes`, rounded to nearest, or with
@@ -94,13 +100,32 @@ pub(super) fn encode_block<const SIGNED: bool, const SR: bool>(
     r: &[u32],
 ) -> f32 {
     let n = x.len().min(codes.len());
-    let (x, codes) = (&x[..n], &mut codes[..n]);
     // The largest magnitude as the largest of the bits without the sign (the same order for
     // non-NaN floats; infinities and NaNs are the bits from 0x7F80_0000 up).
     let mut amax_bits = 0u32;
-    for &v in x {
-        amax_bits = amax_bits.max(v.to_bits() & 0x7FFF_FFFF);
+    for &v in &x[..n] {
+        amax_bits = amax_bits.max(magnitude_bits(v));
     }
+    encode_block_with::<SIGNED, SR>(x, codes, r, amax_bits)
+}
+
+/// The bits of `|v|`: their largest over a block is [`encode_block_with`]'s `amax_bits`.
+#[inline(always)]
+pub(super) fn magnitude_bits(v: f32) -> u32 {
+    v.to_bits() & 0x7FFF_FFFF
+}
+
+/// [`encode_block`] given the largest of the block's [`magnitude_bits`] (computed while the block
+/// was made, saving a pass over it).
+#[inline(always)]
+pub(super) fn encode_block_with<const SIGNED: bool, const SR: bool>(
+    x: &[f32],
+    codes: &mut [u8],
+    r: &[u32],
+    amax_bits: u32,
+) -> f32 {
+    let n = x.len().min(codes.len());
+    let (x, codes) = (&x[..n], &mut codes[..n]);
     if amax_bits >= 0x7F80_0000 {
         codes.fill(0);
         return f32::NAN;
