@@ -39,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from benchlib import (
@@ -418,7 +419,15 @@ def main() -> None:
     else:
         unchanged = contextlib.nullcontext
 
-    for t in a.tokens:
+    for i, t in enumerate(a.tokens):
+        if i and opt is not None:
+            # Each length gets an optimizer of its own, as a run at that length would: ramtorch's
+            # default schedule chooses once per optimizer between speculating during backward and
+            # updating in step(), and a choice made at another length would carry over.
+            getattr(opt, "synchronize", lambda: None)()
+            del opt
+            gc.collect()
+            opt, _, _ = make_optimizer(a.system, a.optimizer, params, a.gpu_updates)
         x = torch.randn(t, a.d, device=dev, dtype=torch.bfloat16)
         for phase in phases:
 
@@ -426,7 +435,7 @@ def main() -> None:
                 with torch.no_grad(), unchanged():
                     call(x)
 
-            def fwd_bwd(x: torch.Tensor = x, accumulate: bool = False) -> None:
+            def fwd_bwd(x: torch.Tensor = x, accumulate: bool = False, opt: Any = opt) -> None:
                 if a.system == "ramtorch-1.11":
                     model.step(x, loss_fn=loss_of)
                     model.flush_grads()  # accumulated gradients to .grad (host, for streamed chunks)
@@ -446,7 +455,7 @@ def main() -> None:
                 for p in params:
                     p.grad = None
 
-            def step(x: torch.Tensor = x) -> None:
+            def step(x: torch.Tensor = x, opt: Any = opt) -> None:
                 assert opt is not None
                 if a.system == "ramtorch-1.11":
                     model.step(x, loss_fn=loss_of)
