@@ -1255,11 +1255,7 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
         // state rounds to nearest and the second reads 16 bits (`StateIo::SR16`: the compact
         // format's second moment). Pieces do not straddle a multiple of 2^32.
         let b_shares = B::SR && B::SR16 && !A::SR;
-        let start = start as u64 + self.stream.offset;
-        let hi = start >> 32;
-        let lo = start as u32;
-        let (k0, k1) = self.stream.keys(0, hi);
-        let (k2, k3) = self.stream.keys(1, hi);
+        let (lo, [k0, k1, k2, k3]) = self.stream.piece_keys(start);
         let rule = self.rule;
         let (mut xp, mut xg, mut xa, mut xb) =
             ([0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK], [0f32; BLOCK]);
@@ -1347,11 +1343,7 @@ impl<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>
         old.fill(&mut p, &mut a, &mut b);
         // The random words of `Step`: word 0 rounds the param (bits 0..16) and the first state
         // (bits 16..32), word 1 the second state.
-        let start = start as u64 + self.0.stream.offset;
-        let hi = start >> 32;
-        let lo = start as u32;
-        let (k0, k1) = self.0.stream.keys(0, hi);
-        let (k2, k3) = self.0.stream.keys(1, hi);
+        let (lo, [k0, k1, k2, k3]) = self.0.stream.piece_keys(start);
         let rule = self.0.rule;
         for i in 0..n {
             let j = lo.wrapping_add(i as u32);
@@ -1394,10 +1386,7 @@ impl<R: Rule, P: ElemParam, G: GradIo> Leaf<(((P, G), (Q8<'_, true>, Q8<'_, fals
         old.fill(&mut p, &mut a, &mut b);
         // The words of `Step` for these states: word 0 rounds the param (bits 0..16) and, the
         // first moment rounding to nearest, its bits 16..32 round the second moment.
-        let start = start as u64 + self.0.stream.offset;
-        let hi = start >> 32;
-        let lo = start as u32;
-        let (k0, k1) = self.0.stream.keys(0, hi);
+        let (lo, [k0, k1, _, _]) = self.0.stream.piece_keys(start);
         let rule = self.0.rule;
         let (mut xp, mut xg, mut rp) = ([0f32; BLOCK], [0f32; BLOCK], [0u32; BLOCK]);
         let (mut xa, mut xb, mut rb) = ([0f32; BLOCK], [0f32; BLOCK], [0u32; BLOCK]);

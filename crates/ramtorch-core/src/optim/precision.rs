@@ -160,6 +160,18 @@ impl Stream {
         let k = mix64(self.key.wrapping_add((hi << 8 | lane).wrapping_mul(GOLDEN)));
         (k as u32, (k >> 32) as u32)
     }
+
+    /// For a piece whose first element is element `start` of the call: that element's index in
+    /// the whole tensor mod 2^32, and the keys of words 0 and 1 (`[k0, k1, k2, k3]`) over the
+    /// piece (pieces do not straddle a multiple of 2^32).
+    #[inline(always)]
+    pub(super) fn piece_keys(self, start: usize) -> (u32, [u32; 4]) {
+        let start = start as u64 + self.offset;
+        let hi = start >> 32;
+        let (k0, k1) = self.keys(0, hi);
+        let (k2, k3) = self.keys(1, hi);
+        (start as u32, [k0, k1, k2, k3])
+    }
 }
 
 /// `a + b` as torch's `add` computes it for `f16`: in `f32`, rounded to nearest even (as
