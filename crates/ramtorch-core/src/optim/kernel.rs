@@ -643,11 +643,7 @@ impl ParamIo for PComp<'_> {
         let n = x.len();
         let (w, c) = (&mut self.0[at..at + n], &mut self.1[at..at + n]);
         for (((w, c), &v), &r) in w.iter_mut().zip(c.iter_mut()).zip(x).zip(&r[..n]) {
-            let hi = bf16_rne(v);
-            // `v - hi` is exact; a non-finite weight keeps no compensation.
-            let lo = v - bf16_to_f32(hi);
-            *w = hi;
-            *c = bf16_sr(if lo.is_finite() { lo } else { 0.0 }, r);
+            (*w, *c) = comp_split(v, r);
         }
     }
     #[inline(always)]
@@ -867,12 +863,18 @@ impl ElemParam for PComp<'_> {
     }
     #[inline(always)]
     fn set(&mut self, i: usize, x: f32, r: u32) {
-        let hi = bf16_rne(x);
-        // `x - hi` is exact; a non-finite weight keeps no compensation.
-        let lo = x - bf16_to_f32(hi);
-        self.0[i] = hi;
-        self.1[i] = bf16_sr(if lo.is_finite() { lo } else { 0.0 }, r);
+        (self.0[i], self.1[i]) = comp_split(x, r);
     }
+}
+
+/// A compensated weight's two halves for the value `x`: `x` rounded to nearest even, and the
+/// rounding error rounded stochastically by the low 16 bits of `r`.
+#[inline(always)]
+fn comp_split(x: f32, r: u32) -> (bf16, bf16) {
+    let hi = bf16_rne(x);
+    // `x - hi` is exact; a non-finite weight keeps no compensation.
+    let lo = x - bf16_to_f32(hi);
+    (hi, bf16_sr(if lo.is_finite() { lo } else { 0.0 }, r))
 }
 
 impl ElemParam for PF32<'_> {
@@ -1360,10 +1362,11 @@ impl<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>
 }
 
 /// The update of one piece whose states are AdamW's two block-quantized moments and whose
-/// parameter is stored element by element: one loop over each block decodes every operand of an
-/// element, runs the rule, writes the parameter and keeps the new moments (and their largest
-/// magnitudes) for the block's encoding, which follows. Same elements, same random words and same
-/// operations as [`Step`], so the same bits, with two passes over a block instead of a dozen.
+/// parameter is stored element by element: for each block, the weight and gradient are loaded,
+/// then one loop decodes both moments, hashes the random words, runs the rule and keeps the new
+/// moments (and their largest magnitudes) for the encodings that follow, after the weight's store.
+/// Same elements, same random words and same operations as [`Step`], so the same bits, with six
+/// loops over a block instead of a dozen.
 pub(super) struct FusedQ8<R>(Step<R>);
 
 impl<R: Rule, P: ElemParam, G: GradIo> Leaf<(((P, G), (Q8<'_, true>, Q8<'_, false>)), Sources<'_>)>
