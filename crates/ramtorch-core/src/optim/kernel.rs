@@ -1012,6 +1012,24 @@ pub(super) struct Sources<'a> {
 }
 
 impl Sources<'_> {
+    /// The start of every leaf: whether the piece's operands have its gradient's `n` elements
+    /// (validated before the split; stating it lets the compiler drop the bounds checks in the
+    /// leaf's loops), and if so the old values filled in ([`Sources::fill`]).
+    #[inline(always)]
+    fn prepare<P: ParamIo, A: StateIo, B: StateIo>(
+        self,
+        n: usize,
+        p: &mut P,
+        a: &mut A,
+        b: &mut B,
+    ) -> bool {
+        if p.len() != n || !a.fits(n) || !b.fits(n) {
+            return false;
+        }
+        self.fill(p, a, b);
+        true
+    }
+
     /// An out-of-place step: copies this piece's old values into its parameter and states before
     /// the update (while they will be in cache); nothing for an in-place one.
     #[inline(always)]
@@ -1247,11 +1265,9 @@ impl<R: Rule, P: ParamIo, G: GradIo, A: StateIo, B: StateIo> Leaf<(((P, G), (A, 
         (((mut p, g), (mut a, mut b)), old): (((P, G), (A, B)), Sources<'_>),
     ) {
         let n = g.len();
-        // The lengths were validated before the split.
-        if p.len() != n || !a.fits(n) || !b.fits(n) {
+        if !old.prepare(n, &mut p, &mut a, &mut b) {
             return;
         }
-        old.fill(&mut p, &mut a, &mut b);
         // Random word 0 of an element rounds the param (bits 0..16) and the first state (bits
         // 16..32); word 1 rounds the second state, or word 0's bits 16..32 do where the first
         // state rounds to nearest and the second reads 16 bits (`StateIo::SR16`: the compact
@@ -1337,12 +1353,9 @@ impl<R: Rule, P: ElemParam, G: GradIo, A: ElemState, B: ElemState>
         (((mut p, g), (mut a, mut b)), old): (((P, G), (A, B)), Sources<'_>),
     ) {
         let n = g.len();
-        // The lengths were validated before the split; stating them lets the compiler drop the
-        // bounds checks in the loop.
-        if p.len() != n || !a.fits(n) || !b.fits(n) {
+        if !old.prepare(n, &mut p, &mut a, &mut b) {
             return;
         }
-        old.fill(&mut p, &mut a, &mut b);
         // The random words of `Step`: word 0 rounds the param (bits 0..16) and the first state
         // (bits 16..32), word 1 the second state.
         let (lo, [k0, k1, k2, k3]) = self.0.stream.piece_keys(start);
@@ -1381,12 +1394,9 @@ impl<R: Rule, P: ElemParam, G: GradIo> Leaf<(((P, G), (Q8<'_, true>, Q8<'_, fals
         (((mut p, g), (mut a, mut b)), old): (((P, G), (Q8<'_, true>, Q8<'_, false>)), Sources<'_>),
     ) {
         let n = g.len();
-        // The lengths were validated before the split; stating them lets the compiler drop the
-        // bounds checks in the loop.
-        if p.len() != n || !a.fits(n) || !b.fits(n) {
+        if !old.prepare(n, &mut p, &mut a, &mut b) {
             return;
         }
-        old.fill(&mut p, &mut a, &mut b);
         // The words of `Step` for these states: word 0 rounds the param (bits 0..16) and, the
         // first moment rounding to nearest, its bits 16..32 round the second moment.
         let (lo, [k0, k1, _, _]) = self.0.stream.piece_keys(start);
