@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
 def fresh_engine_sums():
     """The engines start with no learned accumulation (no device sums kept) and the automatic
     room for sums; restored after. Earlier tests' loops may have taught the engines to keep sums."""
-    from ramtorch import _engine
+    from ramtorch import _config, _engine
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in devices:
@@ -44,6 +44,11 @@ def fresh_engine_sums():
         eng._fresh_backwards = 0
         eng.sum_cap = None
         eng._sum_limits.clear()  # models of earlier tests that the collector has not freed yet
+        eng._streaming = False
+        eng._plan, eng._plan_pos = [], {}
+        eng._host_summed.clear()
+        eng.stream_sums_on_host = False
+        eng.streamed_sum_share = _config.streamed_sum_share()
     yield
     for dev in devices:
         eng = _engine.engine_for(_engine.normalize_device(dev))

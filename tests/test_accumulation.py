@@ -7,6 +7,7 @@ the same path."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import ramtorch
@@ -369,3 +370,159 @@ def test_the_room_for_sums_is_not_shrunk_by_sums_dropped_since_the_peak():
     eng._sum_bytes = 0  # torch's peak was reset: measured afresh
     assert eng._cap_below(limit, 60 * gib) == 30 * gib
     assert eng._cap_below(limit, 95 * gib) == 0  # never below nothing
+
+
+def _streaming(device: str, cap: int, share: float = 0.5) -> _engine.DeviceEngine:
+    """The engine of ``device`` with room for ``cap`` bytes of sums, streaming ``share`` of the
+    host-accumulated gradients through the device (on the host device too, for these tests)."""
+    eng = _engine_of(device)
+    eng.sum_cap = cap
+    eng.stream_sums_on_host = True
+    eng.streamed_sum_share = share
+    return eng
+
+
+D_STREAMED = 192  # weights above the small-gradient size (they cross whole), fp32 and bf16
+
+
+def _streamed_pair(kind: str, device: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    """Models with several weights above the small-gradient size."""
+    if kind == "offload":
+        return _pair(kind, device, dtype, d=D_STREAMED)
+    torch.manual_seed(0)
+    d = D_STREAMED
+
+    def stack(linear: type) -> nn.Module:
+        return nn.Sequential(
+            linear(8, d, dtype=dtype),
+            nn.ReLU(),
+            linear(d, d, dtype=dtype),
+            nn.Tanh(),
+            linear(d, d, dtype=dtype),
+            nn.Tanh(),
+            linear(d, 3, dtype=dtype),
+        ).to(device)
+
+    ref, ours = stack(nn.Linear), stack(ramtorch.nn.Linear)
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), ours.parameters()):
+            q.copy_(p.cpu())
+    return ref, ours
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["offload", "linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_sums_streamed_for_one_backward_accumulate_as_torch(device, kind, dtype, share):
+    """Without room for every sum, a share of the gradients that would add onto ``.grad`` on the
+    host is summed on the device instead (``.grad`` copied there for the one backward): ``.grad``
+    equals torch's after every backward (bitwise on the CPU), torch's AdamW steps the same, and
+    no sum outlives its backward."""
+    ref, ours = _streamed_pair(kind, device, dtype)
+    big = max(p.numel() * p.element_size() for p in ours.parameters())
+    eng = _streaming(device, big, share)
+    before = eng.stats()["grad_sums_streamed"]
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for step in range(3):
+        for _ in range(3):
+            x = torch.randn(5, 8, device=device, dtype=dtype)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+            if step >= 1:
+                assert eng._streaming
+                assert eng.stats()["grad_sum_bytes"] == 0  # dropped at the end of each backward
+        o_ref.step()
+        o_ours.step()
+        o_ref.zero_grad()
+        o_ours.zero_grad()
+        for p, q in zip(ref.parameters(), ours.parameters()):
+            if device == "cpu":
+                assert torch.equal(q.detach(), p.detach())
+            else:
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(q.detach(), p.detach().cpu(), rtol=tol, atol=tol / 10)
+    assert eng.stats()["grad_sums_streamed"] > before
+
+
+def test_the_streamed_share_is_spread_along_the_order_by_bytes():
+    """Equal gradients alternate at a share of one half; none streams at 0, all at 1; a gradient
+    four times the others' size counts four times."""
+    eng = _engine.DeviceEngine(torch.device("cpu"))
+    eng.stream_sums_on_host = True
+    params = [nn.Parameter(torch.zeros(n)) for n in (4, 4, 4, 4, 16, 4, 4, 4, 4)]
+
+    def plan(share: float) -> list[int]:
+        eng.streamed_sum_share = share
+        eng._host_summed = [(weakref.ref(p), p.numel() * 4) for p in params]
+        eng._plan_next()
+        ids = [id(r()) for r in eng._plan]
+        return [i for i, p in enumerate(params) if id(p) in ids]
+
+    assert plan(0.0) == []
+    assert plan(1.0) == list(range(len(params)))
+    half = plan(0.5)
+    assert half[:2] == [0, 2]
+    taken = sum(params[i].numel() for i in half)
+    assert abs(taken - sum(p.numel() for p in params) / 2) <= 8
+
+
+def test_an_edit_of_grad_is_seen_by_a_streamed_sum():
+    """``.grad`` scaled, replaced or emptied between backwards: the next streamed sum starts from
+    what ``.grad`` holds then, as torch's accumulation does."""
+    ref, ours = _pair("offload", "cpu", torch.float32, d=D_STREAMED)
+    big = max(p.numel() * p.element_size() for p in ours.parameters())
+    eng = _streaming("cpu", big, 1.0)
+    for i in range(6):
+        x = torch.randn(5, 8)
+        _loss(ref, x).backward()
+        _loss(ours, x).backward()
+        _grads_equal(ref, ours)
+        for model in (ref, ours):
+            for p in model.parameters():
+                if i == 2:
+                    p.grad.mul_(0.5)
+                elif i == 3:
+                    p.grad = p.grad * 3.0
+                elif i == 4:
+                    p.grad = None
+    assert eng.stats()["grad_sums_streamed"] > 0
+
+
+def test_an_interrupted_backward_leaves_grad_as_it_was_with_streamed_sums():
+    """A backward that raises after its streamed sums were queued writes no ``.grad`` and holds
+    no room; the next backward adds to ``.grad`` as it was."""
+    ref, ours = _pair("offload", "cpu", torch.float32, d=D_STREAMED)
+    big = max(p.numel() * p.element_size() for p in ours.parameters())
+    eng = _streaming("cpu", 2 * big, 1.0)
+
+    class Boom(Exception):
+        pass
+
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        _loss(ref, x).backward()
+        _loss(ours, x).backward()
+    before = [q.grad.clone() for q in ours.parameters()]
+    streamed = eng.stats()["grad_sums_streamed"]
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise Boom
+
+    y = torch.randn(5, 8, requires_grad=True)
+    out = _loss(ours, y)
+    handle = y.register_hook(fail)  # raises after every weight gradient was queued
+    with pytest.raises(Boom):
+        out.backward()
+    handle.remove()
+    ramtorch.synchronize()
+    assert eng.stats()["grad_sums_streamed"] > streamed
+    assert eng.stats()["grad_sum_bytes"] == 0 and not eng._loads
+    for q, b in zip(ours.parameters(), before):
+        assert torch.equal(q.grad, b)
+    x = torch.randn(5, 8)
+    _loss(ref, x).backward()
+    _loss(ours, x).backward()
+    _grads_equal(ref, ours)

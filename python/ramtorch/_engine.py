@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _arena, _core, _profile
+from . import _arena, _config, _core, _profile
 
 if TYPE_CHECKING:
     from ._trace import HostSpans
@@ -496,12 +496,15 @@ class _Pending:
     device's running sum crosses into (``target``), or host buffers, one per gradient, added up
     at the end of backward (``bufs``)."""
 
-    __slots__ = ("bufs", "param", "pre", "replaces", "target")
+    __slots__ = ("bufs", "param", "pre", "replaces", "streamed", "target")
 
     def __init__(self, param: torch.nn.Parameter) -> None:
         self.param = param
         self.target: torch.Tensor | None = None
         self.replaces: torch.Tensor | None = None  # the ``.grad`` whose value the sum includes
+        # A sum started from a copy of ``.grad`` on the device for this backward only
+        # (:meth:`DeviceEngine._stream_sum`): the version of ``replaces`` when it was read.
+        self.streamed: int | None = None
         self.bufs: list[torch.Tensor] = []
         # Once the host adds ``.grad`` during backward (:meth:`DeviceEngine._add_as_landed`): the
         # ``.grad`` read, its version then, and how many of ``bufs`` there were: the first of
@@ -562,7 +565,7 @@ class _Sum:
     was last empty (``dev``), and the host tensor it was last copied into whole (``host``, at
     ``version``). Valid while ``.grad`` is that tensor at that version."""
 
-    __slots__ = ("dev", "host", "nbytes", "ref", "version")
+    __slots__ = ("dev", "host", "nbytes", "ref", "transient", "version")
 
     def __init__(self, param: torch.nn.Parameter) -> None:
         self.ref = weakref.ref(param)
@@ -570,6 +573,7 @@ class _Sum:
         self.dev: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
         self.version = -1
+        self.transient = False  # for the running backward only (:meth:`DeviceEngine._stream_sum`)
 
     def holds(self, param: torch.nn.Parameter, grad: torch.Tensor | None) -> bool:
         return (
@@ -579,6 +583,25 @@ class _Sum:
             and grad._version == self.version
             and self.dev is not None
         )
+
+
+class _Load:
+    """A ``.grad`` in host memory being copied to the device ahead of its parameter's gradient
+    (:meth:`DeviceEngine._stream_sum`): the device tensor, the event after the copy (None on the
+    host device), the host tensor read and its version then."""
+
+    __slots__ = ("dev", "event", "nbytes", "prior", "version")
+
+    def __init__(self, dev: torch.Tensor, event: Any, prior: torch.Tensor, nbytes: int) -> None:
+        self.dev = dev
+        self.event = event
+        self.prior = prior
+        self.version = prior._version
+        self.nbytes = nbytes
+
+
+#: How many ``.grad`` copies to the device run ahead of the gradients that add to them.
+_LOADS_AHEAD = 2
 
 
 #: Serialises the listeners' ``on_grads`` calls of every engine (see ``grads_complete``).
@@ -662,6 +685,28 @@ class DeviceEngine:
         self._cap_peak = -1
         self._cap_base = 0
         self._sum_limits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # Sums streamed for one backward (:meth:`_stream_sum`): whether the loop's gradients are
+        # summed so (it accumulates and the sums kept did not all fit); the parameters whose
+        # ``.grad`` is copied to the device in the next backward, in the order their gradients
+        # came in the last one (``_plan``, with their positions), how far this backward got
+        # along it, ``.grad`` copies issued ahead, the sums streamed now, the largest bytes they
+        # held at once (room they took from a peak of memory), the gradients this backward added
+        # onto a ``.grad`` in host memory either way, in order, and the side stream for the copies.
+        self._streaming = False
+        #: Share, in bytes, of the host-accumulated gradients summed on the device instead
+        #: (:func:`ramtorch._config.streamed_sum_share`); on the host device only where set true.
+        self.streamed_sum_share = _config.streamed_sum_share()
+        self.stream_sums_on_host = False
+        self._plan: list[weakref.ref[torch.nn.Parameter]] = []
+        self._plan_pos: dict[int, int] = {}
+        self._plan_at = -1
+        self._loads: dict[int, _Load] = {}
+        self._transients: set[int] = set()
+        self._transient_bytes = 0
+        self._transient_peak = 0
+        self._host_summed: list[tuple[weakref.ref[torch.nn.Parameter], int]] = []
+        self._load_stream: Any = None
+        self.sums_streamed = 0  # gradients summed so, since the engine was made
         # Gradients added into a copy of ``.grad`` as they land (see :meth:`_add_as_landed`), and
         # the ``.grad`` tensors this engine wrote, at the version it left them: such a ``.grad``
         # takes the new sum's memory at the end of backward instead of a copy of it.
@@ -1009,6 +1054,8 @@ class DeviceEngine:
         pid = id(param)
         entry = self._pending.get(pid)
         if entry is None:
+            if self._streaming and not self._pending and self._plan:
+                self._look_ahead()  # the backward's first gradient: its first ``.grad`` copies
             entry = _Pending(param)
             prior = param.grad
             s = self._sums.get(pid)
@@ -1021,13 +1068,20 @@ class DeviceEngine:
                     if not self._keep_sums:  # the loop accumulates: keep sums from now on
                         self._keep_sums = True
                         self._update_sum_cap()
-                    s = self._start_sum(param, prior, nbytes)
+                    if self._streaming:
+                        s = None if small else self._stream_sum(param, prior, nbytes)
+                    else:
+                        s = self._start_sum(param, prior, nbytes)
+                    if (s is None or s.transient) and not small and _plain_host_grad(prior, param):
+                        self._host_summed.append((weakref.ref(param), nbytes))
             if s is not None:
                 # The sum crosses whole into a buffer that becomes ``.grad``'s memory at the end
                 # of backward (not into ``.grad`` itself: a backward that raises leaves it as it was).
                 entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
                 entry.replaces = prior
-            elif prior is None and self._keep_sums and self._sum_room(nbytes):
+                if s.transient:
+                    entry.streamed = s.version
+            elif prior is None and self._keep_sums and not self._streaming and self._sum_room(nbytes):
                 s = self._sums[pid] = _Sum(param)
                 self._sum_bytes += nbytes
                 entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
@@ -1159,6 +1213,121 @@ class DeviceEngine:
         s.host, s.version = prior, prior._version
         return s
 
+    def _stream_sum(self, param: torch.nn.Parameter, prior: torch.Tensor, nbytes: int) -> _Sum | None:
+        """A sum for this backward only, for a parameter whose gradient would otherwise be added
+        onto its ``.grad`` in host memory (``prior``): ``.grad`` is copied to the device (ahead of
+        the gradient where the last backward's order says it comes: :meth:`_look_ahead`), the
+        gradients of this backward are added to it there, and the sum crosses whole, as a kept
+        sum does. The host's memory moves two bytes for each gradient byte (the copy's read, the
+        sum's write) instead of four (the gradient's write, two reads and a write for the add),
+        and the link one more. Taken for the parameters of the plan (:meth:`_plan_next`) while
+        the device has room; the sum is dropped once the parameter's gradients are all queued
+        (:meth:`grads_complete`), which gives its room to the next."""
+        pid = id(param)
+        if pid not in self._plan_pos or not _plain_host_grad(prior, param):
+            return None
+        load = self._loads.pop(pid, None)
+        if load is not None and (load.prior is not prior or load.version != prior._version):
+            self._release_load(load)
+            load = None
+        if load is None:
+            if not self._sum_room(nbytes):
+                return None
+            load = self._issue_load(prior, nbytes)
+        self._plan_at = max(self._plan_at, self._plan_pos[pid])
+        if load.event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(load.event)
+            load.dev.record_stream(stream)  # (made on the side stream, read and freed on this one)
+        s = self._sums[pid] = _Sum(param)  # its bytes are the load's, counted when it was issued
+        s.transient = True
+        s.dev, s.host, s.version = load.dev, prior, load.version
+        self._transients.add(pid)
+        self.sums_streamed += 1
+        self._look_ahead()
+        return s
+
+    def _issue_load(self, prior: torch.Tensor, nbytes: int) -> _Load:
+        """Starts the copy of host tensor ``prior`` to the device, on a side stream."""
+        if self.device.type == "cuda":
+            if self._load_stream is None:
+                self._load_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._load_stream):
+                dev = torch.empty(prior.shape, dtype=prior.dtype, device=self.device)
+                dev.copy_(prior, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._load_stream)
+        else:
+            dev, event = prior.clone(), None
+        self._sum_bytes += nbytes
+        self._transient_bytes += nbytes
+        self._transient_peak = max(self._transient_peak, self._transient_bytes)
+        return _Load(dev, event, prior, nbytes)
+
+    def _release_load(self, load: _Load) -> None:
+        """Gives back the room of a copy of a ``.grad`` that no sum took (its host tensor stays
+        referenced until the copy is done)."""
+        if load.event is not None:
+            load.event.synchronize()
+        self._sum_bytes -= load.nbytes
+        self._transient_bytes -= load.nbytes
+
+    def _look_ahead(self) -> None:
+        """Copies the ``.grad`` of the next parameters of the plan to the device ahead of their
+        gradients, up to ``_LOADS_AHEAD`` at a time, within the room for sums."""
+        i = self._plan_at + 1
+        plan = self._plan
+        while len(self._loads) < _LOADS_AHEAD and i < len(plan):
+            p = plan[i]()
+            i += 1
+            if p is None:
+                continue
+            pid = id(p)
+            if pid in self._loads or pid in self._pending or pid in self._sums:
+                continue
+            prior = p.grad
+            nbytes = p.numel() * p.element_size()
+            if prior is None or small_grad(nbytes) or not _plain_host_grad(prior, p):
+                continue
+            if not self._sum_room(nbytes):
+                break
+            self._loads[pid] = self._issue_load(prior, nbytes)
+
+    def _plan_next(self) -> None:
+        """At the end of an accumulating backward: where gradients were added onto a ``.grad`` in
+        host memory, the next backward streams the share :attr:`streamed_sum_share` of them (in
+        bytes, spread along their order) through the device (:meth:`_stream_sum`). The sums kept
+        across backwards are dropped then: their room serves the streamed ones."""
+        summed, self._host_summed = self._host_summed, []
+        share = self.streamed_sum_share
+        if not summed or share <= 0 or not (self.device.type == "cuda" or self.stream_sums_on_host):
+            return
+        if not self._streaming:
+            self._streaming = True
+            self.drop_sums()
+        plan: list[weakref.ref[torch.nn.Parameter]] = []
+        seen = taken = 0
+        for ref, nbytes in summed:
+            seen += nbytes
+            if taken + nbytes <= share * seen + nbytes / 2:
+                plan.append(ref)
+                taken += nbytes
+        self._plan = plan
+        self._plan_pos = {}
+        for i, ref in enumerate(plan):
+            p = ref()
+            if p is not None:
+                self._plan_pos[id(p)] = i
+
+    def _end_transients(self) -> None:
+        """Drops this backward's streamed sums and unused ``.grad`` copies."""
+        for pid in list(self._transients):
+            self._drop_sum(pid)
+        for load in self._loads.values():
+            self._release_load(load)
+        self._loads.clear()
+        self._plan_at = -1
+
     def _sum_room(self, nbytes: int) -> bool:
         """Whether the device may hold ``nbytes`` more of gradient sums."""
         if self.sum_cap is not None:
@@ -1174,9 +1343,18 @@ class DeviceEngine:
         s = self._sums.pop(pid, None)
         if s is not None:
             self._sum_bytes -= s.nbytes
+            if s.transient:
+                self._transients.discard(pid)
+                self._transient_bytes -= s.nbytes
 
     def drop_sums(self) -> None:
-        """Forgets every gradient sum kept on the device (their memory goes back to torch)."""
+        """Forgets every gradient sum kept on the device (their memory goes back to torch), and
+        the copies of ``.grad`` made ahead for sums streamed in the running backward."""
+        if self._loads and self._load_stream is not None:
+            self._load_stream.synchronize()  # (their host tensors are dropped now)
+        self._loads.clear()
+        self._transients.clear()
+        self._transient_bytes = 0
         self._sums.clear()
         self._sum_bytes = 0
 
@@ -1203,7 +1381,8 @@ class DeviceEngine:
             # was reached: measured against the sums held later (fewer, after a zero_grad), it
             # would shrink the room after every backward until no sum was left.
             self._cap_peak = peak
-            self._cap_base = max(0, peak - self._sum_bytes)
+            # Sums streamed for one backward held up to ``_transient_peak`` bytes then.
+            self._cap_base = max(0, peak - self._sum_bytes - self._transient_peak)
         return max(0, limit - reserve - self._cap_base)
 
     def finish(self) -> None:
@@ -1242,12 +1421,18 @@ class DeviceEngine:
                 if entry.pre is not None:
                     self._finish_pre_added(param, entry)
                 elif target is not None:
+                    for b in entry.bufs:  # gradients that came after a streamed sum was dropped
+                        host_add_(target, b)
                     s = self._sums.get(pid)
                     grad = param.grad
+                    if entry.streamed is not None:
+                        held = grad is entry.replaces and grad is not None and grad._version == entry.streamed
+                    else:
+                        held = grad is entry.replaces and s is not None and s.holds(param, grad)
                     if grad is None:
                         param.grad = grad = target
                         self._note_written(param, grad)
-                    elif grad is entry.replaces and s is not None and s.holds(param, grad):
+                    elif held:
                         # The sum of every gradient since ``.grad`` was empty: it becomes the
                         # memory of the same tensor, as torch's in-place accumulation keeps it
                         # (the version counter moves, as it does there), where this engine made
@@ -1261,7 +1446,7 @@ class DeviceEngine:
                         grad.add_(target)
                         s = None
                         self._drop_sum(pid)
-                    if s is not None:
+                    if s is not None and not s.transient:
                         s.host, s.version = grad, grad._version
                 else:
                     total = entry.bufs[0]
@@ -1309,12 +1494,17 @@ class DeviceEngine:
     def _end_backward_sums(self) -> None:
         """Learns, at the end of a backward, whether to keep gradient sums: a loop that stops
         accumulating (two backwards in a row that added to nothing) gets its memory back."""
+        self._end_transients()
         if self._accumulated:
             self._fresh_backwards = 0
+            self._plan_next()
         else:
+            self._host_summed.clear()
             self._fresh_backwards += 1
             if self._fresh_backwards >= 2 and self._keep_sums:
                 self._keep_sums = False
+                self._streaming = False
+                self._plan, self._plan_pos = [], {}
                 self.drop_sums()
         self._accumulated = False
         if self._keep_sums:
@@ -1380,6 +1570,8 @@ class DeviceEngine:
         self._small.clear()  # never queued
         self._pending.clear()
         self.drop_sums()  # they may hold gradients that never reached ``.grad``
+        self._host_summed.clear()
+        self._plan_at = -1
         self._accumulated = False
 
     # -- gradient listeners (optimizers that update as gradients land) --------------------------
@@ -1403,6 +1595,11 @@ class DeviceEngine:
         # One listener call at a time across engines: the backwards of several devices run on
         # autograd's threads, one a device (a model over several devices, offload(devices=...)),
         # and an optimizer listening to both hands its jobs out from one state.
+        if self._transients:  # their gradients are queued: the room goes to the next ones
+            for p in params:
+                if id(p) in self._transients:
+                    self._drop_sum(id(p))
+            self._look_ahead()
         readers = bool(self._listeners) and self._gradient_readers()
         if self._small and readers:
             self._flush_small()  # they read the records (``pending_gradient``)
@@ -1508,6 +1705,7 @@ class DeviceEngine:
         s["slot_device_bytes"] = len(self._slots) * self._slot_bytes
         s["grad_sum_bytes"] = self._sum_bytes
         s["grad_adds_as_landed"] = self.adds_as_landed
+        s["grad_sums_streamed"] = self.sums_streamed
         s["grad_adds_wait_seconds"] = self.adds_wait_seconds
         s.update({f"layer_{k}": v for k, v in self.layer_counters.items()})
         s.update(self.row_counters)
