@@ -45,6 +45,7 @@ def fresh_engine_sums():
         eng.sum_cap = None
         eng._sum_limits.clear()  # models of earlier tests that the collector has not freed yet
         eng._streaming = False
+        eng._stream_reserve = 0
         eng._plan, eng._plan_pos = [], {}
         eng._host_summed.clear()
         eng.stream_sums_on_host = False

@@ -441,8 +441,9 @@ def test_sums_streamed_for_one_backward_accumulate_as_torch(device, kind, dtype,
         for p, q in zip(ref.parameters(), ours.parameters()):
             if device == "cpu":
                 assert torch.equal(q.detach(), p.detach())
-            else:
-                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            else:  # torch's AdamW on the host against its CUDA kernels, over 192 x 384 elements:
+                # where the second moment is tiny, their rounding differs by more than one ulp.
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
                 torch.testing.assert_close(q.detach(), p.detach().cpu(), rtol=tol, atol=tol / 10)
     assert eng.stats()["grad_sums_streamed"] > before
 
@@ -488,6 +489,25 @@ def test_an_edit_of_grad_is_seen_by_a_streamed_sum():
                     p.grad = p.grad * 3.0
                 elif i == 4:
                     p.grad = None
+    assert eng.stats()["grad_sums_streamed"] > 0
+
+
+def test_sums_kept_that_leave_room_for_streamed_ones_stay():
+    """With room for a few sums, the loop keeps some across backwards and streams a share of the
+    rest through what room they leave; all equal torch."""
+    ref, ours = _pair("offload", "cpu", torch.float32, d=D_STREAMED)
+    sizes = sorted((p.numel() * p.element_size() for p in ours.parameters()), reverse=True)
+    eng = _streaming("cpu", sum(sizes[:5]), 0.5)
+    for step in range(3):
+        for _ in range(3):
+            x = torch.randn(5, 8)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+            if step >= 1:
+                assert eng._streaming and eng.stats()["grad_sum_bytes"] > 0
+        ref.zero_grad()
+        ours.zero_grad()
     assert eng.stats()["grad_sums_streamed"] > 0
 
 

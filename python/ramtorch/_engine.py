@@ -693,6 +693,7 @@ class DeviceEngine:
         # held at once (room they took from a peak of memory), the gradients this backward added
         # onto a ``.grad`` in host memory either way, in order, and the side stream for the copies.
         self._streaming = False
+        self._stream_reserve = 0  # room new kept sums leave for streamed ones
         #: Share, in bytes, of the host-accumulated gradients summed on the device instead
         #: (:func:`ramtorch._config.streamed_sum_share`); on the host device only where set true.
         self.streamed_sum_share = _config.streamed_sum_share()
@@ -1081,7 +1082,7 @@ class DeviceEngine:
                 entry.replaces = prior
                 if s.transient:
                     entry.streamed = s.version
-            elif prior is None and self._keep_sums and not self._streaming and self._sum_room(nbytes):
+            elif prior is None and self._keep_sums and self._sum_room(nbytes + self._stream_reserve):
                 s = self._sums[pid] = _Sum(param)
                 self._sum_bytes += nbytes
                 entry.target = _LATER if small else _arena.host_empty(param.shape, param.dtype)
@@ -1296,15 +1297,24 @@ class DeviceEngine:
     def _plan_next(self) -> None:
         """At the end of an accumulating backward: where gradients were added onto a ``.grad`` in
         host memory, the next backward streams the share :attr:`streamed_sum_share` of them (in
-        bytes, spread along their order) through the device (:meth:`_stream_sum`). The sums kept
-        across backwards are dropped then: their room serves the streamed ones."""
+        bytes, spread along their order) through the device (:meth:`_stream_sum`). Of the sums kept
+        across backwards, those that would leave no room for the streamed ones are dropped then.
+        The plan is for the next backward only (the backward after an edit or a new model makes
+        its own)."""
         summed, self._host_summed = self._host_summed, []
         share = self.streamed_sum_share
         if not summed or share <= 0 or not (self.device.type == "cuda" or self.stream_sums_on_host):
             return
         if not self._streaming:
             self._streaming = True
-            self.drop_sums()
+            # The sums kept so far stay where they leave room for a sum streamed now and the
+            # copies ahead of it; the others are dropped (``.grad`` holds their whole sum).
+            self._stream_reserve = reserve = max(n for _, n in summed) * (_LOADS_AHEAD + 1)
+            cap = self._sum_cap_now()
+            for pid in list(self._sums):
+                if self._sum_bytes + reserve <= cap:
+                    break
+                self._drop_sum(pid)
         plan: list[weakref.ref[torch.nn.Parameter]] = []
         seen = taken = 0
         for ref, nbytes in summed:
@@ -1328,16 +1338,19 @@ class DeviceEngine:
         self._loads.clear()
         self._plan_at = -1
 
+    def _sum_cap_now(self) -> int:
+        """How many bytes of gradient sums the device may hold."""
+        if self.sum_cap is not None:
+            return self.sum_cap
+        cap = self._auto_sum_cap
+        limits = list(self._sum_limits.values())
+        if limits:
+            cap = min(cap, sum(limits))
+        return cap
+
     def _sum_room(self, nbytes: int) -> bool:
         """Whether the device may hold ``nbytes`` more of gradient sums."""
-        if self.sum_cap is not None:
-            cap = self.sum_cap
-        else:
-            cap = self._auto_sum_cap
-            limits = list(self._sum_limits.values())
-            if limits:
-                cap = min(cap, sum(limits))
-        return self._sum_bytes + nbytes <= cap
+        return self._sum_bytes + nbytes <= self._sum_cap_now()
 
     def _drop_sum(self, pid: int) -> None:
         s = self._sums.pop(pid, None)
@@ -1504,6 +1517,7 @@ class DeviceEngine:
             if self._fresh_backwards >= 2 and self._keep_sums:
                 self._keep_sums = False
                 self._streaming = False
+                self._stream_reserve = 0
                 self._plan, self._plan_pos = [], {}
                 self.drop_sums()
         self._accumulated = False
