@@ -50,6 +50,8 @@ def fresh_engine_sums():
         eng._host_summed.clear()
         eng.stream_sums_on_host = False
         eng.streamed_sum_share = _config.streamed_sum_share()
+        eng.share_choice = _engine.ShareChoice()
+        eng._plan_share = None
     yield
     for dev in devices:
         eng = _engine.engine_for(_engine.normalize_device(dev))

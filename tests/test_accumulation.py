@@ -546,3 +546,40 @@ def test_an_interrupted_backward_leaves_grad_as_it_was_with_streamed_sums():
     _loss(ref, x).backward()
     _loss(ours, x).backward()
     _grads_equal(ref, ours)
+
+
+@pytest.mark.parametrize("faster", [0.5, 0.0])
+def test_the_share_kept_is_the_one_whose_backwards_were_faster(faster):
+    """Each share is measured in turn, the first backward left out; the lower median wins and
+    stays."""
+    choice = _engine.ShareChoice()
+    seen = []
+    choice.observe(choice.share(), 100.0)  # the first: left out
+    while choice.choice is None:
+        share = choice.share()
+        seen.append(share)
+        choice.observe(share, 1.0 if share == faster else 1.2)
+    assert seen == [0.5] * choice.SAMPLES + [0.0] * choice.SAMPLES
+    assert choice.choice == faster and choice.share() == faster
+    choice.observe(faster, 9.0)
+    assert choice.choice == faster
+
+
+def test_a_share_chosen_per_run_accumulates_as_torch():
+    """By default the share is measured, then kept; ``.grad`` equals torch's all along."""
+    ref, ours = _pair("offload", "cpu", torch.float32, d=D_STREAMED)
+    big = max(p.numel() * p.element_size() for p in ours.parameters())
+    eng = _streaming("cpu", big, 0.5)
+    eng.streamed_sum_share = None
+    assert eng.stats()["grad_streamed_share"] == -1.0
+    for _ in range(4):
+        for _ in range(3):
+            x = torch.randn(5, 8)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+        ref.zero_grad()
+        ours.zero_grad()
+    assert eng.share_choice.choice in (0.5, 0.0)
+    assert eng.stats()["grad_streamed_share"] == eng.share_choice.choice
+    assert eng.stats()["grad_sums_streamed"] > 0  # the half share was measured

@@ -76,20 +76,19 @@ def unit_parts_min_bytes() -> int | None:
 
 #: Environment variable for the share of host-accumulated gradients summed on the GPU instead.
 STREAMED_SUM_SHARE_VAR = "RAMTORCH_STREAMED_SUM_SHARE"
-#: Default of :func:`streamed_sum_share`.
-DEFAULT_STREAMED_SUM_SHARE = 0.5
 
 
-def streamed_sum_share() -> float:
+def streamed_sum_share() -> float | None:
     """Of the gradients that add onto a ``.grad`` in host memory (an accumulating loop whose
     running sums do not all fit on the GPU), the share, in bytes, whose ``.grad`` is copied to the
     GPU and summed there instead, the sum crossing back whole (two bytes of host memory traffic
     and one more link crossing per gradient byte, against four bytes of host memory traffic for
-    an add on the host): ``RAMTORCH_STREAMED_SUM_SHARE`` (from 0 to 1), else 0.5. An invalid value
-    raises an error naming the variable."""
+    an add on the host): ``RAMTORCH_STREAMED_SUM_SHARE`` (from 0 to 1), else None (chosen per
+    run from timings: ``ramtorch._engine.ShareChoice``). An invalid value raises an error naming
+    the variable."""
     raw = os.environ.get(STREAMED_SUM_SHARE_VAR)
     if raw is None or raw.strip() == "":
-        return DEFAULT_STREAMED_SUM_SHARE
+        return None
     try:
         value = float(raw.strip())
     except ValueError:

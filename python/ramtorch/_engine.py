@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import math
 import os
+import statistics
 import threading
 import time
 import warnings
@@ -600,6 +601,47 @@ class _Load:
         self.nbytes = nbytes
 
 
+class ShareChoice:
+    """The choice, per run, of the share of host-accumulated gradients summed on the device for
+    one backward (:meth:`DeviceEngine._stream_sum`), by the time of accumulating backwards under
+    each share (from the backward's first gradient to the end of its ``.grad`` writes). Summing
+    on the device moves half the host memory traffic of an add on the host and one more crossing
+    of the link: which one bounds the backward depends on the host (its memory against the link).
+    Each share of :attr:`SHARES` is measured in turn (the first backward left out), and the one
+    with the least median time is kept for the run."""
+
+    SHARES = (0.5, 0.0)
+    #: Backwards measured under each share.
+    SAMPLES = 2
+
+    def __init__(self) -> None:
+        self.times: dict[float, list[float]] = {s: [] for s in self.SHARES}
+        self._skipped_first = False
+        #: None while measuring, then the share kept.
+        self.choice: float | None = None
+
+    def share(self) -> float:
+        """The share the next backward runs with."""
+        if self.choice is not None:
+            return self.choice
+        for s in self.SHARES:
+            if len(self.times[s]) < self.SAMPLES:
+                return s
+        return self.SHARES[0]  # (unreachable: observe() chooses once every share is measured)
+
+    def observe(self, share: float, seconds: float) -> None:
+        """An accumulating backward under ``share`` took ``seconds``."""
+        if self.choice is not None or share not in self.times:
+            return
+        if not self._skipped_first:
+            self._skipped_first = True
+            return
+        if len(self.times[share]) < self.SAMPLES:
+            self.times[share].append(seconds)
+        if all(len(t) >= self.SAMPLES for t in self.times.values()):
+            self.choice = min(self.SHARES, key=lambda s: statistics.median(self.times[s]))
+
+
 #: How many ``.grad`` copies to the device run ahead of the gradients that add to them.
 _LOADS_AHEAD = 2
 
@@ -695,9 +737,13 @@ class DeviceEngine:
         self._streaming = False
         self._stream_reserve = 0  # room new kept sums leave for streamed ones
         #: Share, in bytes, of the host-accumulated gradients summed on the device instead
-        #: (:func:`ramtorch._config.streamed_sum_share`); on the host device only where set true.
-        self.streamed_sum_share = _config.streamed_sum_share()
+        #: (:func:`ramtorch._config.streamed_sum_share`; None: chosen per run by
+        #: :class:`ShareChoice`); on the host device only where ``stream_sums_on_host`` is set.
+        self.streamed_sum_share: float | None = _config.streamed_sum_share()
         self.stream_sums_on_host = False
+        self.share_choice = ShareChoice()
+        self._plan_share: float | None = None  # the share the running backward was planned with
+        self._backward_t0 = 0.0  # when the running backward's first gradient came
         self._plan: list[weakref.ref[torch.nn.Parameter]] = []
         self._plan_pos: dict[int, int] = {}
         self._plan_at = -1
@@ -1055,8 +1101,10 @@ class DeviceEngine:
         pid = id(param)
         entry = self._pending.get(pid)
         if entry is None:
-            if self._streaming and not self._pending and self._plan:
-                self._look_ahead()  # the backward's first gradient: its first ``.grad`` copies
+            if not self._pending:  # the backward's first gradient
+                self._backward_t0 = time.perf_counter()
+                if self._streaming and self._plan:
+                    self._look_ahead()  # its first ``.grad`` copies
             entry = _Pending(param)
             prior = param.grad
             s = self._sums.get(pid)
@@ -1302,8 +1350,16 @@ class DeviceEngine:
         The plan is for the next backward only (the backward after an edit or a new model makes
         its own)."""
         summed, self._host_summed = self._host_summed, []
+        if not summed or not (self.device.type == "cuda" or self.stream_sums_on_host):
+            return
         share = self.streamed_sum_share
-        if not summed or share <= 0 or not (self.device.type == "cuda" or self.stream_sums_on_host):
+        if share is None:
+            share = self.share_choice.share()
+        self._plan_share = share
+        if share <= 0:  # every such gradient adds on the host, and sums are kept where they fit
+            self._streaming = False
+            self._stream_reserve = 0
+            self._plan, self._plan_pos = [], {}
             return
         if not self._streaming:
             self._streaming = True
@@ -1510,6 +1566,8 @@ class DeviceEngine:
         self._end_transients()
         if self._accumulated:
             self._fresh_backwards = 0
+            if self._plan_share is not None and self.streamed_sum_share is None:
+                self.share_choice.observe(self._plan_share, time.perf_counter() - self._backward_t0)
             self._plan_next()
         else:
             self._host_summed.clear()
@@ -1519,6 +1577,7 @@ class DeviceEngine:
                 self._streaming = False
                 self._stream_reserve = 0
                 self._plan, self._plan_pos = [], {}
+                self._plan_share = None
                 self.drop_sums()
         self._accumulated = False
         if self._keep_sums:
@@ -1720,6 +1779,8 @@ class DeviceEngine:
         s["grad_sum_bytes"] = self._sum_bytes
         s["grad_adds_as_landed"] = self.adds_as_landed
         s["grad_sums_streamed"] = self.sums_streamed
+        share = self.streamed_sum_share if self.streamed_sum_share is not None else self.share_choice.choice
+        s["grad_streamed_share"] = -1.0 if share is None else share  # (-1: still measuring)
         s["grad_adds_wait_seconds"] = self.adds_wait_seconds
         s.update({f"layer_{k}": v for k, v in self.layer_counters.items()})
         s.update(self.row_counters)
