@@ -583,3 +583,33 @@ def test_a_share_chosen_per_run_accumulates_as_torch():
     assert eng.share_choice.choice in (0.5, 0.0)
     assert eng.stats()["grad_streamed_share"] == eng.share_choice.choice
     assert eng.stats()["grad_sums_streamed"] > 0  # the half share was measured
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    d=st.integers(182, 260),
+    micro=st.integers(2, 4),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    share=st.sampled_from([0.25, 0.5, 1.0]),
+    room=st.integers(1, 3),
+)
+def test_random_shapes_and_dtypes_stream_sums_as_torch(d, micro, dtype, share, room):
+    """Streamed sums on random widths (every weight above the small-gradient size), dtypes,
+    shares and rooms: ``.grad`` equals torch's bitwise after every backward."""
+    eng = _engine_of("cpu")
+    eng.drop_sums()
+    eng._keep_sums = False
+    eng._streaming = False
+    eng._plan, eng._plan_pos = [], {}
+    ref, ours = _pair("offload", "cpu", dtype, d=d, seed=d)
+    big = max(p.numel() * p.element_size() for p in ours.parameters())
+    before = _streaming("cpu", room * big, share).stats()["grad_sums_streamed"]
+    for _ in range(2):
+        for _ in range(micro):
+            x = torch.randn(3, 8, dtype=dtype)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+        ref.zero_grad()
+        ours.zero_grad()
+    assert eng.stats()["grad_sums_streamed"] > before
