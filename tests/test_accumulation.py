@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Callable
 
 import pytest
 import ramtorch
@@ -209,13 +210,29 @@ def test_a_loop_that_stops_accumulating_gets_the_memory_back():
     assert eng.stats()["grad_sum_bytes"] == 0
 
 
+class Boom(Exception):
+    pass
+
+
+def _interrupted_backward(model: nn.Module) -> None:
+    """A backward of ``model`` that raises after every weight gradient was queued."""
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise Boom
+
+    y = torch.randn(5, 8, requires_grad=True)
+    out = _loss(model, y)
+    handle = y.register_hook(fail)
+    with pytest.raises(Boom):
+        out.backward()
+    handle.remove()
+    ramtorch.synchronize()
+
+
 def test_an_interrupted_backward_drops_the_sums():
     """A backward that raises leaves no gradient; the next one adds to ``.grad`` as it was before
     (the device sums, which may hold the interrupted backward's gradients, are dropped)."""
     ref, ours = _pair("offload", "cpu", torch.float32)
-
-    class Boom(Exception):
-        pass
 
     for _ in range(2):
         for _ in range(2):
@@ -228,16 +245,7 @@ def test_an_interrupted_backward_drops_the_sums():
     _loss(ref, x).backward()
     _loss(ours, x).backward()
 
-    def fail(grad: torch.Tensor) -> torch.Tensor:
-        raise Boom
-
-    y = torch.randn(5, 8, requires_grad=True)
-    out = _loss(ours, y)
-    handle = y.register_hook(fail)  # raises after every weight gradient was queued
-    with pytest.raises(Boom):
-        out.backward()
-    handle.remove()
-    ramtorch.synchronize()
+    _interrupted_backward(ours)
     assert _engine_of("cpu").stats()["grad_sum_bytes"] == 0
     x = torch.randn(5, 8)
     _loss(ref, x).backward()
@@ -410,6 +418,30 @@ def _streamed_pair(kind: str, device: str, dtype: torch.dtype) -> tuple[nn.Modul
     return ref, ours
 
 
+def _micro_batches(
+    ref: nn.Module,
+    ours: nn.Module,
+    steps: int,
+    micro: int,
+    rows: int = 5,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    each: Callable[[int], None] | None = None,
+) -> None:
+    """``steps`` steps of ``micro`` backwards each on both models, ``.grad`` compared with torch's
+    after every backward (``each(step)`` called then), ``zero_grad`` between steps."""
+    for step in range(steps):
+        for _ in range(micro):
+            x = torch.randn(rows, 8, device=device, dtype=dtype)
+            _loss(ref, x).backward()
+            _loss(ours, x).backward()
+            _grads_equal(ref, ours)
+            if each is not None:
+                each(step)
+        ref.zero_grad()
+        ours.zero_grad()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["offload", "linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -498,16 +530,12 @@ def test_sums_kept_that_leave_room_for_streamed_ones_stay():
     ref, ours = _pair("offload", "cpu", torch.float32, d=D_STREAMED)
     sizes = sorted((p.numel() * p.element_size() for p in ours.parameters()), reverse=True)
     eng = _streaming("cpu", sum(sizes[:5]), 0.5)
-    for step in range(3):
-        for _ in range(3):
-            x = torch.randn(5, 8)
-            _loss(ref, x).backward()
-            _loss(ours, x).backward()
-            _grads_equal(ref, ours)
-            if step >= 1:
-                assert eng._streaming and eng.stats()["grad_sum_bytes"] > 0
-        ref.zero_grad()
-        ours.zero_grad()
+
+    def check(step: int) -> None:
+        if step >= 1:
+            assert eng._streaming and eng.stats()["grad_sum_bytes"] > 0
+
+    _micro_batches(ref, ours, 3, 3, each=check)
     assert eng.stats()["grad_sums_streamed"] > 0
 
 
@@ -518,9 +546,6 @@ def test_an_interrupted_backward_leaves_grad_as_it_was_with_streamed_sums():
     big = max(p.numel() * p.element_size() for p in ours.parameters())
     eng = _streaming("cpu", 2 * big, 1.0)
 
-    class Boom(Exception):
-        pass
-
     for _ in range(3):
         x = torch.randn(5, 8)
         _loss(ref, x).backward()
@@ -528,16 +553,7 @@ def test_an_interrupted_backward_leaves_grad_as_it_was_with_streamed_sums():
     before = [q.grad.clone() for q in ours.parameters()]
     streamed = eng.stats()["grad_sums_streamed"]
 
-    def fail(grad: torch.Tensor) -> torch.Tensor:
-        raise Boom
-
-    y = torch.randn(5, 8, requires_grad=True)
-    out = _loss(ours, y)
-    handle = y.register_hook(fail)  # raises after every weight gradient was queued
-    with pytest.raises(Boom):
-        out.backward()
-    handle.remove()
-    ramtorch.synchronize()
+    _interrupted_backward(ours)
     assert eng.stats()["grad_sums_streamed"] > streamed
     assert eng.stats()["grad_sum_bytes"] == 0 and not eng._loads
     for q, b in zip(ours.parameters(), before):
@@ -572,14 +588,7 @@ def test_a_share_chosen_per_run_accumulates_as_torch():
     eng = _streaming("cpu", big, 0.5)
     eng.streamed_sum_share = None
     assert eng.stats()["grad_streamed_share"] == -1.0
-    for _ in range(4):
-        for _ in range(3):
-            x = torch.randn(5, 8)
-            _loss(ref, x).backward()
-            _loss(ours, x).backward()
-            _grads_equal(ref, ours)
-        ref.zero_grad()
-        ours.zero_grad()
+    _micro_batches(ref, ours, 4, 3)
     assert eng.share_choice.choice in (0.5, 0.0)
     assert eng.stats()["grad_streamed_share"] == eng.share_choice.choice
     assert eng.stats()["grad_sums_streamed"] > 0  # the half share was measured
@@ -604,12 +613,5 @@ def test_random_shapes_and_dtypes_stream_sums_as_torch(d, micro, dtype, share, r
     ref, ours = _pair("offload", "cpu", dtype, d=d, seed=d)
     big = max(p.numel() * p.element_size() for p in ours.parameters())
     before = _streaming("cpu", room * big, share).stats()["grad_sums_streamed"]
-    for _ in range(2):
-        for _ in range(micro):
-            x = torch.randn(3, 8, dtype=dtype)
-            _loss(ref, x).backward()
-            _loss(ours, x).backward()
-            _grads_equal(ref, ours)
-        ref.zero_grad()
-        ours.zero_grad()
+    _micro_batches(ref, ours, 2, micro, rows=3, dtype=dtype)
     assert eng.stats()["grad_sums_streamed"] > before
