@@ -607,8 +607,10 @@ class ShareChoice:
     each share (from the backward's first gradient to the end of its ``.grad`` writes). Summing
     on the device moves half the host memory traffic of an add on the host and one more crossing
     of the link: which one bounds the backward depends on the host (its memory against the link).
-    Each share of :attr:`SHARES` is measured in turn (the first backward left out), and the one
-    with the least median time is kept for the run."""
+    Each share of :attr:`SHARES` is measured in turn, the first backward under each left out
+    (the change of path costs it: sums kept from then on copy ``.grad`` to the device once, the
+    side stream's memory is first allocated), and the one with the least median time is kept
+    for the run."""
 
     SHARES = (0.5, 0.0)
     #: Backwards measured under each share.
@@ -616,7 +618,7 @@ class ShareChoice:
 
     def __init__(self) -> None:
         self.times: dict[float, list[float]] = {s: [] for s in self.SHARES}
-        self._skipped_first = False
+        self._skipped: set[float] = set()
         #: None while measuring, then the share kept.
         self.choice: float | None = None
 
@@ -633,8 +635,8 @@ class ShareChoice:
         """An accumulating backward under ``share`` took ``seconds``."""
         if self.choice is not None or share not in self.times:
             return
-        if not self._skipped_first:
-            self._skipped_first = True
+        if share not in self._skipped:
+            self._skipped.add(share)
             return
         if len(self.times[share]) < self.SAMPLES:
             self.times[share].append(seconds)
