@@ -378,7 +378,15 @@ def engine_counters(device: str) -> dict[str, float]:
         device if ":" in device or device == "cpu" else f"{device}:0"
     )
     d = d or {}
-    keys = ("h2d_bytes", "d2h_bytes", "stall_seconds", "grad_sum_bytes", "grad_adds_wait_seconds")
+    keys = (
+        "h2d_bytes",
+        "d2h_bytes",
+        "stall_seconds",
+        "grad_sum_bytes",
+        "grad_adds_wait_seconds",
+        "grad_sums_streamed",
+        "grad_streamed_share",
+    )
     return {k: float(d.get(k, 0) or 0) for k in keys}
 
 
@@ -474,8 +482,11 @@ def time_phase(
             c1 = engine_counters(device)
             for k in moved:
                 moved[k] += c1[k] - c0[k]
-            one.update({k: c1[k] - c0[k] for k in ("d2h_bytes", "grad_adds_wait_seconds")})
+            one.update(
+                {k: c1[k] - c0[k] for k in ("d2h_bytes", "grad_adds_wait_seconds", "grad_sums_streamed")}
+            )
             one["grad_sum_bytes"] = c1["grad_sum_bytes"]
+            one["grad_streamed_share"] = c1["grad_streamed_share"]
         each.append(one)
     rec: dict[str, Any] = {
         "seconds": statistics.median(times),
