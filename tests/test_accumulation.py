@@ -615,3 +615,14 @@ def test_random_shapes_and_dtypes_stream_sums_as_torch(d, micro, dtype, share, r
     before = _streaming("cpu", room * big, share).stats()["grad_sums_streamed"]
     _micro_batches(ref, ours, 2, micro, rows=3, dtype=dtype)
     assert eng.stats()["grad_sums_streamed"] > before
+
+
+def test_the_environment_fixes_the_streamed_share_or_leaves_it_to_the_run(monkeypatch):
+    monkeypatch.delenv("RAMTORCH_STREAMED_SUM_SHARE", raising=False)
+    assert _engine.DeviceEngine(torch.device("cpu")).streamed_sum_share is None
+    monkeypatch.setenv("RAMTORCH_STREAMED_SUM_SHARE", " 0.25 ")
+    assert _engine.DeviceEngine(torch.device("cpu")).streamed_sum_share == 0.25
+    for bad in ("half", "1.5", "-0.1", "nan"):
+        monkeypatch.setenv("RAMTORCH_STREAMED_SUM_SHARE", bad)
+        with pytest.raises(ValueError, match="RAMTORCH_STREAMED_SUM_SHARE"):
+            _engine.DeviceEngine(torch.device("cpu"))
