@@ -206,7 +206,7 @@ def warm(fn: Callable[[], object], n: int, device: str) -> None:
 
 #: Environment variables that change what ramtorch does (records made with one set carry it in
 #: ``"options"``: they are not the default).
-OPTION_VARS = ("RAMTORCH_UNIT_PARTS_MIN_BYTES",)
+OPTION_VARS = ("RAMTORCH_UNIT_PARTS_MIN_BYTES", "RAMTORCH_SMALL_PARAM_BYTES", "RAMTORCH_STREAMED_SUM_SHARE")
 
 
 def env_options() -> dict[str, str]:

@@ -96,3 +96,26 @@ def streamed_sum_share() -> float | None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"environment variable {STREAMED_SUM_SHARE_VAR}={raw!r} must be between 0 and 1")
     return value
+
+
+#: Environment variable for the size up to which a parameter stays on the device instead of
+#: streaming with its unit (``ramtorch._stream.units.small_params``).
+SMALL_PARAM_BYTES_VAR = "RAMTORCH_SMALL_PARAM_BYTES"
+#: Default of :func:`small_param_bytes`: 64 KiB (a norm's weight or a bias of a model 32768 wide in
+#: bf16).
+DEFAULT_SMALL_PARAM_BYTES = 64 << 10
+
+
+def small_param_bytes() -> int:
+    """Parameters of at most this many bytes stay on the device (see
+    ``ramtorch._stream.units.small_params``): ``RAMTORCH_SMALL_PARAM_BYTES`` (bytes, or a size
+    such as ``"16KiB"``; ``0`` or ``"off"``: none), else 64 KiB. An invalid value raises an error
+    naming the variable."""
+    raw = os.environ.get(SMALL_PARAM_BYTES_VAR)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_SMALL_PARAM_BYTES
+    if raw.strip().lower() == "off":
+        return 0
+    value = parse_bytes(raw.strip(), f"environment variable {SMALL_PARAM_BYTES_VAR}")
+    assert value is not None
+    return value

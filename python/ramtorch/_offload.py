@@ -395,7 +395,7 @@ def offload(
                 "streamed weights take dense gradients only: build it with sparse=False"
             )
 
-    raw_units, shared = collect_units(model, unit)
+    raw_units, shared = collect_units(model, unit, budget)
     if meta_names:
         placed = {id(p) for _, _, entries, _ in raw_units for _, _, p in entries}
         left = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in placed]

@@ -427,7 +427,7 @@ def predict(
     memory = machine_memory() if host_memory == "auto" else parse_bytes(host_memory, "host_memory")
     c = ceilings or Ceilings()
     inflight = _config.max_inflight(max_inflight)
-    raw, shared = _stream_units.collect_units(model, unit)
+    raw, shared = _stream_units.collect_units(model, unit, parse_bytes(budget, "gpu_budget"))
     units = [_stream_units._Unit(k, name, m, entries) for k, (name, m, entries, _) in enumerate(raw)]
     shared_ids = {id(p) for p in shared}
     for u in units:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .. import _arena, _codec, _disk, _engine
+from .. import _arena, _codec, _config, _disk, _engine
 from . import guard
 
 
@@ -180,13 +180,14 @@ def _subtree_entries(m: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
 
 
 def collect_units(
-    model: nn.Module, unit: Any
+    model: nn.Module, unit: Any, budget: int | None = None
 ) -> tuple[list[tuple[str, nn.Module, list[tuple[nn.Module, str, nn.Parameter]], bool]], list[nn.Parameter]]:
     """Groups the model's parameters into units. Returns ``(units, shared)``: each unit as
     ``(name, module, [(owner, param_name, param)], container)`` and the parameters that stay
     resident on the device instead of streaming with their unit: those used by more than one unit
-    (tied weights), and a unit's trainable parameters when the rest of it is frozen and they are
-    light (:func:`light_trainable`: LoRA adapters, trained biases or norms over a frozen base).
+    (tied weights), a unit's trainable parameters when the rest of it is frozen and they are
+    light (:func:`light_trainable`: LoRA adapters, trained biases or norms over a frozen base),
+    and small ones (:func:`small_params`: norms, biases; ``budget`` is the ``gpu_budget``).
 
     Outside the blocks, a module that holds parameters forms a unit with everything under it,
     unless it contains blocks: then its own parameters form a *container* unit, which stays
@@ -224,7 +225,54 @@ def collect_units(
                 shared[id(p)] = p
         for p in light_trainable([p for _, _, p in entries]):
             shared.setdefault(id(p), p)
+    for p in small_params([p for _, _, entries, _ in units for _, _, p in entries], set(shared), budget):
+        shared[id(p)] = p
     return units, list(shared.values())
+
+
+#: All small parameters together stay on the device only while they hold at most this share of
+#: the model's parameter bytes, and of a ``gpu_budget`` (norms and biases hold well under 1% of a
+#: transformer's or a ResNet's).
+SMALL_SHARE = 1 / 32
+
+
+def small_params(params: list[nn.Parameter], taken: set[int], budget: int | None) -> list[nn.Parameter]:
+    """The parameters among ``params`` (those of every unit, a tied one more than once; none of
+    ``taken``) that stay resident on the device because they are small: plain floating-point
+    tensors of at most ``RAMTORCH_SMALL_PARAM_BYTES`` (64 KiB) each, while all of them together
+    hold at most :data:`SMALL_SHARE` of the model's bytes and of ``budget``; else none.
+
+    Streamed, a small parameter costs the host more than its bytes cost the link: its gradient
+    takes the backward's per-gradient path (a hook, a pending record, a place in a batch copied
+    down, a host tensor of its own) and its update a kernel call on the host, for a few KiB. A
+    ResNet's backward hands 310 of its 465 gradients (its batch norms') that way, and is bound by
+    the host. On the device, autograd accumulates their gradients and the optimizer updates them
+    there with torch's kernels, with the numerics of a host parameter (as it does a resident
+    unit's), as DeepSpeed keeps parameters under its persistence threshold whole on every GPU."""
+    limit = _config.small_param_bytes()
+    if limit <= 0:
+        return []
+    seen: set[int] = set()
+    total = 0
+    small: list[nn.Parameter] = []
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel() * p.element_size()
+        total += n
+        if (
+            id(p) not in taken
+            and n <= limit
+            and p.is_floating_point()
+            and type(p.data) is torch.Tensor
+            and not is_traceable_wrapper_subclass(p)
+        ):
+            small.append(p)
+    held = sum(p.numel() * p.element_size() for p in small)
+    if held > SMALL_SHARE * total or (budget is not None and held > SMALL_SHARE * budget):
+        return []
+    return small
 
 
 #: A unit's trainable parameters stay on the device when the rest of it is frozen and they hold at
