@@ -59,6 +59,15 @@ def fresh_engine_sums():
         eng.drop_sums()
 
 
+@pytest.fixture
+def small_params_streamed(monkeypatch):
+    """Small parameters stream with their units, as every parameter did before they stayed on the
+    device (``RAMTORCH_SMALL_PARAM_BYTES=0``): for tests of the streamed gradients' own
+    guarantees (an interrupted backward leaves ``.grad`` as it was, which torch's accumulation
+    into a resident parameter does not promise)."""
+    monkeypatch.setenv("RAMTORCH_SMALL_PARAM_BYTES", "0")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     if request.param == "cuda":

@@ -539,6 +539,7 @@ def test_sums_kept_that_leave_room_for_streamed_ones_stay():
     assert eng.stats()["grad_sums_streamed"] > 0
 
 
+@pytest.mark.usefixtures("small_params_streamed")
 def test_an_interrupted_backward_leaves_grad_as_it_was_with_streamed_sums():
     """A backward that raises after its streamed sums were queued writes no ``.grad`` and holds
     no room; the next backward adds to ``.grad`` as it was."""

@@ -600,6 +600,7 @@ def test_the_host_budget_holds_the_gradients_and_every_streamed_units_states_go_
     assert "less than the streamed units' gradients" in caplog.text
 
 
+@pytest.mark.usefixtures("small_params_streamed")
 @pytest.mark.parametrize(
     "dtype,precision,width",
     [(torch.float32, "fp32-master", 48), (torch.bfloat16, "bf16", 48), (torch.bfloat16, "compact", 560)],

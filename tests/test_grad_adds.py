@@ -228,6 +228,7 @@ def test_the_engines_add_leaves_what_it_cannot_take_to_torch():
         assert torch.equal(m, torch.full((5,), 2.0))
 
 
+@pytest.mark.usefixtures("small_params_streamed")
 def test_an_interrupted_backward_leaves_grad_as_it_was():
     eng = _no_device_sums("cpu")
     ref, ours = _pair("offload", "cpu", torch.float32, d=160)
@@ -315,6 +316,7 @@ def test_recomputed_units_add_on_the_host_as_torch(reentrant):
     _steps_equal(ref, ours, steps=2, micro=3, requires_grad=reentrant)
 
 
+@pytest.mark.usefixtures("small_params_streamed")
 def test_a_failed_add_raises_and_leaves_grad_as_it_was(monkeypatch):
     eng = _no_device_sums("cpu")
     ref, ours = _pair("offload", "cpu", torch.float32, d=160)
@@ -335,6 +337,7 @@ def test_a_failed_add_raises_and_leaves_grad_as_it_was(monkeypatch):
     _grads_equal(ref, ours)
 
 
+@pytest.mark.usefixtures("small_params_streamed")
 def test_the_engine_forgets_the_grads_it_wrote_with_their_parameters():
     eng = _no_device_sums("cpu")
     ref, ours = _pair("offload", "cpu", torch.float32, d=160)
