@@ -81,7 +81,11 @@ def too_small(budget: int, minimum: tuple[int, int, int, int], base: int, free: 
     terms: list[tuple[str, str]] = []  # (bytes, what they are for)
     if base:
         terms.append(
-            (_fmt(base), "that cannot stream (tied weights, small parameters, buffers, parameters of modules holding blocks)")
+            (
+                _fmt(base),
+                "that cannot stream (tied weights, small parameters, buffers, parameters of modules "
+                "holding blocks)",
+            )
         )
     if kept_units:
         which = "its only unit" if len(free) == 1 else f"{kept_units} of its {len(free)} units"
