@@ -71,7 +71,7 @@ def test_offloaded_model_moves_the_rows_read_on_cuda():
         opt.zero_grad()
     ramtorch.synchronize()
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
-        torch.testing.assert_close(q, p.detach().cpu(), rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), rtol=1e-6, atol=1e-7, msg=name)
 
 
 def _counters() -> dict:

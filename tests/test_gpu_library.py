@@ -34,7 +34,7 @@ def test_profiler_shows_ranges_and_device_copies():
     expect.sum().backward()
     torch.testing.assert_close(out, expect)
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad.cpu())
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu())
     names = {e.name for e in prof.events()}
     for name in ("ramtorch.forward blocks.0", "ramtorch.backward blocks.0", "ramtorch.copy_to_device"):
         assert name in names

@@ -1029,7 +1029,8 @@ class _AdaptersOnBaseDevice:
     magnitudes by the weight's norm, IA3's multiplies the weight by the scales): with them kept on
     the GPU and the base weight in host RAM, the two would be on different devices. The merged
     weight is computed where the base weight lives and written there, as on a model that is not
-    offloaded."""
+    offloaded. The base layer's own small parameters kept on the GPU (its bias, which IA3 scales
+    too) come along the same way."""
 
     def __init__(self, layer: nn.Module, name: str) -> None:
         self.layer = layer
@@ -1038,11 +1039,10 @@ class _AdaptersOnBaseDevice:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer = self.layer
         run = getattr(type(layer), self.name)
-        base, weight = _base_of(layer)
+        _, weight = _base_of(layer)
         if not isinstance(weight, torch.Tensor):
             return run(layer, *args, **kwargs)
-        inner = {id(q) for q in base.parameters()}
-        away = [(p, p.device) for p in layer.parameters() if id(p) not in inner and p.device != weight.device]
+        away = [(p, p.device) for p in layer.parameters() if p is not weight and p.device != weight.device]
         for p, _ in away:
             move_param(p, weight.device)
         try:
@@ -1053,16 +1053,16 @@ class _AdaptersOnBaseDevice:
 
 
 def _deltas_to_base_weights(model: nn.Module, moved: set[int]) -> None:
-    """Gives every peft tuner layer (a module with a ``base_layer``: LoRA, DoRA, IA3, ...) whose
-    own parameters were moved to the device (``moved``: parameter ids) a ``merge`` and ``unmerge``
+    """Gives every peft tuner layer (a module with a ``base_layer``: LoRA, DoRA, IA3, ...) some of
+    whose parameters (its own, or its base layer's small ones) were moved to the device
+    (``moved``: parameter ids) a ``merge`` and ``unmerge``
     that run with them on the base weight's device (:class:`_AdaptersOnBaseDevice`), and a LoRA
     layer's ``get_delta_weight`` a :class:`_DeltaOnBaseDevice`."""
     for m in model.modules():
         base = getattr(m, "base_layer", None)
         if not isinstance(base, nn.Module):
             continue
-        inner = {id(q) for q in base.parameters()}
-        if not any(id(p) in moved for p in m.parameters() if id(p) not in inner):
+        if not any(id(p) in moved for p in m.parameters()):
             continue
         if callable(getattr(type(m), "get_delta_weight", None)):
             m.get_delta_weight = _DeltaOnBaseDevice(m)  # type: ignore[method-assign]
