@@ -74,7 +74,7 @@ def _grads_equal(ref: nn.Module, ours: nn.Module) -> None:
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
-            assert q.grad.device == q.device, name  # host parameters' on the host, resident ones' on the device
+            assert q.grad.device == q.device, name  # on the host, or on the device (resident)
             if p.grad.device.type == "cpu":
                 assert torch.equal(q.grad, p.grad), name
             else:

@@ -91,7 +91,7 @@ def _grads_equal(ref: nn.Module, ours: nn.Module) -> None:
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is None:
             continue
-        assert q.grad.device == q.device, name  # host parameters' on the host, resident ones' on the device
+        assert q.grad.device == q.device, name  # on the host, or on the device (resident)
         if p.grad.device.type == "cpu":
             assert torch.equal(q.grad, p.grad), name
         else:  # a streamed layer's weight gradient may come from another cuBLAS kernel

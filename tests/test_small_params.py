@@ -6,6 +6,7 @@ steps, batch-norm statistics and ``state_dict`` equal torch's."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import ramtorch
@@ -120,11 +121,15 @@ def _train(ref: nn.Module, ours: nn.Module, kind: str, opt: type, device: str, e
 
 
 @pytest.fixture(autouse=True)
-def _no_tf32(monkeypatch):
+def _no_tf32() -> Iterator[None]:
     """cuDNN may pick another convolution algorithm for a slot's weight than for the plain model's;
     in TF32 two algorithms part by about 1e-3, in fp32 by rounding."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.backends.cudnn.allow_tf32 = conv
+    torch.set_float32_matmul_precision(matmul)
 
 
 @pytest.mark.parametrize("device", DEVICES)
