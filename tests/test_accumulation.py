@@ -110,7 +110,7 @@ def test_micro_batches_accumulate_as_torch_and_on_the_device(device, kind, dtype
                 assert torch.equal(q.detach(), p.detach())
             else:  # torch's AdamW on the host against its CUDA kernels: rounding differs
                 tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # one bf16 ulp is 2**-8 relative
-                torch.testing.assert_close(q.detach(), p.detach().cpu(), rtol=tol, atol=tol / 10)
+                torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), rtol=tol, atol=tol / 10)
 
 
 @pytest.mark.parametrize("kind", ["offload", "linear"])
@@ -476,7 +476,7 @@ def test_sums_streamed_for_one_backward_accumulate_as_torch(device, kind, dtype,
             else:  # torch's AdamW on the host against its CUDA kernels, over 192 x 384 elements:
                 # where the second moment is tiny, their rounding differs by more than one ulp.
                 tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-                torch.testing.assert_close(q.detach(), p.detach().cpu(), rtol=tol, atol=tol / 10)
+                torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), rtol=tol, atol=tol / 10)
     assert eng.stats()["grad_sums_streamed"] > before
 
 

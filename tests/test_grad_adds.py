@@ -141,7 +141,7 @@ def _host_accumulation_equals_torch(device: str, kind: str, zero: str) -> None:
         if zero == "user_tensor":  # a .grad the engine did not write: keeps its memory
             for m in (ref, ours):
                 for p in m.parameters():
-                    p.grad = torch.full_like(p, 0.25, device=p.device if m is ref else "cpu")
+                    p.grad = torch.full_like(p, 0.25)  # where the parameter lives
             kept = {id(p): p.grad for p in ours.parameters()}
         for _ in range(3):
             x = torch.randn(6, 8)
