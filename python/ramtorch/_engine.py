@@ -606,19 +606,25 @@ class ShareChoice:
     one backward (:meth:`DeviceEngine._stream_sum`), by the time of accumulating backwards under
     each share (from the backward's first gradient to the end of its ``.grad`` writes). Summing
     on the device moves half the host memory traffic of an add on the host and one more crossing
-    of the link: which one bounds the backward depends on the host (its memory against the link).
-    Each share of :attr:`SHARES` is measured in turn, the first backward under each left out
-    (the change of path costs it: sums kept from then on copy ``.grad`` to the device once, the
-    side stream's memory is first allocated), and the one with the least median time is kept
-    for the run."""
+    of the link: which one bounds the backward depends on the host (its memory against the link),
+    and the best share lies where the two balance. The shares of :attr:`SHARES` are measured in
+    turn, then the faster one's neighbours at :attr:`STEP` (within 0 and 1), each after one
+    backward left out (the change of path costs it: sums kept from then on copy ``.grad`` to the
+    device once, the side stream's memory is first allocated); the share with the least median
+    time is kept for the run."""
 
     SHARES = (0.5, 0.0)
+    #: The second round: the first round's faster share plus and minus this.
+    STEP = 0.25
     #: Backwards measured under each share.
     SAMPLES = 2
 
     def __init__(self) -> None:
-        self.times: dict[float, list[float]] = {s: [] for s in self.SHARES}
+        #: The shares to measure, in order (the second round's are appended to the first's).
+        self.order: list[float] = list(self.SHARES)
+        self.times: dict[float, list[float]] = {s: [] for s in self.order}
         self._skipped: set[float] = set()
+        self._refined = False
         #: None while measuring, then the share kept.
         self.choice: float | None = None
 
@@ -626,10 +632,10 @@ class ShareChoice:
         """The share the next backward runs with."""
         if self.choice is not None:
             return self.choice
-        for s in self.SHARES:
+        for s in self.order:
             if len(self.times[s]) < self.SAMPLES:
                 return s
-        return self.SHARES[0]  # (unreachable: observe() chooses once every share is measured)
+        return self.order[0]  # (unreachable: observe() chooses once every share is measured)
 
     def observe(self, share: float, seconds: float) -> None:
         """An accumulating backward under ``share`` took ``seconds``."""
@@ -640,8 +646,18 @@ class ShareChoice:
             return
         if len(self.times[share]) < self.SAMPLES:
             self.times[share].append(seconds)
-        if all(len(t) >= self.SAMPLES for t in self.times.values()):
-            self.choice = min(self.SHARES, key=lambda s: statistics.median(self.times[s]))
+        if any(len(t) < self.SAMPLES for t in self.times.values()):
+            return
+        best = min(self.order, key=lambda s: statistics.median(self.times[s]))
+        if not self._refined:
+            self._refined = True
+            near = (best - self.STEP, best + self.STEP)
+            more = [s for s in near if 0.0 <= s <= 1.0 and s not in self.times]
+            if more:
+                self.order += more
+                self.times.update({s: [] for s in more})
+                return
+        self.choice = best
 
 
 #: How many ``.grad`` copies to the device run ahead of the gradients that add to them.
