@@ -260,3 +260,42 @@ def test_an_interrupted_backward_leaves_the_streamed_grads_and_the_next_step_equ
         model(_input("mlp", 2, "cpu")).square().mean().backward()
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         assert torch.equal(q.grad, p.grad), name
+
+
+@pytest.mark.parametrize(
+    "dtype,precision", [(torch.float32, "fp32-master"), (torch.bfloat16, "compact"), (torch.bfloat16, "bf16")]
+)
+def test_a_checkpoint_of_streamed_small_parameters_resumes_with_them_resident(
+    tmp_path, monkeypatch, dtype, precision
+):
+    """A checkpoint written while the small parameters streamed (``RAMTORCH_SMALL_PARAM_BYTES=0``,
+    or an earlier version) loads into a model that keeps them on the device, and training goes on
+    bit for bit as without the checkpoint."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = MLP().to(dtype)
+        ramtorch.offload(m, device="cpu")
+        return m, ropt.AdamW(m.parameters(), lr=1e-2, precision=precision)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, k: int) -> None:
+        m(_input("mlp", k, "cpu").to(dtype)).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+
+    monkeypatch.setenv(_config.SMALL_PARAM_BYTES_VAR, "0")
+    m, o = build()
+    assert all(_engine.is_streamed(p) for p in m.parameters())
+    for k in range(3):
+        step(m, o, k)
+    ramtorch.save_checkpoint(str(tmp_path / "ckpt"), m, o)
+    for k in range(3, 5):
+        step(m, o, k)
+    monkeypatch.delenv(_config.SMALL_PARAM_BYTES_VAR)
+    resumed, ro = build()
+    assert not all(_engine.is_streamed(p) for p in resumed.parameters())
+    ramtorch.load_checkpoint(str(tmp_path / "ckpt"), resumed, ro)
+    for k in range(3, 5):
+        step(resumed, ro, k)
+    for (name, a), b in zip(m.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
