@@ -13,6 +13,8 @@ import ramtorch
 import ramtorch.optim as ropt
 import torch
 import torch.nn.functional as F
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from ramtorch import _config, _engine
 from ramtorch._stream import units as _units
 from ramtorch.plan import predict
@@ -299,3 +301,63 @@ def test_a_checkpoint_of_streamed_small_parameters_resumes_with_them_resident(
         step(resumed, ro, k)
     for (name, a), b in zip(m.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+class _Mixed(nn.Module):
+    """Blocks of a LayerNorm and a biased Linear of random widths: some weights above the small
+    size, some below, a final bias of its own."""
+
+    def __init__(self, widths: list[int]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(a), nn.Linear(a, b)) for a, b in zip(widths, widths[1:])
+        )
+        self.shift = nn.Parameter(torch.zeros(widths[-1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x + self.shift
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    widths=st.lists(st.integers(8, 400), min_size=3, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    micro=st.integers(1, 3),
+    limit=st.sampled_from(["1KiB", "4KiB", "64KiB"]),
+    recompute=st.booleans(),
+)
+def test_random_models_train_as_torch_whatever_stays(widths, dtype, micro, limit, recompute):
+    """Random widths, dtypes, micro-batches, sizes of a small parameter and activation
+    recomputation: whichever parameters stay on the device, every ``.grad`` and every weight after
+    SGD steps with momentum equals torch's on the plain model, bit for bit (CPU)."""
+    import os
+
+    torch.manual_seed(sum(widths))
+    ref = _Mixed(widths).to(dtype)
+    ours = copy.deepcopy(ref)
+    old = os.environ.get(_config.SMALL_PARAM_BYTES_VAR)
+    os.environ[_config.SMALL_PARAM_BYTES_VAR] = limit
+    try:
+        ramtorch.offload(ours, device="cpu", recompute=recompute)
+    finally:
+        if old is None:
+            del os.environ[_config.SMALL_PARAM_BYTES_VAR]
+        else:
+            os.environ[_config.SMALL_PARAM_BYTES_VAR] = old
+    resident = sum(not _engine.is_streamed(p) for p in ours.blocks.parameters())  # (shift: a container's)
+    event(f"{'some' if resident else 'no'} small parameters resident")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, ours)]
+    for step in range(3):
+        for k in range(micro):
+            x = torch.randn(4, widths[0], generator=torch.Generator().manual_seed(10 * step + k)).to(dtype)
+            for m in (ref, ours):
+                m(x).float().square().mean().backward()
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            assert torch.equal(q.grad, p.grad), name
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(q.detach(), p.detach()), name
