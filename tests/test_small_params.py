@@ -361,3 +361,15 @@ def test_random_models_train_as_torch_whatever_stays(widths, dtype, micro, limit
             o.zero_grad()
     for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
         assert torch.equal(q.detach(), p.detach()), name
+
+
+def test_the_plan_log_counts_the_parameters_kept_on_the_device(caplog):
+    import logging
+
+    m = MLP()
+    with caplog.at_level(logging.INFO, logger="ramtorch"):
+        ramtorch.offload(m, device="cpu")
+    kept = [p for p in m.parameters() if not _engine.is_streamed(p)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ramtorch"]
+    said = f"{len(kept)} parameters ("
+    assert kept and any(said in s and "kept on the device outside the units" in s for s in lines), lines

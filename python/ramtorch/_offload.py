@@ -501,7 +501,7 @@ def offload(
     if auto:
         _report_auto_plan(model, units, pl, budget, dev, store)
     else:
-        _report_plan(model, units, pl, budget, dev, hint)
+        _report_plan(model, units, pl, budget, dev, hint, shared)
     if recompute:
         wants = recompute if callable(recompute) else (lambda name: True)
         for u in units:
@@ -1316,13 +1316,31 @@ def _warn_strides(units: list[_Unit], resident: set[int]) -> None:
 
 
 def _report_plan(
-    model: nn.Module, units: list[_Unit], pl: Plan, budget: int | None, dev: torch.device, hint: str | None
+    model: nn.Module,
+    units: list[_Unit],
+    pl: Plan,
+    budget: int | None,
+    dev: torch.device,
+    hint: str | None,
+    kept: Sequence[nn.Parameter] = (),
 ) -> None:
     """Logs (INFO, logger ``ramtorch``) the plan :func:`offload` made: the units, which stay
-    resident, the slots, the bytes streamed per pass, and the ``unit=`` that would split a unit
-    holding most of the model."""
+    resident, the slots, the bytes streamed per pass, the parameters kept on the device outside
+    the units (``kept``: tied, light trainable and small ones), and the ``unit=`` that would split
+    a unit holding most of the model."""
     if not logger.isEnabledFor(logging.INFO):
         return
+    if kept:
+        nbytes = sum(p.numel() * p.element_size() for p in kept)
+        hint = "; ".join(
+            x
+            for x in (
+                f"{len(kept)} parameters ({_fmt(nbytes)}: tied, adapters over a frozen base, norms "
+                "and biases) kept on the device outside the units",
+                hint,
+            )
+            if x
+        )
     resident = [u.name for u in units if u.resident]
     gathered = [f"{u.name} ({_fmt(u.nbytes)})" for u in units if u.gather]
     shown = ", ".join(resident[:6]) + (f" and {len(resident) - 6} more" if len(resident) > 6 else "")

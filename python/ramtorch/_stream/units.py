@@ -245,8 +245,8 @@ def small_params(params: list[nn.Parameter], taken: set[int], budget: int | None
     Streamed, a small parameter costs the host more than its bytes cost the link: its gradient
     takes the backward's per-gradient path (a hook, a pending record, a place in a batch copied
     down, a host tensor of its own) and its update a kernel call on the host, for a few KiB. A
-    ResNet's backward hands 310 of its 465 gradients (its batch norms') that way, and is bound by
-    the host. On the device, autograd accumulates their gradients and the optimizer updates them
+    ResNet's backward would hand 310 of its 465 gradients (its batch norms') that way, and was
+    bound by the host. On the device, autograd accumulates their gradients and the optimizer updates them
     there with torch's kernels, with the numerics of a host parameter (as it does a resident
     unit's), as DeepSpeed keeps parameters under its persistence threshold whole on every GPU."""
     limit = _config.small_param_bytes()
