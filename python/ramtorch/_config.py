@@ -66,12 +66,18 @@ def unit_parts_min_bytes() -> int | None:
     (``ramtorch._stream.parts``): ``RAMTORCH_UNIT_PARTS_MIN_BYTES`` (bytes, or a size such as
     ``"64MiB"``; ``"off"``: never), else 64 MiB. An invalid value raises an error naming the
     variable."""
-    raw = os.environ.get(UNIT_PARTS_MIN_BYTES_VAR)
+    return _size_var(UNIT_PARTS_MIN_BYTES_VAR, DEFAULT_UNIT_PARTS_MIN_BYTES)
+
+
+def _size_var(name: str, default: int) -> int | None:
+    """The size in environment variable ``name`` (bytes, or a size such as ``"64MiB"``; ``"off"``:
+    ``None``), ``default`` when unset or empty; an invalid value raises an error naming it."""
+    raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
-        return DEFAULT_UNIT_PARTS_MIN_BYTES
+        return default
     if raw.strip().lower() == "off":
         return None
-    return parse_bytes(raw.strip(), f"environment variable {UNIT_PARTS_MIN_BYTES_VAR}")
+    return parse_bytes(raw.strip(), f"environment variable {name}")
 
 
 #: Environment variable for the share of host-accumulated gradients summed on the GPU instead.
@@ -111,11 +117,4 @@ def small_param_bytes() -> int:
     ``ramtorch._stream.units.small_params``): ``RAMTORCH_SMALL_PARAM_BYTES`` (bytes, or a size
     such as ``"16KiB"``; ``0`` or ``"off"``: none), else 64 KiB. An invalid value raises an error
     naming the variable."""
-    raw = os.environ.get(SMALL_PARAM_BYTES_VAR)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_SMALL_PARAM_BYTES
-    if raw.strip().lower() == "off":
-        return 0
-    value = parse_bytes(raw.strip(), f"environment variable {SMALL_PARAM_BYTES_VAR}")
-    assert value is not None
-    return value
+    return _size_var(SMALL_PARAM_BYTES_VAR, DEFAULT_SMALL_PARAM_BYTES) or 0
