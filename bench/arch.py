@@ -53,7 +53,12 @@ gradient bytes) / duplex) (the backward: the weights cross again while the gradi
 both directions at once move ``duplex_gbps`` in total, measured as the others); ``compute`` = the
 resident model's time for the same phase. ``limit_seconds`` = max(link, compute), ``limit_parts`` =
 ``{"link_seconds", "compute_seconds"}``, ``ratio`` (= ``limit_over_measured``) = limit / measured,
-``vs_resident`` = resident seconds / ramtorch seconds. If the resident model does not fit, its
+``vs_resident`` = resident seconds / ramtorch seconds. Where the resident forward was measured
+too, a training record also carries ``phase_limit_seconds`` and ``phase_ratio``: the larger of the
+limit and the sum of one bound per pass, since the passes do not overlap (the forward: max(streamed
+/ H2D, resident forward); the backward, before which no gradient exists: max(gradient bytes / D2H,
+resident forward+backward less resident forward)). ``--relimit FILE...`` prints the table of
+records already written, with these recomputed. If the resident model does not fit, its
 records carry ``"error"`` and the limit is the link alone (``compute_seconds`` null); with
 ``--resident-layers LO HI`` the resident records are instead extrapolated linearly in the layers
 from resident models of LO and HI layers (records carry ``"how"`` and both measured times).
@@ -806,6 +811,16 @@ def add_limits(records: list[dict[str, Any]], bw: dict[str, float]) -> None:
         r["ratio"] = r["limit_over_measured"] = limit / r["seconds"] if ok else None
         if r["system"] == "ramtorch" and compute and r.get("seconds"):
             r["vs_resident"] = compute / r["seconds"]
+        fwd = resident.get((r["workload"], "forward", None))
+        if r["system"] != "resident" and r["phase"].startswith("forward_backward") and compute and fwd and ok:
+            # The passes run one after the other: the forward is at least its own link time or
+            # compute, and the backward, before which no gradient exists, at least its gradients'
+            # link time or its compute (the resident pass less the resident forward, which runs
+            # without grad there: a little less than a forward that keeps activations).
+            w, g = r["streamed_bytes_per_pass"], r["streamed_grad_bytes"]
+            by_phase = max(w / h2d, fwd) + max(g / d2h, compute - fwd)
+            r["phase_limit_seconds"] = max(limit, by_phase)
+            r["phase_ratio"] = r["phase_limit_seconds"] / r["seconds"]
 
 
 def command_line() -> str:
@@ -869,6 +884,23 @@ def run_child(a: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     return recs
 
 
+def relimit(paths: list[str]) -> str:
+    """The table of the records in ``paths``, their limits recomputed (:func:`add_limits`) from
+    the ceilings each record carries, per file and device."""
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        with open(path) as fh:
+            records = json.load(fh)
+        groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        for r in records:
+            groups.setdefault((r.get("h2d_gbps"), r.get("d2h_gbps"), r.get("duplex_gbps")), []).append(r)
+        for (h2d, d2h, duplex), got in groups.items():
+            if h2d and d2h:
+                add_limits(got, {"h2d_gbps": h2d, "d2h_gbps": d2h, "duplex_gbps": duplex or h2d + d2h})
+            out += got
+    return table(out)
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """The records as a markdown table."""
 
@@ -877,12 +909,12 @@ def table(records: list[dict[str, Any]]) -> str:
 
     rows = [
         "| workload | phase | system | tokens | layers | params | measured ms | limit ms | link ms | "
-        "compute ms | ratio | GPU peak GiB |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "compute ms | ratio | by pass ms | ratio by pass | GPU peak GiB |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in records:
         parts = r.get("limit_parts") or {}
-        ratio = r.get("ratio")
+        ratio, phase = r.get("ratio"), r.get("phase_ratio")
         workload = r["workload"]
         if "lora_rank" in r:
             workload += f" (LoRA r={r['lora_rank']}, {r['base']} base)"
@@ -893,7 +925,9 @@ def table(records: list[dict[str, Any]]) -> str:
             f"| {workload} | {r['phase']} | {system} | {r['tokens']} | {r['layers']} | "
             f"{r['params'] / 1e9:.2f}e9 | {ms(r.get('seconds'))} | {ms(r.get('limit_seconds'))} | "
             f"{ms(parts.get('link_seconds'))} | {ms(parts.get('compute_seconds'))} | "
-            f"{'' if ratio is None else f'{ratio:.3f}'} | {r.get('gpu_peak_bytes', 0) / 2**30:.2f} |"
+            f"{'' if ratio is None else f'{ratio:.3f}'} | {ms(r.get('phase_limit_seconds'))} | "
+            f"{'' if phase is None else f'{phase:.3f}'} | "
+            f"{r.get('gpu_peak_bytes', 0) / 2**30:.2f} |"
         )
     return "\n".join(rows)
 
@@ -960,6 +994,14 @@ def main() -> None:
     ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD, else unknown")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, 1 rep: checks the script")
     ap.add_argument("--device", default=None, help="compute device (default: cuda, or cpu with --smoke)")
+    ap.add_argument(
+        "--relimit",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="print the table of records already written (JSON lists of this script), their limits "
+        "recomputed from the ceilings each record carries; runs nothing",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.smoke:
@@ -975,6 +1017,9 @@ def main() -> None:
         torch.manual_seed(0)
         for r in run_arch(a, a.child):
             print(json.dumps(r), flush=True)
+        return
+    if a.relimit:
+        print(relimit(a.relimit))
         return
     if a.out is None:
         ap.error("--out is required")
