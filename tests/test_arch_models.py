@@ -4,9 +4,12 @@ backward, gradients accumulated over two backwards without ``zero_grad`` (which 
 gradient of the two micro-batches as one batch under a summed loss), and two AdamW steps.
 
 Models: decoders (Llama, Qwen2 with q/k/v biases and an untied head, Mistral, Gemma with its tied
-embedding, GPT-NeoX, Phi), a BERT encoder, a T5 encoder-decoder, a ViT and a ResNet, all in
-``eval()`` (no dropout; BatchNorm on its running statistics, so that samples are independent and
-accumulation over micro-batches is exact)."""
+embedding, GPT-NeoX, Phi), a BERT encoder, a T5 encoder-decoder, a ViT and a ResNet; and beyond the
+matrix GPT-2 (Conv1D), Mixtral (experts in one 3-D parameter), Switch Transformers (experts as
+modules: one that no token reaches has no gradient), ALBERT (one layer's weights run three times a
+pass) and wav2vec2 (convolutions, one under weight_norm). All in ``eval()`` (no dropout; BatchNorm
+on its running statistics, so that samples are independent and accumulation over micro-batches is
+exact)."""
 
 from __future__ import annotations
 
@@ -88,6 +91,85 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
         ),
         "image",
     ),
+    # Beyond the matrix: layouts of their own.
+    # GPT-2's projections are transformers' Conv1D (a weight stored transposed).
+    "gpt2": (
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        ),
+        "ids",
+    ),
+    # Experts held as one 3-D parameter per layer; each token routed to one of them.
+    "mixtral": (
+        _decoder(
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            intermediate_size=32,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=1,
+            sliding_window=None,
+        ),
+        "ids",
+    ),
+    # Experts as modules of their own: an expert no token reaches has no gradient (None).
+    "switch": (
+        lambda: transformers.SwitchTransformersForConditionalGeneration(
+            transformers.SwitchTransformersConfig(
+                vocab_size=64,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                expert_capacity=64,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_sparse_encoder_layers=1,
+                num_sparse_decoder_layers=1,
+                num_heads=4,
+                num_experts=8,
+                router_jitter_noise=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        ),
+        "seq2seq",
+    ),
+    # One layer's weights shared by every layer: the same module runs three times a pass.
+    "albert": (
+        lambda: transformers.AlbertModel(
+            transformers.AlbertConfig(
+                vocab_size=64,
+                embedding_size=16,
+                hidden_size=32,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                intermediate_size=64,
+                max_position_embeddings=64,
+            ),
+            add_pooling_layer=False,
+        ),
+        "ids",
+    ),
+    # A convolutional feature extractor, and a positional convolution under weight_norm.
+    "wav2vec2": (
+        lambda: transformers.Wav2Vec2Model(
+            transformers.Wav2Vec2Config(
+                vocab_size=64,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                conv_dim=(8, 8),
+                conv_stride=(5, 2),
+                conv_kernel=(10, 3),
+                num_conv_pos_embeddings=16,
+                num_conv_pos_embedding_groups=4,
+                mask_time_prob=0.0,
+            )
+        ),
+        "audio",
+    ),
 }
 
 
@@ -96,6 +178,8 @@ def inputs(kind: str, batch: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if kind == "image":
         return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=g)}
+    if kind == "audio":
+        return {"input_values": torch.randn(batch, 400, generator=g)}
     ids = torch.randint(0, 64, (batch, 6), generator=g)
     if kind == "seq2seq":
         return {"input_ids": ids, "decoder_input_ids": torch.randint(0, 64, (batch, 5), generator=g)}

@@ -1430,6 +1430,7 @@ class _KeptBuffers:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.changed: list[tuple[nn.Module, str]] = []
+        self.replaying = False  # while the recomputation in backward runs
 
     def _slots(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
         return [(m, n, b) for m in self.module.modules() for n, b in m._buffers.items() if b is not None]
@@ -1450,9 +1451,11 @@ class _KeptBuffers:
             b = m._buffers.get(n)
             if b is not None:
                 kept.append((m, n, b, b.clone()))
+        self.replaying = True
         try:
             yield
         finally:
+            self.replaying = False
             with torch.no_grad():
                 for m, n, b, value in kept:
                     m._buffers[n] = b
@@ -1476,9 +1479,66 @@ def _checkpoint_forward(module: nn.Module) -> None:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         kept = _KeptBuffers(module)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=kept.contexts, **kwargs)
+        if not any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=kept.contexts, **kwargs)
+        _check_kv_cache_empty(module, args, kwargs)
+
+        def run(*a: Any, **kw: Any) -> Any:
+            if kept.replaying:
+                a, kw = _without_kv_cache(a, kw)
+            return inner(*a, **kw)
+
+        return checkpoint(run, *args, use_reentrant=False, context_fn=kept.contexts, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers key/value cache (a ``Cache``: its layers write their
+    keys and values into it in place)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def _without_kv_cache(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The arguments of a recomputed forward with no key/value cache: the forward already wrote
+    this layer's keys and values into it, and a second write would append them again (a cache of
+    twice the tokens, attention over keys its mask does not cover). With the layer's part of the
+    cache empty before the forward (:func:`_check_kv_cache_empty`), attention over the new keys
+    alone recomputes what the forward computed."""
+    args = tuple(None if _is_kv_cache(v) else v for v in args)
+    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _check_kv_cache_empty(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Refuses a forward under ``recompute`` given a key/value cache that already holds tokens of
+    the layer (a prefix, ``past_key_values`` from an earlier call): the recomputation in backward
+    runs without the cache (:func:`_without_kv_cache`) and could not attend to them. The layer is
+    the one its attention names (``layer_idx``); without one, nothing is checked here, and torch's
+    checkpoint refuses a recomputation whose tensors differ in shape."""
+    idx = next(
+        (i for m in module.modules() if isinstance(i := getattr(m, "layer_idx", None), int)),
+        None,
+    )
+    if idx is None:
+        return
+    for v in (*args, *kwargs.values()):
+        if not _is_kv_cache(v):
+            continue
+        try:
+            held = int(v.get_seq_length(idx))
+        except Exception:  # noqa: BLE001 - a cache type without per-layer lengths: not checked
+            continue
+        if held:
+            raise RuntimeError(
+                f"ramtorch.offload(recompute=...): {type(module).__name__} (layer {idx}) was given a "
+                f"key/value cache that already holds {held} tokens of the layer, and its recomputation "
+                "in backward cannot attend to them (it runs without the cache, which the forward "
+                "already wrote). Train with use_cache=False and no past_key_values, or offload without "
+                "recompute for passes that continue from a cache"
+            )
 
 
 def _refuse_copy(*_: Any) -> Any:
