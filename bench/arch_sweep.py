@@ -43,7 +43,7 @@ TOL = 2e-5
 L_DEFAULT = 2
 L_BUDGET = 8
 VARIANTS = ["default", "budget40", "small0", "train", "recompute"]
-CHILD_TIMEOUT = 150
+CHILD_TIMEOUT = 600
 
 
 # ----------------------------------------------------------------------------- child side
