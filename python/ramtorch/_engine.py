@@ -439,6 +439,7 @@ def host_add_(dst: torch.Tensor, src: torch.Tensor) -> None:
     engine's kernel where both are plain contiguous tensors of one shape and dtype that it
     handles and do not overlap, else by torch."""
     name = _ADD_DTYPES.get(dst.dtype)
+    dst, src = plain(dst), plain(src)
     if (
         name is None
         or dst.numel() * dst.element_size() < _KERNEL_ADD_MIN_BYTES
@@ -464,11 +465,75 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return pa < pb + b.numel() * b.element_size() and pb < pa + a.numel() * a.element_size()
 
 
+_TENSOR_DATA = torch._C.TensorBase.data
+_TENSOR_VERSION = torch._C.TensorBase._version
+
+
+class HostGrad(torch.Tensor):
+    """The ``.grad`` tensors the engine makes in host memory: plain tensors to torch (its functions
+    see no subclass and return plain tensors), whose ``_version`` also counts each access to their
+    memory that their version counter cannot see: ``.data`` (read or set) and ``.numpy()``. A
+    gradient written through those (``p.grad.data.zero_()``, ``p.grad.data.clamp_(-1, 1)``, a numpy
+    view) then reads as changed to what keeps state beside ``.grad``: the running sums on the
+    device (:class:`_Sum`) and the optimizers' updates computed during backward, which are made
+    anew from the written gradient, as torch uses it. Even a read through ``.data`` counts (it
+    cannot be told from a write)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def _touch(self) -> None:
+        self.__dict__["_ramtorch_touches"] = self.__dict__.get("_ramtorch_touches", 0) + 1
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        self._touch()
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self._touch()
+        _TENSOR_DATA.__set__(self, value)
+
+    @property  # type: ignore[override]
+    def _version(self) -> int:
+        return _TENSOR_VERSION.__get__(self) + self.__dict__.get("_ramtorch_touches", 0)
+
+    def numpy(self, *, force: bool = False) -> Any:
+        self._touch()
+        return super().numpy(force=force)
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        self._touch()
+        return super().__dlpack__(*args, **kwargs)
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return torch.Tensor.__repr__(self.as_subclass(torch.Tensor), *args, **kwargs)
+
+    # Saved and copied as the plain tensors they are to torch (``torch.load`` with
+    # ``weights_only=True`` takes plain tensors only).
+    def __reduce_ex__(self, proto: Any) -> Any:
+        return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+
+
+def host_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (host memory the engine made) as the :class:`HostGrad` that becomes a ``.grad``."""
+    return t.as_subclass(HostGrad) if type(t) is torch.Tensor else t
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor where it is a :class:`HostGrad` (the same memory; the core's
+    functions take plain tensors only), else ``t``."""
+    return t.as_subclass(torch.Tensor) if type(t) is HostGrad else t
+
+
 def _plain_host_grad(grad: torch.Tensor, param: torch.nn.Parameter) -> bool:
     """Whether ``.grad`` tensor ``grad`` is a plain dense host tensor of ``param``'s dtype and shape
     (one the engine may sum on the device or add into on the host)."""
     return (
-        type(grad) is torch.Tensor
+        type(grad) in (torch.Tensor, HostGrad)
         and grad.device.type == "cpu"
         and grad.dtype == param.dtype
         and grad.shape == param.shape
@@ -1271,8 +1336,10 @@ class DeviceEngine:
     def _start_sum(self, param: torch.nn.Parameter, prior: torch.Tensor, nbytes: int) -> _Sum | None:
         """A sum for ``param`` whose ``.grad`` (``prior``) this engine did not write: ``.grad`` is
         copied to the device once (a loop that never empties ``.grad`` pays that once, not a
-        host add per backward), if there is room and it is a plain host tensor like the weight."""
-        if not (self._sum_room(nbytes) and _plain_host_grad(prior, param)):
+        host add per backward), if there is room and it is a host tensor like the weight that
+        this engine made (a :class:`HostGrad`: a write through ``.data`` is seen; in a tensor of
+        the user's it would not be, and the gradients are added into it on the host)."""
+        if not (self._sum_room(nbytes) and type(prior) is HostGrad and _plain_host_grad(prior, param)):
             return None
         s = self._sums[id(param)] = _Sum(param)
         self._sum_bytes += nbytes
@@ -1517,7 +1584,7 @@ class DeviceEngine:
                     else:
                         held = grad is entry.replaces and s is not None and s.holds(param, grad)
                     if grad is None:
-                        param.grad = grad = target
+                        param.grad = grad = host_grad(target)
                         self._note_written(param, grad)
                     elif held:
                         # The sum of every gradient since ``.grad`` was empty: it becomes the
@@ -1540,7 +1607,7 @@ class DeviceEngine:
                     for b in entry.bufs[1:]:
                         host_add_(total, b)
                     if param.grad is None:
-                        param.grad = total
+                        param.grad = total = host_grad(total)
                         self._note_written(param, total)
                     else:
                         host_add_(param.grad, total)

@@ -481,7 +481,7 @@ class RowGrads:
                 g = param.grad
                 fresh = g is None
                 if g is None:
-                    g = self.take_zeros(param)
+                    g = _engine.host_grad(self.take_zeros(param))
                     param.grad = g
                 put_rows(g, index, host, fresh)
                 done[id(param)] = param

@@ -621,7 +621,7 @@ class _HostOptimizer(OverlapSchedule, ResidentStates, HostStates):
             if g is None:
                 continue
             if g.device.type == "cpu" and g.dtype in _DTYPES and g.is_contiguous():
-                sq, _ = _core.grad_stats(g, _DTYPES[g.dtype], g.numel())
+                sq, _ = _core.grad_stats(_engine.plain(g), _DTYPES[g.dtype], g.numel())
                 total += sq
             else:
                 total += float(g.detach().float().square().sum())

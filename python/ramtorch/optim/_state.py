@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import _arena, _core, _disk
+from .. import _arena, _core, _disk, _engine
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -367,6 +367,7 @@ class HostStates(torch.optim.Optimizer):
         w = p if weight is None else weight
         if not w.is_contiguous():
             raise ValueError(f"{type(self).__name__}: host parameters must be contiguous")
+        grad = [_engine.plain(g) for g in grad] if isinstance(grad, list) else _engine.plain(grad)
         if isinstance(grad, list):
             if span is not None:
                 raise ValueError("a gradient in parts is for whole parameters")
