@@ -107,6 +107,20 @@ def test_the_gradients_the_engine_makes_are_plain_tensors_to_their_users():
     v = g._version
     _ = g.data
     assert g._version > v  # and so does a touch through .data
+    # torch's multi-tensor kernels take them as they take plain tensors (clip_grad_norm_ checks).
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    assert _has_foreach_support([g], g.device)
+
+
+def test_clipping_the_engines_gradients_gives_torchs_bits():
+    plain, ours = _models()
+    for m in (plain, ours):
+        m(_batch(0, 0)).square().mean().backward()
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3) for m in (plain, ours)]
+    assert torch.equal(norms[0], norms[1])
+    for p, q in zip(plain.parameters(), ours.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_a_gradient_tensor_of_the_users_is_added_into_on_the_host():

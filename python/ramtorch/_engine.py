@@ -518,6 +518,23 @@ class HostGrad(torch.Tensor):
         return self.as_subclass(torch.Tensor).__deepcopy__(memo)
 
 
+def _foreach_takes_host_grads() -> None:
+    """torch picks its multi-tensor (``foreach``) kernels only for tensors of the types it lists
+    (``clip_grad_norm_`` reads the gradients' types): a :class:`HostGrad` is listed beside the
+    plain tensor it is to torch, so that gradients take the path and the bits they take as plain
+    tensors."""
+    try:
+        from torch.utils import _foreach_utils
+    except ImportError:  # pragma: no cover - a torch without the list: nothing to extend
+        return
+    types = getattr(_foreach_utils, "_foreach_supported_types", None)
+    if isinstance(types, list) and HostGrad not in types:
+        types.append(HostGrad)
+
+
+_foreach_takes_host_grads()
+
+
 def host_grad(t: torch.Tensor) -> torch.Tensor:
     """``t`` (host memory the engine made) as the :class:`HostGrad` that becomes a ``.grad``."""
     return t.as_subclass(HostGrad) if type(t) is torch.Tensor else t
