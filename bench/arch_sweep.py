@@ -443,15 +443,17 @@ def main():
 
     names = a.only.split(",") if a.only else list(MODELS)
     jobs = [(n, v) for n in names for v in a.variants.split(",")]
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    with ThreadPoolExecutor(a.jobs) as ex:
-        results = list(ex.map(lambda nv: run_one(*nv), jobs))
-    with open(a.out, "w") as f:
-        json.dump(results, f, indent=1, default=str)
     w = max(len(n) for n in names)
-    for r in results:
-        print(f"{r['arch']:<{w}}  {r['variant']:<8}  {summarize(r)}")
+    results = []
+    with ThreadPoolExecutor(a.jobs) as ex:
+        for fut in as_completed([ex.submit(run_one, *nv) for nv in jobs]):
+            r = fut.result()
+            results.append(r)
+            print(f"{r['arch']:<{w}}  {r['variant']:<8}  {summarize(r)}", flush=True)
+            with open(a.out, "w") as f:  # (rewritten as results come: a run cut short keeps them)
+                json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
