@@ -164,43 +164,40 @@ def _dsv3(L):
     )
 
 
-def _bart(L):
-    return T.BartForConditionalGeneration(
-        T.BartConfig(
-            vocab_size=V,
-            d_model=32,
-            encoder_layers=L,
-            decoder_layers=L,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_position_embeddings=64,
-            pad_token_id=1,
-            bos_token_id=0,
-            eos_token_id=2,
-            decoder_start_token_id=2,
-        )
-    )
+#: What the BART family's tiny configurations share: two stacks of L layers.
+_SEQ2SEQ = dict(
+    vocab_size=V,
+    d_model=32,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=64,
+)
+_BART_IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
 
 
-def _marian(L):
-    return T.MarianMTModel(
-        T.MarianConfig(
-            vocab_size=V,
-            d_model=32,
-            encoder_layers=L,
-            decoder_layers=L,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_position_embeddings=64,
-            pad_token_id=V - 1,
-            decoder_start_token_id=V - 1,
-            eos_token_id=0,
-        )
-    )
+def seq2seq(cls, cfg, **kw):
+    """A builder of ``cls`` with ``cfg``: :data:`_SEQ2SEQ`, ``kw`` and L layers in each stack."""
+
+    def build(L):
+        return getattr(T, cls)(getattr(T, cfg)(**_SEQ2SEQ, encoder_layers=L, decoder_layers=L, **kw))
+
+    return build
+
+
+_bart = seq2seq("BartForConditionalGeneration", "BartConfig", **_BART_IDS)
+_marian = seq2seq(
+    "MarianMTModel", "MarianConfig", pad_token_id=V - 1, decoder_start_token_id=V - 1, eos_token_id=0
+)
+_mbart = seq2seq("MBartForConditionalGeneration", "MBartConfig", **_BART_IDS)
+_pegasus = seq2seq(
+    "PegasusForConditionalGeneration",
+    "PegasusConfig",
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
+)
 
 
 def _whisper(L):
@@ -439,45 +436,6 @@ def _nllbmoe(L):
             bos_token_id=0,
             eos_token_id=2,
             decoder_start_token_id=2,
-        )
-    )
-
-
-def _mbart(L):
-    return T.MBartForConditionalGeneration(
-        T.MBartConfig(
-            vocab_size=V,
-            d_model=32,
-            encoder_layers=L,
-            decoder_layers=L,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_position_embeddings=64,
-            pad_token_id=1,
-            bos_token_id=0,
-            eos_token_id=2,
-            decoder_start_token_id=2,
-        )
-    )
-
-
-def _pegasus(L):
-    return T.PegasusForConditionalGeneration(
-        T.PegasusConfig(
-            vocab_size=V,
-            d_model=32,
-            encoder_layers=L,
-            decoder_layers=L,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_position_embeddings=64,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
         )
     )
 

@@ -13,18 +13,12 @@ from collections.abc import Callable
 import pytest
 import ramtorch
 import torch
+from test_arch_models import _decoder
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
 TOL = 2e-5
-
-_DEC = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-
-
-def _decoder(cls: str, cfg: str, **kw: object) -> Callable[[], nn.Module]:
-    return lambda: getattr(transformers, cls)(getattr(transformers, cfg)(**{**_DEC, **kw}))
-
 
 #: A decoder with no mask of its own (the doubled keys fell inside the causal window and went
 #: unnoticed but for the cache), one with a sliding window, one with ALiBi, and an encoder-decoder.
