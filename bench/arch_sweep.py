@@ -272,23 +272,8 @@ def run_child(name, variant):
         OFFLOAD_KW["gpu_budget"] = f"{budget / 1024:.1f}KiB"
         res["budget_arg"] = OFFLOAD_KW["gpu_budget"]
         res["budget_frac"] = round(budget / nbytes, 3)
-        probe = ramtorch.offload(copy.deepcopy(base), **OFFLOAD_KW)
-        st = ramtorch.stats(probe)
-        res["plan"] = {
-            "units": st["units"],
-            "resident_units": st["resident_units"],
-            "streamed_units": st["streamed_units"],
-        }
-        del probe
-    else:
-        probe = ramtorch.offload(copy.deepcopy(base), **OFFLOAD_KW)
-        st = ramtorch.stats(probe)
-        res["plan"] = {
-            "units": st["units"],
-            "resident_units": st["resident_units"],
-            "streamed_units": st["streamed_units"],
-        }
-        del probe
+    st = ramtorch.stats(ramtorch.offload(copy.deepcopy(base), **OFFLOAD_KW))
+    res["plan"] = {k: st[k] for k in ("units", "resident_units", "streamed_units")}
 
     def check(cname, fn):
         t0 = time.time()
